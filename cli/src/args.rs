@@ -1,0 +1,203 @@
+//! Command-line interface definition.
+
+use autopar_rules::frontend::Attention;
+use autopar_rules::layout::Recompute;
+use autopar_rules::memory::Precision;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+
+/// autopar: automatic parallel-training plans, built like a build system.
+#[derive(Debug, Parser)]
+#[command(name = "autopar", version, about, long_about = None)]
+pub struct Cli {
+    /// Workspace file.
+    #[arg(short, long, global = true, env = "AUTOPAR_WORKSPACE", default_value = "workspace.toml")]
+    pub workspace: PathBuf,
+    /// More log output (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+    /// The command.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Plan the workspace's targets (all, or those named) and write plans/<target>.json.
+    Build(BuildArgs),
+    /// Price a layout chosen by hand, as Megatron-LM users pick --tensor-model-parallel-size etc.
+    Estimate(EstimateArgs),
+    /// Print a model's op graph: ops, parameters, FLOPs per token, per-layer summary.
+    Graph(GraphArgs),
+    /// Inspect stored plans.
+    Plan {
+        /// Plan subcommand.
+        #[command(subcommand)]
+        command: PlanCommand,
+    },
+}
+
+/// `autopar build`.
+#[derive(Debug, Args)]
+pub struct BuildArgs {
+    /// Targets to build (default: all).
+    pub targets: Vec<String>,
+    /// Print a JSON report instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Precision on the command line.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum PrecisionArg {
+    /// bf16 mixed precision.
+    Bf16,
+    /// fp16 mixed precision.
+    Fp16,
+    /// fp32.
+    Fp32,
+}
+
+impl From<PrecisionArg> for Precision {
+    fn from(p: PrecisionArg) -> Self {
+        match p {
+            PrecisionArg::Bf16 => Precision::Bf16,
+            PrecisionArg::Fp16 => Precision::Fp16,
+            PrecisionArg::Fp32 => Precision::Fp32,
+        }
+    }
+}
+
+/// Attention implementation on the command line.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum AttentionArg {
+    /// Fused flash attention.
+    Flash,
+    /// Separate score, softmax, dropout and context kernels.
+    Unfused,
+}
+
+impl From<AttentionArg> for Attention {
+    fn from(a: AttentionArg) -> Self {
+        match a {
+            AttentionArg::Flash => Attention::Flash,
+            AttentionArg::Unfused => Attention::Unfused,
+        }
+    }
+}
+
+/// Recomputation on the command line.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum RecomputeArg {
+    /// No recomputation.
+    None,
+    /// Recompute the attention core.
+    Selective,
+    /// Recompute whole blocks.
+    Full,
+}
+
+impl From<RecomputeArg> for Recompute {
+    fn from(r: RecomputeArg) -> Self {
+        match r {
+            RecomputeArg::None => Recompute::None,
+            RecomputeArg::Selective => Recompute::Selective,
+            RecomputeArg::Full => Recompute::Full,
+        }
+    }
+}
+
+/// Options shared by commands that instantiate a model.
+#[derive(Debug, Args)]
+pub struct ModelOptions {
+    /// Sequence length (default: the model's maximum).
+    #[arg(long)]
+    pub seq: Option<u64>,
+    /// Numeric precision.
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub precision: PrecisionArg,
+    /// Attention-core implementation.
+    #[arg(long, value_enum, default_value = "flash")]
+    pub attention: AttentionArg,
+}
+
+/// `autopar estimate`.
+#[derive(Debug, Args)]
+pub struct EstimateArgs {
+    /// Workspace model name, or a path to a HuggingFace config.json or a graph file.
+    #[arg(long)]
+    pub model: String,
+    /// Workspace cluster name, or PRESET:NODESxGPUS (e.g. a100-80g:48x8).
+    #[arg(long)]
+    pub cluster: String,
+    /// Tensor-parallel size.
+    #[arg(long, default_value_t = 1)]
+    pub tp: u64,
+    /// Pipeline-parallel size.
+    #[arg(long, default_value_t = 1)]
+    pub pp: u64,
+    /// Data-parallel size (default: GPUs / (tp x pp)).
+    #[arg(long)]
+    pub dp: Option<u64>,
+    /// Micro-batch size.
+    #[arg(long, default_value_t = 1)]
+    pub mbs: u64,
+    /// Global batch size.
+    #[arg(long)]
+    pub gbs: u64,
+    /// Model chunks per pipeline stage (interleaved schedule).
+    #[arg(long, default_value_t = 1)]
+    pub vp: u64,
+    /// Sequence parallelism.
+    #[arg(long)]
+    pub sp: bool,
+    /// Activation recomputation.
+    #[arg(long, value_enum, default_value = "none")]
+    pub recompute: RecomputeArg,
+    /// ZeRO stage.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
+    pub zero: u8,
+    /// Model options.
+    #[command(flatten)]
+    pub model_options: ModelOptions,
+    /// Weight gradients are added to the gradient buffer by a separate kernel every
+    /// micro-batch (Megatron-LM before --gradient-accumulation-fusion).
+    #[arg(long)]
+    pub no_grad_accumulation_fusion: bool,
+    /// Fraction of device memory kept free.
+    #[arg(long, default_value_t = autopar_engine::workspace::DEFAULT_MEMORY_HEADROOM)]
+    pub memory_headroom: f64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `autopar graph`.
+#[derive(Debug, Args)]
+pub struct GraphArgs {
+    /// Workspace model name, or a path to a HuggingFace config.json or a graph file.
+    pub model: String,
+    /// Micro-batch size the graph is instantiated with.
+    #[arg(long, default_value_t = 1)]
+    pub mbs: u64,
+    /// Model options.
+    #[command(flatten)]
+    pub model_options: ModelOptions,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `autopar plan ...`.
+#[derive(Debug, Subcommand)]
+pub enum PlanCommand {
+    /// Print a stored plan.
+    Show {
+        /// Target name.
+        target: String,
+        /// Print the plan file's JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}

@@ -1,0 +1,84 @@
+//! `autopar estimate`: price a layout chosen by hand.
+
+use super::print_json;
+use crate::Failure;
+use crate::args::EstimateArgs;
+use crate::render;
+use autopar_engine::EngineError;
+use autopar_engine::session::Session;
+use autopar_engine::workspace::DEFAULT_VOCAB_MULTIPLE;
+use autopar_rules::estimate::Estimator;
+use autopar_rules::layout::{Layout, TrainingOptions};
+use serde_json::json;
+
+pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
+    let (name, def) = session.model(&a.model)?;
+    let cluster = session.cluster(&a.cluster)?;
+    if !(0.0..1.0).contains(&a.memory_headroom) {
+        return Err(Failure::Input(anyhow::anyhow!(
+            "--memory-headroom: expected a fraction in [0, 1), found {}",
+            a.memory_headroom
+        )));
+    }
+    let seq = match (a.model_options.seq, def.max_seq()) {
+        (Some(s), _) => s,
+        (None, Some(m)) => m,
+        (None, None) => {
+            return Err(Failure::Input(anyhow::anyhow!(
+                "--seq: expected a sequence length (the model does not declare max_seq), found nothing"
+            )));
+        }
+    };
+    let opts = TrainingOptions {
+        seq,
+        precision: a.model_options.precision.into(),
+        attention: a.model_options.attention.into(),
+        memory_headroom: a.memory_headroom,
+        vocab_multiple: DEFAULT_VOCAB_MULTIPLE,
+        grad_accumulation_fusion: !a.no_grad_accumulation_fusion,
+    };
+    let gpus = cluster.gpus();
+    let dp = a.dp.unwrap_or_else(|| gpus / (a.tp * a.pp).max(1));
+    let layout = Layout {
+        tp: a.tp,
+        pp: a.pp,
+        dp,
+        micro_batch: a.mbs,
+        global_batch: a.gbs,
+        interleave: a.vp,
+        sequence_parallel: a.sp,
+        recompute: a.recompute.into(),
+        zero: a.zero,
+    };
+    let est = Estimator::new(&name, &def, &cluster, opts);
+    let e = est.evaluate(&layout).map_err(EngineError::from)?;
+    if a.json {
+        let mut value = serde_json::to_value(&e).map_err(|err| Failure::Failed(err.into()))?;
+        if let Some(obj) = value.as_object_mut() {
+            obj.insert("model".into(), json!(name));
+            obj.insert("cluster".into(), json!(cluster.name));
+            obj.insert("seq".into(), json!(seq));
+        }
+        print_json(&value)?;
+    } else {
+        let mut out = format!(
+            "{name} on {}, global batch {} x {seq} tokens, {}\n",
+            render::cluster(&cluster),
+            a.gbs,
+            opts.precision.name()
+        );
+        render::estimate(&mut out, &e);
+        render::stages(&mut out, &e);
+        print!("{out}");
+    }
+    if e.fits {
+        Ok(())
+    } else {
+        Err(Failure::Failed(anyhow::anyhow!(
+            "the layout needs {:.1} GiB per device but {} has {:.1} GiB usable",
+            e.memory_per_device_gib,
+            cluster.device.name,
+            e.memory_capacity / autopar_rules::cluster::GIB
+        )))
+    }
+}

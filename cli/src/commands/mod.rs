@@ -1,0 +1,30 @@
+//! One module per command.
+
+mod build;
+mod estimate;
+mod graph;
+mod plan;
+
+use crate::Failure;
+use crate::args::{Cli, Command, PlanCommand};
+use autopar_engine::session::Session;
+
+/// Runs the parsed command.
+pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
+    let session = Session::new(cli.workspace.clone());
+    match &cli.command {
+        Command::Build(a) => build::run(&session, a),
+        Command::Estimate(a) => estimate::run(&session, a),
+        Command::Graph(a) => graph::run(&session, a),
+        Command::Plan {
+            command: PlanCommand::Show { target, json },
+        } => plan::show(&session, target, *json),
+    }
+}
+
+/// Prints `value` as pretty JSON on stdout.
+fn print_json(value: &impl serde::Serialize) -> Result<(), Failure> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| Failure::Failed(e.into()))?;
+    println!("{text}");
+    Ok(())
+}

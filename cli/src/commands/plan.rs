@@ -1,0 +1,19 @@
+//! `autopar plan show TARGET`.
+
+use super::print_json;
+use crate::Failure;
+use crate::render;
+use autopar_engine::plans::read_plan;
+use autopar_engine::session::Session;
+
+pub fn show(session: &Session, target: &str, json: bool) -> Result<(), Failure> {
+    let ws = session.workspace()?;
+    let path = ws.plan_path(target);
+    let plan = read_plan(target, &path)?;
+    if json {
+        print_json(&plan)
+    } else {
+        print!("{}", render::plan(&plan, Some(&path)));
+        Ok(())
+    }
+}

@@ -1,0 +1,19 @@
+//! Log output through `tracing`, on stderr: `-v` raises the level, `RUST_LOG` overrides.
+
+use tracing_subscriber::EnvFilter;
+
+/// Installs the global subscriber (once; later calls are ignored).
+pub fn init(verbose: u8) {
+    let level = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}

@@ -1,0 +1,5 @@
+//! The `autopar` binary.
+
+fn main() -> std::process::ExitCode {
+    autopar_cli::main()
+}

@@ -1,0 +1,56 @@
+//! Build progress: a bar on a terminal, one plain line per target otherwise (CI logs).
+
+use autopar_engine::build::{Progress, TargetResult};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::IsTerminal;
+
+/// Reports build progress on stderr.
+pub struct Reporter {
+    bar: Option<ProgressBar>,
+}
+
+impl Reporter {
+    /// A bar when stderr is a terminal and `quiet` is false; plain lines otherwise.
+    pub fn new(quiet: bool) -> Self {
+        let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
+            let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+            let style = ProgressStyle::with_template("{spinner} planning [{bar:30}] {pos}/{len} targets {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar());
+            bar.set_style(style);
+            bar.enable_steady_tick(std::time::Duration::from_millis(100));
+            bar
+        });
+        Reporter { bar }
+    }
+
+    /// Handles one progress event.
+    pub fn event(&self, p: Progress<'_>) {
+        match (p, &self.bar) {
+            (Progress::Begin(n), Some(bar)) => bar.set_length(n as u64),
+            (Progress::Begin(_), None) => {}
+            (Progress::Done(o), Some(bar)) => {
+                bar.set_message(o.name.clone());
+                bar.inc(1);
+            }
+            (Progress::Done(o), None) => {
+                let status = match &o.result {
+                    TargetResult::Planned(_) => "planned",
+                    TargetResult::Infeasible { .. } => "infeasible",
+                };
+                eprintln!(
+                    "{status} {} ({} layouts, {:.2} s)",
+                    o.name,
+                    o.layouts,
+                    o.elapsed.as_secs_f64()
+                );
+            }
+        }
+    }
+
+    /// Removes the bar.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}

@@ -1,0 +1,314 @@
+//! Human-readable rendering of estimates, plans and graphs.
+
+use autopar_rules::cluster::{Cluster, GIB};
+use autopar_rules::estimate::{Estimate, MemoryBreakdown};
+use autopar_rules::graph::GraphSummary;
+use autopar_rules::layout::{Layout, Recompute};
+use autopar_rules::plan::Plan;
+use std::fmt::Write;
+
+/// `1234567` -> `1,234,567`.
+pub fn thousands(x: f64) -> String {
+    let s = format!("{:.0}", x.max(0.0));
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A count with an SI suffix: `1.75 B`, `618.3 M`.
+pub fn si(x: f64) -> String {
+    let (v, suffix) = if x >= 1e12 {
+        (x / 1e12, " T")
+    } else if x >= 1e9 {
+        (x / 1e9, " B")
+    } else if x >= 1e6 {
+        (x / 1e6, " M")
+    } else if x >= 1e3 {
+        (x / 1e3, " k")
+    } else {
+        (x, "")
+    };
+    format!("{v:.2}{suffix}")
+}
+
+/// Bytes as GiB (or MiB when small).
+pub fn bytes(b: f64) -> String {
+    if b >= GIB / 10.0 {
+        format!("{:.1} GiB", b / GIB)
+    } else {
+        format!("{:.1} MiB", b / (1024.0 * 1024.0))
+    }
+}
+
+/// Seconds, with milliseconds below one second.
+pub fn secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else {
+        format!("{:.1} ms", s * 1e3)
+    }
+}
+
+/// The layout as a Megatron-LM user would say it.
+pub fn layout_line(l: &Layout, microbatches: u64) -> String {
+    let mut s = format!(
+        "tp {} · pp {} · dp {} · micro-batch {} ({} micro-batches)",
+        l.tp, l.pp, l.dp, l.micro_batch, microbatches
+    );
+    if l.interleave > 1 {
+        let _ = write!(s, " · interleave {}", l.interleave);
+    }
+    if l.sequence_parallel {
+        s.push_str(" · sequence parallel");
+    }
+    if l.recompute != Recompute::None {
+        let _ = write!(s, " · recompute {}", l.recompute.name());
+    }
+    if l.zero > 0 {
+        let _ = write!(s, " · ZeRO-{}", l.zero);
+    }
+    s
+}
+
+fn memory_line(m: &MemoryBreakdown) -> String {
+    format!(
+        "weights {} · grads {} · optimizer {} · activations {} · workspace {}",
+        bytes(m.weights),
+        bytes(m.grads),
+        bytes(m.optimizer),
+        bytes(m.activations),
+        bytes(m.workspace)
+    )
+}
+
+/// The body shared by `estimate` and plan reports.
+pub fn estimate(out: &mut String, e: &Estimate) {
+    let t = &e.time;
+    let _ = writeln!(out, "  layout    {}", layout_line(&e.layout, e.num_microbatches));
+    let _ = writeln!(
+        out,
+        "  step      {} · {} tokens/s · {:.1} TFLOP/s per GPU · MFU {:.1}%",
+        secs(e.step_time_s),
+        thousands(e.tokens_per_s),
+        e.tflops_per_gpu,
+        e.mfu * 100.0
+    );
+    let _ = writeln!(
+        out,
+        "  time      compute {} · recompute {} · TP comm {} · p2p {} · ZeRO comm {} · bubble {} \
+         (ideal {:.1}%) · grad sync {} · optimizer {}",
+        secs(t.compute),
+        secs(t.recompute),
+        secs(t.tp_comm),
+        secs(t.p2p),
+        secs(t.zero_comm),
+        secs(t.bubble),
+        e.ideal_bubble * 100.0,
+        secs(t.grad_sync),
+        secs(t.optimizer)
+    );
+    let _ = writeln!(
+        out,
+        "  memory    {} per device (stage {}) of {} usable: {}",
+        bytes(e.memory.total),
+        e.peak_memory_stage,
+        bytes(e.memory_capacity),
+        if e.fits { "fits" } else { "DOES NOT FIT" }
+    );
+    let _ = writeln!(out, "            {}", memory_line(&e.memory));
+}
+
+/// Per-stage table.
+pub fn stages(out: &mut String, e: &Estimate) {
+    let _ = writeln!(
+        out,
+        "  stages    {:>3} {:>6} {:>11} {:>10} {:>10}  layers",
+        "#", "blocks", "params/GPU", "time/mb", "memory"
+    );
+    for s in &e.stages {
+        let layers = s
+            .chunks
+            .iter()
+            .map(|c| {
+                if c.first == c.last {
+                    c.first_name.clone()
+                } else {
+                    format!("{}..{}", c.first_name, c.last_name)
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let _ = writeln!(
+            out,
+            "            {:>3} {:>6} {:>11} {:>10} {:>10}  {}",
+            s.index,
+            s.blocks,
+            si(s.params),
+            secs(s.per_microbatch_s),
+            bytes(s.memory.total),
+            layers
+        );
+    }
+}
+
+/// Describes a cluster: `name (N x G preset)`.
+pub fn cluster(c: &Cluster) -> String {
+    format!("{} ({} x {} {})", c.name, c.nodes, c.gpus_per_node, c.device.name)
+}
+
+/// Wraps arguments into lines of at most `width` characters, keeping each flag with its value.
+fn wrap_args(args: &[String], indent: &str, width: usize) -> String {
+    let mut tokens: Vec<String> = Vec::new();
+    for a in args {
+        match tokens.last_mut() {
+            Some(t) if !a.starts_with("--") => {
+                t.push(' ');
+                t.push_str(a);
+            }
+            _ => tokens.push(a.clone()),
+        }
+    }
+    let mut lines: Vec<String> = Vec::new();
+    for t in tokens {
+        match lines.last_mut() {
+            Some(l) if l.len() + 1 + t.len() <= width => {
+                l.push(' ');
+                l.push_str(&t);
+            }
+            _ => lines.push(t),
+        }
+    }
+    lines.join(&format!(" \\\n{indent}"))
+}
+
+/// A whole plan, as `build` and `plan show` print it.
+pub fn plan(p: &Plan, path: Option<&std::path::Path>) -> String {
+    let mut out = String::new();
+    let e = &p.estimate;
+    let _ = writeln!(
+        out,
+        "{}: {} ({} parameters, {} blocks) on {}, global batch {} x {} tokens, {}",
+        p.target,
+        p.model.name,
+        si(p.model.parameters as f64),
+        p.model.blocks,
+        cluster(&p.cluster),
+        e.layout.global_batch,
+        p.training.seq,
+        p.training.precision.name()
+    );
+    estimate(&mut out, e);
+    stages(&mut out, e);
+    let _ = writeln!(
+        out,
+        "  megatron  {}",
+        wrap_args(&p.megatron_args, "            ", 96)
+    );
+    if !p.alternatives.is_empty() {
+        let _ = writeln!(out, "  next best");
+        for a in &p.alternatives {
+            let _ = writeln!(
+                out,
+                "            {:<44} {} · MFU {:.1}% · {:.1} GiB",
+                a.layout.describe(),
+                secs(a.step_time_s),
+                a.mfu * 100.0,
+                a.memory_per_device_gib
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "  search    {} layouts: {} can run, {} fit",
+        p.search.candidates, p.search.valid, p.search.feasible
+    );
+    if let Some(path) = path {
+        let _ = writeln!(out, "  plan      {}", path.display());
+    }
+    out
+}
+
+/// A graph summary with its per-layer table and the ops of each distinct layer.
+pub fn graph(g: &GraphSummary, precision: &str, attention: &str) -> String {
+    let mut out = String::new();
+    let layers: usize = g.groups.iter().map(|gr| gr.last - gr.first + 1).sum();
+    let _ = writeln!(
+        out,
+        "{}: {} parameters, {} layers, {} ops (sequence {}, micro-batch {}, {}, {} attention)",
+        g.name,
+        si(g.parameters as f64),
+        layers,
+        thousands(g.ops as f64),
+        g.seq,
+        g.micro_batch,
+        precision,
+        attention
+    );
+    let _ = writeln!(
+        out,
+        "FLOPs per token: forward {}FLOP, forward + backward {}FLOP",
+        si(g.forward_flops_per_token),
+        si(g.training_flops_per_token)
+    );
+    let _ = writeln!(
+        out,
+        "\n{:<12} {:<10} {:>10} {:>14} {:>14} {:>14} {:>5}",
+        "layers", "kind", "params", "fwd FLOP", "bwd FLOP", "activations", "ops"
+    );
+    for gr in &g.groups {
+        let range = if gr.first == gr.last {
+            format!("{}", gr.first)
+        } else {
+            format!("{}-{}", gr.first, gr.last)
+        };
+        let l = &gr.layer;
+        let _ = writeln!(
+            out,
+            "{:<12} {:<10} {:>10} {:>14} {:>14} {:>14} {:>5}",
+            range,
+            l.kind.name(),
+            si(l.parameters as f64),
+            si(l.forward_flops),
+            si(l.backward_flops),
+            bytes(l.saved_activation_bytes as f64),
+            l.ops
+        );
+    }
+    for gr in &g.groups {
+        let count = gr.last - gr.first + 1;
+        let _ = writeln!(
+            out,
+            "\nops of {} ({}{})",
+            gr.layer.name,
+            gr.layer.kind.name(),
+            if count > 1 {
+                format!(", same for layers {}-{}", gr.first, gr.last)
+            } else {
+                String::new()
+            }
+        );
+        for op in &gr.ops {
+            let shapes = |s: &[Vec<u64>]| {
+                s.iter()
+                    .map(|d| format!("{d:?}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            let _ = writeln!(
+                out,
+                "  {:<48} {:<15} {:>9}  {} -> {}",
+                op.name,
+                op.kind,
+                si(op.flops),
+                shapes(&op.inputs),
+                shapes(&op.outputs)
+            );
+        }
+    }
+    out
+}

@@ -1,0 +1,63 @@
+//! Errors of the engine, each mapping to one exit code class of the CLI.
+
+use crate::diagnostic::Diagnostic;
+use std::path::PathBuf;
+
+/// What can go wrong in the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// An input file holds a wrong or impossible value.
+    #[error("{0}")]
+    Config(Diagnostic),
+    /// An input file cannot be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A command-line argument names nothing the workspace or the presets know.
+    #[error("{what} `{name}` is not known: expected {expected}")]
+    Unknown {
+        /// Kind of thing (`target`, `model`, `cluster`).
+        what: &'static str,
+        /// The name given.
+        name: String,
+        /// What would have been accepted.
+        expected: String,
+    },
+    /// A layout given on the command line cannot run.
+    #[error("{0}")]
+    Layout(#[from] autopar_rules::layout::LayoutError),
+    /// A plan was asked for that was never built.
+    #[error("no plan for target `{target}` at {}: run `autopar build {target}` first", path.display())]
+    NoPlan {
+        /// The target.
+        target: String,
+        /// Where the plan would be.
+        path: PathBuf,
+    },
+    /// A plan file exists but cannot be read back.
+    #[error("plan file {} is unreadable: {reason}", path.display())]
+    BadPlan {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Writing an output failed.
+    #[error(transparent)]
+    Store(#[from] autopar_store::StoreError),
+}
+
+impl EngineError {
+    /// Whether the error is the user's input (exit code 2) rather than a failed operation.
+    pub fn is_input_error(&self) -> bool {
+        matches!(
+            self,
+            EngineError::Config(_) | EngineError::Read { .. } | EngineError::Unknown { .. } | EngineError::Layout(_)
+        )
+    }
+}

@@ -1,0 +1,12 @@
+//! autopar's engine: loads the workspace, resolves names, plans targets in parallel and writes
+//! plans. The planning itself is pure logic in `autopar-rules`; durable output goes through
+//! `autopar-store`.
+
+pub mod build;
+pub mod diagnostic;
+pub mod error;
+pub mod plans;
+pub mod session;
+pub mod workspace;
+
+pub use error::EngineError;

@@ -1,0 +1,65 @@
+//! Plan files: written atomically, read back with their schema checked.
+
+use crate::error::EngineError;
+use autopar_rules::plan::{PLAN_SCHEMA, Plan};
+use std::path::Path;
+
+/// Writes `plan` as pretty JSON to `path`, atomically.
+pub fn write_plan(path: &Path, plan: &Plan) -> Result<(), EngineError> {
+    let mut json = serde_json::to_vec_pretty(plan).map_err(|e| EngineError::BadPlan {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    json.push(b'\n');
+    autopar_store::write_atomic(path, &json)?;
+    Ok(())
+}
+
+/// Removes the plan at `path` if there is one.
+pub fn remove_plan(path: &Path) -> Result<(), EngineError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(EngineError::Read {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// Reads the plan of `target` from `path`.
+pub fn read_plan(target: &str, path: &Path) -> Result<Plan, EngineError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(EngineError::NoPlan {
+                target: target.to_string(),
+                path: path.to_path_buf(),
+            });
+        }
+        Err(source) => {
+            return Err(EngineError::Read {
+                path: path.to_path_buf(),
+                source,
+            });
+        }
+    };
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| EngineError::BadPlan {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    let schema = value.get("schema").and_then(serde_json::Value::as_u64);
+    if schema != Some(u64::from(PLAN_SCHEMA)) {
+        return Err(EngineError::BadPlan {
+            path: path.to_path_buf(),
+            reason: format!(
+                "plan schema {} is not {PLAN_SCHEMA}; rebuild it with `autopar build {target}`",
+                schema.map_or("missing".to_string(), |s| s.to_string())
+            ),
+        });
+    }
+    serde_json::from_value(value).map_err(|e| EngineError::BadPlan {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}

@@ -1,0 +1,108 @@
+//! Resolving command-line names: a workspace model or cluster, a model file, or a cluster
+//! shorthand, loading the workspace only when a name needs it.
+
+use crate::error::EngineError;
+use crate::workspace::{self, Workspace, parse_model_text};
+use autopar_rules::cluster::{Cluster, PRESET_NAMES, parse_cluster_shorthand};
+use autopar_rules::frontend::ModelDef;
+use std::cell::OnceCell;
+use std::path::{Path, PathBuf};
+
+/// The workspace file a command works against, loaded on first use.
+pub struct Session {
+    path: PathBuf,
+    workspace: OnceCell<Workspace>,
+}
+
+impl Session {
+    /// A session on the workspace file `path`.
+    pub fn new(path: PathBuf) -> Self {
+        Session {
+            path,
+            workspace: OnceCell::new(),
+        }
+    }
+
+    /// Path of the workspace file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The workspace, loaded and validated once.
+    pub fn workspace(&self) -> Result<&Workspace, EngineError> {
+        if let Some(w) = self.workspace.get() {
+            return Ok(w);
+        }
+        let w = workspace::load(&self.path)?;
+        Ok(self.workspace.get_or_init(|| w))
+    }
+
+    /// A model by workspace name, or from a model file (HuggingFace config or graph file).
+    /// Returns the name to report it under and its architecture.
+    pub fn model(&self, arg: &str) -> Result<(String, ModelDef), EngineError> {
+        let path = Path::new(arg);
+        if path.is_file() {
+            let text = std::fs::read_to_string(path).map_err(|source| EngineError::Read {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            let def = parse_model_text(path, &text, None)?;
+            let name = path
+                .file_stem()
+                .map_or_else(|| arg.to_string(), |s| s.to_string_lossy().into_owned());
+            return Ok((name, def));
+        }
+        let ws = self.named("model", arg, "a path to a model file")?;
+        ws.model(arg)
+            .map(|m| (m.name.clone(), m.def.clone()))
+            .ok_or_else(|| EngineError::Unknown {
+                what: "model",
+                name: arg.to_string(),
+                expected: format!(
+                    "a model of {} ({}) or a path to a model file",
+                    ws.file.display(),
+                    ws.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
+                ),
+            })
+    }
+
+    /// A cluster by workspace name, or written `PRESET:NODESxGPUS`.
+    pub fn cluster(&self, arg: &str) -> Result<Cluster, EngineError> {
+        if arg.contains(':') {
+            return parse_cluster_shorthand(arg).map_err(|reason| EngineError::Unknown {
+                what: "cluster",
+                name: arg.to_string(),
+                expected: format!(
+                    "PRESET:NODESxGPUS with PRESET one of {} ({reason})",
+                    PRESET_NAMES.join(", ")
+                ),
+            });
+        }
+        let ws = self.named("cluster", arg, "PRESET:NODESxGPUS, e.g. a100-80g:4x8")?;
+        ws.cluster(arg).cloned().ok_or_else(|| EngineError::Unknown {
+            what: "cluster",
+            name: arg.to_string(),
+            expected: format!(
+                "a cluster of {} ({}) or PRESET:NODESxGPUS, e.g. a100-80g:4x8",
+                ws.file.display(),
+                ws.clusters.iter().map(|c| c.name.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+        })
+    }
+
+    /// The workspace for resolving a name; a missing workspace file becomes an "unknown name"
+    /// error that says what else would have worked.
+    fn named(&self, what: &'static str, arg: &str, otherwise: &str) -> Result<&Workspace, EngineError> {
+        match self.workspace() {
+            Err(EngineError::Read { path, .. }) if !path.exists() => Err(EngineError::Unknown {
+                what,
+                name: arg.to_string(),
+                expected: format!(
+                    "{otherwise} (there is no {} to look names up in)",
+                    path.display()
+                ),
+            }),
+            other => other,
+        }
+    }
+}

@@ -1,0 +1,688 @@
+//! `workspace.toml`: the models, clusters and targets of a team, read and checked.
+
+use crate::diagnostic::Diagnostic;
+use crate::error::EngineError;
+use autopar_rules::cluster::{Cluster, DEVICE_FIELDS, PRESET_NAMES, preset};
+use autopar_rules::frontend::{
+    Attention, Bias, GRAPH_FORMAT, Mlp, ModelDef, Norm, Position, TransformerConfig,
+    canonical_field_name, parse_graph_file, parse_hf_config,
+};
+use autopar_rules::layout::{Recompute, TrainingOptions};
+use autopar_rules::memory::Precision;
+use autopar_rules::search::SearchSpace;
+use serde::{Deserialize, Deserializer};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use toml::Spanned;
+
+/// File name looked up in the current directory when no `--workspace` is given.
+pub const DEFAULT_WORKSPACE: &str = "workspace.toml";
+
+/// A model of the workspace.
+#[derive(Clone, Debug)]
+pub struct Model {
+    /// Name used by targets.
+    pub name: String,
+    /// The architecture.
+    pub def: ModelDef,
+    /// Where it came from (a path, or `inline`), for reports.
+    pub source: String,
+}
+
+/// A training target: a model on a cluster with a batch and what the search may use.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// Name; the plan is written to `<plans>/<name>.json`.
+    pub name: String,
+    /// Index into [`Workspace::models`].
+    pub model: usize,
+    /// Index into [`Workspace::clusters`].
+    pub cluster: usize,
+    /// Sequences per optimizer step.
+    pub global_batch: u64,
+    /// Sequence length, precision, memory headroom and kernel options.
+    pub options: TrainingOptions,
+    /// Values each layout dimension may take.
+    pub search: SearchSpace,
+}
+
+/// A loaded, validated workspace.
+#[derive(Clone, Debug)]
+pub struct Workspace {
+    /// The `workspace.toml` file.
+    pub file: PathBuf,
+    /// Directory of the file; relative paths in it are relative to this.
+    pub root: PathBuf,
+    /// Directory plans are written to.
+    pub plans_dir: PathBuf,
+    /// Models in file order.
+    pub models: Vec<Model>,
+    /// Clusters in file order.
+    pub clusters: Vec<Cluster>,
+    /// Targets in file order.
+    pub targets: Vec<Target>,
+}
+
+impl Workspace {
+    /// The model called `name`.
+    pub fn model(&self, name: &str) -> Option<&Model> {
+        self.models.iter().find(|m| m.name == name)
+    }
+
+    /// The cluster called `name`.
+    pub fn cluster(&self, name: &str) -> Option<&Cluster> {
+        self.clusters.iter().find(|c| c.name == name)
+    }
+
+    /// The target called `name`.
+    pub fn target(&self, name: &str) -> Option<&Target> {
+        self.targets.iter().find(|t| t.name == name)
+    }
+
+    /// Path of the plan file of target `name`.
+    pub fn plan_path(&self, name: &str) -> PathBuf {
+        self.plans_dir.join(format!("{name}.json"))
+    }
+}
+
+/// A positive integer (zero and negatives are rejected with a clear message).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Positive(u64);
+
+impl<'de> Deserialize<'de> for Positive {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Positive;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a positive integer")
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Positive, E> {
+                if v > 0 {
+                    Ok(Positive(v as u64))
+                } else {
+                    Err(E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+                }
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Positive, E> {
+                if v > 0 {
+                    Ok(Positive(v))
+                } else {
+                    Err(E::invalid_value(serde::de::Unexpected::Unsigned(v), &self))
+                }
+            }
+        }
+        d.deserialize_u64(V)
+    }
+}
+
+/// A ZeRO stage, 0 to 3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ZeroStage(u8);
+
+impl<'de> Deserialize<'de> for ZeroStage {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = ZeroStage;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a ZeRO stage: 0, 1, 2 or 3")
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<ZeroStage, E> {
+                if (0..=3).contains(&v) {
+                    Ok(ZeroStage(v as u8))
+                } else {
+                    Err(E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+                }
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<ZeroStage, E> {
+                self.visit_i64(v.min(i64::MAX as u64) as i64)
+            }
+        }
+        d.deserialize_u64(V)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFile {
+    #[serde(default)]
+    workspace: Option<RawSettings>,
+    #[serde(default)]
+    model: Vec<Spanned<RawModel>>,
+    #[serde(default)]
+    cluster: Vec<Spanned<RawCluster>>,
+    #[serde(default)]
+    target: Vec<Spanned<RawTarget>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSettings {
+    #[serde(default)]
+    plans: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawModel {
+    name: Spanned<String>,
+    #[serde(default)]
+    hf_config: Option<Spanned<String>>,
+    #[serde(default)]
+    graph: Option<Spanned<String>>,
+    #[serde(default)]
+    transformer: Option<Spanned<RawTransformer>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTransformer {
+    hidden: Positive,
+    layers: Positive,
+    heads: Positive,
+    #[serde(default)]
+    kv_heads: Option<Positive>,
+    #[serde(default)]
+    head_dim: Option<Positive>,
+    ffn_hidden: Positive,
+    vocab: Positive,
+    max_seq: Positive,
+    #[serde(default)]
+    mlp: Option<Mlp>,
+    #[serde(default)]
+    norm: Option<Norm>,
+    #[serde(default)]
+    position: Option<Position>,
+    #[serde(default)]
+    tied_embeddings: Option<bool>,
+    #[serde(default)]
+    bias: Option<Bias>,
+    #[serde(default)]
+    dropout: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCluster {
+    name: Spanned<String>,
+    preset: Spanned<String>,
+    nodes: Spanned<Positive>,
+    gpus_per_node: Spanned<Positive>,
+    /// Device numbers replacing the preset's, checked against [`DEVICE_FIELDS`].
+    #[serde(default)]
+    overrides: BTreeMap<String, Spanned<f64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTarget {
+    name: Spanned<String>,
+    model: Spanned<String>,
+    cluster: Spanned<String>,
+    global_batch: Positive,
+    #[serde(default)]
+    seq_len: Option<Spanned<Positive>>,
+    #[serde(default)]
+    precision: Option<Precision>,
+    #[serde(default)]
+    memory_headroom: Option<Spanned<f64>>,
+    #[serde(default)]
+    attention: Option<Attention>,
+    #[serde(default)]
+    grad_accumulation_fusion: Option<bool>,
+    #[serde(default)]
+    vocab_multiple: Option<Positive>,
+    #[serde(default)]
+    search: Option<RawSearch>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSearch {
+    #[serde(default)]
+    tp: Option<Spanned<Vec<Positive>>>,
+    #[serde(default)]
+    pp: Option<Spanned<Vec<Positive>>>,
+    #[serde(default)]
+    dp: Option<Spanned<Vec<Positive>>>,
+    #[serde(default)]
+    micro_batch: Option<Spanned<Vec<Positive>>>,
+    #[serde(default)]
+    interleave: Option<Spanned<Vec<Positive>>>,
+    #[serde(default)]
+    sequence_parallel: Option<Spanned<Vec<bool>>>,
+    #[serde(default)]
+    recompute: Option<Spanned<Vec<Recompute>>>,
+    #[serde(default)]
+    zero: Option<Spanned<Vec<ZeroStage>>>,
+}
+
+/// Default memory headroom: the PyTorch caching allocator fragments; keeping a tenth of the
+/// device free is the usual margin for a plan that must not OOM.
+pub const DEFAULT_MEMORY_HEADROOM: f64 = 0.1;
+
+/// Megatron-LM's default `--make-vocab-size-divisible-by`.
+pub const DEFAULT_VOCAB_MULTIPLE: u64 = 128;
+
+struct Loader<'a> {
+    file: &'a Path,
+    text: &'a str,
+    root: &'a Path,
+}
+
+impl Loader<'_> {
+    fn diag(
+        &self,
+        offset: usize,
+        field: &str,
+        expected: impl Into<String>,
+        found: impl Into<String>,
+    ) -> EngineError {
+        EngineError::Config(Diagnostic::at(
+            self.file,
+            self.text,
+            Some(offset),
+            field,
+            expected,
+            found,
+        ))
+    }
+
+    /// Offset of `key = ...` inside the span (an inline table), or the span's start.
+    fn key_in(&self, span: std::ops::Range<usize>, key: &str) -> usize {
+        let inner = self.text.get(span.clone()).unwrap_or("");
+        let mut from = 0;
+        while let Some(pos) = inner[from..].find(key) {
+            let at = from + pos;
+            let before_ok = at == 0 || !inner.as_bytes()[at - 1].is_ascii_alphanumeric() && inner.as_bytes()[at - 1] != b'_';
+            let after = inner[at + key.len()..].trim_start();
+            if before_ok && after.starts_with('=') {
+                return span.start + at;
+            }
+            from = at + key.len();
+        }
+        span.start
+    }
+
+    fn model(&self, raw: &Spanned<RawModel>) -> Result<Model, EngineError> {
+        let m = raw.get_ref();
+        let name = m.name.get_ref().clone();
+        let (def, source) = match (&m.hf_config, &m.graph, &m.transformer) {
+            (Some(path), None, None) => (
+                self.model_file(path, "model.hf_config", false)?,
+                path.get_ref().clone(),
+            ),
+            (None, Some(path), None) => (
+                self.model_file(path, "model.graph", true)?,
+                path.get_ref().clone(),
+            ),
+            (None, None, Some(t)) => (
+                ModelDef::Transformer(self.inline_transformer(t)?),
+                "inline".to_string(),
+            ),
+            (a, b, c) => {
+                let n = [a.is_some(), b.is_some(), c.is_some()]
+                    .iter()
+                    .filter(|&&x| x)
+                    .count();
+                return Err(self.diag(
+                    raw.span().start,
+                    "model",
+                    "exactly one of hf_config, graph, transformer",
+                    format!(
+                        "{} in model `{name}`",
+                        if n == 0 { "none".to_string() } else { format!("{n} of them") }
+                    ),
+                ));
+            }
+        };
+        Ok(Model { name, def, source })
+    }
+
+    fn inline_transformer(
+        &self,
+        t: &Spanned<RawTransformer>,
+    ) -> Result<TransformerConfig, EngineError> {
+        let r = t.get_ref();
+        let located = |e: autopar_rules::frontend::TransformerConfigError| {
+            let key = canonical_field_name(e.field);
+            self.diag(
+                self.key_in(t.span(), key),
+                &format!("model.transformer.{key}"),
+                e.expected,
+                e.found,
+            )
+        };
+        let head_dim = match r.head_dim {
+            Some(d) => d.0,
+            None => TransformerConfig::default_head_dim(r.hidden.0, r.heads.0).map_err(located)?,
+        };
+        let config = TransformerConfig {
+            hidden: r.hidden.0,
+            layers: r.layers.0,
+            heads: r.heads.0,
+            kv_heads: r.kv_heads.map_or(r.heads.0, |k| k.0),
+            head_dim,
+            ffn_hidden: r.ffn_hidden.0,
+            vocab: r.vocab.0,
+            max_seq: r.max_seq.0,
+            mlp: r.mlp.unwrap_or(Mlp::Gelu),
+            norm: r.norm.unwrap_or(Norm::LayerNorm),
+            position: r.position.unwrap_or(Position::Learned),
+            tied_embeddings: r.tied_embeddings.unwrap_or(true),
+            bias: r.bias.unwrap_or(Bias::All),
+            dropout: r.dropout.unwrap_or(false),
+        };
+        config.validate().map_err(located)?;
+        Ok(config)
+    }
+
+    fn model_file(
+        &self,
+        path: &Spanned<String>,
+        field: &str,
+        graph: bool,
+    ) -> Result<ModelDef, EngineError> {
+        let full = self.root.join(path.get_ref());
+        let text = std::fs::read_to_string(&full).map_err(|e| {
+            self.diag(
+                path.span().start,
+                field,
+                "a readable file (relative to the workspace)",
+                format!("`{}` ({e})", path.get_ref()),
+            )
+        })?;
+        parse_model_text(&full, &text, Some(graph))
+    }
+
+    fn cluster(&self, raw: &Spanned<RawCluster>) -> Result<Cluster, EngineError> {
+        let c = raw.get_ref();
+        let mut device = preset(c.preset.get_ref()).ok_or_else(|| {
+            self.diag(
+                c.preset.span().start,
+                "cluster.preset",
+                format!("one of {}", PRESET_NAMES.join(", ")),
+                format!("\"{}\"", c.preset.get_ref()),
+            )
+        })?;
+        for (key, value) in &c.overrides {
+            let Some(field) = DEVICE_FIELDS.iter().find(|f| f.key == key) else {
+                let known: Vec<&str> = DEVICE_FIELDS.iter().map(|f| f.key).collect();
+                return Err(self.diag(
+                    value.span().start,
+                    &format!("cluster.overrides.{key}"),
+                    format!("one of {}", known.join(", ")),
+                    format!("unknown field `{key}`"),
+                ));
+            };
+            let v = *value.get_ref();
+            let ok = v.is_finite() && v > 0.0 && (!field.fraction || v <= 1.0);
+            if !ok {
+                return Err(self.diag(
+                    value.span().start,
+                    &format!("cluster.overrides.{key}"),
+                    if field.fraction {
+                        "a fraction in (0, 1]".to_string()
+                    } else {
+                        format!("a positive number of {}", field.unit)
+                    },
+                    v.to_string(),
+                ));
+            }
+            *(field.field)(&mut device) = v * field.scale;
+        }
+        device.name = c.preset.get_ref().clone();
+        Ok(Cluster {
+            name: c.name.get_ref().clone(),
+            nodes: c.nodes.get_ref().0,
+            gpus_per_node: c.gpus_per_node.get_ref().0,
+            device,
+        })
+    }
+
+    fn target(
+        &self,
+        raw: &Spanned<RawTarget>,
+        models: &[Model],
+        clusters: &[Cluster],
+    ) -> Result<Target, EngineError> {
+        let t = raw.get_ref();
+        let find = |what: &str, name: &Spanned<String>, names: Vec<&str>| {
+            names
+                .iter()
+                .position(|n| *n == name.get_ref())
+                .ok_or_else(|| {
+                    self.diag(
+                        name.span().start,
+                        &format!("target.{what}"),
+                        if names.is_empty() {
+                            format!("the name of a [[{what}]] (none are declared)")
+                        } else {
+                            format!("one of the [[{what}]] names: {}", names.join(", "))
+                        },
+                        format!("\"{}\"", name.get_ref()),
+                    )
+                })
+        };
+        let model = find(
+            "model",
+            &t.model,
+            models.iter().map(|m| m.name.as_str()).collect(),
+        )?;
+        let cluster = find(
+            "cluster",
+            &t.cluster,
+            clusters.iter().map(|c| c.name.as_str()).collect(),
+        )?;
+        let def = &models[model].def;
+        let seq = match (&t.seq_len, def.max_seq()) {
+            (Some(s), _) => s.get_ref().0,
+            (None, Some(max)) => max,
+            (None, None) => {
+                return Err(self.diag(
+                    raw.span().start,
+                    "target.seq_len",
+                    "a sequence length (the model does not declare max_seq)",
+                    "nothing (the field is missing)",
+                ));
+            }
+        };
+        if let (Some(max), Some(s)) = (def.max_seq(), &t.seq_len)
+            && def.max_seq_is_hard()
+            && seq > max
+        {
+            let what = match def {
+                ModelDef::Transformer(_) => "the model's learned position table",
+                ModelDef::Graph(_) => "the graph file's max_seq",
+            };
+            return Err(self.diag(
+                s.span().start,
+                "target.seq_len",
+                format!("at most {max} ({what})"),
+                seq.to_string(),
+            ));
+        }
+        let headroom = match &t.memory_headroom {
+            None => DEFAULT_MEMORY_HEADROOM,
+            Some(h) if (0.0..1.0).contains(h.get_ref()) => *h.get_ref(),
+            Some(h) => {
+                return Err(self.diag(
+                    h.span().start,
+                    "target.memory_headroom",
+                    "a fraction in [0, 1)",
+                    h.get_ref().to_string(),
+                ));
+            }
+        };
+        let gpus_per_node = clusters[cluster].gpus_per_node;
+        let mut search = SearchSpace::default_for(gpus_per_node);
+        if let Some(s) = &t.search {
+            self.search(s, &mut search)?;
+        }
+        Ok(Target {
+            name: t.name.get_ref().clone(),
+            model,
+            cluster,
+            global_batch: t.global_batch.0,
+            options: TrainingOptions {
+                seq,
+                precision: t.precision.unwrap_or(Precision::Bf16),
+                attention: t.attention.unwrap_or(Attention::Flash),
+                memory_headroom: headroom,
+                vocab_multiple: t.vocab_multiple.map_or(DEFAULT_VOCAB_MULTIPLE, |v| v.0),
+                grad_accumulation_fusion: t.grad_accumulation_fusion.unwrap_or(true),
+            },
+            search,
+        })
+    }
+
+    fn search(&self, s: &RawSearch, out: &mut SearchSpace) -> Result<(), EngineError> {
+        fn nonempty<T: Clone>(
+            l: &Loader<'_>,
+            v: &Option<Spanned<Vec<T>>>,
+            key: &str,
+        ) -> Result<Option<Vec<T>>, EngineError> {
+            match v {
+                None => Ok(None),
+                Some(list) if list.get_ref().is_empty() => Err(l.diag(
+                    list.span().start,
+                    &format!("target.search.{key}"),
+                    "a list with at least one value",
+                    "an empty list",
+                )),
+                Some(list) => Ok(Some(list.get_ref().clone())),
+            }
+        }
+        let ints = |v: Option<Vec<Positive>>| v.map(|l| l.into_iter().map(|p| p.0).collect::<Vec<_>>());
+        if let Some(v) = ints(nonempty(self, &s.tp, "tp")?) {
+            out.tp = v;
+        }
+        if let Some(v) = ints(nonempty(self, &s.pp, "pp")?) {
+            out.pp = Some(v);
+        }
+        if let Some(v) = ints(nonempty(self, &s.dp, "dp")?) {
+            out.dp = Some(v);
+        }
+        if let Some(v) = ints(nonempty(self, &s.micro_batch, "micro_batch")?) {
+            out.micro_batch = v;
+        }
+        if let Some(v) = ints(nonempty(self, &s.interleave, "interleave")?) {
+            out.interleave = v;
+        }
+        if let Some(v) = nonempty(self, &s.sequence_parallel, "sequence_parallel")? {
+            out.sequence_parallel = v;
+        }
+        if let Some(v) = nonempty(self, &s.recompute, "recompute")? {
+            out.recompute = v;
+        }
+        if let Some(v) = nonempty(self, &s.zero, "zero")? {
+            out.zero = v.into_iter().map(|z| z.0).collect();
+        }
+        Ok(())
+    }
+}
+
+/// Parses a model file: an `autopar-graph/1` graph or a HuggingFace config. `graph` forces the
+/// format; `None` detects it from the file's `format` field.
+pub fn parse_model_text(
+    path: &Path,
+    text: &str,
+    graph: Option<bool>,
+) -> Result<ModelDef, EngineError> {
+    let is_graph = graph.unwrap_or_else(|| {
+        serde_json::from_str::<serde_json::Value>(text)
+            .ok()
+            .and_then(|v| v.get("format").and_then(|f| f.as_str()).map(|f| f == GRAPH_FORMAT))
+            .unwrap_or(false)
+    });
+    let result = if is_graph {
+        parse_graph_file(text).map(ModelDef::Graph)
+    } else {
+        parse_hf_config(text).map(ModelDef::Transformer)
+    };
+    result.map_err(|e| EngineError::Config(Diagnostic::from_field(path, text, e, "")))
+}
+
+/// A target name becomes a file name: keep it to letters, digits, `.`, `_` and `-`.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+/// Reads and validates the workspace file at `path`.
+pub fn load(path: &Path) -> Result<Workspace, EngineError> {
+    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    load_str(path, &text)
+}
+
+/// Validates workspace text as if read from `path`.
+pub fn load_str(path: &Path, text: &str) -> Result<Workspace, EngineError> {
+    let raw: RawFile = toml::from_str(text)
+        .map_err(|e| EngineError::Config(Diagnostic::from_toml(path, text, &e)))?;
+    // A bare file name has an empty parent: paths relative to it stay relative.
+    let root = path.parent().map_or_else(PathBuf::new, Path::to_path_buf);
+    let l = Loader {
+        file: path,
+        text,
+        root: &root,
+    };
+    // Names: non-empty, unique per kind; target names must be usable as file names.
+    for (kind, names) in [
+        ("model", raw.model.iter().map(|m| &m.get_ref().name).collect::<Vec<_>>()),
+        ("cluster", raw.cluster.iter().map(|c| &c.get_ref().name).collect()),
+        ("target", raw.target.iter().map(|t| &t.get_ref().name).collect()),
+    ] {
+        for (i, n) in names.iter().enumerate() {
+            if !valid_name(n.get_ref()) {
+                return Err(l.diag(
+                    n.span().start,
+                    &format!("{kind}.name"),
+                    "a name of letters, digits, '.', '_' or '-'",
+                    format!("\"{}\"", n.get_ref()),
+                ));
+            }
+            if names[..i].iter().any(|m| m.get_ref() == n.get_ref()) {
+                return Err(l.diag(
+                    n.span().start,
+                    &format!("{kind}.name"),
+                    format!("a name not used by another [[{kind}]]"),
+                    format!("\"{}\" again", n.get_ref()),
+                ));
+            }
+        }
+    }
+    let models = raw
+        .model
+        .iter()
+        .map(|m| l.model(m))
+        .collect::<Result<Vec<_>, _>>()?;
+    let clusters = raw
+        .cluster
+        .iter()
+        .map(|c| l.cluster(c))
+        .collect::<Result<Vec<_>, _>>()?;
+    let targets = raw
+        .target
+        .iter()
+        .map(|t| l.target(t, &models, &clusters))
+        .collect::<Result<Vec<_>, _>>()?;
+    let plans = raw
+        .workspace
+        .and_then(|w| w.plans)
+        .unwrap_or_else(|| "plans".to_string());
+    Ok(Workspace {
+        file: path.to_path_buf(),
+        plans_dir: root.join(plans),
+        root,
+        models,
+        clusters,
+        targets,
+    })
+}

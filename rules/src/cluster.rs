@@ -1,0 +1,284 @@
+//! GPUs and clusters: the hardware numbers the cost model reads, and where communication groups
+//! of a layout land (inside a node on NVLink, or across nodes on the network).
+
+use serde::{Deserialize, Serialize};
+
+/// Bytes in a GiB.
+pub const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+/// One GPU model. All values are in SI base units (FLOP/s, bytes, bytes/s, seconds) or are
+/// dimensionless fractions.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Device {
+    /// Preset name (`a100-80g`, ...) or a user label.
+    pub name: String,
+    /// Streaming multiprocessors (the unit GEMM tiles are scheduled on).
+    pub sm_count: f64,
+    /// Dense bf16/fp16 tensor-core peak, FLOP/s.
+    pub peak_bf16_flops: f64,
+    /// fp32 peak without tensor cores (used for fp32 training and for non-matmul ops), FLOP/s.
+    pub peak_fp32_flops: f64,
+    /// Memory capacity, bytes.
+    pub hbm_bytes: f64,
+    /// Memory bandwidth, bytes/s.
+    pub hbm_bandwidth: f64,
+    /// NVLink bandwidth per GPU and direction, bytes/s.
+    pub nvlink_bandwidth: f64,
+    /// Network bandwidth between nodes per GPU and direction, bytes/s.
+    pub internode_bandwidth: f64,
+    /// Start-up latency of a collective inside a node, s.
+    pub nvlink_latency: f64,
+    /// Start-up latency of a collective or transfer across nodes, s.
+    pub internode_latency: f64,
+    /// Fraction of the tensor-core peak that large matrix products reach.
+    pub matmul_efficiency: f64,
+    /// Fraction of the tensor-core peak that fused (flash) attention reaches, forward + backward.
+    pub attention_efficiency: f64,
+    /// Fraction of the memory bandwidth that streaming kernels reach.
+    pub hbm_efficiency: f64,
+    /// Fraction of the NVLink bandwidth that NCCL collectives reach (bus bandwidth).
+    pub nvlink_efficiency: f64,
+    /// Fraction of the network bandwidth that NCCL collectives reach (bus bandwidth).
+    pub internode_efficiency: f64,
+    /// Fixed cost of launching one kernel, s.
+    pub kernel_overhead: f64,
+    /// Memory the framework holds before the first tensor (CUDA context, library workspaces,
+    /// NCCL buffers), bytes.
+    pub reserved_bytes: f64,
+}
+
+/// A field of [`Device`] as users write it (in `workspace.toml` overrides), with its unit.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceField {
+    /// Key in `workspace.toml`.
+    pub key: &'static str,
+    /// Unit of the value users write.
+    pub unit: &'static str,
+    /// Multiply the user's value by this to get SI units.
+    pub scale: f64,
+    /// What the field means.
+    pub doc: &'static str,
+    /// Whether the value is a fraction in (0, 1].
+    pub fraction: bool,
+    /// Accessor.
+    pub field: fn(&mut Device) -> &mut f64,
+}
+
+/// Every overridable field of a device, with user-facing units.
+pub const DEVICE_FIELDS: &[DeviceField] = &[
+    DeviceField { key: "sm_count", unit: "SMs", scale: 1.0, doc: "streaming multiprocessors", fraction: false, field: |d| &mut d.sm_count },
+    DeviceField { key: "peak_bf16_tflops", unit: "TFLOP/s", scale: 1e12, doc: "dense bf16/fp16 tensor-core peak", fraction: false, field: |d| &mut d.peak_bf16_flops },
+    DeviceField { key: "peak_fp32_tflops", unit: "TFLOP/s", scale: 1e12, doc: "fp32 peak without tensor cores", fraction: false, field: |d| &mut d.peak_fp32_flops },
+    DeviceField { key: "hbm_gib", unit: "GiB", scale: GIB, doc: "memory capacity", fraction: false, field: |d| &mut d.hbm_bytes },
+    DeviceField { key: "hbm_tbps", unit: "TB/s", scale: 1e12, doc: "memory bandwidth", fraction: false, field: |d| &mut d.hbm_bandwidth },
+    DeviceField { key: "nvlink_gbps", unit: "GB/s", scale: 1e9, doc: "NVLink bandwidth per GPU and direction", fraction: false, field: |d| &mut d.nvlink_bandwidth },
+    DeviceField { key: "internode_gbps", unit: "GB/s", scale: 1e9, doc: "network bandwidth per GPU and direction", fraction: false, field: |d| &mut d.internode_bandwidth },
+    DeviceField { key: "nvlink_latency_us", unit: "us", scale: 1e-6, doc: "collective start-up latency inside a node", fraction: false, field: |d| &mut d.nvlink_latency },
+    DeviceField { key: "internode_latency_us", unit: "us", scale: 1e-6, doc: "collective start-up latency across nodes", fraction: false, field: |d| &mut d.internode_latency },
+    DeviceField { key: "matmul_efficiency", unit: "fraction", scale: 1.0, doc: "fraction of peak reached by large matrix products", fraction: true, field: |d| &mut d.matmul_efficiency },
+    DeviceField { key: "attention_efficiency", unit: "fraction", scale: 1.0, doc: "fraction of peak reached by flash attention", fraction: true, field: |d| &mut d.attention_efficiency },
+    DeviceField { key: "hbm_efficiency", unit: "fraction", scale: 1.0, doc: "fraction of memory bandwidth reached by streaming kernels", fraction: true, field: |d| &mut d.hbm_efficiency },
+    DeviceField { key: "nvlink_efficiency", unit: "fraction", scale: 1.0, doc: "fraction of NVLink bandwidth reached by collectives", fraction: true, field: |d| &mut d.nvlink_efficiency },
+    DeviceField { key: "internode_efficiency", unit: "fraction", scale: 1.0, doc: "fraction of network bandwidth reached by collectives", fraction: true, field: |d| &mut d.internode_efficiency },
+    DeviceField { key: "kernel_overhead_us", unit: "us", scale: 1e-6, doc: "fixed cost per kernel launch", fraction: false, field: |d| &mut d.kernel_overhead },
+    DeviceField { key: "reserved_gib", unit: "GiB", scale: GIB, doc: "memory held by CUDA context, libraries and NCCL", fraction: false, field: |d| &mut d.reserved_bytes },
+];
+
+/// Names of the built-in device presets.
+pub const PRESET_NAMES: &[&str] = &["a100-40g", "a100-80g", "h100-sxm", "h200"];
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// A built-in device by name.
+///
+/// Sources. SM counts, peaks, memory bandwidth and NVLink: NVIDIA A100 and H100/H200 SXM datasheets (NVLink
+/// is quoted there as total bidirectional bandwidth: 600 and 900 GB/s, i.e. 300 and 450 GB/s per
+/// direction). Memory capacity: the total `nvidia-smi` reports. Network: DGX A100 has one
+/// 200 Gb/s HDR InfiniBand adapter per GPU (25 GB/s), DGX H100 one 400 Gb/s NDR adapter per GPU
+/// (50 GB/s). Matmul efficiency: the maximum achievable matmul FLOP/s measured with
+/// `mamf-finder` (S. Bekman, *Machine Learning Engineering*, "compute" chapter): 271.2 of 312
+/// TFLOP/s on A100 SXM, 794.5 of 989 on H100 SXM (H200 has the same GH100 die and clocks).
+/// Attention efficiency: FlashAttention-2 reports 50-73% of A100 peak forward and less backward
+/// (0.6 for the pair); on Hopper FlashAttention-2 reaches ~35% and FlashAttention-3 ~75% forward
+/// (0.55 between them, the fused kernels Megatron-Core uses sit there). Memory efficiency:
+/// streaming (STREAM/BabelStream copy) kernels reach ~90% of HBM peak on both generations.
+/// Collective efficiency: `nccl-tests` all-reduce bus bandwidth on DGX A100 is ~230 GB/s of 300
+/// (0.77), on DGX H100 ~360 of 450 (0.8); across nodes ~90% of the adapter rate. Latencies:
+/// small-message NCCL all-reduce takes ~10 us inside a node and ~20 us across nodes. Kernel
+/// overhead: launch plus inter-kernel gap of eager PyTorch, a few microseconds. Reserved memory:
+/// CUDA context with cuBLAS and NCCL communicators, about 1 GiB per process.
+pub fn preset(name: &str) -> Option<Device> {
+    let ampere = |name: &str, hbm_mib: f64, hbm_bw: f64| Device {
+        name: name.to_string(),
+        sm_count: 108.0,
+        peak_bf16_flops: 312e12,
+        peak_fp32_flops: 19.5e12,
+        hbm_bytes: hbm_mib * MIB,
+        hbm_bandwidth: hbm_bw,
+        nvlink_bandwidth: 300e9,
+        internode_bandwidth: 25e9,
+        nvlink_latency: 10e-6,
+        internode_latency: 20e-6,
+        matmul_efficiency: 271.2 / 312.0,
+        attention_efficiency: 0.6,
+        hbm_efficiency: 0.9,
+        nvlink_efficiency: 0.77,
+        internode_efficiency: 0.9,
+        kernel_overhead: 4e-6,
+        reserved_bytes: GIB,
+    };
+    let hopper = |name: &str, hbm_mib: f64, hbm_bw: f64| Device {
+        name: name.to_string(),
+        sm_count: 132.0,
+        peak_bf16_flops: 989e12,
+        peak_fp32_flops: 67e12,
+        hbm_bytes: hbm_mib * MIB,
+        hbm_bandwidth: hbm_bw,
+        nvlink_bandwidth: 450e9,
+        internode_bandwidth: 50e9,
+        nvlink_latency: 10e-6,
+        internode_latency: 20e-6,
+        matmul_efficiency: 794.5 / 989.0,
+        attention_efficiency: 0.55,
+        hbm_efficiency: 0.9,
+        nvlink_efficiency: 0.8,
+        internode_efficiency: 0.9,
+        kernel_overhead: 4e-6,
+        reserved_bytes: GIB,
+    };
+    Some(match name {
+        "a100-40g" => ampere(name, 40960.0, 1.555e12),
+        "a100-80g" => ampere(name, 81920.0, 2.039e12),
+        "h100-sxm" => hopper(name, 81559.0, 3.35e12),
+        "h200" => hopper(name, 143771.0, 4.8e12),
+        _ => return None,
+    })
+}
+
+/// A homogeneous cluster: `nodes` nodes of `gpus_per_node` GPUs, NVLink inside a node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Cluster {
+    /// Name (informational).
+    pub name: String,
+    /// Number of nodes.
+    pub nodes: u64,
+    /// GPUs per node.
+    pub gpus_per_node: u64,
+    /// The GPU model.
+    pub device: Device,
+}
+
+/// Effective cost parameters of the links a communication group uses.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    /// Start-up latency (alpha), s.
+    pub latency: f64,
+    /// Achieved bandwidth per GPU and direction (1 / beta), bytes/s.
+    pub bandwidth: f64,
+    /// Whether the group spans several nodes.
+    pub internode: bool,
+}
+
+impl Cluster {
+    /// Total number of GPUs.
+    pub fn gpus(&self) -> u64 {
+        self.nodes * self.gpus_per_node
+    }
+
+    /// Link of a group of `size` ranks `stride` apart, ranks being numbered node by node (the
+    /// Megatron-LM order: tensor-parallel ranks adjacent, then data-parallel, then pipeline). The
+    /// group stays inside a node when it spans at most one node's worth of consecutive ranks.
+    pub fn group_link(&self, stride: u64, size: u64) -> Link {
+        let d = &self.device;
+        if stride.saturating_mul(size) <= self.gpus_per_node {
+            Link {
+                latency: d.nvlink_latency,
+                bandwidth: d.nvlink_bandwidth * d.nvlink_efficiency,
+                internode: false,
+            }
+        } else {
+            Link {
+                latency: d.internode_latency,
+                bandwidth: d.internode_bandwidth * d.internode_efficiency,
+                internode: true,
+            }
+        }
+    }
+
+    /// Link between ranks `from` and `to` (a point-to-point transfer).
+    pub fn p2p_link(&self, from: u64, to: u64) -> Link {
+        let same_node = from / self.gpus_per_node == to / self.gpus_per_node;
+        if same_node {
+            self.group_link(1, 1)
+        } else {
+            self.group_link(self.gpus_per_node, 2)
+        }
+    }
+}
+
+/// Parses the cluster shorthand `PRESET:NODESxGPUS` (e.g. `a100-80g:48x8`).
+pub fn parse_cluster_shorthand(s: &str) -> Result<Cluster, String> {
+    let (preset_name, shape) = s
+        .split_once(':')
+        .ok_or_else(|| format!("`{s}` is not of the form PRESET:NODESxGPUS"))?;
+    let device = preset(preset_name).ok_or_else(|| {
+        format!(
+            "unknown device preset `{preset_name}` (known: {})",
+            PRESET_NAMES.join(", ")
+        )
+    })?;
+    let (n, g) = shape
+        .split_once('x')
+        .ok_or_else(|| format!("`{shape}` is not of the form NODESxGPUS"))?;
+    let parse = |v: &str, what: &str| -> Result<u64, String> {
+        match v.parse::<u64>() {
+            Ok(0) | Err(_) => Err(format!("{what} must be a positive integer, found `{v}`")),
+            Ok(x) => Ok(x),
+        }
+    };
+    Ok(Cluster {
+        name: s.to_string(),
+        nodes: parse(n, "the number of nodes")?,
+        gpus_per_node: parse(g, "GPUs per node")?,
+        device,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_preset_has_sane_numbers() {
+        for name in PRESET_NAMES {
+            let mut d = preset(name).expect("preset exists");
+            for f in DEVICE_FIELDS {
+                let v = *(f.field)(&mut d);
+                assert!(v > 0.0, "{name}.{} = {v}", f.key);
+                if f.fraction {
+                    assert!(v <= 1.0, "{name}.{} = {v}", f.key);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shorthand_parses_and_rejects() {
+        let c = parse_cluster_shorthand("a100-80g:48x8").expect("valid");
+        assert_eq!((c.nodes, c.gpus_per_node, c.gpus()), (48, 8, 384));
+        assert!(parse_cluster_shorthand("a100-80g:0x8").is_err());
+        assert!(parse_cluster_shorthand("tpu:1x8").is_err());
+        assert!(parse_cluster_shorthand("a100-80g").is_err());
+    }
+
+    #[test]
+    fn groups_inside_a_node_use_nvlink() {
+        let c = parse_cluster_shorthand("h100-sxm:4x8").expect("valid");
+        assert!(!c.group_link(1, 8).internode);
+        assert!(!c.group_link(2, 4).internode);
+        assert!(c.group_link(8, 4).internode);
+        assert!(c.group_link(1, 16).internode);
+        assert!(!c.p2p_link(3, 4).internode);
+        assert!(c.p2p_link(7, 8).internode);
+    }
+}

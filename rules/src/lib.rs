@@ -1,0 +1,21 @@
+//! Pure planning logic of autopar: the model IR and its frontends, the hardware and cost model,
+//! memory and pipeline-schedule formulas, layout pricing and search, and the plan format.
+//!
+//! Nothing here does I/O or keeps global state: parsers take text, results are values.
+
+pub mod cluster;
+pub mod cost;
+pub mod error;
+pub mod estimate;
+pub mod frontend;
+pub mod graph;
+pub mod layer_cost;
+pub mod layout;
+pub mod memory;
+pub mod plan;
+pub mod schedule;
+pub mod search;
+pub mod tensor_parallel;
+
+/// Version salt of the planning rules: changes whenever a rule's results change meaning.
+pub const RULES_VERSION: &str = "autopar-rules/1";

@@ -1,0 +1,80 @@
+//! Durable storage for autopar.
+//!
+//! Everything autopar writes must survive an interrupted process: a reader sees either the old
+//! file or the complete new one, never a torn write.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// A storage failure, naming the path involved.
+#[derive(Debug, thiserror::Error)]
+#[error("{action} {}: {source}", path.display())]
+pub struct StoreError {
+    /// What was being done.
+    pub action: &'static str,
+    /// The file or directory.
+    pub path: PathBuf,
+    /// The underlying error.
+    #[source]
+    pub source: std::io::Error,
+}
+
+fn err<'p>(action: &'static str, path: &'p Path) -> impl FnOnce(std::io::Error) -> StoreError + 'p {
+    move |source| StoreError {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Writes `bytes` to `path` atomically and durably: the data goes to a temporary file in the
+/// same directory, is flushed to disk, then renamed over `path`; the directory is synced so the
+/// rename itself survives a crash. Missing parent directories are created.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::create_dir_all(dir).map_err(err("creating directory", dir))?;
+    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(err("creating a temporary file in", dir))?;
+    tmp.write_all(bytes).map_err(err("writing", tmp.path()))?;
+    tmp.as_file().sync_all().map_err(err("syncing", path))?;
+    tmp.persist(path)
+        .map_err(|e| StoreError {
+            action: "renaming into place",
+            path: path.to_path_buf(),
+            source: e.error,
+        })?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        // Directory fsync is not supported everywhere; the data itself is already durable.
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replaces_whole_file_and_creates_directories() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("a/b/plan.json");
+        write_atomic(&p, b"first").expect("write");
+        write_atomic(&p, b"second, longer").expect("overwrite");
+        assert_eq!(std::fs::read(&p).expect("read"), b"second, longer");
+        let leftovers: Vec<_> = std::fs::read_dir(p.parent().expect("parent"))
+            .expect("list")
+            .collect();
+        assert_eq!(leftovers.len(), 1, "no temporary files left behind");
+    }
+
+    #[test]
+    fn reports_the_path_on_failure() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let blocker = dir.path().join("file");
+        std::fs::write(&blocker, b"x").expect("write");
+        let e = write_atomic(&blocker.join("child.json"), b"y").expect_err("parent is a file");
+        assert!(e.to_string().contains("file"), "{e}");
+    }
+}

@@ -1,0 +1,119 @@
+//! Helpers for autopar's end-to-end tests, and published reference data they compare against.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub mod megatron;
+
+/// Root of the repository.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from(".."), Path::to_path_buf)
+}
+
+/// A private copy of the default workspace (workspace.toml and models/) in a temporary
+/// directory, so tests can build and edit without touching the repository.
+pub struct TempWorkspace {
+    dir: tempfile::TempDir,
+}
+
+impl TempWorkspace {
+    /// Copies the default workspace.
+    pub fn default_copy() -> Self {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let root = repo_root();
+        std::fs::copy(root.join("workspace.toml"), dir.path().join("workspace.toml"))
+            .expect("copy workspace.toml");
+        let models = dir.path().join("models");
+        std::fs::create_dir_all(&models).expect("models dir");
+        for entry in std::fs::read_dir(root.join("models")).expect("read models") {
+            let entry = entry.expect("entry");
+            std::fs::copy(entry.path(), models.join(entry.file_name())).expect("copy model");
+        }
+        TempWorkspace { dir }
+    }
+
+    /// An empty directory with the given workspace.toml and the shipped models.
+    pub fn with_toml(toml: &str) -> Self {
+        let ws = Self::default_copy();
+        ws.write("workspace.toml", toml);
+        ws
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Writes a file relative to the workspace.
+    pub fn write(&self, rel: &str, text: &str) {
+        let p = self.dir.path().join(rel);
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent).expect("parent");
+        }
+        std::fs::write(p, text).expect("write");
+    }
+
+    /// Reads a file relative to the workspace.
+    pub fn read(&self, rel: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(rel)).expect("read")
+    }
+
+    /// Runs autopar in the workspace directory.
+    pub fn run(&self, args: &[&str]) -> Run {
+        run_in(self.path(), args)
+    }
+}
+
+/// Output of one autopar process.
+#[derive(Debug)]
+pub struct Run {
+    /// Exit code (-1 if killed by a signal).
+    pub code: i32,
+    /// Standard output.
+    pub stdout: String,
+    /// Standard error.
+    pub stderr: String,
+}
+
+impl Run {
+    /// Standard output parsed as JSON.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}):\n{}\nstderr:\n{}", self.stdout, self.stderr))
+    }
+}
+
+/// The `autopar-e2e` binary of this package: cargo builds it next to the directory holding the
+/// test executables (`target/<profile>/deps/..`).
+pub fn binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("path of the test executable");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("test executable lives in target/<profile>/deps");
+    let bin = dir.join(format!("autopar-e2e{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.exists(),
+        "{} is missing: run the tests through cargo, which builds it",
+        bin.display()
+    );
+    bin
+}
+
+/// Runs the autopar binary with `args` in directory `dir`.
+pub fn run_in(dir: &Path, args: &[&str]) -> Run {
+    let out: Output = Command::new(binary())
+        .args(args)
+        .current_dir(dir)
+        .env_remove("AUTOPAR_WORKSPACE")
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("autopar runs");
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}

@@ -1,0 +1,140 @@
+//! `autopar estimate` against published results, and its output contract.
+
+use autopar_tests::TempWorkspace;
+use autopar_tests::megatron::TABLE1;
+
+/// Predicted TFLOP/s per GPU of every Megatron-LM 2021 Table 1 row, against the published
+/// value. Goal of the cost model: every row within ±20% with no per-row adjustment. Run with
+/// `--nocapture` to see the table.
+#[test]
+fn megatron_2021_table1() {
+    let ws = TempWorkspace::default_copy();
+    println!(
+        "{:<16} {:>3} {:>3} {:>3} {:>5} {:>9} {:>9} {:>7} {:>9} {:>7}",
+        "model", "tp", "pp", "dp", "gbs", "published", "v=1", "err", "interl.", "err"
+    );
+    let mut errors = Vec::new();
+    for row in TABLE1 {
+        let mut line = format!(
+            "{:<16} {:>3} {:>3} {:>3} {:>5} {:>9.0}",
+            row.model.trim_end_matches(".json"),
+            row.tp,
+            row.pp,
+            row.dp(),
+            row.global_batch,
+            row.tflops
+        );
+        // Megatron-LM's interleaved schedule needs pp > 2 and blocks per stage divisible by the
+        // chunk count; the paper ran it where possible. Both variants are reported.
+        let blocks_per_stage = match row.model {
+            "gpt-39.1b.json" => 24,
+            "gpt-76.1b.json" => 15,
+            "gpt-145.6b.json" => 10,
+            "gpt-310.1b.json" => 6,
+            "gpt-529.6b.json" => 3,
+            "gpt-1t.json" => 2,
+            _ => 0,
+        };
+        let interleaved = if row.pp > 2 && blocks_per_stage % 2 == 0 { 2 } else { 1 };
+        for (i, v) in [1, interleaved].into_iter().enumerate() {
+            let args = row.estimate_args(v);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let r = ws.run(&args);
+            assert_eq!(r.code, 0, "{}: {}", row.model, r.stderr);
+            let j = r.json();
+            let predicted = j["tflops_per_gpu"].as_f64().expect("tflops");
+            let err = predicted / row.tflops - 1.0;
+            line.push_str(&format!(" {predicted:>9.1} {:>+6.1}%", err * 100.0));
+            assert!(
+                err.abs() <= 0.20,
+                "{} (v={v}): predicted {predicted:.1} TFLOP/s vs published {}",
+                row.model,
+                row.tflops
+            );
+            assert_eq!(j["fits"], true, "{}: the published layout fits", row.model);
+            if i == 0 {
+                errors.push(err);
+            }
+        }
+        println!("{line}");
+    }
+    errors.sort_by(f64::total_cmp);
+    let median = (errors[4] + errors[5]) / 2.0;
+    println!("median error (v=1): {:+.1}%", median * 100.0);
+    // The goal is ±10%; the model, built from microbenchmark efficiencies only, sits at about
+    // +11% (see README, "Accuracy"). This bound guards against regressions.
+    assert!(median.abs() <= 0.12, "median error {median}");
+}
+
+#[test]
+fn estimate_json_contract_and_memory_failure() {
+    let ws = TempWorkspace::default_copy();
+    let ok = ws.run(&[
+        "estimate", "--model", "llama2-70b", "--cluster", "dgx-h100-8", "--tp", "8", "--pp", "4",
+        "--mbs", "1", "--gbs", "512", "--seq", "4096", "--sp", "--recompute", "selective",
+        "--zero", "1", "--json",
+    ]);
+    assert_eq!(ok.code, 0, "{}", ok.stderr);
+    let j = ok.json();
+    for key in ["step_time_s", "tflops_per_gpu", "mfu", "memory_per_device_gib", "fits", "tokens_per_s"] {
+        assert!(!j[key].is_null(), "{key} missing in {j}");
+    }
+    assert_eq!(j["layout"]["dp"], 2, "dp defaults to GPUs / (tp x pp)");
+    let m = &j["memory"];
+    let parts: f64 = ["weights", "grads", "optimizer", "activations", "workspace"]
+        .iter()
+        .map(|k| m[k].as_f64().expect("part"))
+        .sum();
+    assert!((parts - m["total"].as_f64().expect("total")).abs() < 1.0);
+    let t = &j["time"];
+    let time: f64 = ["compute", "recompute", "tp_comm", "p2p", "zero_comm", "bubble", "grad_sync", "optimizer"]
+        .iter()
+        .map(|k| t[k].as_f64().expect("part"))
+        .sum();
+    let step = j["step_time_s"].as_f64().expect("step");
+    assert!((time - step).abs() < 1e-9 * step, "the breakdown adds up to the step time");
+
+    // The same model without model parallelism does not fit on one H100: exit 1, fits = false.
+    let oom = ws.run(&[
+        "estimate", "--model", "llama2-70b", "--cluster", "h100-sxm:1x8", "--gbs", "64", "--seq",
+        "4096", "--json",
+    ]);
+    assert_eq!(oom.code, 1);
+    assert_eq!(oom.json()["fits"], false);
+    assert!(oom.stderr.contains("GiB per device but h100-sxm has"), "{}", oom.stderr);
+}
+
+#[test]
+fn estimate_text_output() {
+    let ws = TempWorkspace::default_copy();
+    let r = ws.run(&[
+        "estimate", "--model", "models/gpt3-175b.json", "--cluster", "a100-80g:128x8", "--tp", "8",
+        "--pp", "16", "--mbs", "1", "--gbs", "1536", "--vp", "2", "--sp", "--recompute",
+        "selective", "--zero", "1",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    for needle in ["tp 8 · pp 16 · dp 8", "interleave 2", "TFLOP/s per GPU", "MFU", "fits", "stages"] {
+        assert!(r.stdout.contains(needle), "missing {needle:?}:\n{}", r.stdout);
+    }
+}
+
+#[test]
+fn estimate_prices_graph_file_models_under_tensor_parallelism() {
+    let ws = TempWorkspace::default_copy();
+    let price = |tp: &str| {
+        let r = ws.run(&[
+            "estimate", "--model", "tiny-mlp", "--cluster", "h100-sxm:1x2", "--tp", tp, "--gbs", "8",
+            "--json",
+        ]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        r.json()
+    };
+    let (one, two) = (price("1"), price("2"));
+    // Column- and row-parallel MLPs: tensor parallelism halves the weights per device and adds
+    // all-reduces.
+    let w1 = one["memory"]["weights"].as_f64().expect("weights");
+    let w2 = two["memory"]["weights"].as_f64().expect("weights");
+    assert!((w2 / w1 - 0.5).abs() < 0.01, "{w1} {w2}");
+    assert_eq!(one["time"]["tp_comm"], 0.0);
+    assert!(two["time"]["tp_comm"].as_f64().expect("tp comm") > 0.0);
+}
