@@ -2,16 +2,28 @@
 
 use autopar_rules::frontend::Attention;
 use autopar_rules::layout::Recompute;
+use autopar_rules::limits;
 use autopar_rules::memory::Precision;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
-/// autopar: automatic parallel-training plans, built like a build system.
+/// Automatic parallel-training plans (tensor, pipeline, data parallelism, micro-batching,
+/// recomputation, ZeRO), built like a build system.
 #[derive(Debug, Parser)]
-#[command(name = "autopar", version, about, long_about = None)]
+#[command(
+    name = "autopar",
+    version,
+    after_help = "Exit codes: 0 success, 1 infeasible plan or failed command, 2 usage or input error, 3 some targets failed."
+)]
 pub struct Cli {
     /// Workspace file.
-    #[arg(short, long, global = true, env = "AUTOPAR_WORKSPACE", default_value = "workspace.toml")]
+    #[arg(
+        short,
+        long,
+        global = true,
+        env = "AUTOPAR_WORKSPACE",
+        default_value = "workspace.toml"
+    )]
     pub workspace: PathBuf,
     /// More log output (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
@@ -112,7 +124,7 @@ impl From<RecomputeArg> for Recompute {
 #[derive(Debug, Args)]
 pub struct ModelOptions {
     /// Sequence length (default: the model's maximum).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_SEQ))]
     pub seq: Option<u64>,
     /// Numeric precision.
     #[arg(long, value_enum, default_value = "bf16")]
@@ -132,22 +144,22 @@ pub struct EstimateArgs {
     #[arg(long)]
     pub cluster: String,
     /// Tensor-parallel size.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
     pub tp: u64,
     /// Pipeline-parallel size.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
     pub pp: u64,
     /// Data-parallel size (default: GPUs / (tp x pp)).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
     pub dp: Option<u64>,
     /// Micro-batch size.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
     pub mbs: u64,
     /// Global batch size.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
     pub gbs: u64,
     /// Model chunks per pipeline stage (interleaved schedule).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_LAYERS))]
     pub vp: u64,
     /// Sequence parallelism.
     #[arg(long)]
@@ -179,7 +191,7 @@ pub struct GraphArgs {
     /// Workspace model name, or a path to a HuggingFace config.json or a graph file.
     pub model: String,
     /// Micro-batch size the graph is instantiated with.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
     pub mbs: u64,
     /// Model options.
     #[command(flatten)]

@@ -14,8 +14,10 @@ impl Reporter {
     pub fn new(quiet: bool) -> Self {
         let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
             let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
-            let style = ProgressStyle::with_template("{spinner} planning [{bar:30}] {pos}/{len} targets {msg}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar());
+            let style = ProgressStyle::with_template(
+                "{spinner} planning [{bar:30}] {pos}/{len} targets {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
             bar.set_style(style);
             bar.enable_steady_tick(std::time::Duration::from_millis(100));
             bar

@@ -89,7 +89,11 @@ fn memory_line(m: &MemoryBreakdown) -> String {
 /// The body shared by `estimate` and plan reports.
 pub fn estimate(out: &mut String, e: &Estimate) {
     let t = &e.time;
-    let _ = writeln!(out, "  layout    {}", layout_line(&e.layout, e.num_microbatches));
+    let _ = writeln!(
+        out,
+        "  layout    {}",
+        layout_line(&e.layout, e.num_microbatches)
+    );
     let _ = writeln!(
         out,
         "  step      {} · {} tokens/s · {:.1} TFLOP/s per GPU · MFU {:.1}%",
@@ -158,7 +162,10 @@ pub fn stages(out: &mut String, e: &Estimate) {
 
 /// Describes a cluster: `name (N x G preset)`.
 pub fn cluster(c: &Cluster) -> String {
-    format!("{} ({} x {} {})", c.name, c.nodes, c.gpus_per_node, c.device.name)
+    format!(
+        "{} ({} x {} {})",
+        c.name, c.nodes, c.gpus_per_node, c.device.name
+    )
 }
 
 /// Wraps arguments into lines of at most `width` characters, keeping each flag with its value.

@@ -86,7 +86,11 @@ pub fn select<'w>(ws: &'w Workspace, names: &[String]) -> Result<Vec<&'w Target>
                 expected: format!(
                     "a target of {} ({})",
                     ws.file.display(),
-                    ws.targets.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")
+                    ws.targets
+                        .iter()
+                        .map(|t| t.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             });
         }
@@ -176,7 +180,8 @@ fn plan_from(
         parameters,
         blocks,
     };
-    if let Some(plan) = Plan::from_search(&t.name, plan_model, &model.def, cluster, t.options, result)
+    if let Some(plan) =
+        Plan::from_search(&t.name, plan_model, &model.def, cluster, t.options, result)
     {
         return Ok(plan);
     }

@@ -114,7 +114,11 @@ impl Diagnostic {
                 found.to_string(),
             )
         } else {
-            ("(document)".to_string(), "valid TOML".to_string(), msg.clone())
+            (
+                "(document)".to_string(),
+                "valid TOML".to_string(),
+                msg.clone(),
+            )
         };
         Diagnostic::at(file, text, offset, field, expected, found)
     }
@@ -128,9 +132,15 @@ fn split_expected(s: &str) -> (&str, Option<String>) {
     }
 }
 
-/// Name of the table header (`model`, `target.search`, ...) that the byte `offset` lies under.
+/// Name of the table header (`model`, `target.search`, ...) that the byte `offset` lies under
+/// (or on: serde reports a missing field at the header of its table).
 fn section_at(text: &str, offset: usize) -> String {
-    let before = text.get(..offset.min(text.len())).unwrap_or("");
+    let offset = offset.min(text.len());
+    let line_end = text
+        .get(offset..)
+        .and_then(|rest| rest.find('\n'))
+        .map_or(text.len(), |p| offset + p);
+    let before = text.get(..line_end).unwrap_or("");
     before
         .lines()
         .rev()

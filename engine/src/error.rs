@@ -8,9 +8,9 @@ use std::path::PathBuf;
 pub enum EngineError {
     /// An input file holds a wrong or impossible value.
     #[error("{0}")]
-    Config(Diagnostic),
+    Config(Box<Diagnostic>),
     /// An input file cannot be read.
-    #[error("cannot read {}: {source}", path.display())]
+    #[error("cannot read {}", path.display())]
     Read {
         /// The file.
         path: PathBuf,
@@ -28,8 +28,18 @@ pub enum EngineError {
         /// What would have been accepted.
         expected: String,
     },
+    /// A command-line value is malformed.
+    #[error("{flag}: expected {expected}, found {found}")]
+    Argument {
+        /// The flag.
+        flag: &'static str,
+        /// What a valid value looks like.
+        expected: String,
+        /// The value given.
+        found: String,
+    },
     /// A layout given on the command line cannot run.
-    #[error("{0}")]
+    #[error(transparent)]
     Layout(#[from] autopar_rules::layout::LayoutError),
     /// A plan was asked for that was never built.
     #[error("no plan for target `{target}` at {}: run `autopar build {target}` first", path.display())]
@@ -53,11 +63,20 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// An input error located by `d`.
+    pub fn config(d: Diagnostic) -> Self {
+        EngineError::Config(Box::new(d))
+    }
+
     /// Whether the error is the user's input (exit code 2) rather than a failed operation.
     pub fn is_input_error(&self) -> bool {
         matches!(
             self,
-            EngineError::Config(_) | EngineError::Read { .. } | EngineError::Unknown { .. } | EngineError::Layout(_)
+            EngineError::Config(_)
+                | EngineError::Read { .. }
+                | EngineError::Unknown { .. }
+                | EngineError::Argument { .. }
+                | EngineError::Layout(_)
         )
     }
 }

@@ -44,10 +44,11 @@ pub fn read_plan(target: &str, path: &Path) -> Result<Plan, EngineError> {
             });
         }
     };
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| EngineError::BadPlan {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| EngineError::BadPlan {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
     let schema = value.get("schema").and_then(serde_json::Value::as_u64);
     if schema != Some(u64::from(PLAN_SCHEMA)) {
         return Err(EngineError::BadPlan {

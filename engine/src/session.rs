@@ -61,7 +61,11 @@ impl Session {
                 expected: format!(
                     "a model of {} ({}) or a path to a model file",
                     ws.file.display(),
-                    ws.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
+                    ws.models
+                        .iter()
+                        .map(|m| m.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             })
     }
@@ -69,30 +73,41 @@ impl Session {
     /// A cluster by workspace name, or written `PRESET:NODESxGPUS`.
     pub fn cluster(&self, arg: &str) -> Result<Cluster, EngineError> {
         if arg.contains(':') {
-            return parse_cluster_shorthand(arg).map_err(|reason| EngineError::Unknown {
-                what: "cluster",
-                name: arg.to_string(),
+            return parse_cluster_shorthand(arg).map_err(|reason| EngineError::Argument {
+                flag: "--cluster",
                 expected: format!(
-                    "PRESET:NODESxGPUS with PRESET one of {} ({reason})",
+                    "PRESET:NODESxGPUS with PRESET one of {}",
                     PRESET_NAMES.join(", ")
                 ),
+                found: format!("`{arg}` ({reason})"),
             });
         }
         let ws = self.named("cluster", arg, "PRESET:NODESxGPUS, e.g. a100-80g:4x8")?;
-        ws.cluster(arg).cloned().ok_or_else(|| EngineError::Unknown {
-            what: "cluster",
-            name: arg.to_string(),
-            expected: format!(
-                "a cluster of {} ({}) or PRESET:NODESxGPUS, e.g. a100-80g:4x8",
-                ws.file.display(),
-                ws.clusters.iter().map(|c| c.name.as_str()).collect::<Vec<_>>().join(", ")
-            ),
-        })
+        ws.cluster(arg)
+            .cloned()
+            .ok_or_else(|| EngineError::Unknown {
+                what: "cluster",
+                name: arg.to_string(),
+                expected: format!(
+                    "a cluster of {} ({}) or PRESET:NODESxGPUS, e.g. a100-80g:4x8",
+                    ws.file.display(),
+                    ws.clusters
+                        .iter()
+                        .map(|c| c.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            })
     }
 
     /// The workspace for resolving a name; a missing workspace file becomes an "unknown name"
     /// error that says what else would have worked.
-    fn named(&self, what: &'static str, arg: &str, otherwise: &str) -> Result<&Workspace, EngineError> {
+    fn named(
+        &self,
+        what: &'static str,
+        arg: &str,
+        otherwise: &str,
+    ) -> Result<&Workspace, EngineError> {
         match self.workspace() {
             Err(EngineError::Read { path, .. }) if !path.exists() => Err(EngineError::Unknown {
                 what,

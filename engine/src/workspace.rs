@@ -8,6 +8,7 @@ use autopar_rules::frontend::{
     canonical_field_name, parse_graph_file, parse_hf_config,
 };
 use autopar_rules::layout::{Recompute, TrainingOptions};
+use autopar_rules::limits;
 use autopar_rules::memory::Precision;
 use autopar_rules::search::SearchSpace;
 use serde::{Deserialize, Deserializer};
@@ -220,7 +221,7 @@ struct RawTarget {
     name: Spanned<String>,
     model: Spanned<String>,
     cluster: Spanned<String>,
-    global_batch: Positive,
+    global_batch: Spanned<Positive>,
     #[serde(default)]
     seq_len: Option<Spanned<Positive>>,
     #[serde(default)]
@@ -279,7 +280,7 @@ impl Loader<'_> {
         expected: impl Into<String>,
         found: impl Into<String>,
     ) -> EngineError {
-        EngineError::Config(Diagnostic::at(
+        EngineError::config(Diagnostic::at(
             self.file,
             self.text,
             Some(offset),
@@ -295,7 +296,9 @@ impl Loader<'_> {
         let mut from = 0;
         while let Some(pos) = inner[from..].find(key) {
             let at = from + pos;
-            let before_ok = at == 0 || !inner.as_bytes()[at - 1].is_ascii_alphanumeric() && inner.as_bytes()[at - 1] != b'_';
+            let before_ok = at == 0
+                || !inner.as_bytes()[at - 1].is_ascii_alphanumeric()
+                    && inner.as_bytes()[at - 1] != b'_';
             let after = inner[at + key.len()..].trim_start();
             if before_ok && after.starts_with('=') {
                 return span.start + at;
@@ -332,7 +335,11 @@ impl Loader<'_> {
                     "exactly one of hf_config, graph, transformer",
                     format!(
                         "{} in model `{name}`",
-                        if n == 0 { "none".to_string() } else { format!("{n} of them") }
+                        if n == 0 {
+                            "none".to_string()
+                        } else {
+                            format!("{n} of them")
+                        }
                     ),
                 ));
             }
@@ -433,12 +440,21 @@ impl Loader<'_> {
             *(field.field)(&mut device) = v * field.scale;
         }
         device.name = c.preset.get_ref().clone();
-        Ok(Cluster {
+        let cluster = Cluster {
             name: c.name.get_ref().clone(),
             nodes: c.nodes.get_ref().0,
             gpus_per_node: c.gpus_per_node.get_ref().0,
             device,
-        })
+        };
+        cluster.check_size().map_err(|reason| {
+            self.diag(
+                c.nodes.span().start,
+                "cluster.nodes",
+                format!("at most {} GPUs in all", limits::MAX_GPUS),
+                reason,
+            )
+        })?;
+        Ok(cluster)
     }
 
     fn target(
@@ -488,6 +504,26 @@ impl Loader<'_> {
                 ));
             }
         };
+        for (field, value, max) in [
+            (
+                "target.global_batch",
+                Some(&t.global_batch),
+                limits::MAX_BATCH,
+            ),
+            ("target.seq_len", t.seq_len.as_ref(), limits::MAX_SEQ),
+        ] {
+            if let Some(v) = value
+                && v.get_ref().0 > max
+            {
+                return Err(self.diag(
+                    v.span().start,
+                    field,
+                    format!("a positive integer up to {max}"),
+                    v.get_ref().0.to_string(),
+                ));
+            }
+        }
+        let global_batch = t.global_batch.get_ref().0;
         if let (Some(max), Some(s)) = (def.max_seq(), &t.seq_len)
             && def.max_seq_is_hard()
             && seq > max
@@ -524,7 +560,7 @@ impl Loader<'_> {
             name: t.name.get_ref().clone(),
             model,
             cluster,
-            global_batch: t.global_batch.0,
+            global_batch,
             options: TrainingOptions {
                 seq,
                 precision: t.precision.unwrap_or(Precision::Bf16),
@@ -554,7 +590,8 @@ impl Loader<'_> {
                 Some(list) => Ok(Some(list.get_ref().clone())),
             }
         }
-        let ints = |v: Option<Vec<Positive>>| v.map(|l| l.into_iter().map(|p| p.0).collect::<Vec<_>>());
+        let ints =
+            |v: Option<Vec<Positive>>| v.map(|l| l.into_iter().map(|p| p.0).collect::<Vec<_>>());
         if let Some(v) = ints(nonempty(self, &s.tp, "tp")?) {
             out.tp = v;
         }
@@ -593,7 +630,11 @@ pub fn parse_model_text(
     let is_graph = graph.unwrap_or_else(|| {
         serde_json::from_str::<serde_json::Value>(text)
             .ok()
-            .and_then(|v| v.get("format").and_then(|f| f.as_str()).map(|f| f == GRAPH_FORMAT))
+            .and_then(|v| {
+                v.get("format")
+                    .and_then(|f| f.as_str())
+                    .map(|f| f == GRAPH_FORMAT)
+            })
             .unwrap_or(false)
     });
     let result = if is_graph {
@@ -601,7 +642,7 @@ pub fn parse_model_text(
     } else {
         parse_hf_config(text).map(ModelDef::Transformer)
     };
-    result.map_err(|e| EngineError::Config(Diagnostic::from_field(path, text, e, "")))
+    result.map_err(|e| EngineError::config(Diagnostic::from_field(path, text, e, "")))
 }
 
 /// A target name becomes a file name: keep it to letters, digits, `.`, `_` and `-`.
@@ -625,7 +666,7 @@ pub fn load(path: &Path) -> Result<Workspace, EngineError> {
 /// Validates workspace text as if read from `path`.
 pub fn load_str(path: &Path, text: &str) -> Result<Workspace, EngineError> {
     let raw: RawFile = toml::from_str(text)
-        .map_err(|e| EngineError::Config(Diagnostic::from_toml(path, text, &e)))?;
+        .map_err(|e| EngineError::config(Diagnostic::from_toml(path, text, &e)))?;
     // A bare file name has an empty parent: paths relative to it stay relative.
     let root = path.parent().map_or_else(PathBuf::new, Path::to_path_buf);
     let l = Loader {
@@ -635,9 +676,21 @@ pub fn load_str(path: &Path, text: &str) -> Result<Workspace, EngineError> {
     };
     // Names: non-empty, unique per kind; target names must be usable as file names.
     for (kind, names) in [
-        ("model", raw.model.iter().map(|m| &m.get_ref().name).collect::<Vec<_>>()),
-        ("cluster", raw.cluster.iter().map(|c| &c.get_ref().name).collect()),
-        ("target", raw.target.iter().map(|t| &t.get_ref().name).collect()),
+        (
+            "model",
+            raw.model
+                .iter()
+                .map(|m| &m.get_ref().name)
+                .collect::<Vec<_>>(),
+        ),
+        (
+            "cluster",
+            raw.cluster.iter().map(|c| &c.get_ref().name).collect(),
+        ),
+        (
+            "target",
+            raw.target.iter().map(|t| &t.get_ref().name).collect(),
+        ),
     ] {
         for (i, n) in names.iter().enumerate() {
             if !valid_name(n.get_ref()) {

@@ -66,22 +66,134 @@ pub struct DeviceField {
 
 /// Every overridable field of a device, with user-facing units.
 pub const DEVICE_FIELDS: &[DeviceField] = &[
-    DeviceField { key: "sm_count", unit: "SMs", scale: 1.0, doc: "streaming multiprocessors", fraction: false, field: |d| &mut d.sm_count },
-    DeviceField { key: "peak_bf16_tflops", unit: "TFLOP/s", scale: 1e12, doc: "dense bf16/fp16 tensor-core peak", fraction: false, field: |d| &mut d.peak_bf16_flops },
-    DeviceField { key: "peak_fp32_tflops", unit: "TFLOP/s", scale: 1e12, doc: "fp32 peak without tensor cores", fraction: false, field: |d| &mut d.peak_fp32_flops },
-    DeviceField { key: "hbm_gib", unit: "GiB", scale: GIB, doc: "memory capacity", fraction: false, field: |d| &mut d.hbm_bytes },
-    DeviceField { key: "hbm_tbps", unit: "TB/s", scale: 1e12, doc: "memory bandwidth", fraction: false, field: |d| &mut d.hbm_bandwidth },
-    DeviceField { key: "nvlink_gbps", unit: "GB/s", scale: 1e9, doc: "NVLink bandwidth per GPU and direction", fraction: false, field: |d| &mut d.nvlink_bandwidth },
-    DeviceField { key: "internode_gbps", unit: "GB/s", scale: 1e9, doc: "network bandwidth per GPU and direction", fraction: false, field: |d| &mut d.internode_bandwidth },
-    DeviceField { key: "nvlink_latency_us", unit: "us", scale: 1e-6, doc: "collective start-up latency inside a node", fraction: false, field: |d| &mut d.nvlink_latency },
-    DeviceField { key: "internode_latency_us", unit: "us", scale: 1e-6, doc: "collective start-up latency across nodes", fraction: false, field: |d| &mut d.internode_latency },
-    DeviceField { key: "matmul_efficiency", unit: "fraction", scale: 1.0, doc: "fraction of peak reached by large matrix products", fraction: true, field: |d| &mut d.matmul_efficiency },
-    DeviceField { key: "attention_efficiency", unit: "fraction", scale: 1.0, doc: "fraction of peak reached by flash attention", fraction: true, field: |d| &mut d.attention_efficiency },
-    DeviceField { key: "hbm_efficiency", unit: "fraction", scale: 1.0, doc: "fraction of memory bandwidth reached by streaming kernels", fraction: true, field: |d| &mut d.hbm_efficiency },
-    DeviceField { key: "nvlink_efficiency", unit: "fraction", scale: 1.0, doc: "fraction of NVLink bandwidth reached by collectives", fraction: true, field: |d| &mut d.nvlink_efficiency },
-    DeviceField { key: "internode_efficiency", unit: "fraction", scale: 1.0, doc: "fraction of network bandwidth reached by collectives", fraction: true, field: |d| &mut d.internode_efficiency },
-    DeviceField { key: "kernel_overhead_us", unit: "us", scale: 1e-6, doc: "fixed cost per kernel launch", fraction: false, field: |d| &mut d.kernel_overhead },
-    DeviceField { key: "reserved_gib", unit: "GiB", scale: GIB, doc: "memory held by CUDA context, libraries and NCCL", fraction: false, field: |d| &mut d.reserved_bytes },
+    DeviceField {
+        key: "sm_count",
+        unit: "SMs",
+        scale: 1.0,
+        doc: "streaming multiprocessors",
+        fraction: false,
+        field: |d| &mut d.sm_count,
+    },
+    DeviceField {
+        key: "peak_bf16_tflops",
+        unit: "TFLOP/s",
+        scale: 1e12,
+        doc: "dense bf16/fp16 tensor-core peak",
+        fraction: false,
+        field: |d| &mut d.peak_bf16_flops,
+    },
+    DeviceField {
+        key: "peak_fp32_tflops",
+        unit: "TFLOP/s",
+        scale: 1e12,
+        doc: "fp32 peak without tensor cores",
+        fraction: false,
+        field: |d| &mut d.peak_fp32_flops,
+    },
+    DeviceField {
+        key: "hbm_gib",
+        unit: "GiB",
+        scale: GIB,
+        doc: "memory capacity",
+        fraction: false,
+        field: |d| &mut d.hbm_bytes,
+    },
+    DeviceField {
+        key: "hbm_tbps",
+        unit: "TB/s",
+        scale: 1e12,
+        doc: "memory bandwidth",
+        fraction: false,
+        field: |d| &mut d.hbm_bandwidth,
+    },
+    DeviceField {
+        key: "nvlink_gbps",
+        unit: "GB/s",
+        scale: 1e9,
+        doc: "NVLink bandwidth per GPU and direction",
+        fraction: false,
+        field: |d| &mut d.nvlink_bandwidth,
+    },
+    DeviceField {
+        key: "internode_gbps",
+        unit: "GB/s",
+        scale: 1e9,
+        doc: "network bandwidth per GPU and direction",
+        fraction: false,
+        field: |d| &mut d.internode_bandwidth,
+    },
+    DeviceField {
+        key: "nvlink_latency_us",
+        unit: "us",
+        scale: 1e-6,
+        doc: "collective start-up latency inside a node",
+        fraction: false,
+        field: |d| &mut d.nvlink_latency,
+    },
+    DeviceField {
+        key: "internode_latency_us",
+        unit: "us",
+        scale: 1e-6,
+        doc: "collective start-up latency across nodes",
+        fraction: false,
+        field: |d| &mut d.internode_latency,
+    },
+    DeviceField {
+        key: "matmul_efficiency",
+        unit: "fraction",
+        scale: 1.0,
+        doc: "fraction of peak reached by large matrix products",
+        fraction: true,
+        field: |d| &mut d.matmul_efficiency,
+    },
+    DeviceField {
+        key: "attention_efficiency",
+        unit: "fraction",
+        scale: 1.0,
+        doc: "fraction of peak reached by flash attention",
+        fraction: true,
+        field: |d| &mut d.attention_efficiency,
+    },
+    DeviceField {
+        key: "hbm_efficiency",
+        unit: "fraction",
+        scale: 1.0,
+        doc: "fraction of memory bandwidth reached by streaming kernels",
+        fraction: true,
+        field: |d| &mut d.hbm_efficiency,
+    },
+    DeviceField {
+        key: "nvlink_efficiency",
+        unit: "fraction",
+        scale: 1.0,
+        doc: "fraction of NVLink bandwidth reached by collectives",
+        fraction: true,
+        field: |d| &mut d.nvlink_efficiency,
+    },
+    DeviceField {
+        key: "internode_efficiency",
+        unit: "fraction",
+        scale: 1.0,
+        doc: "fraction of network bandwidth reached by collectives",
+        fraction: true,
+        field: |d| &mut d.internode_efficiency,
+    },
+    DeviceField {
+        key: "kernel_overhead_us",
+        unit: "us",
+        scale: 1e-6,
+        doc: "fixed cost per kernel launch",
+        fraction: false,
+        field: |d| &mut d.kernel_overhead,
+    },
+    DeviceField {
+        key: "reserved_gib",
+        unit: "GiB",
+        scale: GIB,
+        doc: "memory held by CUDA context, libraries and NCCL",
+        fraction: false,
+        field: |d| &mut d.reserved_bytes,
+    },
 ];
 
 /// Names of the built-in device presets.
@@ -182,7 +294,21 @@ pub struct Link {
 impl Cluster {
     /// Total number of GPUs.
     pub fn gpus(&self) -> u64 {
-        self.nodes * self.gpus_per_node
+        self.nodes.saturating_mul(self.gpus_per_node)
+    }
+
+    /// Checks the size against [`crate::limits::MAX_GPUS`].
+    pub fn check_size(&self) -> Result<(), String> {
+        if self.gpus() > crate::limits::MAX_GPUS {
+            return Err(format!(
+                "{} x {} = {} GPUs, more than the {} autopar plans for",
+                self.nodes,
+                self.gpus_per_node,
+                self.gpus(),
+                crate::limits::MAX_GPUS
+            ));
+        }
+        Ok(())
     }
 
     /// Link of a group of `size` ranks `stride` apart, ranks being numbered node by node (the
@@ -236,12 +362,14 @@ pub fn parse_cluster_shorthand(s: &str) -> Result<Cluster, String> {
             Ok(x) => Ok(x),
         }
     };
-    Ok(Cluster {
+    let cluster = Cluster {
         name: s.to_string(),
         nodes: parse(n, "the number of nodes")?,
         gpus_per_node: parse(g, "GPUs per node")?,
         device,
-    })
+    };
+    cluster.check_size()?;
+    Ok(cluster)
 }
 
 #[cfg(test)]

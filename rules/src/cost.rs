@@ -175,14 +175,24 @@ mod tests {
         let d = preset("a100-80g").expect("preset");
         // 8192^3 GEMM: compute bound at the matmul efficiency.
         let f = 2.0 * 8192f64.powi(3);
-        let t = kernel_time(OpKind::MatMul { transpose_b: false }, f, 3.0 * 8192.0 * 8192.0 * 2.0, &d, DType::Bf16, None);
+        let t = kernel_time(
+            OpKind::MatMul { transpose_b: false },
+            f,
+            3.0 * 8192.0 * 8192.0 * 2.0,
+            &d,
+            DType::Bf16,
+            None,
+        );
         let expect = f / (312e12 * 271.2 / 312.0) + d.kernel_overhead;
         assert!((t - expect).abs() / expect < 1e-12);
         // An elementwise op over 1 GB is memory bound.
         let t = kernel_time(OpKind::Gelu, 4e8, 1e9, &d, DType::Bf16, None);
         let expect = 1e9 / (2.039e12 * 0.9) + d.kernel_overhead;
         assert!((t - expect).abs() / expect < 1e-12);
-        assert_eq!(kernel_time(OpKind::Slice, 0.0, 0.0, &d, DType::Bf16, None), 0.0);
+        assert_eq!(
+            kernel_time(OpKind::Slice, 0.0, 0.0, &d, DType::Bf16, None),
+            0.0
+        );
     }
 
     #[test]
@@ -195,6 +205,9 @@ mod tests {
         assert!((e - 288.0 / 324.0).abs() < 1e-12, "{e}");
         // A partial tile wastes its padding.
         let e = wave_efficiency(g(100.0, 128.0), 108.0);
-        assert!((e - 100.0 * 128.0 / (108.0 * 128.0 * 128.0)).abs() < 1e-12, "{e}");
+        assert!(
+            (e - 100.0 * 128.0 / (108.0 * 128.0 * 128.0)).abs() < 1e-12,
+            "{e}"
+        );
     }
 }

@@ -249,7 +249,7 @@ impl<'a> Estimator<'a> {
         if l.zero > 3 {
             return Err(LayoutError::ZeroStage(l.zero));
         }
-        let product = l.tp * l.pp * l.dp;
+        let product = l.tp.saturating_mul(l.pp).saturating_mul(l.dp);
         if product != self.cluster.gpus() {
             return Err(LayoutError::DeviceCount {
                 tp: l.tp,
@@ -259,7 +259,7 @@ impl<'a> Estimator<'a> {
                 gpus: self.cluster.gpus(),
             });
         }
-        if l.global_batch % (l.micro_batch * l.dp) != 0 {
+        if l.global_batch % l.micro_batch.saturating_mul(l.dp) != 0 {
             return Err(LayoutError::BatchSplit {
                 global_batch: l.global_batch,
                 micro_batch: l.micro_batch,
@@ -312,13 +312,7 @@ impl<'a> Estimator<'a> {
         Ok(self.price(g, costs, &chunks, layout))
     }
 
-    fn price(
-        &self,
-        g: &Graph,
-        costs: &[LayerCost],
-        chunks: &[Vec<usize>],
-        l: &Layout,
-    ) -> Estimate {
+    fn price(&self, g: &Graph, costs: &[LayerCost], chunks: &[Vec<usize>], l: &Layout) -> Estimate {
         let cluster = self.cluster;
         let device = &cluster.device;
         let precision = self.opts.precision;
@@ -358,9 +352,13 @@ impl<'a> Estimator<'a> {
         let mut parts = Vec::with_capacity(p as usize);
         for j in 0..p as usize {
             let mine: Vec<usize> = (0..n_chunks).filter(|k| k % p as usize == j).collect();
-            let layers: Vec<usize> = mine.iter().flat_map(|&k| chunks[k].iter().copied()).collect();
+            let layers: Vec<usize> = mine
+                .iter()
+                .flat_map(|&k| chunks[k].iter().copied())
+                .collect();
             let (mut fwd_c, mut fwd_m, mut bwd_c, mut bwd_m, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0);
-            let (mut act, mut transient, mut params, mut max_layer_params) = (0.0, 0.0f64, 0.0, 0.0f64);
+            let (mut act, mut transient, mut params, mut max_layer_params) =
+                (0.0, 0.0f64, 0.0, 0.0f64);
             let mut zero_extra = 0.0;
             let mut blocks = 0;
             for &li in &layers {
@@ -397,13 +395,19 @@ impl<'a> Estimator<'a> {
                 // recomputation). Prefetching hides them behind the same layer's compute; what
                 // exceeds it is exposed.
                 if l.zero >= 2 && d > 1 {
-                    let rs = collective_time(Collective::ReduceScatter, d, lp * grad_bytes, dp_link);
+                    let rs =
+                        collective_time(Collective::ReduceScatter, d, lp * grad_bytes, dp_link);
                     let ag = collective_time(Collective::AllGather, d, lp * weight_bytes, dp_link);
-                    let (fwd_l, bwd_l) = (c.fwd_compute + c.fwd_comm, c.bwd_compute + c.bwd_comm + r);
+                    let (fwd_l, bwd_l) =
+                        (c.fwd_compute + c.fwd_comm, c.bwd_compute + c.bwd_comm + r);
                     zero_extra += if l.zero == 2 {
                         (rs - bwd_l).max(0.0)
                     } else {
-                        let regather = if r > 0.0 && l.recompute == Recompute::Full { ag } else { 0.0 };
+                        let regather = if r > 0.0 && l.recompute == Recompute::Full {
+                            ag
+                        } else {
+                            0.0
+                        };
                         (ag - fwd_l).max(0.0) + (ag + regather + rs - bwd_l).max(0.0)
                     };
                 }
@@ -525,7 +529,8 @@ impl<'a> Estimator<'a> {
         };
 
         let replicas = (m * d) as f64;
-        let model_flops: f64 = costs.iter().map(|c| c.fwd_flops + c.bwd_flops).sum::<f64>() * replicas;
+        let model_flops: f64 =
+            costs.iter().map(|c| c.fwd_flops + c.bwd_flops).sum::<f64>() * replicas;
         let recompute_flops: f64 = costs
             .iter()
             .filter(|c| c.kind == LayerKind::Block)
@@ -543,12 +548,16 @@ impl<'a> Estimator<'a> {
             _ => device.peak_bf16_flops,
         };
         let capacity = device.hbm_bytes * (1.0 - self.opts.memory_headroom);
-        let (peak_stage, memory) = stages
-            .iter()
-            .map(|s| (s.index, s.memory))
-            .fold((0, stages[0].memory), |acc, (i, mem)| {
-                if mem.total > acc.1.total { (i, mem) } else { acc }
-            });
+        let (peak_stage, memory) = stages.iter().map(|s| (s.index, s.memory)).fold(
+            (0, stages[0].memory),
+            |acc, (i, mem)| {
+                if mem.total > acc.1.total {
+                    (i, mem)
+                } else {
+                    acc
+                }
+            },
+        );
         Estimate {
             layout: *l,
             num_microbatches: m,
@@ -578,7 +587,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Splits the layers into `pp x interleave` chunks of equally many blocks: layers before the
 /// first block join the first chunk, layers after a block join that block's chunk.
 fn assign_chunks(g: &Graph, l: &Layout) -> Result<Vec<Vec<usize>>, LayoutError> {
-    let n_chunks = (l.pp * l.interleave) as usize;
+    let n_chunks = l.pp.saturating_mul(l.interleave).min(usize::MAX as u64) as usize;
     let blocks = g.block_layers().len();
     if (blocks == 0 && n_chunks > 1) || (blocks > 0 && blocks % n_chunks != 0) {
         return Err(LayoutError::StageSplit {

@@ -65,7 +65,7 @@ pub struct Layout {
 impl Layout {
     /// Micro-batches per pipeline per step.
     pub fn num_microbatches(&self) -> u64 {
-        self.global_batch / (self.micro_batch * self.dp).max(1)
+        self.global_batch / self.micro_batch.saturating_mul(self.dp).max(1)
     }
 
     /// Compact one-line description, e.g. `tp8 pp16 dp8 mb1 v2 sp rc=selective zero1`.
@@ -136,7 +136,9 @@ pub enum LayoutError {
         dp: u64,
     },
     /// The blocks do not split evenly into pipeline chunks.
-    #[error("{blocks} blocks cannot be split evenly into pp x interleave = {pp} x {interleave} chunks")]
+    #[error(
+        "{blocks} blocks cannot be split evenly into pp x interleave = {pp} x {interleave} chunks"
+    )]
     StageSplit {
         /// Repeated blocks of the model.
         blocks: u64,

@@ -11,6 +11,7 @@ pub mod frontend;
 pub mod graph;
 pub mod layer_cost;
 pub mod layout;
+pub mod limits;
 pub mod memory;
 pub mod plan;
 pub mod schedule;

@@ -56,7 +56,6 @@ impl Precision {
     }
 }
 
-
 /// Model states on one device, bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelStates {

@@ -117,7 +117,7 @@ pub fn candidates(space: &SearchSpace, gpus: u64, global_batch: u64) -> Vec<Layo
                 continue;
             }
             for &micro_batch in &space.micro_batch {
-                if micro_batch == 0 || global_batch % (micro_batch * dp) != 0 {
+                if micro_batch == 0 || global_batch % micro_batch.saturating_mul(dp) != 0 {
                     continue;
                 }
                 for &interleave in &space.interleave {
@@ -157,7 +157,12 @@ pub fn candidates(space: &SearchSpace, gpus: u64, global_batch: u64) -> Vec<Layo
 }
 
 /// Prices every candidate and keeps the `keep` fastest that fit.
-pub fn search(est: &Estimator<'_>, space: &SearchSpace, global_batch: u64, keep: usize) -> SearchResult {
+pub fn search(
+    est: &Estimator<'_>,
+    space: &SearchSpace,
+    global_batch: u64,
+    keep: usize,
+) -> SearchResult {
     let cands = candidates(space, est.cluster().gpus(), global_batch);
     let mut fitting: Vec<Estimate> = Vec::new();
     let mut least_memory: Option<Estimate> = None;

@@ -209,7 +209,10 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
 pub fn indivisible_split(g: &Graph, t: u64) -> Option<(String, usize, u64)> {
     g.tensors.iter().find_map(|tensor| match tensor.split {
         Split::Model(axis)
-            if !matches!(tensor.kind, TensorKind::Gradient | TensorKind::WeightGradient) =>
+            if !matches!(
+                tensor.kind,
+                TensorKind::Gradient | TensorKind::WeightGradient
+            ) =>
         {
             let size = tensor.shape.get(axis as usize).copied().unwrap_or(0);
             (size % t != 0).then(|| (tensor.name.clone(), axis as usize, size))

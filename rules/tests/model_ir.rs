@@ -7,7 +7,7 @@ use autopar_rules::frontend::{
     Attention, Bias, LowerOptions, Mlp, Norm, Position, TransformerConfig, parse_hf_config,
 };
 use autopar_rules::graph::{DType, Graph, LayerKind};
-use autopar_rules::layer_cost::{LayerCost, layer_costs};
+use autopar_rules::layer_cost::{KernelOptions, LayerCost, layer_costs};
 use autopar_rules::tensor_parallel::TpConfig;
 
 fn model(file: &str) -> TransformerConfig {
@@ -76,7 +76,10 @@ fn parameter_counts_match_published_sizes() {
 fn megatron_table_models_match_the_papers_formula() {
     // P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)) = 12 l h^2 + 13 l h + (V + s) h, plus the
     // final layernorm (2h).
-    for (file, l, h) in [("gpt-1.7b.json", 24u64, 2304u64), ("gpt-1t.json", 128, 25600)] {
+    for (file, l, h) in [
+        ("gpt-1.7b.json", 24u64, 2304u64),
+        ("gpt-1t.json", 128, 25600),
+    ] {
         let g = lower(&model(file), 1, 8, Attention::Flash);
         let (v, s) = (51200u64, 2048u64);
         let p = 12 * l * h * h + 13 * l * h + (v + s) * h + 2 * h;
@@ -92,7 +95,12 @@ fn costs(g: &Graph, t: u64, sp: bool) -> Vec<LayerCost> {
         gpus_per_node: 8,
         device: d.clone(),
     };
-    layer_costs(g, TpConfig { t, sp }, &d, DType::F16, c.group_link(1, t))
+    let kernels = KernelOptions {
+        dtype: DType::F16,
+        grad_buffer_bytes: 2.0,
+        grad_accumulation_fusion: true,
+    };
+    layer_costs(g, TpConfig { t, sp }, &d, &kernels, c.group_link(1, t))
 }
 
 fn gpt(h: u64, a: u64, dropout: bool) -> TransformerConfig {
@@ -147,7 +155,11 @@ fn head_activations_match_the_logits_term() {
     // Last stage adds 4 s b h (1 + V/h) / t under sequence parallelism.
     let (s, b, h, v) = (1024u64, 1u64, 512u64, 1024u64);
     let g = lower(&gpt(h, 8, false), b, s, Attention::Flash);
-    let head = g.layers.iter().position(|l| l.kind == LayerKind::Head).expect("head");
+    let head = g
+        .layers
+        .iter()
+        .position(|l| l.kind == LayerKind::Head)
+        .expect("head");
     for t in [1u64, 2, 4] {
         let c = &costs(&g, t, t > 1)[head];
         let expect = 4.0 * (s * b * h) as f64 * (1.0 + v as f64 / h as f64) / t as f64;
@@ -177,7 +189,13 @@ fn flops_match_megatrons_formula() {
     let c = model("gpt-145.6b.json");
     let (b, s) = (1u64, 2048u64);
     let g = lower(&c, b, s, Attention::Unfused);
-    let (bf, sf, l, h, v) = (b as f64, s as f64, c.layers as f64, c.hidden as f64, c.vocab as f64);
+    let (bf, sf, l, h, v) = (
+        b as f64,
+        s as f64,
+        c.layers as f64,
+        c.hidden as f64,
+        c.vocab as f64,
+    );
     let formula = 96.0 * bf * sf * l * h * h * (1.0 + sf / (6.0 * h) + v / (16.0 * l * h));
     let cs = costs(&g, 1, false);
     let recompute: f64 = cs
@@ -187,7 +205,10 @@ fn flops_match_megatrons_formula() {
         .sum();
     let total = g.forward_flops() + g.backward_flops() + recompute;
     let rel = (total - formula) / formula;
-    assert!((0.0..0.01).contains(&rel), "graph {total:e} vs formula {formula:e} ({rel})");
+    assert!(
+        (0.0..0.01).contains(&rel),
+        "graph {total:e} vs formula {formula:e} ({rel})"
+    );
     // Backward of a transformer is twice its forward.
     let ratio = g.backward_flops() / g.forward_flops();
     assert!((ratio - 2.0).abs() < 0.02, "{ratio}");

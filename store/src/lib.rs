@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 /// A storage failure, naming the path involved.
 #[derive(Debug, thiserror::Error)]
-#[error("{action} {}: {source}", path.display())]
+#[error("{action} {}", path.display())]
 pub struct StoreError {
     /// What was being done.
     pub action: &'static str,
@@ -36,15 +36,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
         _ => Path::new("."),
     };
     std::fs::create_dir_all(dir).map_err(err("creating directory", dir))?;
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(err("creating a temporary file in", dir))?;
+    let mut tmp =
+        tempfile::NamedTempFile::new_in(dir).map_err(err("creating a temporary file in", dir))?;
     tmp.write_all(bytes).map_err(err("writing", tmp.path()))?;
     tmp.as_file().sync_all().map_err(err("syncing", path))?;
-    tmp.persist(path)
-        .map_err(|e| StoreError {
-            action: "renaming into place",
-            path: path.to_path_buf(),
-            source: e.error,
-        })?;
+    tmp.persist(path).map_err(|e| StoreError {
+        action: "renaming into place",
+        path: path.to_path_buf(),
+        source: e.error,
+    })?;
     if let Ok(d) = std::fs::File::open(dir) {
         // Directory fsync is not supported everywhere; the data itself is already durable.
         let _ = d.sync_all();

@@ -23,8 +23,11 @@ impl TempWorkspace {
     pub fn default_copy() -> Self {
         let dir = tempfile::tempdir().expect("temporary directory");
         let root = repo_root();
-        std::fs::copy(root.join("workspace.toml"), dir.path().join("workspace.toml"))
-            .expect("copy workspace.toml");
+        std::fs::copy(
+            root.join("workspace.toml"),
+            dir.path().join("workspace.toml"),
+        )
+        .expect("copy workspace.toml");
         let models = dir.path().join("models");
         std::fs::create_dir_all(&models).expect("models dir");
         for entry in std::fs::read_dir(root.join("models")).expect("read models") {
@@ -80,8 +83,12 @@ pub struct Run {
 impl Run {
     /// Standard output parsed as JSON.
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_str(&self.stdout)
-            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}):\n{}\nstderr:\n{}", self.stdout, self.stderr))
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| {
+            panic!(
+                "stdout is not JSON ({e}):\n{}\nstderr:\n{}",
+                self.stdout, self.stderr
+            )
+        })
     }
 }
 

@@ -123,7 +123,9 @@ fn kv_heads_not_dividing_heads_inline() {
 #[test]
 fn heads_not_dividing_hidden_in_a_model_file() {
     let ws = TempWorkspace::with_toml(BASE);
-    let config = ws.read("models/gpt2-small.json").replace("\"n_head\": 12", "\"n_head\": 10");
+    let config = ws
+        .read("models/gpt2-small.json")
+        .replace("\"n_head\": 12", "\"n_head\": 10");
     ws.write("models/gpt2-small.json", &config);
     let r = ws.run(&["build"]);
     assert_eq!(r.code, 2);
@@ -137,7 +139,10 @@ fn heads_not_dividing_hidden_in_a_model_file() {
 #[test]
 fn invalid_json_in_a_model_file() {
     let ws = TempWorkspace::with_toml(BASE);
-    ws.write("models/gpt2-small.json", "{\n  \"n_embd\": 768,\n  \"n_head\": 12\n  \"n_layer\": 12\n}\n");
+    ws.write(
+        "models/gpt2-small.json",
+        "{\n  \"n_embd\": 768,\n  \"n_head\": 12\n  \"n_layer\": 12\n}\n",
+    );
     let r = ws.run(&["build"]);
     assert_eq!(r.code, 2);
     assert!(
@@ -192,15 +197,32 @@ fn impossible_override() {
 
 #[test]
 fn overrides_change_the_prediction() {
-    let slow = BASE.replace("gpus_per_node = 8", "gpus_per_node = 8\noverrides = { nvlink_gbps = 30 }");
+    let slow = BASE.replace(
+        "gpus_per_node = 8",
+        "gpus_per_node = 8\noverrides = { nvlink_gbps = 30 }",
+    );
     let predict = |toml: &str| {
         let ws = TempWorkspace::with_toml(toml);
-        let r = ws.run(&["estimate", "--model", "gpt", "--cluster", "node", "--tp", "4", "--gbs", "64", "--json"]);
+        let r = ws.run(&[
+            "estimate",
+            "--model",
+            "gpt",
+            "--cluster",
+            "node",
+            "--tp",
+            "4",
+            "--gbs",
+            "64",
+            "--json",
+        ]);
         assert_eq!(r.code, 0, "{}", r.stderr);
         r.json()["time"]["tp_comm"].as_f64().expect("tp comm")
     };
     let (fast, slow) = (predict(BASE), predict(&slow));
-    assert!(slow > 5.0 * fast, "a tenth of the NVLink bandwidth: {fast} -> {slow}");
+    assert!(
+        slow > 5.0 * fast,
+        "a tenth of the NVLink bandwidth: {fast} -> {slow}"
+    );
 }
 
 #[test]
@@ -288,7 +310,12 @@ fn missing_workspace_file() {
     let dir = tempfile::tempdir().expect("tempdir");
     let r = run_in(dir.path(), &["build"]);
     assert_eq!(r.code, 2);
-    assert!(r.stderr.starts_with("error: cannot read workspace.toml: No such file"), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .starts_with("error: cannot read workspace.toml: No such file"),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]
@@ -296,7 +323,9 @@ fn graph_file_errors_point_into_the_graph_file() {
     let ws = TempWorkspace::with_toml(
         "[[model]]\nname = \"m\"\ngraph = \"models/tiny-mlp.graph.json\"\n",
     );
-    let text = ws.read("models/tiny-mlp.graph.json").replace("\"inputs\": [\"h_0\"]", "\"inputs\": [\"h_9\"]");
+    let text = ws
+        .read("models/tiny-mlp.graph.json")
+        .replace("\"inputs\": [\"h_0\"]", "\"inputs\": [\"h_9\"]");
     ws.write("models/tiny-mlp.graph.json", &text);
     let r = ws.run(&["build"]);
     assert_eq!(r.code, 2);
@@ -312,22 +341,65 @@ fn bad_command_line_values() {
     let ws = TempWorkspace::with_toml(BASE);
     let cases: [(&[&str], &str); 5] = [
         (
-            &["estimate", "--model", "gpt", "--cluster", "a100-80g:0x8", "--gbs", "8"],
-            "error: cluster `a100-80g:0x8` is not known: expected PRESET:NODESxGPUS",
+            &[
+                "estimate",
+                "--model",
+                "gpt",
+                "--cluster",
+                "a100-80g:0x8",
+                "--gbs",
+                "8",
+            ],
+            "error: --cluster: expected PRESET:NODESxGPUS with PRESET one of a100-40g, a100-80g, h100-sxm, h200, found `a100-80g:0x8` (the number of nodes must be a positive integer, found `0`)",
         ),
         (
-            &["estimate", "--model", "gpt", "--cluster", "node", "--tp", "5", "--pp", "1", "--dp", "1", "--gbs", "8"],
+            &[
+                "estimate",
+                "--model",
+                "gpt",
+                "--cluster",
+                "node",
+                "--tp",
+                "5",
+                "--pp",
+                "1",
+                "--dp",
+                "1",
+                "--gbs",
+                "8",
+            ],
             "error: tp x pp x dp = 5 x 1 x 1 = 5, but the cluster has 8 GPUs",
         ),
         (
-            &["estimate", "--model", "gpt", "--cluster", "a100-80g:1x8", "--tp", "8", "--gbs", "8"],
+            &[
+                "estimate",
+                "--model",
+                "gpt",
+                "--cluster",
+                "a100-80g:1x8",
+                "--tp",
+                "8",
+                "--gbs",
+                "8",
+            ],
             "error: tp = 8 does not divide the attention heads (12)",
         ),
         (
-            &["estimate", "--model", "nope", "--cluster", "node", "--gbs", "8"],
+            &[
+                "estimate",
+                "--model",
+                "nope",
+                "--cluster",
+                "node",
+                "--gbs",
+                "8",
+            ],
             "error: model `nope` is not known: expected a model of workspace.toml (gpt, tiny)",
         ),
-        (&["estimate", "--model", "gpt"], "error: the following required arguments were not provided"),
+        (
+            &["estimate", "--model", "gpt"],
+            "error: the following required arguments were not provided",
+        ),
     ];
     for (args, prefix) in cases {
         let r = ws.run(args);

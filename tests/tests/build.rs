@@ -32,11 +32,16 @@ fn default_workspace_plans_every_target() {
         let mfu = t["mfu"].as_f64().expect("mfu");
         assert!(mfu > 0.2 && mfu < 0.8, "{name}: MFU {mfu}");
         // The plan on disk is the one reported.
-        let plan: Value = serde_json::from_str(&ws.read(&format!("plans/{name}.json"))).expect("plan JSON");
+        let plan: Value =
+            serde_json::from_str(&ws.read(&format!("plans/{name}.json"))).expect("plan JSON");
         assert_eq!(plan["estimate"]["layout"], *l);
         assert_eq!(plan["target"], name);
-        let usable = plan["estimate"]["memory_capacity"].as_f64().expect("capacity");
-        let needed = plan["estimate"]["memory"]["total"].as_f64().expect("memory");
+        let usable = plan["estimate"]["memory_capacity"]
+            .as_f64()
+            .expect("capacity");
+        let needed = plan["estimate"]["memory"]["total"]
+            .as_f64()
+            .expect("memory");
         assert!(needed <= usable, "{name}: {needed} > {usable}");
     }
     // Megatron-LM's finding: tensor parallelism stays inside an 8-GPU node.
@@ -70,10 +75,18 @@ fn plan_show_prints_what_build_stored() {
         "--num-query-groups 8",
         "--swiglu",
     ] {
-        assert!(text.stdout.contains(needle), "missing {needle:?} in\n{}", text.stdout);
+        assert!(
+            text.stdout.contains(needle),
+            "missing {needle:?} in\n{}",
+            text.stdout
+        );
     }
     // The text report of the build says the same as plan show.
-    assert!(built.stdout.contains(text.stdout.lines().next().expect("first line")));
+    assert!(
+        built
+            .stdout
+            .contains(text.stdout.lines().next().expect("first line"))
+    );
 }
 
 #[test]
@@ -81,7 +94,11 @@ fn plan_show_before_build_says_what_to_run() {
     let ws = TempWorkspace::default_copy();
     let r = ws.run(&["plan", "show", "llama3-8b"]);
     assert_eq!(r.code, 1);
-    assert!(r.stderr.contains("run `autopar build llama3-8b` first"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("run `autopar build llama3-8b` first"),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]
@@ -89,8 +106,16 @@ fn unknown_target_is_a_usage_error() {
     let ws = TempWorkspace::default_copy();
     let r = ws.run(&["build", "gpt5"]);
     assert_eq!(r.code, 2);
-    assert!(r.stderr.contains("target `gpt5` is not known"), "{}", r.stderr);
-    assert!(r.stderr.contains("llama3-8b"), "lists the known targets: {}", r.stderr);
+    assert!(
+        r.stderr.contains("target `gpt5` is not known"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("llama3-8b"),
+        "lists the known targets: {}",
+        r.stderr
+    );
 }
 
 const TOO_BIG: &str = r#"
@@ -127,10 +152,24 @@ seq_len = 1024
 fn infeasible_target_names_the_memory_constraint_and_partial_build_exits_3() {
     let ws = TempWorkspace::with_toml(TOO_BIG);
     let r = ws.run(&["build"]);
-    assert_eq!(r.code, 3, "one target planned, one infeasible:\n{}", r.stderr);
-    assert!(r.stderr.contains("target huge is infeasible: no layout fits in memory"), "{}", r.stderr);
+    assert_eq!(
+        r.code, 3,
+        "one target planned, one infeasible:\n{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr
+            .contains("target huge is infeasible: no layout fits in memory"),
+        "{}",
+        r.stderr
+    );
     assert!(r.stderr.contains("GiB per device"), "{}", r.stderr);
-    assert!(r.stderr.contains("a100-40g has 36.0 GiB usable (40.0 GiB less 10% headroom)"), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("a100-40g has 36.0 GiB usable (40.0 GiB less 10% headroom)"),
+        "{}",
+        r.stderr
+    );
     assert!(ws.path().join("plans/small.json").exists());
     assert!(!ws.path().join("plans/huge.json").exists());
 
@@ -146,7 +185,10 @@ fn a_target_that_becomes_infeasible_loses_its_stale_plan() {
     assert_eq!(ws.run(&["build", "small"]).code, 0);
     assert!(ws.path().join("plans/small.json").exists());
     // The same target now asks for a model that cannot fit.
-    ws.write("workspace.toml", &TOO_BIG.replace("model = \"gpt2\"", "model = \"llama3-405b\""));
+    ws.write(
+        "workspace.toml",
+        &TOO_BIG.replace("model = \"gpt2\"", "model = \"llama3-405b\""),
+    );
     let r = ws.run(&["build", "small"]);
     assert_eq!(r.code, 1, "{}", r.stderr);
     assert!(!ws.path().join("plans/small.json").exists());

@@ -35,7 +35,11 @@ fn megatron_2021_table1() {
             "gpt-1t.json" => 2,
             _ => 0,
         };
-        let interleaved = if row.pp > 2 && blocks_per_stage % 2 == 0 { 2 } else { 1 };
+        let interleaved = if row.pp > 2 && blocks_per_stage % 2 == 0 {
+            2
+        } else {
+            1
+        };
         for (i, v) in [1, interleaved].into_iter().enumerate() {
             let args = row.estimate_args(v);
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -70,13 +74,38 @@ fn megatron_2021_table1() {
 fn estimate_json_contract_and_memory_failure() {
     let ws = TempWorkspace::default_copy();
     let ok = ws.run(&[
-        "estimate", "--model", "llama2-70b", "--cluster", "dgx-h100-8", "--tp", "8", "--pp", "4",
-        "--mbs", "1", "--gbs", "512", "--seq", "4096", "--sp", "--recompute", "selective",
-        "--zero", "1", "--json",
+        "estimate",
+        "--model",
+        "llama2-70b",
+        "--cluster",
+        "dgx-h100-8",
+        "--tp",
+        "8",
+        "--pp",
+        "4",
+        "--mbs",
+        "1",
+        "--gbs",
+        "512",
+        "--seq",
+        "4096",
+        "--sp",
+        "--recompute",
+        "selective",
+        "--zero",
+        "1",
+        "--json",
     ]);
     assert_eq!(ok.code, 0, "{}", ok.stderr);
     let j = ok.json();
-    for key in ["step_time_s", "tflops_per_gpu", "mfu", "memory_per_device_gib", "fits", "tokens_per_s"] {
+    for key in [
+        "step_time_s",
+        "tflops_per_gpu",
+        "mfu",
+        "memory_per_device_gib",
+        "fits",
+        "tokens_per_s",
+    ] {
         assert!(!j[key].is_null(), "{key} missing in {j}");
     }
     assert_eq!(j["layout"]["dp"], 2, "dp defaults to GPUs / (tp x pp)");
@@ -87,34 +116,86 @@ fn estimate_json_contract_and_memory_failure() {
         .sum();
     assert!((parts - m["total"].as_f64().expect("total")).abs() < 1.0);
     let t = &j["time"];
-    let time: f64 = ["compute", "recompute", "tp_comm", "p2p", "zero_comm", "bubble", "grad_sync", "optimizer"]
-        .iter()
-        .map(|k| t[k].as_f64().expect("part"))
-        .sum();
+    let time: f64 = [
+        "compute",
+        "recompute",
+        "tp_comm",
+        "p2p",
+        "zero_comm",
+        "bubble",
+        "grad_sync",
+        "optimizer",
+    ]
+    .iter()
+    .map(|k| t[k].as_f64().expect("part"))
+    .sum();
     let step = j["step_time_s"].as_f64().expect("step");
-    assert!((time - step).abs() < 1e-9 * step, "the breakdown adds up to the step time");
+    assert!(
+        (time - step).abs() < 1e-9 * step,
+        "the breakdown adds up to the step time"
+    );
 
     // The same model without model parallelism does not fit on one H100: exit 1, fits = false.
     let oom = ws.run(&[
-        "estimate", "--model", "llama2-70b", "--cluster", "h100-sxm:1x8", "--gbs", "64", "--seq",
-        "4096", "--json",
+        "estimate",
+        "--model",
+        "llama2-70b",
+        "--cluster",
+        "h100-sxm:1x8",
+        "--gbs",
+        "64",
+        "--seq",
+        "4096",
+        "--json",
     ]);
     assert_eq!(oom.code, 1);
     assert_eq!(oom.json()["fits"], false);
-    assert!(oom.stderr.contains("GiB per device but h100-sxm has"), "{}", oom.stderr);
+    assert!(
+        oom.stderr.contains("GiB per device but h100-sxm has"),
+        "{}",
+        oom.stderr
+    );
 }
 
 #[test]
 fn estimate_text_output() {
     let ws = TempWorkspace::default_copy();
     let r = ws.run(&[
-        "estimate", "--model", "models/gpt3-175b.json", "--cluster", "a100-80g:128x8", "--tp", "8",
-        "--pp", "16", "--mbs", "1", "--gbs", "1536", "--vp", "2", "--sp", "--recompute",
-        "selective", "--zero", "1",
+        "estimate",
+        "--model",
+        "models/gpt3-175b.json",
+        "--cluster",
+        "a100-80g:128x8",
+        "--tp",
+        "8",
+        "--pp",
+        "16",
+        "--mbs",
+        "1",
+        "--gbs",
+        "1536",
+        "--vp",
+        "2",
+        "--sp",
+        "--recompute",
+        "selective",
+        "--zero",
+        "1",
     ]);
     assert_eq!(r.code, 0, "{}", r.stderr);
-    for needle in ["tp 8 · pp 16 · dp 8", "interleave 2", "TFLOP/s per GPU", "MFU", "fits", "stages"] {
-        assert!(r.stdout.contains(needle), "missing {needle:?}:\n{}", r.stdout);
+    for needle in [
+        "tp 8 · pp 16 · dp 8",
+        "interleave 2",
+        "TFLOP/s per GPU",
+        "MFU",
+        "fits",
+        "stages",
+    ] {
+        assert!(
+            r.stdout.contains(needle),
+            "missing {needle:?}:\n{}",
+            r.stdout
+        );
     }
 }
 
@@ -123,7 +204,15 @@ fn estimate_prices_graph_file_models_under_tensor_parallelism() {
     let ws = TempWorkspace::default_copy();
     let price = |tp: &str| {
         let r = ws.run(&[
-            "estimate", "--model", "tiny-mlp", "--cluster", "h100-sxm:1x2", "--tp", tp, "--gbs", "8",
+            "estimate",
+            "--model",
+            "tiny-mlp",
+            "--cluster",
+            "h100-sxm:1x2",
+            "--tp",
+            tp,
+            "--gbs",
+            "8",
             "--json",
         ]);
         assert_eq!(r.code, 0, "{}", r.stderr);

@@ -13,11 +13,17 @@ fn graph_json_summarises_layers_and_flops() {
     let groups = j["groups"].as_array().expect("groups");
     // Embedding, 96 identical blocks folded into one group, head.
     assert_eq!(groups.len(), 3);
-    assert_eq!((groups[1]["first"].as_u64(), groups[1]["last"].as_u64()), (Some(1), Some(96)));
+    assert_eq!(
+        (groups[1]["first"].as_u64(), groups[1]["last"].as_u64()),
+        (Some(1), Some(96))
+    );
     assert_eq!(groups[1]["layer"]["kind"], "block");
     // Forward FLOPs per token ~ 2 N plus attention; training ~ 3x forward.
     let fwd = j["forward_flops_per_token"].as_f64().expect("fwd");
-    assert!(fwd > 2.0 * params as f64 && fwd < 2.2 * params as f64, "{fwd}");
+    assert!(
+        fwd > 2.0 * params as f64 && fwd < 2.2 * params as f64,
+        "{fwd}"
+    );
     let train = j["training_flops_per_token"].as_f64().expect("train");
     assert!((train / fwd - 3.0).abs() < 0.05, "{train} / {fwd}");
 }
@@ -36,7 +42,11 @@ fn graph_text_lists_ops_of_each_distinct_layer() {
         "layers.0.mlp.swiglu",
         "head.loss.grad",
     ] {
-        assert!(r.stdout.contains(needle), "missing {needle:?}:\n{}", r.stdout);
+        assert!(
+            r.stdout.contains(needle),
+            "missing {needle:?}:\n{}",
+            r.stdout
+        );
     }
 }
 
@@ -46,6 +56,9 @@ fn graph_of_a_graph_file() {
     let r = ws.run(&["graph", "models/tiny-mlp.graph.json", "--json"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     let j = r.json();
-    assert_eq!(j["parameters"], 2 * 32768 * 1024 + 2 * 2 * 1024 * 4096 + 1024);
+    assert_eq!(
+        j["parameters"],
+        2 * 32768 * 1024 + 2 * 2 * 1024 * 4096 + 1024
+    );
     assert_eq!(j["seq"], 1024, "the file's max_seq is the default sequence");
 }

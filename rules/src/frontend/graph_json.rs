@@ -8,6 +8,7 @@
 use super::locate::{PathSeg, locate, offset_of};
 use crate::error::FieldError;
 use crate::graph::{DType, Graph, GraphBuilder, LayerKind, OpKind, Split, TensorKind};
+use crate::limits;
 use serde::Deserialize;
 
 /// Value of the `format` field this reader accepts.
@@ -198,8 +199,12 @@ const CHECK_SEQ: u64 = 7;
 /// Parses and validates a graph file.
 pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
     let file: FileGraph = serde_json::from_str(text).map_err(|e| {
-        FieldError::new("(document)", "an autopar-graph/1 JSON document", e.to_string())
-            .at(Some(offset_of(text, e.line(), e.column())))
+        FieldError::new(
+            "(document)",
+            "an autopar-graph/1 JSON document",
+            e.to_string(),
+        )
+        .at(Some(offset_of(text, e.line(), e.column())))
     })?;
     let cx = Ctx { text };
     if file.format != GRAPH_FORMAT {
@@ -244,6 +249,13 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
                 FileDim::Int(0) => {
                     return Err(cx.err(&path, "a positive size, \"b\" or \"s\"", "0"));
                 }
+                FileDim::Int(n) if *n > limits::MAX_DIM => {
+                    return Err(cx.err(
+                        &path,
+                        format!("a size up to {}", limits::MAX_DIM),
+                        n.to_string(),
+                    ));
+                }
                 FileDim::Int(n) => Dim::Fixed(*n),
                 FileDim::Sym(s) if s == "b" || s == "s" => {
                     if kind == TensorKind::Parameter {
@@ -256,14 +268,22 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
                     if s == "b" { Dim::Batch } else { Dim::Seq }
                 }
                 FileDim::Sym(s) => {
-                    return Err(cx.err(&path, "a positive size, \"b\" or \"s\"", format!("\"{s}\"")));
+                    return Err(cx.err(
+                        &path,
+                        "a positive size, \"b\" or \"s\"",
+                        format!("\"{s}\""),
+                    ));
                 }
             });
         }
         let dtype = match &t.dtype {
             None => None,
             Some(s) => Some(parse_dtype(s).ok_or_else(|| {
-                cx.err(&at("dtype"), "one of f32, bf16, f16, i32, u8", format!("\"{s}\""))
+                cx.err(
+                    &at("dtype"),
+                    "one of f32, bf16, f16, i32, u8",
+                    format!("\"{s}\""),
+                )
             })?),
         };
         let seq_axis = shape.iter().position(|d| *d == Dim::Seq);
@@ -315,7 +335,11 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
             Some("head") => LayerKind::Head,
             Some(other) => {
                 return Err(cx.err(
-                    &[PathSeg::Key("layers"), PathSeg::Index(li), PathSeg::Key("kind")],
+                    &[
+                        PathSeg::Key("layers"),
+                        PathSeg::Index(li),
+                        PathSeg::Key("kind"),
+                    ],
                     "one of embedding, block, head",
                     format!("\"{other}\""),
                 ));
@@ -336,21 +360,30 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
             };
             let kind = parse_op_kind(&op.kind, op.transpose_b, op.causal.unwrap_or(true))
                 .ok_or_else(|| {
-                    cx.err(&with("kind"), format!("one of {OP_KINDS}"), format!("\"{}\"", op.kind))
+                    cx.err(
+                        &with("kind"),
+                        format!("one of {OP_KINDS}"),
+                        format!("\"{}\"", op.kind),
+                    )
                 })?;
-            let resolve = |names: &[String], field: &'static str| -> Result<Vec<usize>, FieldError> {
-                names
-                    .iter()
-                    .enumerate()
-                    .map(|(j, n)| {
-                        by_name.get(n.as_str()).copied().ok_or_else(|| {
-                            let mut p = with(field);
-                            p.push(PathSeg::Index(j));
-                            cx.err(&p, "the name of a tensor listed in `tensors`", format!("\"{n}\""))
+            let resolve =
+                |names: &[String], field: &'static str| -> Result<Vec<usize>, FieldError> {
+                    names
+                        .iter()
+                        .enumerate()
+                        .map(|(j, n)| {
+                            by_name.get(n.as_str()).copied().ok_or_else(|| {
+                                let mut p = with(field);
+                                p.push(PathSeg::Index(j));
+                                cx.err(
+                                    &p,
+                                    "the name of a tensor listed in `tensors`",
+                                    format!("\"{n}\""),
+                                )
+                            })
                         })
-                    })
-                    .collect()
-            };
+                        .collect()
+                };
             ops.push(OpSpec {
                 name: op.name.clone(),
                 kind,
@@ -408,8 +441,12 @@ impl GraphSpec {
                 let ins: Vec<_> = op.inputs.iter().map(|&i| ids[i]).collect();
                 let outs: Vec<_> = op.outputs.iter().map(|&i| ids[i]).collect();
                 let id = g.op(&op.name, op.kind, &ins, &outs).map_err(|e| {
-                    FieldError::new(format!("op `{}`", op.name), "operands that fit the op kind", e.message)
-                        .at(op.offset)
+                    FieldError::new(
+                        format!("op `{}`", op.name),
+                        "operands that fit the op kind",
+                        e.message,
+                    )
+                    .at(op.offset)
                 })?;
                 if op.attention_core {
                     g.set_attention_core(id);
@@ -462,7 +499,10 @@ mod tests {
         let spec = parse_graph_file(MLP).expect("valid graph");
         let g = spec.lower(2, 16, DType::Bf16).expect("lowers");
         assert_eq!(g.layers.len(), 3);
-        assert_eq!(g.parameter_count(), 1000 * 64 + 64 * 256 + 256 * 64 + 64 * 1000);
+        assert_eq!(
+            g.parameter_count(),
+            1000 * 64 + 64 * 256 + 256 * 64 + 64 * 1000
+        );
         // fc1: 2·(b·s)·64·256 forward, twice that backward (dgrad + wgrad).
         let fc1 = 2.0 * 32.0 * 64.0 * 256.0;
         let mlp = &g.layers[1];
@@ -493,11 +533,17 @@ mod tests {
 
     #[test]
     fn unknown_key_and_bad_split_are_rejected() {
-        let text = MLP.replace("\"name\": \"tiny-mlp\"", "\"name\": \"tiny-mlp\", \"colour\": 1");
+        let text = MLP.replace(
+            "\"name\": \"tiny-mlp\"",
+            "\"name\": \"tiny-mlp\", \"colour\": 1",
+        );
         let e = parse_graph_file(&text).expect_err("unknown key");
         assert!(e.found.contains("unknown field `colour`"), "{e}");
         let text = MLP.replace("\"model:0\"}", "\"model:7\"}");
-        assert_eq!(parse_graph_file(&text).expect_err("axis").field, "tensors[2].split");
+        assert_eq!(
+            parse_graph_file(&text).expect_err("axis").field,
+            "tensors[2].split"
+        );
     }
 
     proptest! {

@@ -108,9 +108,7 @@ pub fn parse_hf_config(text: &str) -> Result<TransformerConfig, FieldError> {
             .at(Some(offset_of(text, e.line(), e.column())))
     })?;
     let Some(obj) = value.as_object() else {
-        return Err(
-            FieldError::new("(document)", "a JSON object", describe(&value)).at(Some(0)),
-        );
+        return Err(FieldError::new("(document)", "a JSON object", describe(&value)).at(Some(0)));
     };
     let r = Reader { text, obj };
     let family = match r.opt_str("model_type")? {
@@ -146,8 +144,7 @@ pub fn parse_hf_config(text: &str) -> Result<TransformerConfig, FieldError> {
             ));
         }
     }
-    let (config, names): (TransformerConfig, fn(TransformerField) -> &'static str) = match family
-    {
+    let (config, names): (TransformerConfig, fn(TransformerField) -> &'static str) = match family {
         Family::Gpt2 => (gpt2(&r)?, gpt2_name),
         Family::Llama { qwen2 } => (llama(&r, qwen2)?, llama_name),
     };
@@ -192,11 +189,13 @@ fn llama_name(f: TransformerField) -> &'static str {
 fn gpt2(r: &Reader<'_>) -> Result<TransformerConfig, FieldError> {
     let hidden = r.u64("n_embd")?;
     let heads = r.u64("n_head")?;
-    let head_dim = TransformerConfig::default_head_dim(hidden, heads)
-        .map_err(|e| located(r, e, gpt2_name))?;
+    let head_dim =
+        TransformerConfig::default_head_dim(hidden, heads).map_err(|e| located(r, e, gpt2_name))?;
     let max_seq = match r.opt_u64("n_positions")? {
         Some(n) => n,
-        None => r.opt_u64("n_ctx")?.ok_or_else(|| r.missing("n_positions"))?,
+        None => r
+            .opt_u64("n_ctx")?
+            .ok_or_else(|| r.missing("n_positions"))?,
     };
     let act = r.opt_str("activation_function")?.unwrap_or("gelu_new");
     if !act.starts_with("gelu") {
@@ -293,7 +292,10 @@ mod tests {
     fn reads_llama_fields() {
         let c = parse_hf_config(LLAMA).expect("valid config");
         assert_eq!((c.hidden, c.kv_heads, c.head_dim), (4096, 8, 128));
-        assert_eq!((c.mlp, c.norm, c.position), (Mlp::SwiGlu, Norm::RmsNorm, Position::Rope));
+        assert_eq!(
+            (c.mlp, c.norm, c.position),
+            (Mlp::SwiGlu, Norm::RmsNorm, Position::Rope)
+        );
         assert!(!c.tied_embeddings);
     }
 
@@ -327,7 +329,10 @@ mod tests {
     #[test]
     fn rejects_mixture_of_experts_and_unknown_families() {
         let moe = LLAMA.replace("\"vocab_size\"", "\"num_local_experts\": 8, \"vocab_size\"");
-        assert_eq!(parse_hf_config(&moe).expect_err("moe").field, "num_local_experts");
+        assert_eq!(
+            parse_hf_config(&moe).expect_err("moe").field,
+            "num_local_experts"
+        );
         let t5 = LLAMA.replace("\"llama\"", "\"t5\"");
         assert_eq!(parse_hf_config(&t5).expect_err("t5").field, "model_type");
     }

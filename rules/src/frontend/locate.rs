@@ -85,7 +85,10 @@ pub fn line_col(text: &str, offset: usize) -> (usize, usize) {
         .iter()
         .rposition(|&c| c == b'\n')
         .map_or(0, |p| p + 1);
-    let col = String::from_utf8_lossy(&before[line_start..]).chars().count() + 1;
+    let col = String::from_utf8_lossy(&before[line_start..])
+        .chars()
+        .count()
+        + 1;
     (line, col)
 }
 

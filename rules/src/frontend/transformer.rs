@@ -10,6 +10,7 @@ use crate::error::FieldError;
 use crate::graph::{
     DType, Graph, GraphBuilder, GraphError, LayerKind, OpKind, Split, TensorId, TensorKind,
 };
+use crate::limits;
 use serde::{Deserialize, Serialize};
 
 /// Feed-forward block variant.
@@ -169,11 +170,17 @@ impl TransformerConfig {
             (F::MaxSeq, self.max_seq),
         ];
         for (field, v) in positive {
-            if v == 0 {
+            let max = match field {
+                F::Layers => limits::MAX_LAYERS,
+                F::Vocab => limits::MAX_VOCAB,
+                F::MaxSeq => limits::MAX_SEQ,
+                _ => limits::MAX_WIDTH,
+            };
+            if v == 0 || v > max {
                 return Err(TransformerConfigError {
                     field,
-                    expected: "a positive integer".into(),
-                    found: "0".into(),
+                    expected: format!("a positive integer up to {max}"),
+                    found: v.to_string(),
                 });
             }
         }
@@ -292,7 +299,12 @@ impl<'c> Lowering<'c> {
     }
 
     /// Residual connection, through dropout when the model trains with dropout.
-    fn residual(&mut self, name: &str, x: TensorId, residual: TensorId) -> Result<TensorId, GraphError> {
+    fn residual(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        residual: TensorId,
+    ) -> Result<TensorId, GraphError> {
         let y = self.hidden_act(format!("{name}.out"));
         let kind = if self.c.dropout {
             OpKind::DropoutAdd
@@ -307,17 +319,30 @@ impl<'c> Lowering<'c> {
         let (b, s, h) = (self.o.micro_batch, self.o.seq, self.c.hidden);
         // Embedding.
         self.g.begin_layer("embedding", LayerKind::Embedding);
-        let ids = self
-            .g
-            .tensor("tokens", vec![b, s], DType::I32, TensorKind::Input, Split::None);
-        let wte = self.param("embedding.word".into(), vec![self.vocab, h], Split::Model(0));
+        let ids = self.g.tensor(
+            "tokens",
+            vec![b, s],
+            DType::I32,
+            TensorKind::Input,
+            Split::None,
+        );
+        let wte = self.param(
+            "embedding.word".into(),
+            vec![self.vocab, h],
+            Split::Model(0),
+        );
         let emb = self.hidden_act("embedding.word.out".into());
-        self.g.op("embedding.word", OpKind::Embedding, &[ids, wte], &[emb])?;
+        self.g
+            .op("embedding.word", OpKind::Embedding, &[ids, wte], &[emb])?;
         let mut x = emb;
         if self.c.position == Position::Learned {
-            let pos = self
-                .g
-                .tensor("positions", vec![b, s], DType::I32, TensorKind::Input, Split::None);
+            let pos = self.g.tensor(
+                "positions",
+                vec![b, s],
+                DType::I32,
+                TensorKind::Input,
+                Split::None,
+            );
             let wpe = self.param(
                 "embedding.position".into(),
                 vec![self.c.max_seq, h],
@@ -327,12 +352,14 @@ impl<'c> Lowering<'c> {
             self.g
                 .op("embedding.position", OpKind::Embedding, &[pos, wpe], &[pe])?;
             let sum = self.hidden_act("embedding.sum".into());
-            self.g.op("embedding.add", OpKind::Add, &[emb, pe], &[sum])?;
+            self.g
+                .op("embedding.add", OpKind::Add, &[emb, pe], &[sum])?;
             x = sum;
         }
         if self.c.dropout {
             let y = self.hidden_act("embedding.dropout.out".into());
-            self.g.op("embedding.dropout", OpKind::Dropout, &[x], &[y])?;
+            self.g
+                .op("embedding.dropout", OpKind::Dropout, &[x], &[y])?;
             x = y;
         }
         for i in 0..self.c.layers {
@@ -352,7 +379,11 @@ impl<'c> Lowering<'c> {
         // Attention.
         let ln1 = self.norm(&format!("{p}.input_norm"), x)?;
         let qkv_width = (a + 2 * g) * d;
-        let qkv = self.act(format!("{p}.attention.qkv.out"), vec![b, s, qkv_width], Split::Model(2));
+        let qkv = self.act(
+            format!("{p}.attention.qkv.out"),
+            vec![b, s, qkv_width],
+            Split::Model(2),
+        );
         let qkv_bias = c.bias != Bias::None;
         self.linear(
             &format!("{p}.attention.qkv"),
@@ -362,9 +393,21 @@ impl<'c> Lowering<'c> {
             qkv_bias,
             qkv,
         )?;
-        let mut q = self.act(format!("{p}.attention.q"), vec![b, a, s, d], Split::Model(1));
-        let mut k = self.act(format!("{p}.attention.k"), vec![b, g, s, d], Split::Model(1));
-        let v = self.act(format!("{p}.attention.v"), vec![b, g, s, d], Split::Model(1));
+        let mut q = self.act(
+            format!("{p}.attention.q"),
+            vec![b, a, s, d],
+            Split::Model(1),
+        );
+        let mut k = self.act(
+            format!("{p}.attention.k"),
+            vec![b, g, s, d],
+            Split::Model(1),
+        );
+        let v = self.act(
+            format!("{p}.attention.v"),
+            vec![b, g, s, d],
+            Split::Model(1),
+        );
         self.g.op(
             format!("{p}.attention.split_qkv"),
             OpKind::Slice,
@@ -372,14 +415,28 @@ impl<'c> Lowering<'c> {
             &[q, k, v],
         )?;
         if c.position == Position::Rope {
-            let qr = self.act(format!("{p}.attention.q_rot"), vec![b, a, s, d], Split::Model(1));
-            let kr = self.act(format!("{p}.attention.k_rot"), vec![b, g, s, d], Split::Model(1));
-            self.g.op(format!("{p}.attention.rope_q"), OpKind::Rope, &[q], &[qr])?;
-            self.g.op(format!("{p}.attention.rope_k"), OpKind::Rope, &[k], &[kr])?;
+            let qr = self.act(
+                format!("{p}.attention.q_rot"),
+                vec![b, a, s, d],
+                Split::Model(1),
+            );
+            let kr = self.act(
+                format!("{p}.attention.k_rot"),
+                vec![b, g, s, d],
+                Split::Model(1),
+            );
+            self.g
+                .op(format!("{p}.attention.rope_q"), OpKind::Rope, &[q], &[qr])?;
+            self.g
+                .op(format!("{p}.attention.rope_k"), OpKind::Rope, &[k], &[kr])?;
             q = qr;
             k = kr;
         }
-        let ctx = self.act(format!("{p}.attention.context"), vec![b, a, s, d], Split::Model(1));
+        let ctx = self.act(
+            format!("{p}.attention.context"),
+            vec![b, a, s, d],
+            Split::Model(1),
+        );
         let proj_in = match self.o.attention {
             Attention::Flash => {
                 let op = self.g.op(
@@ -411,7 +468,8 @@ impl<'c> Lowering<'c> {
                 ];
                 let mut weights = probs;
                 if c.dropout {
-                    let dropped = self.act(format!("{p}.attention.dropout.out"), sc, Split::Model(1));
+                    let dropped =
+                        self.act(format!("{p}.attention.dropout.out"), sc, Split::Model(1));
                     ops.push(self.g.op(
                         format!("{p}.attention.dropout"),
                         OpKind::Dropout,
@@ -430,8 +488,17 @@ impl<'c> Lowering<'c> {
                     self.g.set_attention_core(op);
                 }
                 // Heads back next to each other for the output projection: a real copy.
-                let merged = self.act(format!("{p}.attention.context_merged"), vec![b, s, a, d], Split::Model(2));
-                self.g.op(format!("{p}.attention.merge_heads"), OpKind::Transpose, &[ctx], &[merged])?;
+                let merged = self.act(
+                    format!("{p}.attention.context_merged"),
+                    vec![b, s, a, d],
+                    Split::Model(2),
+                );
+                self.g.op(
+                    format!("{p}.attention.merge_heads"),
+                    OpKind::Transpose,
+                    &[ctx],
+                    &[merged],
+                )?;
                 merged
             }
         };
@@ -453,13 +520,25 @@ impl<'c> Lowering<'c> {
         let act = match c.mlp {
             Mlp::Gelu => {
                 let up = self.act(format!("{p}.mlp.fc1.out"), vec![b, s, f], Split::Model(2));
-                self.linear(&format!("{p}.mlp.fc1"), ln2, (h, f), Split::Model(1), mlp_bias, up)?;
+                self.linear(
+                    &format!("{p}.mlp.fc1"),
+                    ln2,
+                    (h, f),
+                    Split::Model(1),
+                    mlp_bias,
+                    up,
+                )?;
                 let y = self.act(format!("{p}.mlp.gelu.out"), vec![b, s, f], Split::Model(2));
-                self.g.op(format!("{p}.mlp.gelu"), OpKind::Gelu, &[up], &[y])?;
+                self.g
+                    .op(format!("{p}.mlp.gelu"), OpKind::Gelu, &[up], &[y])?;
                 y
             }
             Mlp::SwiGlu => {
-                let gu = self.act(format!("{p}.mlp.gate_up.out"), vec![b, s, 2 * f], Split::Model(2));
+                let gu = self.act(
+                    format!("{p}.mlp.gate_up.out"),
+                    vec![b, s, 2 * f],
+                    Split::Model(2),
+                );
                 self.linear(
                     &format!("{p}.mlp.gate_up"),
                     ln2,
@@ -468,13 +547,25 @@ impl<'c> Lowering<'c> {
                     mlp_bias,
                     gu,
                 )?;
-                let y = self.act(format!("{p}.mlp.swiglu.out"), vec![b, s, f], Split::Model(2));
-                self.g.op(format!("{p}.mlp.swiglu"), OpKind::SwiGlu, &[gu], &[y])?;
+                let y = self.act(
+                    format!("{p}.mlp.swiglu.out"),
+                    vec![b, s, f],
+                    Split::Model(2),
+                );
+                self.g
+                    .op(format!("{p}.mlp.swiglu"), OpKind::SwiGlu, &[gu], &[y])?;
                 y
             }
         };
         let mlp_out = self.hidden_act(format!("{p}.mlp.fc2.out"));
-        self.linear(&format!("{p}.mlp.fc2"), act, (f, h), Split::Model(0), mlp_bias, mlp_out)?;
+        self.linear(
+            &format!("{p}.mlp.fc2"),
+            act,
+            (f, h),
+            Split::Model(0),
+            mlp_bias,
+            mlp_out,
+        )?;
         self.residual(&format!("{p}.mlp.residual"), mlp_out, x1)
     }
 
@@ -482,7 +573,11 @@ impl<'c> Lowering<'c> {
         let (b, s, h) = (self.o.micro_batch, self.o.seq, self.c.hidden);
         self.g.begin_layer("head", LayerKind::Head);
         let xf = self.norm("head.final_norm", x)?;
-        let logits = self.act("head.logits".into(), vec![b, s, self.vocab], Split::Model(2));
+        let logits = self.act(
+            "head.logits".into(),
+            vec![b, s, self.vocab],
+            Split::Model(2),
+        );
         if self.c.tied_embeddings {
             self.g.op(
                 "head.output",
@@ -491,16 +586,35 @@ impl<'c> Lowering<'c> {
                 &[logits],
             )?;
         } else {
-            self.linear("head.output", xf, (h, self.vocab), Split::Model(1), false, logits)?;
+            self.linear(
+                "head.output",
+                xf,
+                (h, self.vocab),
+                Split::Model(1),
+                false,
+                logits,
+            )?;
         }
-        let labels = self
-            .g
-            .tensor("labels", vec![b, s], DType::I32, TensorKind::Input, Split::None);
-        let loss = self
-            .g
-            .tensor("loss", vec![1], DType::F32, TensorKind::Activation, Split::None);
-        self.g
-            .op("head.loss", OpKind::CrossEntropy, &[logits, labels], &[loss])?;
+        let labels = self.g.tensor(
+            "labels",
+            vec![b, s],
+            DType::I32,
+            TensorKind::Input,
+            Split::None,
+        );
+        let loss = self.g.tensor(
+            "loss",
+            vec![1],
+            DType::F32,
+            TensorKind::Activation,
+            Split::None,
+        );
+        self.g.op(
+            "head.loss",
+            OpKind::CrossEntropy,
+            &[logits, labels],
+            &[loss],
+        )?;
         Ok(())
     }
 }

@@ -208,14 +208,7 @@ impl Autodiff<'_> {
                 let (ids, table) = (op.inputs[0], op.inputs[1]);
                 if let Some(dt) = self.new_grad(table) {
                     let n = numel(self.g, dy);
-                    self.emit(
-                        o,
-                        "grad",
-                        OpKind::EmbeddingGrad,
-                        vec![ids, dy],
-                        vec![dt],
-                        n,
-                    );
+                    self.emit(o, "grad", OpKind::EmbeddingGrad, vec![ids, dy], vec![dt], n);
                     self.contribute(o, table, dt);
                 }
             }

@@ -107,7 +107,10 @@ impl GraphBuilder {
     ) -> Result<OpId, GraphError> {
         let name = name.into();
         let Some(layer) = self.graph.layers.len().checked_sub(1) else {
-            return Err(GraphError::new(name, "op added before any layer was opened"));
+            return Err(GraphError::new(
+                name,
+                "op added before any layer was opened",
+            ));
         };
         for &t in inputs.iter().chain(outputs) {
             if t.0 as usize >= self.graph.tensors.len() {
@@ -137,7 +140,10 @@ impl GraphBuilder {
             if self.produced[t.0 as usize] {
                 return Err(GraphError::new(
                     &name,
-                    format!("writes `{}`, which another op already produced", tensor.name),
+                    format!(
+                        "writes `{}`, which another op already produced",
+                        tensor.name
+                    ),
                 ));
             }
         }
@@ -283,7 +289,7 @@ impl GraphBuilder {
                     ));
                 }
                 let rows = xn / k;
-                if self.numel(y) != rows * n {
+                if self.numel(y) != rows.saturating_mul(n) {
                     return Err(GraphError::new(
                         name,
                         format!(
@@ -291,7 +297,7 @@ impl GraphBuilder {
                             self.t(y).name,
                             rows,
                             n,
-                            rows * n,
+                            rows.saturating_mul(n),
                             self.numel(y)
                         ),
                     ));
@@ -306,7 +312,7 @@ impl GraphBuilder {
                 }
                 let mut flops = 2.0 * rows as f64 * k as f64 * n as f64;
                 if inputs.len() == 3 {
-                    flops += (rows * n) as f64;
+                    flops += rows as f64 * n as f64;
                 }
                 let saves = if self.t(w).requires_grad && act(x) {
                     vec![x]
@@ -366,7 +372,7 @@ impl GraphBuilder {
                         "embedding takes integer ids and a 2-D table [vocab, hidden]",
                     ));
                 }
-                if self.numel(y) != self.numel(ids) * ts[1] {
+                if self.numel(y) != self.numel(ids).saturating_mul(ts[1]) {
                     return Err(GraphError::new(
                         name,
                         format!(
@@ -424,7 +430,7 @@ impl GraphBuilder {
             OpKind::SwiGlu => {
                 arity(&[1], 1)?;
                 let (x, y) = (inputs[0], outputs[0]);
-                if self.numel(x) != 2 * self.numel(y) {
+                if self.numel(x) != self.numel(y).saturating_mul(2) {
                     return Err(GraphError::new(
                         name,
                         "swiglu input must be twice as wide as its output (gate and up halves)",
@@ -479,7 +485,11 @@ impl GraphBuilder {
                     ));
                 }
                 same_shape(q, o)?;
-                let full = 4.0 * (sq[0] * sq[1] * sq[2] * sk[2] * sq[3]) as f64;
+                let full = 4.0
+                    * [sq[0], sq[1], sq[2], sk[2], sq[3]]
+                        .iter()
+                        .map(|&d| d as f64)
+                        .product::<f64>();
                 let flops = if causal { full / 2.0 } else { full };
                 Ok((flops, vec![q, k, v, o]))
             }
@@ -488,7 +498,7 @@ impl GraphBuilder {
                 let (logits, labels) = (inputs[0], inputs[1]);
                 let vocab = self.t(logits).shape.last().copied().unwrap_or(0);
                 if vocab == 0
-                    || self.numel(labels) * vocab != self.numel(logits)
+                    || self.numel(labels).saturating_mul(vocab) != self.numel(logits)
                     || !matches!(self.t(labels).dtype, DType::I32)
                 {
                     return Err(GraphError::new(
@@ -497,10 +507,7 @@ impl GraphBuilder {
                     ));
                 }
                 let probs = self.implicit(format!("{name}.probs"), logits, DType::F32);
-                Ok((
-                    fpe::CROSS_ENTROPY * self.numel(logits) as f64,
-                    vec![probs],
-                ))
+                Ok((fpe::CROSS_ENTROPY * self.numel(logits) as f64, vec![probs]))
             }
             OpKind::Transpose => {
                 arity(&[1], 1)?;

@@ -112,14 +112,14 @@ pub struct Tensor {
 }
 
 impl Tensor {
-    /// Number of elements.
+    /// Number of elements (saturating: shapes come from user files).
     pub fn elements(&self) -> u64 {
-        self.shape.iter().product()
+        self.shape.iter().fold(1u64, |n, &d| n.saturating_mul(d))
     }
 
     /// Size in bytes of the whole (unsharded) tensor.
     pub fn bytes(&self) -> u64 {
-        self.elements() * self.dtype.bytes()
+        self.elements().saturating_mul(self.dtype.bytes())
     }
 }
 

@@ -148,9 +148,7 @@ impl Graph {
                 .map(|&o| {
                     let op = self.op(o);
                     let shapes = |ids: &[TensorId]| {
-                        ids.iter()
-                            .map(|&t| self.tensor(t).shape.clone())
-                            .collect()
+                        ids.iter().map(|&t| self.tensor(t).shape.clone()).collect()
                     };
                     OpSummary {
                         name: op.name.clone(),

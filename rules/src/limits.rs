@@ -1,0 +1,18 @@
+//! Plausibility bounds on inputs. Anything beyond them is certainly a typo, and accepting it
+//! would overflow size arithmetic or make a search run for hours; validators reject it with a
+//! message instead.
+
+/// Most GPUs in a cluster.
+pub const MAX_GPUS: u64 = 1 << 20;
+/// Most transformer blocks.
+pub const MAX_LAYERS: u64 = 4096;
+/// Largest model width, FFN width, head count or head width.
+pub const MAX_WIDTH: u64 = 1 << 24;
+/// Largest vocabulary.
+pub const MAX_VOCAB: u64 = 1 << 26;
+/// Longest sequence.
+pub const MAX_SEQ: u64 = 1 << 24;
+/// Largest global batch (sequences per step).
+pub const MAX_BATCH: u64 = 1 << 30;
+/// Largest fixed dimension in a graph file.
+pub const MAX_DIM: u64 = 1 << 32;
