@@ -1,5 +1,6 @@
 //! Log output through `tracing`, on stderr: `-v` raises the level, `RUST_LOG` overrides.
 
+use std::io::IsTerminal;
 use tracing_subscriber::EnvFilter;
 
 /// Installs the global subscriber (once; later calls are ignored).
@@ -14,6 +15,7 @@ pub fn init(verbose: u8) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .try_init();
 }

@@ -5,6 +5,7 @@ use crate::plans::{remove_plan, write_plan};
 use crate::workspace::{Target, Workspace};
 use autopar_rules::cluster::GIB;
 use autopar_rules::estimate::Estimator;
+use autopar_rules::frontend::LowerOptions;
 use autopar_rules::plan::{Plan, PlanModel};
 use autopar_rules::search::{SearchResult, search};
 use rayon::prelude::*;
@@ -167,18 +168,24 @@ fn plan_from(
 ) -> Result<Plan, String> {
     let model = &ws.models[t.model];
     let cluster = &ws.clusters[t.cluster];
-    let parameters = est
-        .graph(1, 1)
-        .map(|g| g.parameter_count())
-        .map_err(|e| e.to_string())?;
-    let blocks = est
-        .graph(1, 1)
-        .map(|g| g.block_layers().len() as u64)
+    // The model as published: unpadded vocabulary, one sequence.
+    let g = model
+        .def
+        .lower(
+            &model.name,
+            &LowerOptions {
+                micro_batch: 1,
+                seq: t.options.seq,
+                dtype: t.options.precision.dtype(),
+                attention: t.options.attention,
+                vocab_multiple: 1,
+            },
+        )
         .map_err(|e| e.to_string())?;
     let plan_model = PlanModel {
         name: model.name.clone(),
-        parameters,
-        blocks,
+        parameters: g.parameter_count(),
+        blocks: g.block_layers().len() as u64,
     };
     if let Some(plan) =
         Plan::from_search(&t.name, plan_model, &model.def, cluster, t.options, result)

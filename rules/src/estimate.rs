@@ -135,6 +135,29 @@ pub struct Estimate {
 /// run.
 type Prepared = Result<Arc<(Arc<Graph>, Vec<LayerCost>)>, LayoutError>;
 
+/// Per-micro-batch time of one stage, by component.
+#[derive(Clone, Copy, Debug, Default)]
+struct StageTime {
+    /// Forward and backward kernels.
+    compute: f64,
+    /// Tensor-parallel collectives.
+    tp_comm: f64,
+    /// Recomputation.
+    recompute: f64,
+    /// Transfers to neighbouring stages.
+    p2p: f64,
+    /// Exposed ZeRO-2/3 collectives.
+    zero: f64,
+    /// Backward pass with recomputation (the slack later stages have before stage 0 is done).
+    backward: f64,
+}
+
+impl StageTime {
+    fn total(&self) -> f64 {
+        self.compute + self.tp_comm + self.recompute + self.p2p + self.zero
+    }
+}
+
 /// Prices layouts of one model on one cluster, caching graphs and layer costs across layouts.
 pub struct Estimator<'a> {
     name: &'a str,
@@ -348,8 +371,7 @@ impl<'a> Estimator<'a> {
         };
 
         let mut stages = Vec::with_capacity(p as usize);
-        let mut per_mb = Vec::with_capacity(p as usize);
-        let mut parts = Vec::with_capacity(p as usize);
+        let mut times: Vec<StageTime> = Vec::with_capacity(p as usize);
         for j in 0..p as usize {
             let mine: Vec<usize> = (0..n_chunks).filter(|k| k % p as usize == j).collect();
             let layers: Vec<usize> = mine
@@ -421,11 +443,15 @@ impl<'a> Estimator<'a> {
                     p2p += transfer(k, k - 1);
                 }
             }
-            let fwd = fwd_c + fwd_m;
-            let bwd = bwd_c + bwd_m + rec;
-            let total = fwd + bwd + p2p + zero_extra;
-            per_mb.push(total);
-            parts.push((fwd_c + bwd_c, fwd_m + bwd_m, rec, p2p, zero_extra, bwd));
+            let time = StageTime {
+                compute: fwd_c + bwd_c,
+                tp_comm: fwd_m + bwd_m,
+                recompute: rec,
+                p2p,
+                zero: zero_extra,
+                backward: bwd_c + bwd_m + rec,
+            };
+            times.push(time);
 
             let states = model_states(params, precision, l.zero, d);
             let in_flight = inflight(Schedule::OneFOneB, j as u64, p, m, v);
@@ -460,17 +486,18 @@ impl<'a> Estimator<'a> {
                     })
                     .collect(),
                 blocks,
-                forward_s: fwd,
+                forward_s: fwd_c + fwd_m,
                 backward_s: bwd_c + bwd_m,
                 recompute_s: rec,
                 p2p_s: p2p,
-                per_microbatch_s: total,
+                per_microbatch_s: time.total(),
                 inflight_microbatches: in_flight,
                 params,
                 memory,
             });
         }
 
+        let per_mb: Vec<f64> = times.iter().map(StageTime::total).collect();
         let pipeline = pipeline_time(&per_mb, m, v);
         let (bottleneck, t_max) = per_mb
             .iter()
@@ -493,7 +520,7 @@ impl<'a> Estimator<'a> {
                 2 => collective_time(Collective::AllGather, d, weights, dp_link),
                 _ => 0.0,
             };
-            let slack = j as f64 * parts[j].5;
+            let slack = j as f64 * times[j].backward;
             grad_sync = grad_sync.max(sync - slack);
         }
         // Tied embeddings: first and last stage all-reduce the shared matrix's gradient.
@@ -515,14 +542,14 @@ impl<'a> Estimator<'a> {
             .fold(0.0, f64::max);
         let step = pipeline + grad_sync + optimizer;
 
-        let (compute, tp_comm, recompute, p2p, zero_comm, _) = parts[bottleneck];
+        let slowest = times[bottleneck];
         let mf = m as f64;
         let time = TimeBreakdown {
-            compute: compute * mf,
-            recompute: recompute * mf,
-            tp_comm: tp_comm * mf,
-            p2p: p2p * mf,
-            zero_comm: zero_comm * mf,
+            compute: slowest.compute * mf,
+            recompute: slowest.recompute * mf,
+            tp_comm: slowest.tp_comm * mf,
+            p2p: slowest.p2p * mf,
+            zero_comm: slowest.zero * mf,
             bubble: pipeline - t_max * mf,
             grad_sync,
             optimizer,

@@ -410,11 +410,6 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
 }
 
 impl GraphSpec {
-    /// Number of layers in the file.
-    pub fn layer_count(&self) -> usize {
-        self.layers.len()
-    }
-
     /// Instantiates the graph for micro-batch size `b`, sequence length `s` and floating-point
     /// dtype `dtype`, deriving the backward pass.
     pub fn lower(&self, b: u64, s: u64, dtype: DType) -> Result<Graph, FieldError> {

@@ -40,17 +40,6 @@ impl DType {
             DType::U8 => 1,
         }
     }
-
-    /// Lower-case name as written in files (`bf16`, `f32`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::Bf16 => "bf16",
-            DType::F16 => "f16",
-            DType::I32 => "i32",
-            DType::U8 => "u8",
-        }
-    }
 }
 
 /// Index of a tensor in [`Graph::tensors`].
