@@ -1,4 +1,12 @@
-//! Pipeline schedules: step time and in-flight activations (ALGORITHMS.md §4).
+//! Pipeline schedules (ALGORITHMS.md §4): closed forms for step time and in-flight
+//! activations, a list-scheduling simulator for uneven stages, the bubble decomposition and a
+//! Chrome-trace export of the simulated timeline.
+
+mod simulate;
+mod trace;
+
+pub use simulate::{Block, BlockKind, Bubble, PipelineSpec, ScheduleError, Simulation, simulate};
+pub use trace::chrome_trace;
 
 use serde::{Deserialize, Serialize};
 
