@@ -9,6 +9,7 @@ pub mod error;
 pub mod estimate;
 pub mod frontend;
 pub mod graph;
+pub mod inter;
 pub mod layer_cost;
 pub mod layout;
 pub mod limits;

@@ -35,7 +35,9 @@ pub enum ScheduleError {
     #[error("per-chunk tables must all be chunks x stages and non-empty")]
     Shape,
     /// Megatron-LM's interleaved schedule needs the micro-batches to fill whole rounds.
-    #[error("interleaving needs the {microbatches} micro-batches to be a multiple of the {stages} stages")]
+    #[error(
+        "interleaving needs the {microbatches} micro-batches to be a multiple of the {stages} stages"
+    )]
     Interleave {
         /// Micro-batches.
         microbatches: usize,
@@ -170,8 +172,18 @@ fn program(schedule: Schedule, j: usize, p: usize, v: usize, m: usize) -> Vec<St
 pub fn simulate(spec: &PipelineSpec) -> Result<Simulation, ScheduleError> {
     let v = spec.forward.len();
     let p = spec.forward.first().map_or(0, Vec::len);
-    let tables = [&spec.forward, &spec.backward, &spec.recompute, &spec.activation];
-    if v == 0 || p == 0 || tables.iter().any(|t| t.len() != v || t.iter().any(|r| r.len() != p)) {
+    let tables = [
+        &spec.forward,
+        &spec.backward,
+        &spec.recompute,
+        &spec.activation,
+    ];
+    if v == 0
+        || p == 0
+        || tables
+            .iter()
+            .any(|t| t.len() != v || t.iter().any(|r| r.len() != p))
+    {
         return Err(ScheduleError::Shape);
     }
     let m = spec.microbatches;
@@ -307,7 +319,11 @@ mod tests {
                 for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
                     let s = simulate(&uniform(schedule, p, 1, m, 1.0, 2.0)).expect("simulates");
                     let expect = (m + p - 1) as f64 * 3.0;
-                    assert!((s.makespan - expect).abs() < 1e-9, "{schedule:?} p={p} m={m}: {}", s.makespan);
+                    assert!(
+                        (s.makespan - expect).abs() < 1e-9,
+                        "{schedule:?} p={p} m={m}: {}",
+                        s.makespan
+                    );
                     assert!((s.bubble.real - s.bubble.ideal).abs() < 1e-9);
                     assert!(s.bubble.imbalance.abs() < 1e-9);
                     for j in 0..p {
@@ -315,7 +331,10 @@ mod tests {
                             Schedule::GPipe => m,
                             Schedule::OneFOneB => (p - j).min(m),
                         };
-                        assert_eq!(s.peak_inflight[j], inflight, "{schedule:?} p={p} m={m} j={j}");
+                        assert_eq!(
+                            s.peak_inflight[j], inflight,
+                            "{schedule:?} p={p} m={m} j={j}"
+                        );
                     }
                 }
             }
@@ -330,9 +349,14 @@ mod tests {
                     let m = p * rounds;
                     // A stage's work split evenly over its v chunks.
                     let (f, b) = (1.0 / v as f64, 2.0 / v as f64);
-                    let s = simulate(&uniform(Schedule::OneFOneB, p, v, m, f, b)).expect("simulates");
+                    let s =
+                        simulate(&uniform(Schedule::OneFOneB, p, v, m, f, b)).expect("simulates");
                     let expect = (m as f64 + (p - 1) as f64 / v as f64) * 3.0;
-                    assert!((s.makespan - expect).abs() < 1e-9, "p={p} v={v} m={m}: {} vs {expect}", s.makespan);
+                    assert!(
+                        (s.makespan - expect).abs() < 1e-9,
+                        "p={p} v={v} m={m}: {} vs {expect}",
+                        s.makespan
+                    );
                     for j in 0..p {
                         let chunks = (2 * (p - j - 1) + (v - 1) * p + 1).min(m * v);
                         assert_eq!(s.peak_inflight[j], chunks, "p={p} v={v} m={m} j={j}");
@@ -372,7 +396,10 @@ mod tests {
         let s = simulate(&spec).expect("simulates");
         // C = 4 stages x 8 micro-batches x (1 + 3 - 1); recompute = 4 x 8 x 1.
         assert!((s.bubble.recompute - 1.0 / 3.0).abs() < 1e-12);
-        assert!((s.bubble.real - s.bubble.ideal - s.bubble.recompute - s.bubble.imbalance).abs() < 1e-12);
+        assert!(
+            (s.bubble.real - s.bubble.ideal - s.bubble.recompute - s.bubble.imbalance).abs()
+                < 1e-12
+        );
         // Equal stages: what the definitions leave in `imbalance` is only the cross term
         // ideal x recompute (the fill and drain also recompute).
         let cross = s.bubble.ideal * s.bubble.recompute;
@@ -382,7 +409,10 @@ mod tests {
     #[test]
     fn rejects_bad_shapes() {
         let mut spec = uniform(Schedule::OneFOneB, 4, 2, 6, 1.0, 2.0);
-        assert!(matches!(simulate(&spec), Err(ScheduleError::Interleave { .. })));
+        assert!(matches!(
+            simulate(&spec),
+            Err(ScheduleError::Interleave { .. })
+        ));
         spec.microbatches = 8;
         spec.recompute.pop();
         assert_eq!(simulate(&spec), Err(ScheduleError::Shape));

@@ -57,7 +57,10 @@ mod tests {
         let events = trace["traceEvents"].as_array().expect("events");
         let slices: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
         assert_eq!(slices.len(), 2 * 4 * 2);
-        assert_eq!(events.iter().filter(|e| e["name"] == "thread_name").count(), 2);
+        assert_eq!(
+            events.iter().filter(|e| e["name"] == "thread_name").count(),
+            2
+        );
         let last_end = slices
             .iter()
             .map(|e| e["ts"].as_f64().unwrap_or(0.0) + e["dur"].as_f64().unwrap_or(0.0))
