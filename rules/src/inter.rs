@@ -506,9 +506,7 @@ pub fn place(stages: &[(u64, u64)], hosts: u64, per_host: u64) -> Option<Vec<(u6
             // Whole hosts: the first run of n completely free hosts.
             let run = (0..hosts as usize)
                 .find(|&h| (h..h + n as usize).all(|x| free_in_host.get(x) == Some(&per_host)))?;
-            for x in run..run + n as usize {
-                free_in_host[x] = 0;
-            }
+            free_in_host[run..run + n as usize].fill(0);
             placement[i] = (run as u64 * per_host, n * m);
         } else {
             let h = free_in_host.iter().position(|&f| f >= m)?;
