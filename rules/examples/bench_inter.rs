@@ -39,14 +39,14 @@ fn instance(layers: usize, hosts: u64, seed: u64) -> StageProblem {
     let mut max_succ = vec![-1i64; n];
     for k in 0..layers {
         let mut w = 0.0;
-        for i in k..layers {
-            w += work[i];
+        for (i, &layer_work) in work.iter().enumerate().skip(k) {
+            w += layer_work;
             for (s, &(h, m)) in submeshes.iter().enumerate() {
                 let size = (h * m) as f64;
                 let noise = 0.9 + 0.2 * rng.next();
-                for c in 0..configs {
+                for (c, &e) in eff.iter().enumerate() {
                     let x = ((k * layers + i) * submeshes.len() + s) * configs + c;
-                    cost[x] = w / (size.powf(0.8) * eff[c]) * noise;
+                    cost[x] = w / (size.powf(0.8) * e) * noise;
                     // Weights and one micro-batch of activations per device, in units of the
                     // device memory.
                     let share = w / total_work * devices as f64 / size;
