@@ -3,6 +3,7 @@
 //!
 //! Nothing here does I/O or keeps global state: parsers take text, results are values.
 
+pub mod balance;
 pub mod cluster;
 pub mod cost;
 pub mod error;
