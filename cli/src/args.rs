@@ -48,6 +48,58 @@ pub enum Command {
         #[command(subcommand)]
         command: PlanCommand,
     },
+    /// Solve a planning subproblem from numbers you bring (Alpa stage costs, SAPP profiles).
+    Solve {
+        /// Solver.
+        #[command(subcommand)]
+        command: SolveCommand,
+    },
+}
+
+/// `autopar solve ...`.
+#[derive(Debug, Subcommand)]
+pub enum SolveCommand {
+    /// Alpa's stage-construction DP on profiled stage costs (Alpa's layout, as JSON).
+    Stages {
+        /// JSON with num_microbatches, submesh_choices, compute_cost[L][L][S][C],
+        /// max_n_succ_stages[L][L][S][C], and num_devices or num_hosts + devices_per_host.
+        #[arg(long)]
+        input: PathBuf,
+        /// Print JSON {"cost", "stages"}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// SAPP pipeline balancing of layers and recomputation from a MindSpore SAPP yaml.
+    Balance(BalanceArgs),
+}
+
+/// `autopar solve balance` (SAPP's flags: -s, -mb, -i, -mem, -t).
+#[derive(Debug, Args)]
+pub struct BalanceArgs {
+    /// SAPP yaml (pipeline_config, time_config, recompute_config, memory_usage).
+    #[arg(long)]
+    pub sapp: PathBuf,
+    /// Pipeline stages.
+    #[arg(short = 's', long, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub stages: u64,
+    /// Micro-batches (SAPP: -mb).
+    #[arg(long = "mb", value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    pub microbatches: u64,
+    /// Chunks per stage (pipeline interleave).
+    #[arg(short = 'i', long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub interleave: u64,
+    /// Memory cap per stage in MB (SAPP: -mem).
+    #[arg(long = "mem")]
+    pub memory_mb: f64,
+    /// Solver time limit in seconds.
+    #[arg(short = 't', long, default_value_t = 60.0)]
+    pub time_limit: f64,
+    /// Write the simulated timeline as a Chrome trace to this file.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `autopar build`.

@@ -53,6 +53,15 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
+    // SAPP users write -mb and -mem; clap's short flags are single letters.
+    let args = args.into_iter().map(|a| {
+        let a: std::ffi::OsString = a.into();
+        match a.to_str() {
+            Some("-mb") => "--mb".into(),
+            Some("-mem") => "--mem".into(),
+            _ => a,
+        }
+    });
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         Err(e) => {

@@ -77,7 +77,6 @@ impl Diagnostic {
     /// A TOML parse or type error, with serde's message split into expected and found.
     pub fn from_toml(file: &Path, text: &str, e: &toml::de::Error) -> Self {
         let offset = e.span().map(|s| s.start);
-        let msg = e.message().trim().to_string();
         let section = offset.map(|o| section_at(text, o)).unwrap_or_default();
         let key_here = offset.and_then(|o| key_at(text, o));
         let qualify = |key: &str| {
@@ -87,41 +86,106 @@ impl Diagnostic {
                 format!("{section}.{key}")
             }
         };
-        let (field, expected, found) = if let Some(rest) = msg.strip_prefix("unknown field ") {
-            let (name, expected) = split_expected(rest);
-            let name = name.trim_matches('`').to_string();
-            (
-                qualify(&name),
-                expected.unwrap_or_else(|| "a known field".to_string()),
-                format!("unknown field `{name}`"),
-            )
-        } else if let Some(rest) = msg.strip_prefix("missing field ") {
-            let name = rest.trim_matches('`');
-            (
-                qualify(name),
-                "a value".to_string(),
-                "nothing (the field is missing)".to_string(),
-            )
-        } else if let Some(rest) = msg
-            .strip_prefix("invalid type: ")
-            .or_else(|| msg.strip_prefix("invalid value: "))
-            .or_else(|| msg.strip_prefix("unknown variant "))
-        {
-            let (found, expected) = split_expected(rest);
-            (
+        let (field, expected, found) = match classify(e.message().trim()) {
+            Classified::Named {
+                field,
+                expected,
+                found,
+            } => (qualify(&field), expected, found),
+            Classified::Value { expected, found } => (
                 qualify(key_here.as_deref().unwrap_or("(value)")),
-                expected.unwrap_or_else(|| "a valid value".to_string()),
-                found.to_string(),
-            )
-        } else {
-            (
-                "(document)".to_string(),
-                "valid TOML".to_string(),
-                msg.clone(),
-            )
+                expected,
+                found,
+            ),
+            Classified::Other(msg) => ("(document)".to_string(), "valid TOML".to_string(), msg),
         };
         Diagnostic::at(file, text, offset, field, expected, found)
     }
+
+    /// A YAML parse or type error (`yaml_serde` prefixes its message with the field path and
+    /// ends it with the location).
+    pub fn from_yaml(file: &Path, text: &str, e: &yaml_serde::Error) -> Self {
+        let offset = e.location().map(|l| l.index());
+        let full = e.to_string();
+        let msg = full
+            .rsplit_once(" at line ")
+            .map_or(full.as_str(), |(m, _)| m)
+            .trim();
+        let (path, rest) = match msg.split_once(": ") {
+            Some((p, r)) if !p.contains(' ') => (p.to_string(), r),
+            _ => (String::new(), msg),
+        };
+        let join = |f: &str| match (path.is_empty(), f.is_empty()) {
+            (true, _) => f.to_string(),
+            (false, true) => path.clone(),
+            (false, false) => format!("{path}.{f}"),
+        };
+        let (field, expected, found) = match classify(rest) {
+            Classified::Named {
+                field,
+                expected,
+                found,
+            } => (join(&field), expected, found),
+            Classified::Value { expected, found } => (join(""), expected, found),
+            Classified::Other(m) => (
+                if path.is_empty() {
+                    "(document)".into()
+                } else {
+                    path.clone()
+                },
+                "valid YAML".to_string(),
+                m,
+            ),
+        };
+        Diagnostic::at(file, text, offset, field, expected, found)
+    }
+}
+
+/// A serde error message taken apart.
+enum Classified {
+    /// About a named field (unknown or missing).
+    Named {
+        field: String,
+        expected: String,
+        found: String,
+    },
+    /// About the value at the error's position.
+    Value { expected: String, found: String },
+    /// Anything else (syntax errors).
+    Other(String),
+}
+
+/// Recognises serde's standard messages: unknown field, missing field, invalid type or value,
+/// unknown variant.
+fn classify(msg: &str) -> Classified {
+    if let Some(rest) = msg.strip_prefix("unknown field ") {
+        let (name, expected) = split_expected(rest);
+        let name = name.trim_matches('`').to_string();
+        return Classified::Named {
+            found: format!("unknown field `{name}`"),
+            field: name,
+            expected: expected.unwrap_or_else(|| "a known field".to_string()),
+        };
+    }
+    if let Some(rest) = msg.strip_prefix("missing field ") {
+        return Classified::Named {
+            field: rest.trim_matches('`').to_string(),
+            expected: "a value".to_string(),
+            found: "nothing (the field is missing)".to_string(),
+        };
+    }
+    if let Some(rest) = msg
+        .strip_prefix("invalid type: ")
+        .or_else(|| msg.strip_prefix("invalid value: "))
+        .or_else(|| msg.strip_prefix("unknown variant "))
+    {
+        let (found, expected) = split_expected(rest);
+        return Classified::Value {
+            expected: expected.unwrap_or_else(|| "a valid value".to_string()),
+            found: found.to_string(),
+        };
+    }
+    Classified::Other(msg.to_string())
 }
 
 /// Splits serde's `"X, expected Y"` into `("X", Some("Y"))`.

@@ -41,6 +41,9 @@ pub enum EngineError {
     /// A layout given on the command line cannot run.
     #[error(transparent)]
     Layout(#[from] autopar_rules::layout::LayoutError),
+    /// The problem has no solution (memory cap, devices); the message says which constraint.
+    #[error("{0}")]
+    Infeasible(String),
     /// A plan was asked for that was never built.
     #[error("no plan for target `{target}` at {}: run `autopar build {target}` first", path.display())]
     NoPlan {

@@ -2,10 +2,12 @@
 //! plans. The planning itself is pure logic in `autopar-rules`; durable output goes through
 //! `autopar-store`.
 
+pub mod alpa;
 pub mod build;
 pub mod diagnostic;
 pub mod error;
 pub mod plans;
+pub mod sapp;
 pub mod session;
 pub mod workspace;
 

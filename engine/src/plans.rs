@@ -15,6 +15,16 @@ pub fn write_plan(path: &Path, plan: &Plan) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// Writes a Chrome trace (`chrome://tracing`, Perfetto) to `path`, atomically.
+pub fn write_trace(path: &Path, trace: &serde_json::Value) -> Result<(), EngineError> {
+    let json = serde_json::to_vec(trace).map_err(|e| EngineError::BadPlan {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    autopar_store::write_atomic(path, &json)?;
+    Ok(())
+}
+
 /// Removes the plan at `path` if there is one.
 pub fn remove_plan(path: &Path) -> Result<(), EngineError> {
     match std::fs::remove_file(path) {

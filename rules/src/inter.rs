@@ -17,12 +17,13 @@
 //! ```
 //!
 //! and the answer is the best `F(s, 0, D) + (B - 1) * (largest chosen stage cost)` over `s` and
-//! over `t_max` among the sorted distinct stage costs, stopping once `B * t_max` exceeds the best
-//! total (no larger bound can win). The implementation is exact and fast: each `F(s, k, ·)` row
+//! over `t_max` among the sorted distinct stage costs, searched without evaluating the bounds
+//! that cannot win (see [`crate::bottleneck`]). The implementation is exact and fast: each `F(s, k, ·)` row
 //! is computed only over the device counts a solution can have there (at least what the layers
 //! after `k` need, at most what the layers before `k` leave), as one vectorised min-plus update
 //! per (end, submesh); the argmins are re-derived along the optimal path only.
 
+use crate::bottleneck;
 use serde::{Deserialize, Serialize};
 
 /// An instance in Alpa's layout (`compute_cost[L][L][S][C]`, `max_n_succ_stages[L][L][S][C]`).
@@ -378,100 +379,37 @@ impl<'a> Dp<'a> {
     }
 }
 
-/// Solves a stage-construction instance exactly.
-///
-/// `t_max` ranges over the sorted distinct stage costs. Writing `Φ(t)` for the DP's minimum sum
-/// under bound `t` (non-increasing in `t`), every solution whose largest stage costs `M` has
-/// total at least `Φ(M) + (B - 1) M`, and the DP run at `t = M` finds one at most that. Instead
-/// of running the DP for every candidate, the search bisects the candidate list and discards an
-/// interval `(a, b]` of bounds when no solution whose maximum lies in it can win: when
-/// `Φ(b) + (B - 1) t_{a+1}` already reaches the best total, or when `Φ(b) = Φ(a)` (such a
-/// solution has at least the sum of, and a larger maximum than, the one found at `a`). This
-/// subsumes the `B t_max >= best` stop and stays exact.
+/// Solves a stage-construction instance exactly: the DP for each `t_max` bound, searched with
+/// [`crate::bottleneck::minimize`] (which evaluates only the bounds that can still win).
 pub fn solve(problem: StageProblem, options: StageOptions) -> Result<StagePlan, InterError> {
     let p = problem.validate()?;
     let infeasible = InterError::Infeasible {
         layers: p.layers,
         devices: p.devices,
     };
-    let mut bounds: Vec<f64> = p.cost.iter().copied().filter(|c| c.is_finite()).collect();
-    bounds.sort_by(f64::total_cmp);
-    bounds.dedup();
-    if bounds.is_empty() {
-        return Err(infeasible);
-    }
-    let b = p.microbatches as f64;
+    let bounds = bottleneck::candidates(p.cost.iter().copied());
     let mut dp = Dp::new(&p);
-    let mut search = Search {
-        b,
-        best: None,
-        evaluated: 0,
-    };
-    // Φ at the largest bound: feasibility of the whole instance.
-    let top = bounds.len() - 1;
-    let Some(phi_top) = search.evaluate(&mut dp, bounds[top]) else {
-        return Err(infeasible);
-    };
-    // The smallest feasible bound: feasibility is monotone in t_max, so bisect.
-    let (mut lo, mut hi) = (0usize, top);
-    while lo < hi {
-        let mid = (lo + hi) / 2;
-        if dp.run(bounds[mid]).is_some() {
-            hi = mid;
-        } else {
-            lo = mid + 1;
-        }
-    }
-    if lo < top {
-        let phi_lo = search
-            .evaluate(&mut dp, bounds[lo])
-            .ok_or_else(|| infeasible.clone())?;
-        // Intervals (a, b] of candidate indices with Φ known at both ends.
-        let mut stack = vec![(lo, phi_lo, top, phi_top)];
-        while let Some((a, phi_a, z, phi_z)) = stack.pop() {
-            if z <= a + 1 || phi_z >= phi_a || bounds[z] - bounds[a] < options.bound_gap {
-                continue;
-            }
-            let floor = phi_z + (b - 1.0) * bounds[a + 1];
-            if search.best.as_ref().is_some_and(|(best, _)| floor >= *best) {
-                continue;
-            }
-            let mid = (a + z) / 2;
-            let Some(phi_mid) = search.evaluate(&mut dp, bounds[mid]) else {
-                continue;
-            };
-            stack.push((a, phi_a, mid, phi_mid));
-            stack.push((mid, phi_mid, z, phi_z));
-        }
-    }
-    let (cost, stages) = search.best.ok_or(infeasible)?;
+    let best = bottleneck::minimize(
+        &bounds,
+        p.microbatches as f64 - 1.0,
+        options.bound_gap,
+        |t| {
+            let (sum, s) = dp.run(t)?;
+            let stages = dp.reconstruct(s, t)?;
+            let max = stages.iter().map(|st| st.cost).fold(0.0, f64::max);
+            Some(bottleneck::Bounded {
+                sum,
+                max,
+                solution: stages,
+            })
+        },
+    )
+    .ok_or(infeasible)?;
     Ok(StagePlan {
-        cost,
-        stages,
-        bounds_evaluated: search.evaluated,
+        cost: best.total,
+        stages: best.solution,
+        bounds_evaluated: best.evaluated,
     })
-}
-
-/// Best solution found so far over the DP runs.
-struct Search {
-    b: f64,
-    best: Option<(f64, Vec<StageChoice>)>,
-    evaluated: usize,
-}
-
-impl Search {
-    /// Runs the DP for `t_max`, records its solution, and returns `Φ(t_max)`.
-    fn evaluate(&mut self, dp: &mut Dp<'_>, t_max: f64) -> Option<f64> {
-        self.evaluated += 1;
-        let (sum, s) = dp.run(t_max)?;
-        let stages = dp.reconstruct(s, t_max)?;
-        let max = stages.iter().map(|st| st.cost).fold(0.0, f64::max);
-        let total = sum + (self.b - 1.0) * max;
-        if self.best.as_ref().is_none_or(|(bt, _)| total < *bt) {
-            self.best = Some((total, stages));
-        }
-        Some(sum)
-    }
 }
 
 /// Submesh shapes of an `N x M` cluster (ALGORITHMS.md §2): `(1, 1), (1, 2), (1, 4), ...` up to

@@ -4,6 +4,7 @@
 //! Nothing here does I/O or keeps global state: parsers take text, results are values.
 
 pub mod balance;
+pub mod bottleneck;
 pub mod cluster;
 pub mod cost;
 pub mod error;

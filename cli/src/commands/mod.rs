@@ -4,9 +4,10 @@ mod build;
 mod estimate;
 mod graph;
 mod plan;
+mod solve;
 
 use crate::Failure;
-use crate::args::{Cli, Command, PlanCommand};
+use crate::args::{Cli, Command, PlanCommand, SolveCommand};
 use autopar_engine::session::Session;
 
 /// Runs the parsed command.
@@ -19,6 +20,12 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Plan {
             command: PlanCommand::Show { target, json },
         } => plan::show(&session, target, *json),
+        Command::Solve {
+            command: SolveCommand::Stages { input, json },
+        } => solve::stages(input, *json),
+        Command::Solve {
+            command: SolveCommand::Balance(a),
+        } => solve::balance(a),
     }
 }
 

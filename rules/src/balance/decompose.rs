@@ -187,7 +187,10 @@ pub fn decompose(runs: &[MemoryRun]) -> Result<MemoryTerms, DecomposeError> {
         }
     }
     let unknowns = 2 + kinds.len();
-    let names: Vec<&str> = kinds.iter().map(|&k| RecomputeKind::ALL[k].name()).collect();
+    let names: Vec<&str> = kinds
+        .iter()
+        .map(|&k| RecomputeKind::ALL[k].name())
+        .collect();
     if rows.len() < unknowns {
         return Err(DecomposeError::TooFew {
             unknowns,

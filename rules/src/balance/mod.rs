@@ -5,13 +5,15 @@
 //! chunk holds at least one layer, the layers add up to `L`, and every stage fits:
 //!
 //! ```text
-//! base_j + par * sum_{c,r} x + sum_{c,r} x * act_r * inflight(c, j) <= cap
+//! base_j + par * sum_{c,r} x + sum_{c,r} x * act_r * q_c <= cap   for every profile q of stage j
 //! ```
 //!
 //! where `base_j` is the head memory on the first stage, the tail memory on the last and the
-//! constant elsewhere (the decomposed head and tail include the constant), and `inflight(c, j)`
-//! is the number of micro-batches of chunk `c` alive at stage `j`'s peak under (interleaved)
-//! 1F1B. With `T_cj` the forward plus backward time of chunk `(c, j)`, the objective is the
+//! constant elsewhere (the decomposed head and tail include the constant), and a profile `q` is
+//! a number of in-flight micro-batches per chunk at one of stage `j`'s possible peaks under
+//! (interleaved) 1F1B ([`crate::schedule::inflight_profiles`]). SAPP uses only the profile at
+//! the end of the warm-up, which underestimates the peak when later chunks hold more
+//! activations; one constraint per profile is exact. With `T_cj` the forward plus backward time of chunk `(c, j)`, the objective is the
 //! end-to-end proxy
 //!
 //! ```text
@@ -23,10 +25,11 @@
 //! `(m + (p - 1)/v) T`.
 
 mod decompose;
+mod exact;
 
 pub use decompose::{DecomposeError, MemoryRun, MemoryTerms, decompose};
 
-use crate::schedule::{PipelineSpec, Schedule};
+use crate::schedule::{PipelineSpec, Schedule, inflight_profiles};
 use good_lp::{
     Expression, ResolutionError, Solution, SolutionStatus, SolverModel, Variable, WithTimeLimit,
     constraint, microlp, variable, variables,
@@ -161,27 +164,6 @@ pub enum BalanceError {
     Solver(String),
 }
 
-/// Micro-batches of chunk `c` alive on stage `j` at its peak: `min(p - j, m)` without
-/// interleaving; with it (SAPP's model of Megatron-LM's schedule) `p` per chunk, plus
-/// `max(0, p - 2j - 1)` on the first chunk and `min(0, p - 2j - 1)` on the last, at most `m`.
-/// The total over chunks, `v p + p - 2j - 1`, is the warm-up depth of the interleaved schedule.
-pub fn inflight(c: usize, j: usize, p: usize, v: usize, m: usize) -> f64 {
-    let n = if v == 1 {
-        (p - j) as i64
-    } else {
-        let skew = p as i64 - 2 * j as i64 - 1;
-        let mut n = p as i64;
-        if c == 0 {
-            n += skew.max(0);
-        }
-        if c == v - 1 {
-            n += skew.min(0);
-        }
-        n
-    };
-    n.clamp(0, m as i64) as f64
-}
-
 impl BalanceProblem {
     fn check(&self) -> Result<(), BalanceError> {
         let (p, v) = (self.stages, self.interleave);
@@ -232,16 +214,39 @@ impl BalanceProblem {
         self.memory.activation[k].unwrap_or(0.0)
     }
 
-    /// Memory model of stage `j` for `counts` (`[c][j][r]`).
+    /// In-flight micro-batches per chunk at each possible peak of stage `j`.
+    pub fn profiles(&self, j: usize) -> Vec<Vec<u32>> {
+        inflight_profiles(
+            Schedule::OneFOneB,
+            j,
+            self.stages,
+            self.interleave,
+            self.microbatches,
+        )
+    }
+
+    /// Activations one micro-batch keeps in chunk `(c, j)` given its counts per kind.
+    fn chunk_activation(&self, n: &[u32; KINDS]) -> f64 {
+        (0..KINDS).map(|k| n[k] as f64 * self.act(k)).sum()
+    }
+
+    /// Memory model of stage `j` for `counts` (`[c][j][r]`): its worst profile.
     pub fn stage_memory(&self, counts: &[Vec<[u32; KINDS]>], j: usize) -> f64 {
-        let (p, v, m) = (self.stages, self.interleave, self.microbatches);
-        let mut total = self.base_memory(j);
-        for (c, chunk) in counts.iter().enumerate() {
-            for (k, &n) in chunk[j].iter().enumerate() {
-                total += n as f64 * (self.memory.parameter + self.act(k) * inflight(c, j, p, v, m));
-            }
-        }
-        total
+        let layers: u32 = counts
+            .iter()
+            .map(|chunk| chunk[j].iter().sum::<u32>())
+            .sum();
+        let act = self
+            .profiles(j)
+            .iter()
+            .map(|q| {
+                q.iter()
+                    .zip(counts)
+                    .map(|(&n, chunk)| n as f64 * self.chunk_activation(&chunk[j]))
+                    .sum::<f64>()
+            })
+            .fold(0.0, f64::max);
+        self.base_memory(j) + layers as f64 * self.memory.parameter + act
     }
 
     /// Forward and backward time of chunk `(c, j)`.
@@ -283,16 +288,19 @@ impl BalanceProblem {
         let (p, v) = (self.stages, self.interleave);
         let total: u32 = counts.iter().flatten().flatten().sum();
         let chunks_ok = counts.len() == v
-            && counts.iter().all(|chunk| {
-                chunk.len() == p && chunk.iter().all(|n| n.iter().sum::<u32>() >= 1)
-            });
+            && counts
+                .iter()
+                .all(|chunk| chunk.len() == p && chunk.iter().all(|n| n.iter().sum::<u32>() >= 1));
         let kinds_ok = counts
             .iter()
             .flatten()
             .all(|n| (0..KINDS).all(|k| self.allowed[k] || n[k] == 0));
         let full = RecomputeKind::Full.index();
         let uniform_ok = !self.uniform_full
-            || counts.iter().flatten().all(|n| n[full] == counts[0][0][full]);
+            || counts
+                .iter()
+                .flatten()
+                .all(|n| n[full] == counts[0][0][full]);
         chunks_ok
             && kinds_ok
             && uniform_ok
@@ -326,8 +334,34 @@ impl BalanceProblem {
     }
 }
 
-/// Solves the balancing MILP. `initial` (`[c][j][r]`), if feasible, seeds the search.
+/// Balances layers and recomputation: exactly with a combinatorial solver when the problem has
+/// one chunk per stage or Megatron-LM's uniform-block shape, otherwise with the MILP (whose
+/// time limit may stop it short of a proof; the plan's status says so). `initial`
+/// (`[c][j][r]`), if feasible, seeds the MILP.
 pub fn balance(
+    problem: &BalanceProblem,
+    initial: Option<&[Vec<[u32; KINDS]>]>,
+) -> Result<BalancePlan, BalanceError> {
+    problem.check()?;
+    let exact = if exact::is_uniform_block(problem) {
+        Some(exact::uniform_block(problem))
+    } else if problem.interleave == 1 {
+        Some(exact::single_chunk(problem))
+    } else {
+        None
+    };
+    match exact {
+        Some(Some(plan)) if problem.feasible(&plan.counts) => Ok(plan),
+        Some(Some(_)) => Err(BalanceError::Solver(
+            "the exact solver produced an assignment that violates the constraints".into(),
+        )),
+        Some(None) => Err(infeasible(problem)),
+        None => milp(problem, initial),
+    }
+}
+
+/// The balancing MILP (any interleaving and kinds), solved with microlp under the time limit.
+pub(crate) fn milp(
     problem: &BalanceProblem,
     initial: Option<&[Vec<[u32; KINDS]>]>,
 ) -> Result<BalancePlan, BalanceError> {
@@ -398,15 +432,17 @@ pub fn balance(
     }
     model.add_constraint(constraint!(all_layers == l as f64));
     for j in 0..p {
-        let mut mem = Expression::default();
-        for c in 0..v {
-            let infl = inflight(c, j, p, v, m);
-            mem += sum_of(c, j, &|k| {
-                (problem.memory.parameter + problem.act(k) * infl) / m_unit
-            });
-        }
         let room = (problem.memory_cap - problem.base_memory(j)) / m_unit;
-        model.add_constraint(constraint!(mem <= room));
+        for q in problem.profiles(j) {
+            let mut mem = Expression::default();
+            for (c, &infl) in q.iter().enumerate() {
+                let infl = infl as f64;
+                mem += sum_of(c, j, &|k| {
+                    (problem.memory.parameter + problem.act(k) * infl) / m_unit
+                });
+            }
+            model.add_constraint(constraint!(mem <= room));
+        }
     }
     if let Some(init) = initial.filter(|c| problem.feasible(c)) {
         let mut start = Vec::new();
@@ -473,13 +509,22 @@ pub fn balance(
 /// Explains an infeasible instance: the least memory any stage needs with one layer per chunk
 /// and the most memory-saving allowed kind, or the most layers the stages can hold together.
 fn infeasible(problem: &BalanceProblem) -> BalanceError {
-    let (p, v, m) = (problem.stages, problem.interleave, problem.microbatches);
+    let (p, v) = (problem.stages, problem.interleave);
+    // Per chunk, the most micro-batches it ever holds (a bound for the explanation only).
+    let most: Vec<Vec<f64>> = (0..p)
+        .map(|j| {
+            let profiles = problem.profiles(j);
+            (0..v)
+                .map(|c| profiles.iter().map(|q| q[c]).max().unwrap_or(0) as f64)
+                .collect()
+        })
+        .collect();
     let cheapest = (0..KINDS)
         .filter(|&k| problem.allowed[k])
         .min_by(|&a, &b| problem.act(a).total_cmp(&problem.act(b)))
         .unwrap_or(0);
     let per_layer =
-        |c: usize, j: usize| problem.memory.parameter + problem.act(cheapest) * inflight(c, j, p, v, m);
+        |c: usize, j: usize| problem.memory.parameter + problem.act(cheapest) * most[j][c];
     let mut capacity = 0u64;
     for j in 0..p {
         let minimum: f64 = problem.base_memory(j) + (0..v).map(|c| per_layer(c, j)).sum::<f64>();
@@ -492,7 +537,9 @@ fn infeasible(problem: &BalanceProblem) -> BalanceError {
             ));
         }
         // Extra layers go to the chunk where they cost least.
-        let cheapest_chunk = (0..v).map(|c| per_layer(c, j)).fold(f64::INFINITY, f64::min);
+        let cheapest_chunk = (0..v)
+            .map(|c| per_layer(c, j))
+            .fold(f64::INFINITY, f64::min);
         capacity += v as u64 + ((problem.memory_cap - minimum) / cheapest_chunk).floor() as u64;
     }
     BalanceError::Infeasible(format!(

@@ -5,7 +5,9 @@
 mod simulate;
 mod trace;
 
-pub use simulate::{Block, BlockKind, Bubble, PipelineSpec, ScheduleError, Simulation, simulate};
+pub use simulate::{
+    Block, BlockKind, Bubble, PipelineSpec, ScheduleError, Simulation, inflight_profiles, simulate,
+};
 pub use trace::chrome_trace;
 
 use serde::{Deserialize, Serialize};

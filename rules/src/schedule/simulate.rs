@@ -168,6 +168,37 @@ fn program(schedule: Schedule, j: usize, p: usize, v: usize, m: usize) -> Vec<St
     }
 }
 
+/// The micro-batches of each chunk in flight on stage `j` after each of its forwards, keeping
+/// only the counts no other moment exceeds on every chunk. Activation memory peaks at one of
+/// these moments whatever the chunk sizes, so a memory constraint per profile is exact. Depends
+/// only on the order of the stage's blocks, not on their times.
+pub fn inflight_profiles(
+    schedule: Schedule,
+    j: usize,
+    p: usize,
+    v: usize,
+    m: usize,
+) -> Vec<Vec<u32>> {
+    let mut held = vec![0u32; v];
+    let mut profiles: Vec<Vec<u32>> = Vec::new();
+    for step in program(schedule, j, p, v, m) {
+        match step.kind {
+            BlockKind::Forward => {
+                held[step.chunk] += 1;
+                let dominated = profiles
+                    .iter()
+                    .any(|q| q.iter().zip(&held).all(|(a, b)| a >= b));
+                if !dominated {
+                    profiles.retain(|q| !q.iter().zip(&held).all(|(a, b)| a <= b));
+                    profiles.push(held.clone());
+                }
+            }
+            BlockKind::Backward => held[step.chunk] -= 1,
+        }
+    }
+    profiles
+}
+
 /// Simulates one step of the pipeline.
 pub fn simulate(spec: &PipelineSpec) -> Result<Simulation, ScheduleError> {
     let v = spec.forward.len();
@@ -404,6 +435,51 @@ mod tests {
         // ideal x recompute (the fill and drain also recompute).
         let cross = s.bubble.ideal * s.bubble.recompute;
         assert!((s.bubble.imbalance - cross).abs() < 1e-12, "{:?}", s.bubble);
+    }
+
+    #[test]
+    fn profiles_cover_the_peak_whatever_the_chunk_sizes() {
+        for (p, v, m) in [
+            (4usize, 1usize, 8usize),
+            (4, 2, 8),
+            (8, 2, 32),
+            (8, 3, 16),
+            (3, 4, 6),
+        ] {
+            for j in 0..p {
+                let profiles = inflight_profiles(Schedule::OneFOneB, j, p, v, m);
+                let most: u32 = profiles.iter().map(|q| q.iter().sum()).max().unwrap_or(0);
+                let expect = if v == 1 {
+                    (p - j).min(m)
+                } else {
+                    (2 * (p - j - 1) + (v - 1) * p + 1).min(m * v)
+                };
+                assert_eq!(most as usize, expect, "p={p} v={v} j={j}");
+                // For any activation sizes, the simulated peak is the worst profile.
+                for sizes in [
+                    vec![1.0; v],
+                    (0..v).map(|c| 1.0 + c as f64).collect(),
+                    (0..v).map(|c| (v - c) as f64).collect(),
+                ] {
+                    let mut spec = uniform(Schedule::OneFOneB, p, v, m, 1.0, 2.0);
+                    spec.activation = sizes.iter().map(|&a| vec![a; p]).collect();
+                    let sim = simulate(&spec).expect("simulates");
+                    let worst = profiles
+                        .iter()
+                        .map(|q| {
+                            q.iter()
+                                .zip(&sizes)
+                                .map(|(&n, a)| n as f64 * a)
+                                .sum::<f64>()
+                        })
+                        .fold(0.0, f64::max);
+                    assert!(
+                        (sim.peak_activation[j] - worst).abs() < 1e-9,
+                        "p={p} v={v} j={j} {sizes:?}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

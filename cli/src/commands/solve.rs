@@ -1,0 +1,167 @@
+//! `autopar solve stages` and `autopar solve balance`: the planning passes on numbers users
+//! bring (Alpa's profiled stage costs, SAPP's measured profiles).
+
+use super::print_json;
+use crate::Failure;
+use crate::args::BalanceArgs;
+use autopar_engine::alpa::solve_stages;
+use autopar_engine::plans::write_trace;
+use autopar_engine::sapp::{BalanceOptions, solve_balance};
+use autopar_rules::balance::{KINDS, RecomputeKind};
+use autopar_rules::schedule::chrome_trace;
+use serde_json::json;
+use std::path::Path;
+
+pub fn stages(input: &Path, json: bool) -> Result<(), Failure> {
+    let r = solve_stages(input)?;
+    let list: Vec<[usize; 4]> = r
+        .plan
+        .stages
+        .iter()
+        .map(|s| [s.start, s.end, s.submesh, s.config])
+        .collect();
+    if json {
+        return print_json(&json!({ "cost": r.plan.cost, "stages": list }));
+    }
+    println!(
+        "cost {:.6} (sum of stage costs + (B - 1) x max), {} stages, {} t_max bounds evaluated",
+        r.plan.cost,
+        r.plan.stages.len(),
+        r.plan.bounds_evaluated
+    );
+    println!(
+        "{:>5} {:>12} {:>10} {:>7} {:>12} {:>16}",
+        "stage", "layers", "submesh", "config", "cost", "devices"
+    );
+    for (q, s) in r.plan.stages.iter().enumerate() {
+        let (n, m) = r.submeshes[s.submesh];
+        let devices = r.placement.as_ref().map_or(String::new(), |p| {
+            let (first, count) = p[q];
+            format!("{first}..{}", first + count - 1)
+        });
+        println!(
+            "{:>5} {:>12} {:>10} {:>7} {:>12.6} {:>16}",
+            q,
+            format!("{}..={}", s.start, s.end),
+            format!("{n}x{m} (#{})", s.submesh),
+            s.config,
+            s.cost,
+            devices
+        );
+    }
+    Ok(())
+}
+
+pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
+    if !(a.memory_mb.is_finite() && a.memory_mb > 0.0) {
+        return Err(Failure::Input(anyhow::anyhow!(
+            "-mem: expected a positive memory cap in MB, found {}",
+            a.memory_mb
+        )));
+    }
+    let opts = BalanceOptions {
+        stages: a.stages as usize,
+        microbatches: a.microbatches as usize,
+        interleave: a.interleave as usize,
+        memory_mb: a.memory_mb,
+        time_limit: a.time_limit.max(0.01),
+    };
+    let r = solve_balance(&a.sapp, &opts)?;
+    if let Some(path) = &a.trace {
+        let trace = chrome_trace(&r.simulation, "autopar solve balance");
+        write_trace(path, &trace)?;
+    }
+    let b = &r.bubble;
+    if a.json {
+        return print_json(&json!({
+            "offset": r.lists.offset,
+            "recompute": r.lists.recompute,
+            "select_recompute": r.lists.select_recompute,
+            "select_comm_recompute": r.lists.select_comm_recompute,
+            "real": b.real,
+            "ideal": b.ideal,
+            "imbalance": b.imbalance,
+            "recompute_ratio": b.recompute,
+            "total_time": r.simulation.makespan,
+            "peak_memory_mb": r.peak_memory,
+            "objective": r.plan.objective,
+            "status": r.plan.status,
+            "memory_terms": r.terms,
+            "solve_seconds": r.solve_seconds,
+        }));
+    }
+    let t = &r.terms;
+    let acts: Vec<String> = RecomputeKind::ALL
+        .iter()
+        .filter_map(|k| t.activation[k.index()].map(|x| format!("{} {x:.2}", k.name())))
+        .collect();
+    println!(
+        "memory terms (MB): const {:.2} · per layer {:.2} · activations {} · head {:.2} · tail {:.2}",
+        t.constant,
+        t.parameter,
+        acts.join(", "),
+        t.head,
+        t.tail
+    );
+    println!(
+        "balanced {} layers over {} stages x {} chunks, {} micro-batches, cap {} MB: {} in {:.2} s",
+        r.problem.layers,
+        a.stages,
+        a.interleave,
+        a.microbatches,
+        a.memory_mb,
+        match r.plan.status {
+            autopar_rules::balance::SolveStatus::Optimal => "optimal",
+            autopar_rules::balance::SolveStatus::TimeLimit =>
+                "time limit reached (best found, not proven optimal)",
+        },
+        r.solve_seconds
+    );
+    println!("To put in yaml configuration:");
+    println!("        offset: {:?}", r.lists.offset);
+    println!("        recompute: {:?}", r.lists.recompute);
+    println!("        select_recompute: {:?}", r.lists.select_recompute);
+    println!(
+        "        select_comm_recompute: {:?}",
+        r.lists.select_comm_recompute
+    );
+    println!(
+        "{:>5} {:>6} {}  {:>10} {:>10}",
+        "stage",
+        "layers",
+        RecomputeKind::ALL
+            .map(|k| format!("{:>6}", &k.name()[..k.name().len().min(6)]))
+            .join(""),
+        "time/mb",
+        "peak MB"
+    );
+    for j in 0..a.stages as usize {
+        let mut per_kind = [0u32; KINDS];
+        for chunk in &r.plan.counts {
+            for (k, n) in chunk[j].iter().enumerate() {
+                per_kind[k] += n;
+            }
+        }
+        println!(
+            "{:>5} {:>6} {}  {:>10.1} {:>10.0}",
+            j,
+            per_kind.iter().sum::<u32>(),
+            per_kind.map(|n| format!("{n:>6}")).join(""),
+            r.stage_time[j],
+            r.peak_memory[j]
+        );
+    }
+    println!("bubble    real    =  ideal   + imbalance + recompute");
+    println!(
+        "        {:>7.4}  = {:>7.4}  + {:>7.4}   + {:>7.4}",
+        b.real, b.ideal, b.imbalance, b.recompute
+    );
+    println!(
+        "total time {:.1} (time units of the yaml)",
+        r.simulation.makespan
+    );
+    if let Some(path) = &a.trace {
+        println!("trace {}", path.display());
+    }
+    Ok(())
+}
