@@ -13,6 +13,7 @@ pub mod frontend;
 pub mod graph;
 pub mod inter;
 pub mod layer_cost;
+pub mod layering;
 pub mod layout;
 pub mod limits;
 pub mod memory;
