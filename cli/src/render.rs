@@ -1,11 +1,12 @@
 //! Human-readable rendering of estimates, plans and graphs.
 
 use autopar_rules::cluster::{Cluster, GIB};
-use autopar_rules::estimate::{Estimate, MemoryBreakdown};
+use autopar_rules::estimate::{Chunk, Estimate, MemoryBreakdown};
 use autopar_rules::graph::GraphSummary;
 use autopar_rules::layout::{Layout, Recompute};
-use autopar_rules::plan::Plan;
+use autopar_rules::plan::{Plan, shell_quote};
 use std::fmt::Write;
+use std::path::Path;
 
 /// `1234567` -> `1,234,567`.
 pub fn thousands(x: f64) -> String {
@@ -116,6 +117,19 @@ pub fn estimate(out: &mut String, e: &Estimate) {
         secs(t.grad_sync),
         secs(t.optimizer)
     );
+    let b = &e.bubble;
+    let _ = writeln!(
+        out,
+        "  pipeline  {} · layers split {} · bubble {:.1}% = ideal {:.1}% + imbalance {:.1}% + \
+         recompute {:.1}% of compute{}",
+        schedule_name(e),
+        e.partition.name(),
+        b.real * 100.0,
+        b.ideal * 100.0,
+        b.imbalance * 100.0,
+        b.recompute * 100.0,
+        if e.simulated { "" } else { " (closed form)" }
+    );
     let _ = writeln!(
         out,
         "  memory    {} per device (stage {}) of {} usable: {}",
@@ -127,33 +141,54 @@ pub fn estimate(out: &mut String, e: &Estimate) {
     let _ = writeln!(out, "            {}", memory_line(&e.memory));
 }
 
+/// The schedule in words.
+fn schedule_name(e: &Estimate) -> String {
+    match (e.layout.pp, e.layout.interleave) {
+        (1, _) => "no pipeline".to_string(),
+        (_, 1) => "1F1B".to_string(),
+        (_, v) => format!("interleaved 1F1B, {v} chunks per stage"),
+    }
+}
+
+/// One chunk: its layer range, blocks and fully recomputed blocks.
+fn chunk_cell(c: &Chunk) -> String {
+    let range = if c.first == c.last {
+        c.first_name.clone()
+    } else {
+        format!("{}..{}", c.first_name, c.last_name)
+    };
+    if c.full_recompute > 0 && c.full_recompute < c.blocks {
+        format!(
+            "{range} [{} blocks, {} recomputed]",
+            c.blocks, c.full_recompute
+        )
+    } else {
+        format!("{range} [{}]", c.blocks)
+    }
+}
+
 /// Per-stage table.
 pub fn stages(out: &mut String, e: &Estimate) {
     let _ = writeln!(
         out,
-        "  stages    {:>3} {:>6} {:>11} {:>10} {:>10}  layers",
-        "#", "blocks", "params/GPU", "time/mb", "memory"
+        "  stages    {:>3} {:>6} {:>11} {:>10} {:>9} {:>10}  layers [blocks]",
+        "#", "blocks", "params/GPU", "time/mb", "in flight", "memory"
     );
     for s in &e.stages {
         let layers = s
             .chunks
             .iter()
-            .map(|c| {
-                if c.first == c.last {
-                    c.first_name.clone()
-                } else {
-                    format!("{}..{}", c.first_name, c.last_name)
-                }
-            })
+            .map(chunk_cell)
             .collect::<Vec<_>>()
             .join(", ");
         let _ = writeln!(
             out,
-            "            {:>3} {:>6} {:>11} {:>10} {:>10}  {}",
+            "            {:>3} {:>6} {:>11} {:>10} {:>9.1} {:>10}  {}",
             s.index,
             s.blocks,
             si(s.params),
             secs(s.per_microbatch_s),
+            s.inflight_microbatches,
             bytes(s.memory.total),
             layers
         );
@@ -172,12 +207,13 @@ pub fn cluster(c: &Cluster) -> String {
 fn wrap_args(args: &[String], indent: &str, width: usize) -> String {
     let mut tokens: Vec<String> = Vec::new();
     for a in args {
+        let word = shell_quote(a);
         match tokens.last_mut() {
             Some(t) if !a.starts_with("--") => {
                 t.push(' ');
-                t.push_str(a);
+                t.push_str(&word);
             }
-            _ => tokens.push(a.clone()),
+            _ => tokens.push(word),
         }
     }
     let mut lines: Vec<String> = Vec::new();
@@ -194,7 +230,7 @@ fn wrap_args(args: &[String], indent: &str, width: usize) -> String {
 }
 
 /// A whole plan, as `build` and `plan show` print it.
-pub fn plan(p: &Plan, path: Option<&std::path::Path>) -> String {
+pub fn plan(p: &Plan, path: Option<&Path>, trace: Option<&Path>) -> String {
     let mut out = String::new();
     let e = &p.estimate;
     let _ = writeln!(
@@ -211,6 +247,23 @@ pub fn plan(p: &Plan, path: Option<&std::path::Path>) -> String {
     );
     estimate(&mut out, e);
     stages(&mut out, e);
+    if !p.partitions.is_empty() {
+        let tried = p
+            .partitions
+            .iter()
+            .map(|a| match a.step_time_s {
+                Some(t) => format!(
+                    "{} {}{}",
+                    a.partition.name(),
+                    secs(t),
+                    if a.fits { "" } else { " (does not fit)" }
+                ),
+                None => format!("{} n/a ({})", a.partition.name(), a.note),
+            })
+            .collect::<Vec<_>>()
+            .join(" · ");
+        let _ = writeln!(out, "  splits    {tried}");
+    }
     let _ = writeln!(
         out,
         "  megatron  {}",
@@ -231,11 +284,27 @@ pub fn plan(p: &Plan, path: Option<&std::path::Path>) -> String {
     }
     let _ = writeln!(
         out,
-        "  search    {} layouts: {} can run, {} fit",
-        p.search.candidates, p.search.valid, p.search.feasible
+        "  search    {} layouts: {} can run, {} fit split evenly; {} refined (DP, balance, \
+         simulation){}",
+        p.search.candidates,
+        p.search.valid,
+        p.search.feasible,
+        p.search.refined,
+        if p.search.refine_capped {
+            ", stopped at the cap"
+        } else {
+            ""
+        }
     );
     if let Some(path) = path {
         let _ = writeln!(out, "  plan      {}", path.display());
+    }
+    if let Some(trace) = trace {
+        let _ = writeln!(
+            out,
+            "  trace     {} (open in chrome://tracing or ui.perfetto.dev)",
+            trace.display()
+        );
     }
     out
 }

@@ -1,12 +1,14 @@
 //! `autopar build`: plan every target of the workspace (in parallel) and write the plans.
 
 use crate::error::EngineError;
-use crate::plans::{remove_plan, write_plan};
+use crate::plans::{remove_output, write_plan, write_trace};
 use crate::workspace::{Target, Workspace};
 use autopar_rules::cluster::GIB;
 use autopar_rules::estimate::Estimator;
 use autopar_rules::frontend::LowerOptions;
+use autopar_rules::layout::LayoutError;
 use autopar_rules::plan::{Plan, PlanModel};
+use autopar_rules::schedule::{chrome_trace, simulate};
 use autopar_rules::search::{SearchResult, search};
 use rayon::prelude::*;
 use std::path::PathBuf;
@@ -22,6 +24,8 @@ pub struct Planned {
     pub plan: Plan,
     /// Where it was written.
     pub path: PathBuf,
+    /// Where the simulated timeline of its pipeline was written.
+    pub trace: PathBuf,
 }
 
 /// What happened to one target.
@@ -142,13 +146,20 @@ fn plan_target(ws: &Workspace, t: &Target) -> Result<TargetOutcome, EngineError>
         "searched"
     );
     let path = ws.plan_path(&t.name);
+    let trace = ws.trace_path(&t.name);
     let outcome = match plan_from(ws, t, &est, &result) {
         Ok(plan) => {
             write_plan(&path, &plan)?;
-            TargetResult::Planned(Box::new(Planned { plan, path }))
+            // The estimate was simulated when refined, so this cannot fail.
+            let sim = simulate(&plan.estimate.pipeline_spec())
+                .map_err(|e| EngineError::Layout(LayoutError::Schedule(e)))?;
+            let title = format!("{}: {}", t.name, plan.estimate.layout.describe());
+            write_trace(&trace, &chrome_trace(&sim, &title))?;
+            TargetResult::Planned(Box::new(Planned { plan, path, trace }))
         }
         Err(reason) => {
-            remove_plan(&path)?;
+            remove_output(&path)?;
+            remove_output(&trace)?;
             TargetResult::Infeasible { reason }
         }
     };

@@ -25,8 +25,8 @@ pub fn write_trace(path: &Path, trace: &serde_json::Value) -> Result<(), EngineE
     Ok(())
 }
 
-/// Removes the plan at `path` if there is one.
-pub fn remove_plan(path: &Path) -> Result<(), EngineError> {
+/// Removes the plan (or trace) at `path` if there is one.
+pub fn remove_output(path: &Path) -> Result<(), EngineError> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

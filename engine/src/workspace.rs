@@ -84,6 +84,12 @@ impl Workspace {
     pub fn plan_path(&self, name: &str) -> PathBuf {
         self.plans_dir.join(format!("{name}.json"))
     }
+
+    /// Where the simulated pipeline timeline of target `name` goes (Chrome trace JSON, for
+    /// `chrome://tracing` or Perfetto).
+    pub fn trace_path(&self, name: &str) -> PathBuf {
+        self.plans_dir.join(format!("{name}.trace.json"))
+    }
 }
 
 /// A positive integer (zero and negatives are rejected with a clear message).

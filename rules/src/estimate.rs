@@ -8,7 +8,9 @@ use crate::graph::{Graph, LayerKind};
 use crate::layer_cost::{KernelOptions, LayerCost, layer_costs};
 use crate::layout::{Layout, LayoutError, Recompute, TrainingOptions};
 use crate::memory::model_states;
-use crate::schedule::{Schedule, ideal_bubble, inflight, pipeline_time};
+use crate::schedule::{
+    Bubble, PipelineSpec, Schedule, ideal_bubble, inflight_profiles, pipeline_time, simulate,
+};
 use crate::tensor_parallel::{TpConfig, indivisible_sequence, indivisible_split};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -54,7 +56,43 @@ pub struct TimeBreakdown {
     pub optimizer: f64,
 }
 
-/// A run of consecutive layers placed on a stage.
+/// Layers of one chunk (virtual stage) of a pipeline, as a layout places them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ChunkLayers {
+    /// First layer (graph order).
+    pub first: usize,
+    /// Last layer, inclusive.
+    pub last: usize,
+    /// Under full recomputation: how many blocks at the start of the chunk are recomputed
+    /// (Megatron-LM's `--recompute-method block --recompute-num-layers N`); ignored otherwise.
+    pub full_recompute: usize,
+}
+
+/// How a layout's layers were split into chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Partition {
+    /// Equally many blocks per chunk (the later chunks take the remainder), Megatron-LM's
+    /// default; every block recomputed under full recomputation.
+    Even,
+    /// Alpa's stage-construction DP over the layers ([`crate::inter`]).
+    Dp,
+    /// SAPP balancing of blocks and fully recomputed blocks ([`crate::balance`]).
+    Balance,
+}
+
+impl Partition {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Partition::Even => "even",
+            Partition::Dp => "dp",
+            Partition::Balance => "balance",
+        }
+    }
+}
+
+/// A run of consecutive layers placed on a stage, priced.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Chunk {
     /// First layer index (graph order).
@@ -65,6 +103,19 @@ pub struct Chunk {
     pub first_name: String,
     /// Name of the last layer.
     pub last_name: String,
+    /// Blocks in the chunk.
+    pub blocks: usize,
+    /// Blocks recomputed in full (the first ones of the chunk).
+    pub full_recompute: usize,
+    /// Forward time per micro-batch, sending the output to the next chunk included, s.
+    pub forward_s: f64,
+    /// Backward time per micro-batch, recomputation and sending the input gradient included,
+    /// s.
+    pub backward_s: f64,
+    /// The recomputation part of the backward time, s.
+    pub recompute_s: f64,
+    /// Activation bytes one micro-batch keeps on the chunk from its forward to its backward.
+    pub activation_bytes: f64,
 }
 
 /// One pipeline stage of an estimate.
@@ -86,7 +137,8 @@ pub struct StageEstimate {
     pub p2p_s: f64,
     /// Everything per micro-batch, s.
     pub per_microbatch_s: f64,
-    /// Micro-batches' worth of activations alive at the stage's peak.
+    /// Micro-batches' worth of activations alive at the stage's peak (chunks in flight over
+    /// chunks per stage).
     pub inflight_microbatches: f64,
     /// Parameters held per device.
     pub params: f64,
@@ -117,6 +169,13 @@ pub struct Estimate {
     pub time: TimeBreakdown,
     /// Ideal pipeline bubble fraction `(p - 1)/(v m)`.
     pub ideal_bubble: f64,
+    /// The bubble decomposition `real = ideal + imbalance + recompute` of the pipeline.
+    pub bubble: Bubble,
+    /// Whether the pipeline time comes from the list-scheduling simulation (otherwise from the
+    /// closed form, which the search uses to screen layouts).
+    pub simulated: bool,
+    /// How the layers were split into chunks.
+    pub partition: Partition,
     /// Per-stage details.
     pub stages: Vec<StageEstimate>,
     /// Memory of the stage with the highest total.
@@ -133,7 +192,20 @@ pub struct Estimate {
 
 /// A graph with its layer costs for one (micro-batch, tp, sp), or why that combination cannot
 /// run.
-type Prepared = Result<Arc<(Arc<Graph>, Vec<LayerCost>)>, LayoutError>;
+pub(crate) type Prepared = Result<Arc<(Arc<Graph>, Vec<LayerCost>)>, LayoutError>;
+
+/// In-flight micro-batches per chunk at every possible activation peak, per stage
+/// (`[stage][profile][chunk]`).
+type Profiles = Arc<Vec<Vec<Vec<u32>>>>;
+
+/// How the pipeline time of a layout is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Timing {
+    /// The closed form of [`pipeline_time`]: exact for equal stages, fast; used to screen.
+    ClosedForm,
+    /// The list-scheduling simulation: exact for any stages.
+    Simulated,
+}
 
 /// Per-micro-batch time of one stage, by component.
 #[derive(Clone, Copy, Debug, Default)]
@@ -158,6 +230,42 @@ impl StageTime {
     }
 }
 
+/// What one layer costs per micro-batch under a recomputation kind, on a stage where it holds
+/// `params` parameters.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LayerTime {
+    /// Forward kernels, s.
+    pub fwd_compute: f64,
+    /// Forward tensor-parallel communication, s.
+    pub fwd_comm: f64,
+    /// Backward kernels, s.
+    pub bwd_compute: f64,
+    /// Backward tensor-parallel communication, s.
+    pub bwd_comm: f64,
+    /// Recomputation, s.
+    pub recompute: f64,
+    /// ZeRO collectives not hidden behind the forward, s.
+    pub zero_fwd: f64,
+    /// ZeRO collectives not hidden behind the backward, s.
+    pub zero_bwd: f64,
+    /// Activations kept per micro-batch, bytes.
+    pub saved: f64,
+    /// Transient memory of its backward (rematerialised activations, working gradients), bytes.
+    pub transient: f64,
+}
+
+impl LayerTime {
+    /// Forward time, s.
+    pub fn forward(&self) -> f64 {
+        self.fwd_compute + self.fwd_comm + self.zero_fwd
+    }
+
+    /// Backward time with recomputation, s.
+    pub fn backward(&self) -> f64 {
+        self.bwd_compute + self.bwd_comm + self.recompute + self.zero_bwd
+    }
+}
+
 /// Prices layouts of one model on one cluster, caching graphs and layer costs across layouts.
 pub struct Estimator<'a> {
     name: &'a str,
@@ -166,6 +274,7 @@ pub struct Estimator<'a> {
     opts: TrainingOptions,
     graphs: Mutex<HashMap<(u64, u64), Arc<Graph>>>,
     prepared: Mutex<HashMap<(u64, u64, bool), Prepared>>,
+    profiles: Mutex<HashMap<(usize, usize, usize), Profiles>>,
 }
 
 impl<'a> Estimator<'a> {
@@ -183,6 +292,7 @@ impl<'a> Estimator<'a> {
             opts,
             graphs: Mutex::new(HashMap::new()),
             prepared: Mutex::new(HashMap::new()),
+            profiles: Mutex::new(HashMap::new()),
         }
     }
 
@@ -221,7 +331,7 @@ impl<'a> Estimator<'a> {
 
     /// Graph and layer costs for the tensor-parallel part of a layout, checked for
     /// divisibility; computed once per (micro-batch, tp, sp).
-    fn prepare(&self, micro_batch: u64, t: u64, sp: bool) -> Prepared {
+    pub(crate) fn prepare(&self, micro_batch: u64, t: u64, sp: bool) -> Prepared {
         let key = (micro_batch, t, sp);
         if let Some(p) = lock(&self.prepared).get(&key) {
             return p.clone();
@@ -255,7 +365,7 @@ impl<'a> Estimator<'a> {
     }
 
     /// Checks what does not depend on the graph: degrees, device count, batch split.
-    fn check(&self, l: &Layout) -> Result<(), LayoutError> {
+    pub(crate) fn check(&self, l: &Layout) -> Result<(), LayoutError> {
         for (what, v) in [
             ("tp", l.tp),
             ("pp", l.pp),
@@ -326,135 +436,291 @@ impl<'a> Estimator<'a> {
         Ok(())
     }
 
-    /// Prices `layout`, or says why it cannot run.
+    /// Prices `layout` with its layers split evenly (Megatron-LM's default), or says why it
+    /// cannot run.
     pub fn evaluate(&self, layout: &Layout) -> Result<Estimate, LayoutError> {
+        self.evaluate_timed(layout, Timing::Simulated)
+    }
+
+    pub(crate) fn evaluate_timed(
+        &self,
+        layout: &Layout,
+        timing: Timing,
+    ) -> Result<Estimate, LayoutError> {
         self.check(layout)?;
         let prepared = self.prepare(layout.micro_batch, layout.tp, layout.sequence_parallel)?;
         let (g, costs) = &*prepared;
-        let chunks = assign_chunks(g, layout)?;
-        Ok(self.price(g, costs, &chunks, layout))
+        let chunks = even_chunks(g, layout)?;
+        self.price(g, costs, &chunks, layout, Partition::Even, timing)
     }
 
-    fn price(&self, g: &Graph, costs: &[LayerCost], chunks: &[Vec<usize>], l: &Layout) -> Estimate {
+    /// Prices `layout` with the chunks of `assignment` (virtual-stage order: chunk `c` of stage
+    /// `j` at `c * pp + j`).
+    pub fn evaluate_assignment(
+        &self,
+        layout: &Layout,
+        assignment: &[ChunkLayers],
+        partition: Partition,
+    ) -> Result<Estimate, LayoutError> {
+        self.check(layout)?;
+        let prepared = self.prepare(layout.micro_batch, layout.tp, layout.sequence_parallel)?;
+        let (g, costs) = &*prepared;
+        check_assignment(g, layout, assignment)?;
+        self.price(g, costs, assignment, layout, partition, Timing::Simulated)
+    }
+
+    /// Usable memory per device after the headroom, bytes.
+    pub fn capacity(&self) -> f64 {
+        self.cluster.device.hbm_bytes * (1.0 - self.opts.memory_headroom)
+    }
+
+    /// In-flight micro-batches per chunk at each possible activation peak of every stage under
+    /// (interleaved) 1F1B; they depend only on the schedule's order, so they are cached.
+    pub(crate) fn profiles(&self, p: usize, v: usize, m: usize) -> Profiles {
+        let key = (p, v, m);
+        if let Some(q) = lock(&self.profiles).get(&key) {
+            return q.clone();
+        }
+        let q: Profiles = Arc::new(
+            (0..p)
+                .map(|j| {
+                    if v == 1 {
+                        // One chunk: the warm-up forwards plus one, at most all micro-batches.
+                        vec![vec![(p - j).min(m) as u32]]
+                    } else {
+                        inflight_profiles(Schedule::OneFOneB, j, p, v, m)
+                    }
+                })
+                .collect(),
+        );
+        lock(&self.profiles).insert(key, q.clone());
+        q
+    }
+
+    /// What layer `c` costs per micro-batch under recomputation `kind` on a stage where it
+    /// holds `params` parameters.
+    pub(crate) fn layer_time(
+        &self,
+        c: &LayerCost,
+        kind: Recompute,
+        params: f64,
+        l: &Layout,
+    ) -> LayerTime {
+        let (weight_bytes, grad_bytes, _) = self.opts.precision.state_bytes();
+        let d = l.dp;
+        let (saved, recompute) = match kind {
+            Recompute::Full => (c.checkpoint, c.fwd_compute + c.fwd_comm),
+            Recompute::Selective => (c.saved_selective, c.attention_core_compute),
+            Recompute::None => (c.saved, 0.0),
+        };
+        let rematerialised = if kind == Recompute::Full {
+            c.saved
+        } else {
+            0.0
+        };
+        let (mut zero_fwd, mut zero_bwd) = (0.0, 0.0);
+        // ZeRO-2 reduce-scatters a layer's gradients every micro-batch, ZeRO-3 also gathers its
+        // weights before the forward and the backward (and again for a full recomputation).
+        // Prefetching hides them behind the same layer's compute; what exceeds it is exposed.
+        if l.zero >= 2 && d > 1 {
+            let dp_link = self.cluster.group_link(l.tp, d);
+            let rs = collective_time(Collective::ReduceScatter, d, params * grad_bytes, dp_link);
+            let ag = collective_time(Collective::AllGather, d, params * weight_bytes, dp_link);
+            let (fwd_l, bwd_l) = (
+                c.fwd_compute + c.fwd_comm,
+                c.bwd_compute + c.bwd_comm + recompute,
+            );
+            if l.zero == 2 {
+                zero_bwd = (rs - bwd_l).max(0.0);
+            } else {
+                let regather = if kind == Recompute::Full { ag } else { 0.0 };
+                zero_fwd = (ag - fwd_l).max(0.0);
+                zero_bwd = (ag + regather + rs - bwd_l).max(0.0);
+            }
+        }
+        LayerTime {
+            fwd_compute: c.fwd_compute,
+            fwd_comm: c.fwd_comm,
+            bwd_compute: c.bwd_compute,
+            bwd_comm: c.bwd_comm,
+            recompute,
+            zero_fwd,
+            zero_bwd,
+            saved,
+            transient: rematerialised + c.grad_working,
+        }
+    }
+
+    /// Time to send an activation of `bytes` (unsharded) from stage `from` to stage `to`: with
+    /// tensor parallelism each rank sends `1/t` of it (Megatron-LM's scatter/gather, or the
+    /// sequence-parallel shard) and the receiver re-gathers it inside the node unless sequence
+    /// parallelism keeps it sharded.
+    pub(crate) fn p2p_time(&self, bytes: f64, from: u64, to: u64, l: &Layout) -> f64 {
+        let t = l.tp;
+        let stage_rank = |j: u64| j * t * l.dp;
+        let link: Link = self.cluster.p2p_link(stage_rank(from), stage_rank(to));
+        if t > 1 {
+            let gather = if l.sequence_parallel {
+                0.0
+            } else {
+                collective_time(
+                    Collective::AllGather,
+                    t,
+                    bytes,
+                    self.cluster.group_link(1, t),
+                )
+            };
+            p2p_time(bytes / t as f64, link) + gather
+        } else {
+            p2p_time(bytes, link)
+        }
+    }
+
+    /// Parameters a stage holding `on_stage` layers keeps for layer `li`: its own, plus those it
+    /// borrows from a layer on another stage (a tied output embedding needs its own copy).
+    pub(crate) fn held_params(
+        costs: &[LayerCost],
+        li: usize,
+        on_stage: &dyn Fn(usize) -> bool,
+    ) -> f64 {
+        let c = &costs[li];
+        c.params
+            + c.borrowed_params
+                .iter()
+                .filter(|(owner, _)| !on_stage(*owner))
+                .map(|(_, n)| n)
+                .sum::<f64>()
+    }
+
+    fn price(
+        &self,
+        g: &Graph,
+        costs: &[LayerCost],
+        chunks: &[ChunkLayers],
+        l: &Layout,
+        partition: Partition,
+        timing: Timing,
+    ) -> Result<Estimate, LayoutError> {
         let cluster = self.cluster;
         let device = &cluster.device;
         let precision = self.opts.precision;
         let (p, v, t, d) = (l.pp, l.interleave, l.tp, l.dp);
+        let (pu, vu) = (p as usize, v as usize);
         let m = l.num_microbatches();
+        let mu = m as usize;
         let n_chunks = chunks.len();
         let (weight_bytes, grad_bytes, _) = precision.state_bytes();
         let stage_rank = |j: u64| j * t * d;
-        let tp_link = cluster.group_link(1, t);
         let dp_link = cluster.group_link(t, d);
-
-        // Bytes a stage boundary carries per device: Megatron's scatter/gather (or sequence
-        // parallelism) sends 1/t of the activation per rank, then re-gathers inside the node.
-        let boundary = |chunk: usize| -> (f64, f64) {
-            let first = chunks[chunk][0];
-            let full = costs[first].input_bytes;
-            if t > 1 {
-                let gather = if l.sequence_parallel {
-                    0.0
-                } else {
-                    collective_time(Collective::AllGather, t, full, tp_link)
-                };
-                (full / t as f64, gather)
-            } else {
-                (full, 0.0)
-            }
-        };
-        let transfer = |from_chunk: usize, to_chunk: usize| -> f64 {
-            let (from, to) = ((from_chunk as u64) % p, (to_chunk as u64) % p);
-            let link: Link = cluster.p2p_link(stage_rank(from), stage_rank(to));
-            let (bytes, gather) = boundary(to_chunk.max(from_chunk));
-            p2p_time(bytes, link) + gather
-        };
-
-        let mut stages = Vec::with_capacity(p as usize);
-        let mut times: Vec<StageTime> = Vec::with_capacity(p as usize);
-        for j in 0..p as usize {
-            let mine: Vec<usize> = (0..n_chunks).filter(|k| k % p as usize == j).collect();
-            let layers: Vec<usize> = mine
+        let stage_of = |li: usize| -> usize {
+            chunks
                 .iter()
-                .flat_map(|&k| chunks[k].iter().copied())
-                .collect();
-            let (mut fwd_c, mut fwd_m, mut bwd_c, mut bwd_m, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0);
-            let (mut act, mut transient, mut params, mut max_layer_params) =
-                (0.0, 0.0f64, 0.0, 0.0f64);
-            let mut zero_extra = 0.0;
+                .position(|c| c.first <= li && li <= c.last)
+                .map_or(usize::MAX, |k| k % pu)
+        };
+        let layer_stage: Vec<usize> = (0..costs.len()).map(stage_of).collect();
+        let profiles = self.profiles(pu, vu, mu);
+
+        let mut spec = PipelineSpec {
+            schedule: Schedule::OneFOneB,
+            microbatches: mu,
+            forward: vec![vec![0.0; pu]; vu],
+            backward: vec![vec![0.0; pu]; vu],
+            recompute: vec![vec![0.0; pu]; vu],
+            activation: vec![vec![0.0; pu]; vu],
+        };
+        let mut stages = Vec::with_capacity(pu);
+        let mut times: Vec<StageTime> = Vec::with_capacity(pu);
+        for j in 0..pu {
+            let on_stage = |li: usize| layer_stage[li] == j;
+            let mut time = StageTime::default();
+            let (mut fwd_s, mut bwd_s) = (0.0, 0.0);
+            let (mut transient, mut params, mut max_layer_params) = (0.0f64, 0.0, 0.0f64);
             let mut blocks = 0;
-            for &li in &layers {
-                let c = &costs[li];
-                fwd_c += c.fwd_compute;
-                fwd_m += c.fwd_comm;
-                bwd_c += c.bwd_compute;
-                bwd_m += c.bwd_comm;
-                let block = c.kind == LayerKind::Block;
-                blocks += block as usize;
-                let (saved, r) = match (block, l.recompute) {
-                    (true, Recompute::Full) => (c.checkpoint, c.fwd_compute + c.fwd_comm),
-                    (true, Recompute::Selective) => (c.saved_selective, c.attention_core_compute),
-                    _ => (c.saved, 0.0),
-                };
-                act += saved;
-                rec += r;
-                let rematerialised = if block && l.recompute == Recompute::Full {
-                    c.saved
-                } else {
-                    0.0
-                };
-                transient = transient.max(rematerialised + c.grad_working);
-                let mut lp = c.params;
-                for &(owner, n) in &c.borrowed_params {
-                    if !layers.contains(&owner) {
-                        lp += n;
-                    }
-                }
-                params += lp;
-                max_layer_params = max_layer_params.max(lp);
-                // ZeRO-2 reduce-scatters a layer's gradients every micro-batch, ZeRO-3 also
-                // gathers its weights before the forward and the backward (and again for a full
-                // recomputation). Prefetching hides them behind the same layer's compute; what
-                // exceeds it is exposed.
-                if l.zero >= 2 && d > 1 {
-                    let rs =
-                        collective_time(Collective::ReduceScatter, d, lp * grad_bytes, dp_link);
-                    let ag = collective_time(Collective::AllGather, d, lp * weight_bytes, dp_link);
-                    let (fwd_l, bwd_l) =
-                        (c.fwd_compute + c.fwd_comm, c.bwd_compute + c.bwd_comm + r);
-                    zero_extra += if l.zero == 2 {
-                        (rs - bwd_l).max(0.0)
-                    } else {
-                        let regather = if r > 0.0 && l.recompute == Recompute::Full {
-                            ag
-                        } else {
-                            0.0
-                        };
-                        (ag - fwd_l).max(0.0) + (ag + regather + rs - bwd_l).max(0.0)
+            let mut stage_chunks = Vec::with_capacity(vu);
+            for c in 0..vu {
+                let k = c * pu + j;
+                let chunk = chunks[k];
+                let (mut fwd, mut bwd, mut rec, mut act) = (0.0, 0.0, 0.0, 0.0);
+                let mut chunk_blocks = 0;
+                for li in chunk.first..=chunk.last {
+                    let cost = &costs[li];
+                    let block = cost.kind == LayerKind::Block;
+                    let kind = match (block, l.recompute) {
+                        (false, _) | (true, Recompute::None) => Recompute::None,
+                        (true, Recompute::Selective) => Recompute::Selective,
+                        (true, Recompute::Full) if chunk_blocks < chunk.full_recompute => {
+                            Recompute::Full
+                        }
+                        (true, Recompute::Full) => Recompute::None,
                     };
+                    chunk_blocks += usize::from(block);
+                    let lp = Self::held_params(costs, li, &on_stage);
+                    let lt = self.layer_time(cost, kind, lp, l);
+                    fwd += lt.forward();
+                    bwd += lt.backward();
+                    rec += lt.recompute;
+                    act += lt.saved;
+                    time.compute += lt.fwd_compute + lt.bwd_compute;
+                    time.tp_comm += lt.fwd_comm + lt.bwd_comm;
+                    time.recompute += lt.recompute;
+                    time.zero += lt.zero_fwd + lt.zero_bwd;
+                    fwd_s += lt.fwd_compute + lt.fwd_comm;
+                    bwd_s += lt.bwd_compute + lt.bwd_comm;
+                    transient = transient.max(lt.transient);
+                    params += lp;
+                    max_layer_params = max_layer_params.max(lp);
                 }
-            }
-            let mut p2p = 0.0;
-            for &k in &mine {
+                // The output goes to the next virtual stage, the input gradient back to the
+                // previous one.
+                let (mut send_f, mut send_b) = (0.0, 0.0);
                 if k + 1 < n_chunks {
-                    p2p += transfer(k, k + 1);
+                    let bytes = costs[chunks[k + 1].first].input_bytes;
+                    send_f = self.p2p_time(bytes, j as u64, ((k + 1) % pu) as u64, l);
                 }
                 if k > 0 {
-                    p2p += transfer(k, k - 1);
+                    let bytes = costs[chunk.first].input_bytes;
+                    send_b = self.p2p_time(bytes, j as u64, ((k - 1) % pu) as u64, l);
                 }
+                time.p2p += send_f + send_b;
+                blocks += chunk_blocks;
+                spec.forward[c][j] = fwd + send_f;
+                spec.backward[c][j] = bwd + send_b;
+                spec.recompute[c][j] = rec;
+                spec.activation[c][j] = act;
+                stage_chunks.push(Chunk {
+                    first: chunk.first,
+                    last: chunk.last,
+                    first_name: g.layers[chunk.first].name.clone(),
+                    last_name: g.layers[chunk.last].name.clone(),
+                    blocks: chunk_blocks,
+                    full_recompute: if l.recompute == Recompute::Full {
+                        chunk.full_recompute.min(chunk_blocks)
+                    } else {
+                        0
+                    },
+                    forward_s: fwd + send_f,
+                    backward_s: bwd + send_b,
+                    recompute_s: rec,
+                    activation_bytes: act,
+                });
             }
-            let time = StageTime {
-                compute: fwd_c + bwd_c,
-                tp_comm: fwd_m + bwd_m,
-                recompute: rec,
-                p2p,
-                zero: zero_extra,
-                backward: bwd_c + bwd_m + rec,
-            };
+            time.backward = stage_chunks.iter().map(|c| c.backward_s).sum();
             times.push(time);
 
+            // The activation peak: the worst in-flight profile of the stage.
+            let (activations, held) = profiles[j]
+                .iter()
+                .map(|q| {
+                    let bytes: f64 = q
+                        .iter()
+                        .zip(&stage_chunks)
+                        .map(|(&n, ch)| n as f64 * ch.activation_bytes)
+                        .sum();
+                    (bytes, q.iter().sum::<u32>())
+                })
+                .fold((0.0f64, 0u32), |acc, x| if x.0 > acc.0 { x } else { acc });
             let states = model_states(params, precision, l.zero, d);
-            let in_flight = inflight(Schedule::OneFOneB, j as u64, p, m, v);
             let gathered = if l.zero == 3 {
                 // The layer being computed and the one prefetched, in full.
                 2.0 * max_layer_params * weight_bytes
@@ -462,7 +728,6 @@ impl<'a> Estimator<'a> {
                 0.0
             };
             let workspace = transient + gathered + device.reserved_bytes;
-            let activations = act * in_flight;
             let memory = MemoryBreakdown {
                 weights: states.weights,
                 grads: states.grads,
@@ -473,32 +738,34 @@ impl<'a> Estimator<'a> {
             };
             stages.push(StageEstimate {
                 index: j,
-                chunks: mine
-                    .iter()
-                    .map(|&k| {
-                        let (first, last) = (chunks[k][0], chunks[k][chunks[k].len() - 1]);
-                        Chunk {
-                            first,
-                            last,
-                            first_name: g.layers[first].name.clone(),
-                            last_name: g.layers[last].name.clone(),
-                        }
-                    })
-                    .collect(),
+                chunks: stage_chunks,
                 blocks,
-                forward_s: fwd_c + fwd_m,
-                backward_s: bwd_c + bwd_m,
-                recompute_s: rec,
-                p2p_s: p2p,
+                forward_s: fwd_s,
+                backward_s: bwd_s,
+                recompute_s: time.recompute,
+                p2p_s: time.p2p,
                 per_microbatch_s: time.total(),
-                inflight_microbatches: in_flight,
+                inflight_microbatches: held as f64 / v as f64,
                 params,
                 memory,
             });
         }
 
         let per_mb: Vec<f64> = times.iter().map(StageTime::total).collect();
-        let pipeline = pipeline_time(&per_mb, m, v);
+        let mf = m as f64;
+        let recompute_total: f64 = times.iter().map(|x| x.recompute).sum::<f64>() * mf;
+        let compute_total = per_mb.iter().sum::<f64>() * mf - recompute_total;
+        let (pipeline, bubble) = match timing {
+            Timing::ClosedForm => {
+                let pipeline = pipeline_time(&per_mb, m, v);
+                let bubble = Bubble::of(pu, mu, vu, pipeline, compute_total, recompute_total);
+                (pipeline, bubble)
+            }
+            Timing::Simulated => {
+                let sim = simulate(&spec).map_err(LayoutError::Schedule)?;
+                (sim.makespan, sim.bubble)
+            }
+        };
         let (bottleneck, t_max) = per_mb
             .iter()
             .copied()
@@ -543,14 +810,14 @@ impl<'a> Estimator<'a> {
         let step = pipeline + grad_sync + optimizer;
 
         let slowest = times[bottleneck];
-        let mf = m as f64;
         let time = TimeBreakdown {
             compute: slowest.compute * mf,
             recompute: slowest.recompute * mf,
             tp_comm: slowest.tp_comm * mf,
             p2p: slowest.p2p * mf,
             zero_comm: slowest.zero * mf,
-            bubble: pipeline - t_max * mf,
+            // The simulation of a single stage can end a rounding error below the sum.
+            bubble: (pipeline - t_max * mf).max(0.0),
             grad_sync,
             optimizer,
         };
@@ -558,23 +825,32 @@ impl<'a> Estimator<'a> {
         let replicas = (m * d) as f64;
         let model_flops: f64 =
             costs.iter().map(|c| c.fwd_flops + c.bwd_flops).sum::<f64>() * replicas;
-        let recompute_flops: f64 = costs
-            .iter()
-            .filter(|c| c.kind == LayerKind::Block)
-            .map(|c| match l.recompute {
-                Recompute::None => 0.0,
-                Recompute::Selective => c.attention_core_flops,
-                Recompute::Full => c.fwd_flops,
-            })
-            .sum::<f64>()
-            * replicas;
+        // FLOPs re-run per micro-batch: selective re-runs every block's attention core, full
+        // the forward of the blocks each chunk recomputes.
+        let mut recompute_flops = 0.0;
+        for chunk in chunks {
+            let mut seen = 0;
+            for c in &costs[chunk.first..=chunk.last] {
+                if c.kind != LayerKind::Block {
+                    continue;
+                }
+                recompute_flops += match l.recompute {
+                    Recompute::None => 0.0,
+                    Recompute::Selective => c.attention_core_flops,
+                    Recompute::Full if seen < chunk.full_recompute => c.fwd_flops,
+                    Recompute::Full => 0.0,
+                };
+                seen += 1;
+            }
+        }
+        recompute_flops *= replicas;
         let hardware_flops = model_flops + recompute_flops;
         let gpus = cluster.gpus() as f64;
         let peak = match precision {
             crate::memory::Precision::Fp32 => device.peak_fp32_flops,
             _ => device.peak_bf16_flops,
         };
-        let capacity = device.hbm_bytes * (1.0 - self.opts.memory_headroom);
+        let capacity = self.capacity();
         let (peak_stage, memory) = stages.iter().map(|s| (s.index, s.memory)).fold(
             (0, stages[0].memory),
             |acc, (i, mem)| {
@@ -585,7 +861,7 @@ impl<'a> Estimator<'a> {
                 }
             },
         );
-        Estimate {
+        Ok(Estimate {
             layout: *l,
             num_microbatches: m,
             step_time_s: step,
@@ -596,12 +872,50 @@ impl<'a> Estimator<'a> {
             hardware_flops_per_step: hardware_flops,
             time,
             ideal_bubble: ideal_bubble(p, m, v),
+            bubble,
+            simulated: timing == Timing::Simulated,
+            partition,
             fits: memory.total <= capacity,
             memory_per_device_gib: memory.total / GIB,
             memory,
             peak_memory_stage: peak_stage,
             memory_capacity: capacity,
             stages,
+        })
+    }
+}
+
+impl Estimate {
+    /// The chunks of the estimate in virtual-stage order, as an assignment.
+    pub fn assignment(&self) -> Vec<ChunkLayers> {
+        let (p, v) = (self.stages.len(), self.layout.interleave as usize);
+        (0..p * v)
+            .map(|k| {
+                let c = &self.stages[k % p].chunks[k / p];
+                ChunkLayers {
+                    first: c.first,
+                    last: c.last,
+                    full_recompute: c.full_recompute,
+                }
+            })
+            .collect()
+    }
+
+    /// The pipeline of the estimate, for the simulator (and its trace).
+    pub fn pipeline_spec(&self) -> PipelineSpec {
+        let (p, v) = (self.stages.len(), self.layout.interleave as usize);
+        let table = |f: &dyn Fn(&Chunk) -> f64| -> Vec<Vec<f64>> {
+            (0..v)
+                .map(|c| (0..p).map(|j| f(&self.stages[j].chunks[c])).collect())
+                .collect()
+        };
+        PipelineSpec {
+            schedule: Schedule::OneFOneB,
+            microbatches: self.num_microbatches as usize,
+            forward: table(&|c| c.forward_s),
+            backward: table(&|c| c.backward_s),
+            recompute: table(&|c| c.recompute_s),
+            activation: table(&|c| c.activation_bytes),
         }
     }
 }
@@ -611,29 +925,78 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Splits the layers into `pp x interleave` chunks of equally many blocks: layers before the
-/// first block join the first chunk, layers after a block join that block's chunk.
-fn assign_chunks(g: &Graph, l: &Layout) -> Result<Vec<Vec<usize>>, LayoutError> {
+/// Splits the layers into `pp x interleave` chunks of (nearly) equally many blocks, the later
+/// chunks taking the remainder: layers before the first block join the first chunk, layers
+/// after a block join that block's chunk. Under full recomputation every block is recomputed.
+pub(crate) fn even_chunks(g: &Graph, l: &Layout) -> Result<Vec<ChunkLayers>, LayoutError> {
     let n_chunks = l.pp.saturating_mul(l.interleave).min(usize::MAX as u64) as usize;
     let blocks = g.block_layers().len();
-    if (blocks == 0 && n_chunks > 1) || (blocks > 0 && blocks % n_chunks != 0) {
+    if n_chunks > 1 && blocks < n_chunks {
         return Err(LayoutError::StageSplit {
             blocks: blocks as u64,
             pp: l.pp,
             interleave: l.interleave,
         });
     }
-    let per_chunk = (blocks / n_chunks).max(1);
-    let mut chunks = vec![Vec::new(); n_chunks];
+    let per_chunk = crate::balance::even_split(blocks.max(1), n_chunks);
+    let mut bounds = Vec::with_capacity(n_chunks);
+    let mut acc = 0usize;
+    for &n in &per_chunk {
+        acc += n as usize;
+        bounds.push(acc);
+    }
+    let mut chunks: Vec<ChunkLayers> = Vec::with_capacity(n_chunks);
     let mut seen = 0usize;
+    let mut k = 0usize;
     for (li, layer) in g.layers.iter().enumerate() {
-        let k = if layer.kind == LayerKind::Block {
+        if layer.kind == LayerKind::Block {
+            if seen == bounds[k] && k + 1 < n_chunks {
+                k += 1;
+            }
             seen += 1;
-            (seen - 1) / per_chunk
-        } else {
-            seen.saturating_sub(1) / per_chunk
-        };
-        chunks[k.min(n_chunks - 1)].push(li);
+        }
+        match chunks.get_mut(k) {
+            Some(c) => c.last = li,
+            None => chunks.push(ChunkLayers {
+                first: li,
+                last: li,
+                full_recompute: 0,
+            }),
+        }
+    }
+    for (c, &n) in chunks.iter_mut().zip(&per_chunk) {
+        if l.recompute == Recompute::Full {
+            c.full_recompute = n as usize;
+        }
     }
     Ok(chunks)
+}
+
+/// Checks that `chunks` cover the layers contiguously in `pp x interleave` non-empty chunks.
+fn check_assignment(g: &Graph, l: &Layout, chunks: &[ChunkLayers]) -> Result<(), LayoutError> {
+    let want = l.pp.saturating_mul(l.interleave);
+    let bad = |why: String| Err(LayoutError::Assignment(why));
+    if chunks.len() as u64 != want {
+        return bad(format!(
+            "expected pp x interleave = {want} chunks, found {}",
+            chunks.len()
+        ));
+    }
+    let mut next = 0usize;
+    for (k, c) in chunks.iter().enumerate() {
+        if c.first != next || c.last < c.first {
+            return bad(format!(
+                "chunk {k} holds layers {}..={} but should start at layer {next}",
+                c.first, c.last
+            ));
+        }
+        next = c.last + 1;
+    }
+    if next != g.layers.len() {
+        return bad(format!(
+            "the chunks end at layer {next}, the model has {} layers",
+            g.layers.len()
+        ));
+    }
+    Ok(())
 }

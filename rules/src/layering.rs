@@ -74,14 +74,22 @@ pub fn op_costs(g: &Graph) -> Vec<OpCost> {
                 flops: op.flops,
                 heavy: matches!(
                     op.kind,
-                    OpKind::MatMul { .. } | OpKind::BatchMatMul { .. } | OpKind::FlashAttention { .. }
+                    OpKind::MatMul { .. }
+                        | OpKind::BatchMatMul { .. }
+                        | OpKind::FlashAttention { .. }
                 ),
                 reads: op
                     .inputs
                     .iter()
                     .filter(|t| g.tensor(**t).kind == TensorKind::Activation)
                     .filter(|t| producer[t.0 as usize] != usize::MAX)
-                    .map(|t| (t.0 as usize, g.tensor(*t).bytes() as f64, producer[t.0 as usize]))
+                    .map(|t| {
+                        (
+                            t.0 as usize,
+                            g.tensor(*t).bytes() as f64,
+                            producer[t.0 as usize],
+                        )
+                    })
                     .collect(),
             }
         })
@@ -98,16 +106,16 @@ fn communication(ops: &[OpCost]) -> Vec<Vec<f64>> {
         .unwrap_or(0);
     let mut stamp = vec![usize::MAX; tensors];
     let mut comm = vec![vec![0.0; k_max]; k_max];
-    for i in 0..k_max {
+    for (i, row) in comm.iter_mut().enumerate() {
         let mut total = 0.0;
-        for k in i..k_max {
-            for &(t, bytes, producer) in &ops[k].reads {
+        for (k, op) in ops.iter().enumerate().skip(i) {
+            for &(t, bytes, producer) in &op.reads {
                 if producer < i && stamp[t] != i {
                     stamp[t] = i;
                     total += bytes;
                 }
             }
-            comm[i][k] = total;
+            row[k] = total;
         }
     }
     comm
@@ -117,10 +125,7 @@ fn communication(ops: &[OpCost]) -> Vec<Vec<f64>> {
 pub fn cluster(ops: &[OpCost], layers: usize, delta: f64) -> Result<Clustering, LayeringError> {
     let k_max = ops.len();
     if layers == 0 || layers > k_max {
-        return Err(LayeringError::Count {
-            ops: k_max,
-            layers,
-        });
+        return Err(LayeringError::Count { ops: k_max, layers });
     }
     let comm = communication(ops);
     let mut prefix_flops = vec![0.0; k_max + 1];
@@ -148,10 +153,7 @@ pub fn cluster(ops: &[OpCost], layers: usize, delta: f64) -> Result<Clustering, 
         // Beyond total FLOPs the bound no longer restricts anything; the heavy-op rule alone
         // always admits a clustering when it applies.
         if cap > total {
-            return Err(LayeringError::Count {
-                ops: k_max,
-                layers,
-            });
+            return Err(LayeringError::Count { ops: k_max, layers });
         }
         delta = if delta == 0.0 { 0.125 } else { 2.0 * delta };
     }
@@ -253,7 +255,11 @@ mod tests {
     fn ops_strategy() -> impl Strategy<Value = Vec<OpCost>> {
         (2usize..=9).prop_flat_map(|k| {
             proptest::collection::vec(
-                (1u32..20, any::<bool>(), proptest::collection::vec((0usize..9, 1u32..5), 0..3)),
+                (
+                    1u32..20,
+                    any::<bool>(),
+                    proptest::collection::vec((0usize..9, 1u32..5), 0..3),
+                ),
                 k,
             )
             .prop_map(move |raw| {
@@ -301,12 +307,27 @@ mod tests {
     #[test]
     fn communication_counts_tensors_from_before_the_layer_once() {
         let ops = vec![
-            OpCost { flops: 1.0, heavy: true, reads: vec![] },
-            OpCost { flops: 1.0, heavy: false, reads: vec![(0, 8.0, 0)] },
-            OpCost { flops: 1.0, heavy: true, reads: vec![(0, 8.0, 0), (1, 2.0, 1)] },
+            OpCost {
+                flops: 1.0,
+                heavy: true,
+                reads: vec![],
+            },
+            OpCost {
+                flops: 1.0,
+                heavy: false,
+                reads: vec![(0, 8.0, 0)],
+            },
+            OpCost {
+                flops: 1.0,
+                heavy: true,
+                reads: vec![(0, 8.0, 0), (1, 2.0, 1)],
+            },
         ];
         let comm = communication(&ops);
-        assert_eq!(comm[1][2], 8.0, "tensor 0 read twice, counted once; tensor 1 internal");
+        assert_eq!(
+            comm[1][2], 8.0,
+            "tensor 0 read twice, counted once; tensor 1 internal"
+        );
         assert_eq!(comm[2][2], 10.0);
         assert_eq!(comm[0][2], 0.0);
     }

@@ -135,9 +135,9 @@ pub enum LayoutError {
         /// Data-parallel degree.
         dp: u64,
     },
-    /// The blocks do not split evenly into pipeline chunks.
+    /// Fewer blocks than pipeline chunks.
     #[error(
-        "{blocks} blocks cannot be split evenly into pp x interleave = {pp} x {interleave} chunks"
+        "{blocks} blocks cannot give each of the pp x interleave = {pp} x {interleave} chunks one"
     )]
     StageSplit {
         /// Repeated blocks of the model.
@@ -184,4 +184,10 @@ pub enum LayoutError {
     /// The model failed to lower at this micro-batch size.
     #[error("the model does not lower: {0}")]
     Model(FieldError),
+    /// A split of the layers into chunks that does not cover them.
+    #[error("invalid split of the layers into chunks: {0}")]
+    Assignment(String),
+    /// The pipeline cannot be simulated.
+    #[error("the pipeline cannot be simulated: {0}")]
+    Schedule(crate::schedule::ScheduleError),
 }

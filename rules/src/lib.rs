@@ -17,10 +17,11 @@ pub mod layering;
 pub mod layout;
 pub mod limits;
 pub mod memory;
+pub mod partition;
 pub mod plan;
 pub mod schedule;
 pub mod search;
 pub mod tensor_parallel;
 
 /// Version salt of the planning rules: changes whenever a rule's results change meaning.
-pub const RULES_VERSION: &str = "autopar-rules/1";
+pub const RULES_VERSION: &str = "autopar-rules/2";

@@ -2,8 +2,9 @@
 //! x sequence parallelism x recomputation x ZeRO with even stages), keeping the fastest layouts
 //! that fit in memory.
 
-use crate::estimate::{Estimate, Estimator};
+use crate::estimate::{Estimate, Estimator, Timing};
 use crate::layout::{Layout, LayoutError, Recompute};
+use crate::partition::Attempt;
 use serde::{Deserialize, Serialize};
 use std::cmp::Ordering;
 
@@ -54,14 +55,22 @@ impl SearchSpace {
 /// Outcome of a search.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SearchResult {
-    /// Fastest layouts that fit, best first (at most the number asked for).
+    /// Fastest layouts that fit, best first (at most the number asked for), each with its best
+    /// split of the layers.
     pub ranked: Vec<Estimate>,
     /// Layouts generated.
     pub candidates: usize,
     /// Layouts that can run (pass every divisibility rule).
     pub valid: usize,
-    /// Valid layouts that fit in memory.
+    /// Valid layouts that fit in memory with the even split.
     pub feasible: usize,
+    /// Layouts whose split was refined (DP, balancing, simulation).
+    pub refined: usize,
+    /// How each way of splitting the layers did for the best layout.
+    pub best_attempts: Vec<Attempt>,
+    /// Whether the refinement stopped at [`MAX_REFINED`] before its bound proved the rest
+    /// slower.
+    pub refine_capped: bool,
     /// When nothing fits: the valid layout needing the least memory.
     pub least_memory: Option<Estimate>,
     /// When nothing is valid: the reason the first candidate was rejected.
@@ -74,6 +83,13 @@ impl SearchResult {
         self.ranked.first()
     }
 }
+
+/// Most layouts refined per search.
+pub const MAX_REFINED: usize = 2000;
+
+/// How much faster than its optimistic time a layout's best split may be: balancing can even
+/// out the head and the tail, which the even split leaves on the first and last stage.
+pub const REFINE_SLACK: f64 = 0.15;
 
 fn divisors(n: u64) -> Vec<u64> {
     (1..=n).filter(|d| n % d == 0).collect()
@@ -157,6 +173,14 @@ pub fn candidates(space: &SearchSpace, gpus: u64, global_batch: u64) -> Vec<Layo
 }
 
 /// Prices every candidate and keeps the `keep` fastest that fit.
+///
+/// Every layout is first screened with its layers split evenly and the closed-form pipeline
+/// time. Layouts are then refined ([`Estimator::refine`]: DP, balancing, simulated schedule) in
+/// order of an optimistic time (the screened time, without recomputation for layouts that
+/// recompute in full, since balancing may recompute fewer blocks), until that time, less
+/// [`REFINE_SLACK`], exceeds the `keep`-th best refined step, or [`MAX_REFINED`] layouts were
+/// refined. Layouts no split can fit (their average memory per stage already exceeds the
+/// device) are skipped.
 pub fn search(
     est: &Estimator<'_>,
     space: &SearchSpace,
@@ -164,23 +188,11 @@ pub fn search(
     keep: usize,
 ) -> SearchResult {
     let cands = candidates(space, est.cluster().gpus(), global_batch);
-    let mut fitting: Vec<Estimate> = Vec::new();
-    let mut least_memory: Option<Estimate> = None;
+    let mut screened: Vec<Estimate> = Vec::new();
     let mut first_rejection: Option<(Layout, LayoutError)> = None;
-    let mut valid = 0;
     for layout in &cands {
-        match est.evaluate(layout) {
-            Ok(e) => {
-                valid += 1;
-                if e.fits {
-                    fitting.push(e);
-                } else if least_memory
-                    .as_ref()
-                    .is_none_or(|b| e.memory.total < b.memory.total)
-                {
-                    least_memory = Some(e);
-                }
-            }
+        match est.evaluate_timed(layout, Timing::ClosedForm) {
+            Ok(e) => screened.push(e),
             Err(err) => {
                 if first_rejection.is_none() {
                     first_rejection = Some((*layout, err));
@@ -188,19 +200,109 @@ pub fn search(
             }
         }
     }
-    let feasible = fitting.len();
-    fitting.sort_by(rank);
+    let valid = screened.len();
+    let feasible = screened.iter().filter(|e| e.fits).count();
+    let optimistic: Vec<f64> = screened
+        .iter()
+        .map(|e| {
+            if e.layout.recompute == Recompute::Full {
+                let relaxed = Layout {
+                    recompute: Recompute::None,
+                    ..e.layout
+                };
+                est.evaluate_timed(&relaxed, Timing::ClosedForm)
+                    .map_or(e.step_time_s, |x| x.step_time_s.min(e.step_time_s))
+            } else {
+                e.step_time_s
+            }
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..screened.len()).collect();
+    order.sort_by(|&a, &b| optimistic[a].total_cmp(&optimistic[b]));
+
+    let mut fitting: Vec<(Estimate, Vec<Attempt>)> = Vec::new();
+    let mut least_memory: Option<Estimate> = None;
+    let mut refined = 0;
+    let mut refine_capped = false;
+    for i in order {
+        let bar = if fitting.len() >= keep.max(1) {
+            fitting[keep.max(1) - 1].0.step_time_s
+        } else {
+            f64::INFINITY
+        };
+        if optimistic[i] * (1.0 - REFINE_SLACK) > bar {
+            break;
+        }
+        let e = &screened[i];
+        if least_memory
+            .as_ref()
+            .is_none_or(|b| e.memory.total < b.memory.total)
+        {
+            least_memory = Some(e.clone());
+        }
+        if !may_fit(e) {
+            continue;
+        }
+        if refined == MAX_REFINED {
+            refine_capped = true;
+            break;
+        }
+        refined += 1;
+        // Refining runs the checks screening passed; the simulation accepts what they accept.
+        let Ok(r) = est.refine(&e.layout) else {
+            continue;
+        };
+        let best = r.estimate;
+        if best.fits {
+            // A layout that recomputes nothing after balancing may duplicate one refined
+            // before.
+            if fitting.iter().any(|(f, _)| f.layout == best.layout) {
+                continue;
+            }
+            fitting.push((best, r.attempts));
+            fitting.sort_by(|a, b| rank(&a.0, &b.0));
+        } else if least_memory
+            .as_ref()
+            .is_none_or(|b| best.memory.total < b.memory.total)
+        {
+            least_memory = Some(best);
+        }
+    }
     fitting.truncate(keep);
+    let found = !fitting.is_empty();
+    let best_attempts = fitting.first().map(|f| f.1.clone()).unwrap_or_default();
     SearchResult {
-        ranked: fitting,
+        ranked: fitting.into_iter().map(|f| f.0).collect(),
+        best_attempts,
         candidates: cands.len(),
         valid,
         feasible,
-        least_memory: if feasible == 0 { least_memory } else { None },
+        refined,
+        refine_capped,
+        least_memory: if found { None } else { least_memory },
         first_rejection: if valid == 0 {
             first_rejection.map(|(l, e)| (l, e.to_string()))
         } else {
             None
         },
     }
+}
+
+/// Whether some split of `e`'s layers might fit: the stages' memory summed (model states and
+/// reserved memory do not depend on the split, and every stage keeps at least one
+/// micro-batch's activations of each of its layers at its most memory-saving recomputation,
+/// which the even split uses) must not exceed what all stages hold.
+fn may_fit(e: &Estimate) -> bool {
+    let total: f64 = e
+        .stages
+        .iter()
+        .map(|s| {
+            let m = &s.memory;
+            m.weights
+                + m.grads
+                + m.optimizer
+                + s.chunks.iter().map(|c| c.activation_bytes).sum::<f64>()
+        })
+        .sum();
+    total <= e.memory_capacity * e.stages.len() as f64
 }

@@ -36,8 +36,14 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
         _ => Path::new("."),
     };
     std::fs::create_dir_all(dir).map_err(err("creating directory", dir))?;
-    let mut tmp =
-        tempfile::NamedTempFile::new_in(dir).map_err(err("creating a temporary file in", dir))?;
+    let mut builder = tempfile::Builder::new();
+    // Temporary files are private (0600) by default; outputs are ordinary files, readable as
+    // the umask allows.
+    #[cfg(unix)]
+    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+    let mut tmp = builder
+        .tempfile_in(dir)
+        .map_err(err("creating a temporary file in", dir))?;
     tmp.write_all(bytes).map_err(err("writing", tmp.path()))?;
     tmp.as_file().sync_all().map_err(err("syncing", path))?;
     tmp.persist(path).map_err(|e| StoreError {
@@ -67,6 +73,20 @@ mod tests {
             .expect("list")
             .collect();
         assert_eq!(leftovers.len(), 1, "no temporary files left behind");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn outputs_are_not_private_temporary_files() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("plan.json");
+        write_atomic(&p, b"{}").expect("write");
+        let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+        // The same mode as a file written plainly under the same umask.
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, b"{}").expect("write");
+        assert_eq!(mode(&p), mode(&plain), "{:o}", mode(&p));
     }
 
     #[test]

@@ -28,6 +28,9 @@ pub fn run(session: &Session, args: &BuildArgs) -> Result<(), Failure> {
                         "name": o.name,
                         "status": "planned",
                         "plan": p.path,
+                        "trace": p.trace,
+                        "partition": e.partition,
+                        "bubble": e.bubble,
                         "layout": e.layout,
                         "step_time_s": e.step_time_s,
                         "tokens_per_s": e.tokens_per_s,
@@ -57,7 +60,9 @@ pub fn run(session: &Session, args: &BuildArgs) -> Result<(), Failure> {
     } else {
         for o in &report.outcomes {
             match &o.result {
-                TargetResult::Planned(p) => println!("{}", render::plan(&p.plan, Some(&p.path))),
+                TargetResult::Planned(p) => {
+                    println!("{}", render::plan(&p.plan, Some(&p.path), Some(&p.trace)))
+                }
                 TargetResult::Infeasible { reason } => {
                     eprintln!("error: target {} is infeasible: {reason}", o.name)
                 }

@@ -13,7 +13,9 @@ pub fn show(session: &Session, target: &str, json: bool) -> Result<(), Failure> 
     if json {
         print_json(&plan)
     } else {
-        print!("{}", render::plan(&plan, Some(&path)));
+        let trace = ws.trace_path(target);
+        let trace = trace.exists().then_some(trace.as_path());
+        print!("{}", render::plan(&plan, Some(&path), trace));
         Ok(())
     }
 }

@@ -218,7 +218,7 @@ pub(super) fn uniform_block(problem: &BalanceProblem) -> Option<BalancePlan> {
         (None, _) => return None,
     };
     let profiles: Vec<Vec<Vec<u32>>> = (0..p).map(|j| problem.profiles(j)).collect();
-    let kappa = (m * v - 1) as f64 / v as f64;
+    let kappa = (m * v - 1) as f64;
     let mut best: Option<(f64, usize, f64)> = None;
     for &n_full in &full_counts {
         let shape = Uniform {
@@ -234,7 +234,7 @@ pub(super) fn uniform_block(problem: &BalanceProblem) -> Option<BalancePlan> {
                 .map(|(c, j, n)| shape.chunk_time(c, j, n)),
         );
         // Smallest bound whose capacities reach L (feasibility is monotone in the bound).
-        let first = bounds.partition_point(|&t| !shape.fits(t));
+        let first = first_true(&bounds, |t| shape.fits(t));
         let Some(&tau) = bounds.get(first) else {
             continue;
         };
@@ -272,6 +272,27 @@ pub(super) fn uniform_block(problem: &BalanceProblem) -> Option<BalancePlan> {
     })
 }
 
+/// Index of the first `x` in `sorted` with `pred(x)`, for a `pred` that is monotone (false,
+/// then true); `sorted.len()` if none. Galloping from the bottom: the answer is usually near
+/// the smallest bounds, where `pred` is cheap, and large bounds (slow to check) are only
+/// probed when needed.
+fn first_true(sorted: &[f64], pred: impl Fn(f64) -> bool) -> usize {
+    let (mut lo, mut step) = (0usize, 1usize);
+    // Invariant: every index below `lo` is false.
+    loop {
+        let probe = lo + step - 1;
+        if probe >= sorted.len() {
+            let hi = sorted.len();
+            return lo + sorted[lo..hi].partition_point(|&t| !pred(t));
+        }
+        if pred(sorted[probe]) {
+            return lo + sorted[lo..probe].partition_point(|&t| !pred(t));
+        }
+        lo = probe + 1;
+        step *= 2;
+    }
+}
+
 /// The uniform-block shape for one full count `n_full`.
 struct Uniform<'a> {
     problem: &'a BalanceProblem,
@@ -304,20 +325,34 @@ impl Uniform<'_> {
     /// Whether chunk counts `n` fit stage `j`'s memory under every profile.
     fn fits_memory(&self, j: usize, n: &[usize]) -> bool {
         let pr = self.problem;
+        let (alpha, beta) = self.activation_line();
         let params = n.iter().sum::<usize>() as f64 * pr.memory.parameter;
         let room = pr.memory_cap * (1.0 + 1e-12) - pr.base_memory(j) - params;
         self.profiles[j].iter().all(|q| {
             let act: f64 = q
                 .iter()
                 .zip(n)
-                .map(|(&k, &nc)| k as f64 * pr.chunk_activation(&self.counts_of(nc)))
+                .map(|(&k, &nc)| k as f64 * (alpha + beta * nc as f64))
                 .sum();
             act <= room
         })
     }
 
+    /// A chunk of `n >= n_full` layers keeps `alpha + beta n` activation bytes per
+    /// micro-batch: `n_full` fully recomputed layers, the rest of the base kind.
+    fn activation_line(&self) -> (f64, f64) {
+        let pr = self.problem;
+        let beta = self.base.map_or(0.0, |b| pr.act(b));
+        (self.n_full as f64 * (pr.act(self.full()) - beta), beta)
+    }
+
     /// The largest feasible chunk counts of stage `j` under bound `tau` (most layers; among
     /// equals, the first found), with the minimum counts; `None` if even the minimum fails.
+    ///
+    /// A chunk of `n` layers keeps `alpha + beta n` activation bytes per micro-batch, so each
+    /// in-flight profile is a linear constraint. The first `v - 1` chunks are enumerated (an
+    /// odometer that carries as soon as a prefix alone breaks memory, since more layers never
+    /// help), and the last takes the most every profile leaves room for.
     fn capacity(&self, j: usize, tau: f64) -> Option<(usize, Vec<usize>)> {
         let pr = self.problem;
         let v = pr.interleave;
@@ -327,7 +362,8 @@ impl Uniform<'_> {
             if self.chunk_time(c, j, lo) > tau {
                 return None;
             }
-            while *h < pr.layers && self.chunk_time(c, j, *h + 1) <= tau {
+            // Without a base kind every layer is recomputed: chunks hold exactly n_full.
+            while self.base.is_some() && *h < pr.layers && self.chunk_time(c, j, *h + 1) <= tau {
                 *h += 1;
             }
         }
@@ -335,24 +371,72 @@ impl Uniform<'_> {
         if !self.fits_memory(j, &min) {
             return None;
         }
-        // Enumerate the first v - 1 chunks; the last takes as many as fit.
+        let (alpha, beta) = self.activation_line();
+        let room = pr.memory_cap * (1.0 + 1e-12) - pr.base_memory(j);
+        let profiles = &self.profiles[j];
+        // Memory of the first v - 1 chunks under each profile.
+        let prefix_memory = |n: &[usize], q: &[u32]| -> f64 {
+            n.iter()
+                .zip(q)
+                .take(v - 1)
+                .map(|(&nc, &k)| {
+                    nc as f64 * pr.memory.parameter + k as f64 * (alpha + beta * nc as f64)
+                })
+                .sum()
+        };
+        // The most layers the last chunk can take after the prefix, if at least `lo`.
+        let last_chunk = |n: &[usize]| -> Option<usize> {
+            let mut most = hi[v - 1] as f64;
+            for q in profiles {
+                let k = q[v - 1] as f64;
+                let rem = room - prefix_memory(n, q) - k * alpha;
+                let per_layer = pr.memory.parameter + k * beta;
+                if per_layer > 0.0 {
+                    most = most.min((rem / per_layer).floor());
+                } else if rem < 0.0 {
+                    return None;
+                }
+            }
+            (most >= lo as f64).then_some(most as usize)
+        };
         let mut best = min.clone();
         let mut cur = min.clone();
         loop {
-            let mut last = hi[v - 1];
-            loop {
-                cur[v - 1] = last;
-                if self.fits_memory(j, &cur) || last == lo {
-                    break;
+            let ok = match last_chunk(&cur) {
+                Some(last) => {
+                    cur[v - 1] = last;
+                    // Rounding in the closed form: confirm, one layer less at most.
+                    if self.fits_memory(j, &cur) {
+                        true
+                    } else if last > lo {
+                        cur[v - 1] = last - 1;
+                        self.fits_memory(j, &cur)
+                    } else {
+                        false
+                    }
                 }
-                last -= 1;
-            }
-            if self.fits_memory(j, &cur) && cur.iter().sum::<usize>() > best.iter().sum::<usize>() {
+                None => false,
+            };
+            if ok && cur.iter().sum::<usize>() > best.iter().sum::<usize>() {
                 best.clone_from(&cur);
             }
-            // Next combination of the first v - 1 chunks.
+            // Next prefix in odometer order. After a prefix that fails, every prefix up to
+            // the next increment of the digit above its lowest raised digit is larger
+            // componentwise and fails too: skip them.
             let mut c = 0;
-            while c + 1 < v {
+            if !ok {
+                match (0..v - 1).find(|&d| cur[d] > lo) {
+                    Some(d) => {
+                        cur[d] = lo;
+                        c = d + 1;
+                    }
+                    None => return Some((min.iter().sum(), best)),
+                }
+            }
+            loop {
+                if c + 1 >= v {
+                    return Some((min.iter().sum(), best));
+                }
                 if cur[c] < hi[c] {
                     cur[c] += 1;
                     break;
@@ -360,11 +444,7 @@ impl Uniform<'_> {
                 cur[c] = lo;
                 c += 1;
             }
-            if c + 1 >= v {
-                break;
-            }
         }
-        Some((min.iter().sum(), best))
     }
 
     fn fits(&self, tau: f64) -> bool {
@@ -421,5 +501,20 @@ impl Uniform<'_> {
             }
         }
         Some(counts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_true;
+
+    #[test]
+    fn galloping_finds_the_first_true() {
+        let xs: Vec<f64> = (0..37).map(f64::from).collect();
+        for threshold in 0..=38 {
+            let got = first_true(&xs, |x| x >= threshold as f64);
+            assert_eq!(got, threshold.min(37) as usize, "threshold {threshold}");
+        }
+        assert_eq!(first_true(&[], |_| true), 0);
     }
 }

@@ -13,16 +13,16 @@
 //! a number of in-flight micro-batches per chunk at one of stage `j`'s possible peaks under
 //! (interleaved) 1F1B ([`crate::schedule::inflight_profiles`]). SAPP uses only the profile at
 //! the end of the warm-up, which underestimates the peak when later chunks hold more
-//! activations; one constraint per profile is exact. With `T_cj` the forward plus backward time of chunk `(c, j)`, the objective is the
-//! end-to-end proxy
+//! activations; one constraint per profile is exact. With `T_cj` the forward plus backward
+//! time of chunk `(c, j)`, the objective is the end-to-end proxy
 //!
 //! ```text
-//! sum_{c,j} T_cj / v + (m v - 1) / v * max_{c,j} T_cj
+//! sum_{c,j} T_cj / v + (m v - 1) * max_{c,j} T_cj
 //! ```
 //!
 //! which for `v = 1` is `sum_j T_j + (m - 1) max_j T_j` (SAPP minimises only the maximum and
-//! leaves ties arbitrary) and for equal chunks is the exact interleaved pipeline time
-//! `(m + (p - 1)/v) T`.
+//! leaves ties arbitrary) and for equal chunks of time `t` is the exact interleaved pipeline
+//! time `(m v + p - 1) t`, i.e. `(m + (p - 1)/v) T` with `T = v t` per stage.
 
 mod decompose;
 mod exact;
@@ -280,7 +280,7 @@ impl BalanceProblem {
                 max = max.max(f + b);
             }
         }
-        sum / v as f64 + (m * v - 1) as f64 / v as f64 * max
+        sum / v as f64 + (m * v - 1) as f64 * max
     }
 
     /// Whether `counts` satisfies every constraint.
@@ -415,7 +415,7 @@ pub(crate) fn milp(
             objective += chunk_time(c, j) * (1.0 / v as f64);
         }
     }
-    objective += tau * ((m * v - 1) as f64 / v as f64);
+    objective += tau * (m * v - 1) as f64;
     let mut model = vars.minimise(objective).using(microlp);
     model = model.with_time_limit(problem.time_limit.max(0.01));
     let mut all_layers = Expression::default();

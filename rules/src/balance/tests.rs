@@ -335,7 +335,7 @@ proptest! {
     #[test]
     fn exact_solvers_equal_exhaustive_search(
         p in 1usize..=3,
-        v in 1usize..=2,
+        v in 1usize..=3,
         extra in 0usize..=4,
         rounds in 1usize..=3,
         cap in 1500.0f64..9000.0,
@@ -347,6 +347,7 @@ proptest! {
             Just([true, true, false, true, false]),
         ],
     ) {
+        prop_assume!(p * v <= 6);
         let layers = p * v + extra;
         let mut pr = problem(p, v, p * rounds, layers, cap, kinds);
         pr.uniform_full = uniform;
@@ -362,5 +363,27 @@ proptest! {
             }
             (e, g) => prop_assert!(false, "exhaustive {:?} vs exact {:?}", e, g),
         }
+    }
+}
+
+#[test]
+fn objective_of_equal_chunks_is_the_simulated_step() {
+    for (p, v, m) in [(4, 1, 8), (4, 2, 8), (3, 3, 6), (8, 4, 32)] {
+        let mut pr = problem(p, v, m, 2 * p * v, 1e12, [true, false, false, false, false]);
+        pr.head = Extra {
+            forward: 0.0,
+            backward: 0.0,
+        };
+        pr.tail = pr.head;
+        let counts = vec![vec![[2, 0, 0, 0, 0]; p]; v];
+        let sim =
+            crate::schedule::simulate(&pr.pipeline(&counts, crate::schedule::Schedule::OneFOneB))
+                .expect("simulates");
+        let objective = pr.objective(&counts);
+        assert!(
+            (objective - sim.makespan).abs() < 1e-9 * sim.makespan,
+            "p {p} v {v} m {m}: objective {objective} vs simulated {}",
+            sim.makespan
+        );
     }
 }

@@ -74,7 +74,12 @@ struct FileGraph {
     #[serde(default)]
     max_seq: Option<u64>,
     tensors: Vec<FileTensor>,
-    layers: Vec<FileLayer>,
+    #[serde(default)]
+    layers: Option<Vec<FileLayer>>,
+    #[serde(default)]
+    ops: Option<Vec<FileOp>>,
+    #[serde(default)]
+    layer_count: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -327,86 +332,181 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
             split,
         });
     }
-    let mut layers = Vec::with_capacity(file.layers.len());
-    for (li, l) in file.layers.iter().enumerate() {
-        let kind = match l.kind.as_deref() {
-            None | Some("block") => LayerKind::Block,
-            Some("embedding") => LayerKind::Embedding,
-            Some("head") => LayerKind::Head,
-            Some(other) => {
+    let parse_op = |op: &FileOp, base: &[PathSeg<'_>]| -> Result<OpSpec, FieldError> {
+        let with = |k| {
+            let mut p = base.to_vec();
+            p.push(PathSeg::Key(k));
+            p
+        };
+        let kind = parse_op_kind(&op.kind, op.transpose_b, op.causal.unwrap_or(true)).ok_or_else(
+            || {
+                cx.err(
+                    &with("kind"),
+                    format!("one of {OP_KINDS}"),
+                    format!("\"{}\"", op.kind),
+                )
+            },
+        )?;
+        let resolve = |names: &[String], field: &'static str| -> Result<Vec<usize>, FieldError> {
+            names
+                .iter()
+                .enumerate()
+                .map(|(j, n)| {
+                    by_name.get(n.as_str()).copied().ok_or_else(|| {
+                        let mut p = with(field);
+                        p.push(PathSeg::Index(j));
+                        cx.err(
+                            &p,
+                            "the name of a tensor listed in `tensors`",
+                            format!("\"{n}\""),
+                        )
+                    })
+                })
+                .collect()
+        };
+        Ok(OpSpec {
+            name: op.name.clone(),
+            kind,
+            inputs: resolve(&op.inputs, "inputs")?,
+            outputs: resolve(&op.outputs, "outputs")?,
+            attention_core: op.attention_core,
+            offset: locate(text, base),
+        })
+    };
+    let mut layers = Vec::new();
+    let mut flat = None;
+    match (&file.layers, &file.ops) {
+        (Some(file_layers), None) => {
+            if file.layer_count.is_some() {
                 return Err(cx.err(
-                    &[
-                        PathSeg::Key("layers"),
-                        PathSeg::Index(li),
-                        PathSeg::Key("kind"),
-                    ],
-                    "one of embedding, block, head",
-                    format!("\"{other}\""),
+                    &[PathSeg::Key("layer_count")],
+                    "no `layer_count` when `layers` are given (it sizes the clustering of `ops`)",
+                    "a `layer_count`",
                 ));
             }
-        };
-        let mut ops = Vec::with_capacity(l.ops.len());
-        for (oi, op) in l.ops.iter().enumerate() {
-            let base = [
-                PathSeg::Key("layers"),
-                PathSeg::Index(li),
-                PathSeg::Key("ops"),
-                PathSeg::Index(oi),
-            ];
-            let with = |k| {
-                let mut p = base.to_vec();
-                p.push(PathSeg::Key(k));
-                p
-            };
-            let kind = parse_op_kind(&op.kind, op.transpose_b, op.causal.unwrap_or(true))
-                .ok_or_else(|| {
-                    cx.err(
-                        &with("kind"),
-                        format!("one of {OP_KINDS}"),
-                        format!("\"{}\"", op.kind),
-                    )
-                })?;
-            let resolve =
-                |names: &[String], field: &'static str| -> Result<Vec<usize>, FieldError> {
-                    names
-                        .iter()
-                        .enumerate()
-                        .map(|(j, n)| {
-                            by_name.get(n.as_str()).copied().ok_or_else(|| {
-                                let mut p = with(field);
-                                p.push(PathSeg::Index(j));
-                                cx.err(
-                                    &p,
-                                    "the name of a tensor listed in `tensors`",
-                                    format!("\"{n}\""),
-                                )
-                            })
-                        })
-                        .collect()
+            for (li, l) in file_layers.iter().enumerate() {
+                let kind = match l.kind.as_deref() {
+                    None | Some("block") => LayerKind::Block,
+                    Some("embedding") => LayerKind::Embedding,
+                    Some("head") => LayerKind::Head,
+                    Some(other) => {
+                        return Err(cx.err(
+                            &[
+                                PathSeg::Key("layers"),
+                                PathSeg::Index(li),
+                                PathSeg::Key("kind"),
+                            ],
+                            "one of embedding, block, head",
+                            format!("\"{other}\""),
+                        ));
+                    }
                 };
-            ops.push(OpSpec {
-                name: op.name.clone(),
-                kind,
-                inputs: resolve(&op.inputs, "inputs")?,
-                outputs: resolve(&op.outputs, "outputs")?,
-                attention_core: op.attention_core,
-                offset: locate(text, &base),
-            });
+                let mut ops = Vec::with_capacity(l.ops.len());
+                for (oi, op) in l.ops.iter().enumerate() {
+                    let base = [
+                        PathSeg::Key("layers"),
+                        PathSeg::Index(li),
+                        PathSeg::Key("ops"),
+                        PathSeg::Index(oi),
+                    ];
+                    ops.push(parse_op(op, &base)?);
+                }
+                layers.push(LayerSpec {
+                    name: l.name.clone(),
+                    kind,
+                    ops,
+                });
+            }
         }
-        layers.push(LayerSpec {
-            name: l.name.clone(),
-            kind,
-            ops,
-        });
+        (None, Some(file_ops)) => {
+            let mut ops = Vec::with_capacity(file_ops.len());
+            for (oi, op) in file_ops.iter().enumerate() {
+                ops.push(parse_op(op, &[PathSeg::Key("ops"), PathSeg::Index(oi)])?);
+            }
+            flat = Some(ops);
+        }
+        (Some(_), Some(_)) => {
+            return Err(cx.err(
+                &[PathSeg::Key("ops")],
+                "either `layers` or a flat `ops` list, not both",
+                "both",
+            ));
+        }
+        (None, None) => {
+            return Err(FieldError::new(
+                "layers",
+                "`layers` (ops grouped into layers) or `ops` (a flat list autopar clusters)",
+                "neither",
+            ));
+        }
     }
-    let spec = GraphSpec {
+    let mut spec = GraphSpec {
         name: file.name.unwrap_or_else(|| "graph".to_string()),
         max_seq: file.max_seq,
         tensors,
         layers,
     };
+    if let Some(ops) = flat {
+        spec.layers = cluster_ops(&spec, ops, file.layer_count, &cx)?;
+    }
     spec.lower(CHECK_BATCH, CHECK_SEQ, DType::Bf16)?;
     Ok(spec)
+}
+
+/// Most layers a flat op list is clustered into by default.
+pub const DEFAULT_MAX_LAYERS: usize = 32;
+
+/// Groups a flat op list into layers with the clustering DP ([`crate::layering`]): `count`
+/// layers, by default one per heavy op (matrix products, attention) up to
+/// [`DEFAULT_MAX_LAYERS`]. Costs are those of one sequence of the model's longest length (or
+/// 2048 tokens); the clustering only compares FLOPs and bytes, which scale together.
+fn cluster_ops(
+    spec: &GraphSpec,
+    ops: Vec<OpSpec>,
+    count: Option<u64>,
+    cx: &Ctx<'_>,
+) -> Result<Vec<LayerSpec>, FieldError> {
+    let single = GraphSpec {
+        layers: vec![LayerSpec {
+            name: "all".into(),
+            kind: LayerKind::Block,
+            ops,
+        }],
+        ..spec.clone()
+    };
+    let seq = spec.max_seq.unwrap_or(2048).clamp(1, limits::MAX_SEQ);
+    let g = single.lower(1, seq, DType::Bf16)?;
+    let costs = crate::layering::op_costs(&g);
+    let heavy = costs.iter().filter(|c| c.heavy).count();
+    let layers = match count {
+        Some(n) if n == 0 || n as usize > costs.len() => {
+            return Err(cx.err(
+                &[PathSeg::Key("layer_count")],
+                format!("between 1 and the {} ops", costs.len()),
+                n.to_string(),
+            ));
+        }
+        Some(n) => n as usize,
+        None => heavy.clamp(1, DEFAULT_MAX_LAYERS).min(costs.len()),
+    };
+    let clustering = crate::layering::cluster(&costs, layers, 0.0).map_err(|e| {
+        cx.err(
+            &[PathSeg::Key("layer_count")],
+            "a number of layers the ops can be cut into",
+            e.to_string(),
+        )
+    })?;
+    let mut ops = single.layers.into_iter().flat_map(|l| l.ops);
+    Ok(clustering
+        .ranges
+        .iter()
+        .enumerate()
+        .map(|(r, &(i, k))| LayerSpec {
+            name: format!("cluster{r}"),
+            kind: LayerKind::Block,
+            ops: ops.by_ref().take(k - i + 1).collect(),
+        })
+        .collect())
 }
 
 impl GraphSpec {
@@ -538,6 +638,96 @@ mod tests {
         assert_eq!(
             parse_graph_file(&text).expect_err("axis").field,
             "tensors[2].split"
+        );
+    }
+
+    /// An embedding, `blocks` MLP blocks (64 -> 256 -> 64) and an output layer, as a flat op
+    /// list.
+    fn flat_mlp(blocks: usize, layer_count: Option<usize>) -> String {
+        let mut tensors = vec![
+            r#"{"name": "tokens", "shape": ["b", "s"], "kind": "input", "dtype": "i32"}"#
+                .to_string(),
+            r#"{"name": "labels", "shape": ["b", "s"], "kind": "input", "dtype": "i32"}"#
+                .to_string(),
+            r#"{"name": "emb", "shape": [1000, 64], "kind": "parameter"}"#.to_string(),
+            r#"{"name": "x0", "shape": ["b", "s", 64]}"#.to_string(),
+            r#"{"name": "wo", "shape": [64, 1000], "kind": "parameter"}"#.to_string(),
+            r#"{"name": "logits", "shape": ["b", "s", 1000]}"#.to_string(),
+            r#"{"name": "loss", "shape": [1], "dtype": "f32"}"#.to_string(),
+        ];
+        let mut ops = vec![
+            r#"{"name": "lookup", "kind": "embedding", "inputs": ["tokens", "emb"], "outputs": ["x0"]}"#.to_string(),
+        ];
+        for i in 0..blocks {
+            let j = i + 1;
+            tensors.push(format!(
+                r#"{{"name": "w1_{i}", "shape": [64, 256], "kind": "parameter"}}"#
+            ));
+            tensors.push(format!(
+                r#"{{"name": "w2_{i}", "shape": [256, 64], "kind": "parameter"}}"#
+            ));
+            tensors.push(format!(r#"{{"name": "h{i}", "shape": ["b", "s", 256]}}"#));
+            tensors.push(format!(r#"{{"name": "a{i}", "shape": ["b", "s", 256]}}"#));
+            tensors.push(format!(r#"{{"name": "x{j}", "shape": ["b", "s", 64]}}"#));
+            ops.push(format!(r#"{{"name": "fc1_{i}", "kind": "matmul", "inputs": ["x{i}", "w1_{i}"], "outputs": ["h{i}"]}}"#));
+            ops.push(format!(
+                r#"{{"name": "act{i}", "kind": "gelu", "inputs": ["h{i}"], "outputs": ["a{i}"]}}"#
+            ));
+            ops.push(format!(r#"{{"name": "fc2_{i}", "kind": "matmul", "inputs": ["a{i}", "w2_{i}"], "outputs": ["x{j}"]}}"#));
+        }
+        ops.push(format!(r#"{{"name": "proj", "kind": "matmul", "inputs": ["x{blocks}", "wo"], "outputs": ["logits"]}}"#));
+        ops.push(r#"{"name": "ce", "kind": "cross_entropy", "inputs": ["logits", "labels"], "outputs": ["loss"]}"#.to_string());
+        let count = layer_count.map_or(String::new(), |n| format!(",\n  \"layer_count\": {n}"));
+        format!(
+            "{{\n  \"format\": \"autopar-graph/1\",\n  \"tensors\": [\n    {}\n  ],\n  \"ops\": [\n    {}\n  ]{count}\n}}",
+            tensors.join(",\n    "),
+            ops.join(",\n    ")
+        )
+    }
+
+    #[test]
+    fn flat_op_lists_are_clustered_at_narrow_tensors() {
+        // The output layer costs about two blocks: four layers of two blocks' FLOPs each.
+        let spec = parse_graph_file(&flat_mlp(6, Some(4))).expect("valid graph");
+        let g = spec.lower(2, 16, DType::Bf16).expect("lowers");
+        assert_eq!(g.layers.len(), 4);
+        assert_eq!(g.parameter_count(), 2 * 64_000 + 6 * 2 * 64 * 256);
+        // Every layer after the first starts at a block's first matmul: what enters it is a
+        // 64-wide activation, never a 256-wide one.
+        for layer in &g.layers[1..] {
+            let first = g.op(layer.forward[0]);
+            assert!(
+                first.name.starts_with("fc1_") || first.name == "proj",
+                "{}",
+                first.name
+            );
+        }
+        // By default one layer per matrix product (2 per block, the output layer's).
+        let spec = parse_graph_file(&flat_mlp(6, None)).expect("valid graph");
+        assert_eq!(
+            spec.lower(1, 8, DType::Bf16).expect("lowers").layers.len(),
+            13
+        );
+    }
+
+    #[test]
+    fn flat_op_lists_reject_bad_layer_counts_and_mixed_forms() {
+        let e = parse_graph_file(&flat_mlp(2, Some(0))).expect_err("zero layers");
+        assert_eq!(e.field, "layer_count");
+        assert_eq!(e.found, "0");
+        let e = parse_graph_file(&flat_mlp(2, Some(99))).expect_err("more layers than ops");
+        assert_eq!(e.expected, "between 1 and the 9 ops");
+        let both = MLP.replacen("\"layers\": [", "\"ops\": [], \"layers\": [", 1);
+        assert_eq!(parse_graph_file(&both).expect_err("both").field, "ops");
+        let neither = MLP.replacen("\"layers\": [", "\"unused\": [", 1);
+        assert!(parse_graph_file(&neither).is_err());
+        let count_with_layers =
+            MLP.replacen("\"layers\": [", "\"layer_count\": 2, \"layers\": [", 1);
+        assert_eq!(
+            parse_graph_file(&count_with_layers)
+                .expect_err("count")
+                .field,
+            "layer_count"
         );
     }
 

@@ -90,6 +90,31 @@ pub struct Bubble {
     pub recompute: f64,
 }
 
+impl Bubble {
+    /// The decomposition of a step of `p` stages, `m` micro-batches and `v` chunks per stage
+    /// that took `makespan`, given the compute without recomputation and the recomputation,
+    /// both summed over stages.
+    pub fn of(p: usize, m: usize, v: usize, makespan: f64, compute: f64, recompute: f64) -> Self {
+        if compute <= 0.0 {
+            return Bubble {
+                real: 0.0,
+                ideal: 0.0,
+                imbalance: 0.0,
+                recompute: 0.0,
+            };
+        }
+        let real = (p as f64 * makespan - compute) / compute;
+        let ideal = ideal_bubble(p as u64, m as u64, v as u64);
+        let rec = recompute / compute;
+        Bubble {
+            real,
+            ideal,
+            imbalance: real - ideal - rec,
+            recompute: rec,
+        }
+    }
+}
+
 /// Result of a simulation.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Simulation {
@@ -301,24 +326,7 @@ pub fn simulate(spec: &PipelineSpec) -> Result<Simulation, ScheduleError> {
     let sum = |t: &Vec<Vec<f64>>| t.iter().flatten().sum::<f64>() * mf;
     let recompute = sum(&spec.recompute);
     let compute = sum(&spec.forward) + sum(&spec.backward) - recompute;
-    let bubble = if compute > 0.0 {
-        let real = (p as f64 * makespan - compute) / compute;
-        let ideal = ideal_bubble(p as u64, m as u64, v as u64);
-        let rec = recompute / compute;
-        Bubble {
-            real,
-            ideal,
-            imbalance: real - ideal - rec,
-            recompute: rec,
-        }
-    } else {
-        Bubble {
-            real: 0.0,
-            ideal: 0.0,
-            imbalance: 0.0,
-            recompute: 0.0,
-        }
-    };
+    let bubble = Bubble::of(p, m, v, makespan, compute, recompute);
     Ok(Simulation {
         blocks,
         makespan,
