@@ -232,6 +232,11 @@ pub struct EstimateArgs {
     /// Fraction of device memory kept free.
     #[arg(long, default_value_t = autopar_engine::workspace::DEFAULT_MEMORY_HEADROOM)]
     pub memory_headroom: f64,
+    /// Split the layers as `build` does (even, Alpa's DP, SAPP balancing; the fastest that
+    /// fits) instead of evenly; with full recomputation, recompute only as many blocks per
+    /// chunk as memory needs.
+    #[arg(long)]
+    pub balance: bool,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,

@@ -4,6 +4,7 @@ use autopar_rules::cluster::{Cluster, GIB};
 use autopar_rules::estimate::{Chunk, Estimate, MemoryBreakdown};
 use autopar_rules::graph::GraphSummary;
 use autopar_rules::layout::{Layout, Recompute};
+use autopar_rules::partition::Attempt;
 use autopar_rules::plan::{Plan, shell_quote};
 use std::fmt::Write;
 use std::path::Path;
@@ -195,6 +196,27 @@ pub fn stages(out: &mut String, e: &Estimate) {
     }
 }
 
+/// How each way of splitting the layers did (nothing when none was tried).
+pub fn attempts(out: &mut String, tried: &[Attempt]) {
+    if tried.is_empty() {
+        return;
+    }
+    let line = tried
+        .iter()
+        .map(|a| match a.step_time_s {
+            Some(t) => format!(
+                "{} {}{}",
+                a.partition.name(),
+                secs(t),
+                if a.fits { "" } else { " (does not fit)" }
+            ),
+            None => format!("{} n/a ({})", a.partition.name(), a.note),
+        })
+        .collect::<Vec<_>>()
+        .join(" · ");
+    let _ = writeln!(out, "  splits    {line}");
+}
+
 /// Describes a cluster: `name (N x G preset)`.
 pub fn cluster(c: &Cluster) -> String {
     format!(
@@ -247,23 +269,7 @@ pub fn plan(p: &Plan, path: Option<&Path>, trace: Option<&Path>) -> String {
     );
     estimate(&mut out, e);
     stages(&mut out, e);
-    if !p.partitions.is_empty() {
-        let tried = p
-            .partitions
-            .iter()
-            .map(|a| match a.step_time_s {
-                Some(t) => format!(
-                    "{} {}{}",
-                    a.partition.name(),
-                    secs(t),
-                    if a.fits { "" } else { " (does not fit)" }
-                ),
-                None => format!("{} n/a ({})", a.partition.name(), a.note),
-            })
-            .collect::<Vec<_>>()
-            .join(" · ");
-        let _ = writeln!(out, "  splits    {tried}");
-    }
+    attempts(&mut out, &p.partitions);
     let _ = writeln!(
         out,
         "  megatron  {}",

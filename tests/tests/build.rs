@@ -43,6 +43,43 @@ fn default_workspace_plans_every_target() {
             .as_f64()
             .expect("memory");
         assert!(needed <= usable, "{name}: {needed} > {usable}");
+        // The simulated timeline lies next to the plan: one slice per forward and backward
+        // of every chunk and micro-batch, ending at the simulated pipeline time.
+        let trace: Value = serde_json::from_str(&ws.read(&format!("plans/{name}.trace.json")))
+            .expect("trace JSON");
+        let e = &plan["estimate"];
+        let (p, v, m) = (
+            l["pp"].as_u64().expect("pp"),
+            l["interleave"].as_u64().expect("v"),
+            e["num_microbatches"].as_u64().expect("m"),
+        );
+        let slices = trace["traceEvents"]
+            .as_array()
+            .expect("events")
+            .iter()
+            .filter(|x| x["ph"] == "X")
+            .count() as u64;
+        assert_eq!(slices, 2 * p * v * m, "{name}");
+        assert_eq!(t["trace"], format!("plans/{name}.trace.json"));
+        // real = ideal + imbalance + recompute, and the ideal part is (p - 1) / (v m).
+        let b = &e["bubble"];
+        let part = |k: &str| b[k].as_f64().expect("bubble part");
+        assert!(
+            (part("real") - part("ideal") - part("imbalance") - part("recompute")).abs() < 1e-9
+        );
+        assert!((part("ideal") - (p - 1) as f64 / (v * m) as f64).abs() < 1e-12);
+        assert_eq!(e["simulated"], true);
+        // Every way of splitting the layers was tried and reported.
+        let tried: Vec<&str> = plan["partitions"]
+            .as_array()
+            .expect("partitions")
+            .iter()
+            .map(|a| a["partition"].as_str().expect("name"))
+            .collect();
+        assert_eq!(tried, ["even", "dp", "balance"], "{name}");
+        // The chosen split is no slower than the even one.
+        let even = plan["partitions"][0]["step_time_s"].as_f64().expect("even");
+        assert!(e["step_time_s"].as_f64().expect("step") <= even * (1.0 + 1e-12));
     }
     // Megatron-LM's finding: tensor parallelism stays inside an 8-GPU node.
     let gpt3 = target(&report, "gpt3-175b");
@@ -233,4 +270,188 @@ global_batch = 64
     let mlp = target(&report, "mlp");
     assert_eq!(mlp["layout"]["tp"], 2, "the search space restricts tp");
     assert_eq!(target(&report, "tiny")["status"], "planned");
+}
+
+/// An embedding, `blocks` MLP blocks and a large output layer, as a flat op list.
+fn flat_mlp(blocks: usize, vocab: usize) -> String {
+    let mut tensors = vec![
+        r#"{"name": "tokens", "shape": ["b", "s"], "kind": "input", "dtype": "i32"}"#.to_string(),
+        r#"{"name": "labels", "shape": ["b", "s"], "kind": "input", "dtype": "i32"}"#.to_string(),
+        format!(r#"{{"name": "emb", "shape": [{vocab}, 1024], "kind": "parameter"}}"#),
+        r#"{"name": "x0", "shape": ["b", "s", 1024]}"#.to_string(),
+        format!(r#"{{"name": "wo", "shape": [1024, {vocab}], "kind": "parameter"}}"#),
+        format!(r#"{{"name": "logits", "shape": ["b", "s", {vocab}]}}"#),
+        r#"{"name": "loss", "shape": [1], "dtype": "f32"}"#.to_string(),
+    ];
+    let mut ops = vec![
+        r#"{"name": "lookup", "kind": "embedding", "inputs": ["tokens", "emb"], "outputs": ["x0"]}"#
+            .to_string(),
+    ];
+    for i in 0..blocks {
+        let j = i + 1;
+        tensors.push(format!(
+            r#"{{"name": "w1_{i}", "shape": [1024, 4096], "kind": "parameter"}}"#
+        ));
+        tensors.push(format!(
+            r#"{{"name": "w2_{i}", "shape": [4096, 1024], "kind": "parameter"}}"#
+        ));
+        tensors.push(format!(r#"{{"name": "h{i}", "shape": ["b", "s", 4096]}}"#));
+        tensors.push(format!(r#"{{"name": "a{i}", "shape": ["b", "s", 4096]}}"#));
+        tensors.push(format!(r#"{{"name": "x{j}", "shape": ["b", "s", 1024]}}"#));
+        ops.push(format!(
+            r#"{{"name": "fc1_{i}", "kind": "matmul", "inputs": ["x{i}", "w1_{i}"], "outputs": ["h{i}"]}}"#
+        ));
+        ops.push(format!(
+            r#"{{"name": "act{i}", "kind": "gelu", "inputs": ["h{i}"], "outputs": ["a{i}"]}}"#
+        ));
+        ops.push(format!(
+            r#"{{"name": "fc2_{i}", "kind": "matmul", "inputs": ["a{i}", "w2_{i}"], "outputs": ["x{j}"]}}"#
+        ));
+    }
+    ops.push(format!(
+        r#"{{"name": "proj", "kind": "matmul", "inputs": ["x{blocks}", "wo"], "outputs": ["logits"]}}"#
+    ));
+    ops.push(
+        r#"{"name": "ce", "kind": "cross_entropy", "inputs": ["logits", "labels"], "outputs": ["loss"]}"#
+            .to_string(),
+    );
+    format!(
+        "{{\"format\": \"autopar-graph/1\", \"max_seq\": 1024,\n\"tensors\": [\n{}\n],\n\"ops\": [\n{}\n],\n\"layer_count\": 8\n}}\n",
+        tensors.join(",\n"),
+        ops.join(",\n")
+    )
+}
+
+#[test]
+fn a_flat_graph_is_clustered_and_split_by_the_stage_dp() {
+    let ws = TempWorkspace::with_toml(
+        r#"
+[[model]]
+name = "deep-mlp"
+graph = "deep-mlp.graph.json"
+
+[[cluster]]
+name = "node"
+preset = "a100-80g"
+nodes = 1
+gpus_per_node = 4
+
+[[target]]
+name = "deep-mlp"
+model = "deep-mlp"
+cluster = "node"
+global_batch = 16
+[target.search]
+tp = [1]
+pp = [4]
+micro_batch = [1]
+interleave = [1]
+recompute = ["none"]
+zero = [0]
+"#,
+    );
+    ws.write("deep-mlp.graph.json", &flat_mlp(12, 64000));
+    let graph = ws.run(&["graph", "deep-mlp"]);
+    assert_eq!(graph.code, 0, "{}", graph.stderr);
+    assert!(graph.stdout.contains("8 layers"), "{}", graph.stdout);
+    assert!(graph.stdout.contains("cluster7"), "{}", graph.stdout);
+    let r = ws.run(&["build", "--json"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let plan: Value = serde_json::from_str(&ws.read("plans/deep-mlp.json")).expect("plan");
+    // The clustered layers differ (the output layer is heavy), so the balancer, which needs
+    // identical blocks, stands aside and the DP's uneven split wins over the even one.
+    let tried = plan["partitions"].as_array().expect("partitions");
+    assert_eq!(tried[2]["step_time_s"], Value::Null, "{}", tried[2]);
+    assert_eq!(plan["estimate"]["partition"], "dp", "{tried:?}");
+    let even = tried[0]["step_time_s"].as_f64().expect("even");
+    let dp = tried[1]["step_time_s"].as_f64().expect("dp");
+    assert!(dp < even, "dp {dp} vs even {even}");
+    let layers: Vec<u64> = plan["estimate"]["stages"]
+        .as_array()
+        .expect("stages")
+        .iter()
+        .map(|s| {
+            s["chunks"][0]["last"].as_u64().expect("last")
+                - s["chunks"][0]["first"].as_u64().expect("first")
+                + 1
+        })
+        .collect();
+    assert_eq!(layers.iter().sum::<u64>(), 8);
+    assert_ne!(
+        layers,
+        [2, 2, 2, 2],
+        "the DP moves layers off the output layer's stage"
+    );
+}
+
+#[test]
+fn uneven_splits_become_a_megatron_pipeline_layout() {
+    let ws = TempWorkspace::with_toml(
+        r#"
+[[model]]
+name = "big-vocab"
+transformer = { hidden = 1024, layers = 8, heads = 16, ffn_hidden = 4096, vocab = 256000, max_seq = 2048 }
+
+[[cluster]]
+name = "node"
+preset = "h100-sxm"
+nodes = 1
+gpus_per_node = 2
+
+[[target]]
+name = "big-vocab"
+model = "big-vocab"
+cluster = "node"
+global_batch = 32
+[target.search]
+tp = [1]
+pp = [2]
+micro_batch = [1]
+interleave = [1]
+recompute = ["none"]
+zero = [0]
+"#,
+    );
+    let r = ws.run(&["build"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let plan: Value = serde_json::from_str(&ws.read("plans/big-vocab.json")).expect("plan");
+    let args: Vec<&str> = plan["megatron_args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().expect("string"))
+        .collect();
+    let at = args
+        .iter()
+        .position(|a| *a == "--pipeline-model-parallel-layout")
+        .unwrap_or_else(|| panic!("no custom layout in {args:?}"));
+    let layout = args[at + 1];
+    // Embedding on the first stage, output layer on the last, 8 blocks in all, more of them
+    // on the first stage than on the last.
+    let stages: Vec<&str> = layout.split('|').collect();
+    assert_eq!(stages.len(), 2, "{layout}");
+    assert!(
+        stages[0].starts_with('E') && stages[1].ends_with('L'),
+        "{layout}"
+    );
+    let blocks = |s: &str| -> u64 {
+        let s = s.trim_start_matches('E').trim_end_matches('L');
+        match s.split_once('*') {
+            Some((_, n)) => n.parse().expect("count"),
+            None => s.len() as u64,
+        }
+    };
+    assert_eq!(blocks(stages[0]) + blocks(stages[1]), 8, "{layout}");
+    assert!(blocks(stages[0]) > blocks(stages[1]), "{layout}");
+    assert!(!args.contains(&"--num-layers-per-virtual-pipeline-stage"));
+    // The launch line quotes it for the shell.
+    assert!(
+        plan["launch"]
+            .as_str()
+            .expect("launch")
+            .contains(&format!("'{layout}'")),
+        "{}",
+        plan["launch"]
+    );
+    assert!(r.stdout.contains("layers split"), "{}", r.stdout);
 }

@@ -51,13 +51,24 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
         zero: a.zero,
     };
     let est = Estimator::new(&name, &def, &cluster, opts);
-    let e = est.evaluate(&layout).map_err(EngineError::from)?;
+    let (e, attempts) = if a.balance {
+        let r = est.refine(&layout).map_err(EngineError::from)?;
+        (r.estimate, r.attempts)
+    } else {
+        (
+            est.evaluate(&layout).map_err(EngineError::from)?,
+            Vec::new(),
+        )
+    };
     if a.json {
         let mut value = serde_json::to_value(&e).map_err(|err| Failure::Failed(err.into()))?;
         if let Some(obj) = value.as_object_mut() {
             obj.insert("model".into(), json!(name));
             obj.insert("cluster".into(), json!(cluster.name));
             obj.insert("seq".into(), json!(seq));
+            if a.balance {
+                obj.insert("partitions".into(), json!(attempts));
+            }
         }
         print_json(&value)?;
     } else {
@@ -69,6 +80,7 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
         );
         render::estimate(&mut out, &e);
         render::stages(&mut out, &e);
+        render::attempts(&mut out, &attempts);
         print!("{out}");
     }
     if e.fits {

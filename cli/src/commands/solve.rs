@@ -130,7 +130,7 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
         "stage",
         "layers",
         RecomputeKind::ALL
-            .map(|k| format!("{:>6}", &k.name()[..k.name().len().min(6)]))
+            .map(|k| format!(" {:>6}", &k.name()[..k.name().len().min(6)]))
             .join(""),
         "time/mb",
         "peak MB"
@@ -146,7 +146,7 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
             "{:>5} {:>6} {}  {:>10.1} {:>10.0}",
             j,
             per_kind.iter().sum::<u32>(),
-            per_kind.map(|n| format!("{n:>6}")).join(""),
+            per_kind.map(|n| format!(" {n:>6}")).join(""),
             r.stage_time[j],
             r.peak_memory[j]
         );

@@ -530,7 +530,7 @@ fn infeasible(problem: &BalanceProblem) -> BalanceError {
         let minimum: f64 = problem.base_memory(j) + (0..v).map(|c| per_layer(c, j)).sum::<f64>();
         if minimum > problem.memory_cap {
             return BalanceError::Infeasible(format!(
-                "stage {j} needs {minimum:.1} with one layer per chunk even with {} \
+                "stage {j} needs {minimum:.1} with one layer per chunk even with `{}` \
                  recomputation, the cap is {:.1}",
                 RecomputeKind::ALL[cheapest].name(),
                 problem.memory_cap
@@ -543,8 +543,8 @@ fn infeasible(problem: &BalanceProblem) -> BalanceError {
         capacity += v as u64 + ((problem.memory_cap - minimum) / cheapest_chunk).floor() as u64;
     }
     BalanceError::Infeasible(format!(
-        "the {} layers do not fit: with {} recomputation the {p} stages hold at most {capacity} \
-         within the cap of {:.1}",
+        "the {} layers do not fit: with `{}` recomputation the {p} stages hold at most \
+         {capacity} within the cap of {:.1}",
         problem.layers,
         RecomputeKind::ALL[cheapest].name(),
         problem.memory_cap

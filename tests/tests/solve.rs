@@ -1,0 +1,351 @@
+//! `autopar solve stages` (Alpa's stage-cost layout) and `autopar solve balance` (SAPP's yaml):
+//! answers checked against exhaustive search and SAPP's published example, bad inputs located.
+
+use autopar_tests::{TempWorkspace, repo_root};
+use serde_json::{Value, json};
+
+fn example(name: &str) -> String {
+    std::fs::read_to_string(repo_root().join("examples").join(name)).expect("shipped example")
+}
+
+/// A deterministic pseudo-random instance: `l` layers on `hosts x per_host` devices, submeshes
+/// `(1,1), (1,2), .., (1, per_host), (2, per_host), ..`, `c` configurations, some entries
+/// infeasible (null) and memory limits that bind.
+fn instance(l: usize, hosts: u64, per_host: u64, c: usize, seed: u64) -> Value {
+    let mut state = seed;
+    let mut next = move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (state >> 33) as f64 / (1u64 << 31) as f64
+    };
+    let mut subs: Vec<(u64, u64)> = Vec::new();
+    let mut w = 1;
+    while w <= per_host {
+        subs.push((1, w));
+        w *= 2;
+    }
+    for n in 2..=hosts {
+        subs.push((n, per_host));
+    }
+    let layer: Vec<f64> = (0..l).map(|_| 1.0 + 3.0 * next()).collect();
+    let mut cost = vec![vec![vec![vec![Value::Null; c]; subs.len()]; l]; l];
+    let mut succ = cost.clone();
+    for k in 0..l {
+        for i in k..l {
+            let work: f64 = layer[k..=i].iter().sum();
+            for (s, &(n, m)) in subs.iter().enumerate() {
+                for (q, (cost_cell, succ_cell)) in
+                    cost[k][i][s].iter_mut().zip(&mut succ[k][i][s]).enumerate()
+                {
+                    if next() < 0.1 {
+                        continue;
+                    }
+                    let size = (n * m) as f64;
+                    let t = work / size * (1.0 + 0.3 * next() + 0.1 * q as f64);
+                    *cost_cell = json!((t * 1000.0).round() / 1000.0);
+                    *succ_cell = json!((next() * (l as f64 + 1.0)) as i64 - 1);
+                }
+            }
+        }
+    }
+    json!({
+        "num_microbatches": 8,
+        "submesh_choices": subs,
+        "num_hosts": hosts,
+        "devices_per_host": per_host,
+        "compute_cost": cost,
+        "max_n_succ_stages": succ,
+    })
+}
+
+/// Exhaustive search: every contiguous partition, every submesh and config per stage, all
+/// devices used, each stage within its memory rule.
+fn exhaustive(v: &Value) -> Option<f64> {
+    let cost = v["compute_cost"].as_array().expect("cost");
+    let succ = v["max_n_succ_stages"].as_array().expect("succ");
+    let subs: Vec<u64> = v["submesh_choices"]
+        .as_array()
+        .expect("subs")
+        .iter()
+        .map(|s| s[0].as_u64().expect("n") * s[1].as_u64().expect("m"))
+        .collect();
+    let devices =
+        v["num_hosts"].as_u64().expect("hosts") * v["devices_per_host"].as_u64().expect("per host");
+    let b = v["num_microbatches"].as_f64().expect("B");
+    let l = cost.len();
+    let mut best: Option<f64> = None;
+    // Stages as (start, end, submesh, config), explored depth first.
+    fn go(
+        start: usize,
+        stages: &mut Vec<(usize, usize, usize, usize)>,
+        ctx: &(&[Value], &[Value], &[u64], u64, f64, usize),
+        best: &mut Option<f64>,
+    ) {
+        let (cost, succ, subs, devices, b, l) = *ctx;
+        if start == l {
+            let used: u64 = stages.iter().map(|s| subs[s.2]).sum();
+            if used != devices {
+                return;
+            }
+            let n = stages.len();
+            let mut times = Vec::new();
+            for (q, &(k, i, s, c)) in stages.iter().enumerate() {
+                let t = &cost[k][i][s][c];
+                let m = &succ[k][i][s][c];
+                let (Some(t), Some(m)) = (t.as_f64(), m.as_i64()) else {
+                    return;
+                };
+                if t < 0.0 || m < 0 || (n - q - 1) as i64 > m {
+                    return;
+                }
+                times.push(t);
+            }
+            let total =
+                times.iter().sum::<f64>() + (b - 1.0) * times.iter().copied().fold(0.0, f64::max);
+            if best.is_none_or(|x| total < x) {
+                *best = Some(total);
+            }
+            return;
+        }
+        for end in start..l {
+            for s in 0..subs.len() {
+                for c in 0..cost[0][0][0].as_array().map_or(0, Vec::len) {
+                    stages.push((start, end, s, c));
+                    go(end + 1, stages, ctx, best);
+                    stages.pop();
+                }
+            }
+        }
+    }
+    let ctx = (
+        cost.as_slice(),
+        succ.as_slice(),
+        subs.as_slice(),
+        devices,
+        b,
+        l,
+    );
+    go(0, &mut Vec::new(), &ctx, &mut best);
+    best
+}
+
+#[test]
+fn solve_stages_equals_exhaustive_search() {
+    let ws = TempWorkspace::default_copy();
+    let mut checked = 0;
+    for seed in 0..12 {
+        let v = instance(5, 2, 2, 2, seed);
+        ws.write("costs.json", &v.to_string());
+        let r = ws.run(&["solve", "stages", "--input", "costs.json", "--json"]);
+        match exhaustive(&v) {
+            None => {
+                assert_eq!(r.code, 1, "seed {seed}: {}", r.stdout);
+                assert!(
+                    r.stderr.contains("no pipeline covers the 5 layers"),
+                    "{}",
+                    r.stderr
+                );
+            }
+            Some(best) => {
+                assert_eq!(r.code, 0, "seed {seed}: {}", r.stderr);
+                let out = r.json();
+                let cost = out["cost"].as_f64().expect("cost");
+                assert!((cost - best).abs() < 1e-9, "seed {seed}: {cost} vs {best}");
+                // The stages are inclusive ranges covering every layer in order.
+                let stages = out["stages"].as_array().expect("stages");
+                let mut next = 0;
+                for s in stages {
+                    assert_eq!(s[0].as_u64(), Some(next), "seed {seed}: {out}");
+                    next = s[1].as_u64().expect("end") + 1;
+                }
+                assert_eq!(next, 5);
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 6, "only {checked} feasible instances");
+}
+
+#[test]
+fn solve_stages_prints_stages_with_their_devices() {
+    let ws = TempWorkspace::default_copy();
+    ws.write("costs.json", &example("alpa-stage-costs.json"));
+    let r = ws.run(&["solve", "stages", "--input", "costs.json"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.starts_with("cost "), "{}", r.stdout);
+    assert!(r.stdout.contains("devices"), "{}", r.stdout);
+    let json = ws
+        .run(&["solve", "stages", "--input", "costs.json", "--json"])
+        .json();
+    let keys: Vec<&String> = json.as_object().expect("object").keys().collect();
+    assert_eq!(keys, ["cost", "stages"]);
+}
+
+#[test]
+fn solve_balance_on_sapps_published_example() {
+    let ws = TempWorkspace::default_copy();
+    ws.write("sapp.yaml", &example("sapp-balance.yaml"));
+    let r = ws.run(&[
+        "solve",
+        "balance",
+        "--sapp",
+        "sapp.yaml",
+        "-s",
+        "8",
+        "-mb",
+        "32",
+        "-mem",
+        "56000",
+        "--json",
+        "--trace",
+        "balance.trace.json",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let out = r.json();
+    for key in [
+        "offset",
+        "recompute",
+        "select_recompute",
+        "select_comm_recompute",
+        "real",
+        "ideal",
+        "imbalance",
+        "recompute_ratio",
+        "total_time",
+        "peak_memory_mb",
+    ] {
+        assert!(out.get(key).is_some(), "{key} missing from {out}");
+    }
+    let f = |k: &str| out[k].as_f64().expect(k);
+    assert_eq!(f("ideal"), 0.21875, "(p - 1) / m = 7 / 32");
+    assert!((f("real") - f("ideal") - f("imbalance") - f("recompute_ratio")).abs() < 1e-9);
+    // Offsets from the even split of the 96 layers add up to zero; every stage fits the cap;
+    // the cumulative recompute lists never count more layers than the stage holds.
+    let offsets: Vec<i64> = out["offset"][0]
+        .as_array()
+        .expect("one chunk")
+        .iter()
+        .map(|x| x.as_i64().expect("offset"))
+        .collect();
+    assert_eq!(offsets.len(), 8);
+    assert_eq!(offsets.iter().sum::<i64>(), 0);
+    for (j, peak) in out["peak_memory_mb"]
+        .as_array()
+        .expect("peaks")
+        .iter()
+        .enumerate()
+    {
+        assert!(
+            peak.as_f64().expect("peak") <= 56000.0 * (1.0 + 1e-9),
+            "stage {j}: {peak}"
+        );
+        let layers = 12 + offsets[j];
+        for list in ["recompute", "select_recompute", "select_comm_recompute"] {
+            let n = out[list][0][j].as_i64().expect("count");
+            assert!((0..=layers).contains(&n), "{list}[{j}] = {n} of {layers}");
+        }
+    }
+    assert_eq!(out["status"], "optimal");
+    let trace: Value = serde_json::from_str(&ws.read("balance.trace.json")).expect("trace");
+    let slices = trace["traceEvents"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .count();
+    assert_eq!(slices, 2 * 8 * 32);
+    // The text form prints the lists ready to paste into SAPP's yaml.
+    let text = ws.run(&[
+        "solve",
+        "balance",
+        "--sapp",
+        "sapp.yaml",
+        "-s",
+        "8",
+        "-mb",
+        "32",
+        "-mem",
+        "56000",
+    ]);
+    assert_eq!(text.code, 0, "{}", text.stderr);
+    assert!(text.stdout.contains("offset: [[-"), "{}", text.stdout);
+    assert!(text.stdout.contains("0.2188"), "{}", text.stdout);
+}
+
+#[test]
+fn solve_balance_says_why_a_cap_is_infeasible() {
+    let ws = TempWorkspace::default_copy();
+    ws.write("sapp.yaml", &example("sapp-balance.yaml"));
+    let r = ws.run(&[
+        "solve",
+        "balance",
+        "--sapp",
+        "sapp.yaml",
+        "-s",
+        "8",
+        "-mb",
+        "32",
+        "-mem",
+        "20000",
+    ]);
+    assert_eq!(r.code, 1, "{}", r.stdout);
+    assert!(
+        r.stderr.contains(
+            "the 96 layers do not fit: with `both` recomputation the 8 stages hold at most"
+        ),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("within the cap of 20000.0"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn bad_solver_inputs_are_located() {
+    let ws = TempWorkspace::default_copy();
+    let yaml = example("sapp-balance.yaml").replace("body: 90", "body: fast");
+    ws.write("sapp.yaml", &yaml);
+    let r = ws.run(&[
+        "solve",
+        "balance",
+        "--sapp",
+        "sapp.yaml",
+        "-s",
+        "8",
+        "-mb",
+        "32",
+        "-mem",
+        "56000",
+    ]);
+    assert_eq!(r.code, 2, "{}", r.stdout);
+    let line = yaml
+        .lines()
+        .position(|l| l.contains("body: fast"))
+        .expect("line")
+        + 1;
+    assert!(
+        r.stderr.contains(&format!("sapp.yaml:{line}:")),
+        "line {line} expected in:\n{}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("body"), "{}", r.stderr);
+
+    let mut v = instance(3, 1, 2, 1, 7);
+    v["max_n_succ_stages"][1] = json!([]);
+    ws.write(
+        "costs.json",
+        &serde_json::to_string_pretty(&v).expect("json"),
+    );
+    let r = ws.run(&["solve", "stages", "--input", "costs.json"]);
+    assert_eq!(r.code, 2, "{}", r.stdout);
+    assert!(r.stderr.contains("costs.json:"), "{}", r.stderr);
+    assert!(r.stderr.contains("max_n_succ_stages"), "{}", r.stderr);
+
+    let r = ws.run(&["solve", "stages", "--input", "missing.json"]);
+    assert_eq!(r.code, 2, "{}", r.stdout);
+    assert!(r.stderr.contains("missing.json"), "{}", r.stderr);
+}
