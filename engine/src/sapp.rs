@@ -11,8 +11,8 @@
 use crate::diagnostic::Diagnostic;
 use crate::error::EngineError;
 use autopar_rules::balance::{
-    BalancePlan, BalanceProblem, Extra, KINDS, MemoryRun, MemoryTerms, SAPP_RECOMPUTE_COEF,
-    SappLists, balance, counts_from_sapp, decompose, even_split, sapp_lists,
+    BalanceError, BalancePlan, BalanceProblem, Extra, KINDS, MemoryRun, MemoryTerms,
+    SAPP_RECOMPUTE_COEF, SappLists, balance, counts_from_sapp, decompose, even_split, sapp_lists,
 };
 use autopar_rules::schedule::{Bubble, Schedule, Simulation, simulate};
 use serde::Deserialize;
@@ -459,7 +459,18 @@ pub fn solve_balance(file: &Path, opts: &BalanceOptions) -> Result<BalanceReport
         time_limit: opts.time_limit,
     };
     let start = std::time::Instant::now();
-    let plan = balance(&problem, None).map_err(|e| EngineError::Infeasible(e.to_string()))?;
+    let plan = balance(&problem, None).map_err(|e| match e {
+        // Sizes that cannot work are the command line's fault.
+        BalanceError::Shape(why) => EngineError::Argument {
+            flag: "-s/-mb/-i",
+            expected: format!(
+                "stages, micro-batches and interleaving that fit {} layers",
+                input.layers
+            ),
+            found: why,
+        },
+        other => EngineError::Infeasible(other.to_string()),
+    })?;
     let solve_seconds = start.elapsed().as_secs_f64();
     let spec = problem.pipeline(&plan.counts, Schedule::OneFOneB);
     let simulation = simulate(&spec).map_err(|e| EngineError::Infeasible(e.to_string()))?;

@@ -349,3 +349,19 @@ fn bad_solver_inputs_are_located() {
     assert_eq!(r.code, 2, "{}", r.stdout);
     assert!(r.stderr.contains("missing.json"), "{}", r.stderr);
 }
+
+#[test]
+fn impossible_sizes_are_usage_errors() {
+    let ws = TempWorkspace::default_copy();
+    ws.write("sapp.yaml", &example("sapp-balance.yaml"));
+    for (args, says) in [
+        (["-s", "8", "-mb", "30", "-i", "2"], "multiple of the 8 stages"),
+        (["-s", "100", "-mb", "32", "-i", "1"], "96 layers cannot give each of the 100 x 1 chunks"),
+    ] {
+        let mut all = vec!["solve", "balance", "--sapp", "sapp.yaml", "-mem", "56000"];
+        all.extend(args);
+        let r = ws.run(&all);
+        assert_eq!(r.code, 2, "{args:?}: {}", r.stderr);
+        assert!(r.stderr.contains(says), "{}", r.stderr);
+    }
+}
