@@ -355,8 +355,14 @@ fn impossible_sizes_are_usage_errors() {
     let ws = TempWorkspace::default_copy();
     ws.write("sapp.yaml", &example("sapp-balance.yaml"));
     for (args, says) in [
-        (["-s", "8", "-mb", "30", "-i", "2"], "multiple of the 8 stages"),
-        (["-s", "100", "-mb", "32", "-i", "1"], "96 layers cannot give each of the 100 x 1 chunks"),
+        (
+            ["-s", "8", "-mb", "30", "-i", "2"],
+            "multiple of the 8 stages",
+        ),
+        (
+            ["-s", "100", "-mb", "32", "-i", "1"],
+            "96 layers cannot give each of the 100 x 1 chunks",
+        ),
     ] {
         let mut all = vec!["solve", "balance", "--sapp", "sapp.yaml", "-mem", "56000"];
         all.extend(args);
