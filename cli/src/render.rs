@@ -121,8 +121,8 @@ pub fn estimate(out: &mut String, e: &Estimate) {
     let b = &e.bubble;
     let _ = writeln!(
         out,
-        "  pipeline  {} · layers split {} · bubble {:.1}% = ideal {:.1}% + imbalance {:.1}% + \
-         recompute {:.1}% of compute{}",
+        "  pipeline  {} · layers split {} · real bubble {:.1}% of compute = ideal {:.1}% + \
+         imbalance {:.1}% + recompute {:.1}%{}",
         schedule_name(e),
         e.partition.name(),
         b.real * 100.0,
