@@ -103,13 +103,15 @@ impl Bubble {
                 recompute: 0.0,
             };
         }
-        let real = (p as f64 * makespan - compute) / compute;
+        // Rounding leaves a single stage's real bubble a hair below zero.
+        let clean = |x: f64| if x.abs() < 1e-9 { 0.0 } else { x };
+        let real = clean((p as f64 * makespan - compute) / compute);
         let ideal = ideal_bubble(p as u64, m as u64, v as u64);
         let rec = recompute / compute;
         Bubble {
             real,
             ideal,
-            imbalance: real - ideal - rec,
+            imbalance: clean(real - ideal - rec),
             recompute: rec,
         }
     }
