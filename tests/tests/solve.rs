@@ -371,3 +371,41 @@ fn impossible_sizes_are_usage_errors() {
         assert!(r.stderr.contains(says), "{}", r.stderr);
     }
 }
+
+#[test]
+fn interleaved_balancing_reports_how_far_from_proven_it_is() {
+    let ws = TempWorkspace::default_copy();
+    ws.write("sapp.yaml", &example("sapp-balance.yaml"));
+    let base = [
+        "solve",
+        "balance",
+        "--sapp",
+        "sapp.yaml",
+        "-s",
+        "8",
+        "-mb",
+        "32",
+        "-i",
+        "2",
+    ];
+    let mut args = base.to_vec();
+    args.extend(["-mem", "64000", "-t", "1", "--json"]);
+    let r = ws.run(&args);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let out = r.json();
+    assert_eq!(out["offset"].as_array().expect("chunks").len(), 2);
+    let objective = out["objective"].as_f64().expect("objective");
+    let bound = out["lower_bound"].as_f64().expect("a lower bound");
+    assert!(bound > 0.0 && bound <= objective, "{bound} vs {objective}");
+    for peak in out["peak_memory_mb"].as_array().expect("peaks") {
+        assert!(peak.as_f64().expect("peak") <= 64000.0 * (1.0 + 1e-9));
+    }
+    // With less memory no split fits, even recomputing every layer's attention and
+    // communication; the answer says so at once instead of running out the time limit.
+    let mut args = base.to_vec();
+    args.extend(["-mem", "60000", "-t", "30"]);
+    let r = ws.run(&args);
+    assert_eq!(r.code, 1, "{}", r.stdout);
+    assert!(r.stderr.contains("do not fit"), "{}", r.stderr);
+    assert!(!r.stderr.contains("MILP"), "proven, not timed out: {}", r.stderr);
+}

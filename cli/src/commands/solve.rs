@@ -86,6 +86,7 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
             "peak_memory_mb": r.peak_memory,
             "objective": r.plan.objective,
             "status": r.plan.status,
+            "lower_bound": r.plan.lower_bound,
             "memory_terms": r.terms,
             "solve_seconds": r.solve_seconds,
         }));
@@ -110,10 +111,16 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
         a.interleave,
         a.microbatches,
         a.memory_mb,
-        match r.plan.status {
-            autopar_rules::balance::SolveStatus::Optimal => "optimal",
-            autopar_rules::balance::SolveStatus::TimeLimit =>
-                "time limit reached (best found, not proven optimal)",
+        match (r.plan.status, r.plan.lower_bound) {
+            (autopar_rules::balance::SolveStatus::Optimal, _) => "optimal".to_string(),
+            (autopar_rules::balance::SolveStatus::TimeLimit, Some(bound)) if bound > 0.0 =>
+                format!(
+                    "time limit reached (best found, at most {:.1}% above the LP relaxation's \
+                     lower bound)",
+                    (r.plan.objective / bound - 1.0) * 100.0
+                ),
+            (autopar_rules::balance::SolveStatus::TimeLimit, _) =>
+                "time limit reached (best found, not proven optimal)".to_string(),
         },
         r.solve_seconds
     );

@@ -174,6 +174,7 @@ pub(super) fn single_chunk(problem: &BalanceProblem) -> Option<BalancePlan> {
         counts: vec![counts],
         objective,
         status: SolveStatus::Optimal,
+        lower_bound: Some(objective),
     })
 }
 
@@ -265,10 +266,12 @@ pub(super) fn uniform_block(problem: &BalanceProblem) -> Option<BalancePlan> {
     debug_assert!(
         (problem.objective(&counts) - objective).abs() <= 1e-9 * objective.abs().max(1.0)
     );
+    let objective = problem.objective(&counts);
     Some(BalancePlan {
-        objective: problem.objective(&counts),
+        objective,
         counts,
         status: SolveStatus::Optimal,
+        lower_bound: Some(objective),
     })
 }
 

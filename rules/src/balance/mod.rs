@@ -30,6 +30,7 @@ mod exact;
 pub use decompose::{DecomposeError, MemoryRun, MemoryTerms, decompose};
 
 use crate::schedule::{PipelineSpec, Schedule, inflight_profiles};
+use good_lp::solvers::microlp::MicroLpProblem;
 use good_lp::{
     Expression, ResolutionError, Solution, SolutionStatus, SolverModel, Variable, WithTimeLimit,
     constraint, microlp, variable, variables,
@@ -148,6 +149,9 @@ pub struct BalancePlan {
     pub objective: f64,
     /// Optimality.
     pub status: SolveStatus,
+    /// A proven lower bound on the objective of any plan: the objective itself when optimal,
+    /// the continuous relaxation's optimum when the time limit stopped the search.
+    pub lower_bound: Option<f64>,
 }
 
 /// Why balancing failed.
@@ -336,8 +340,10 @@ impl BalanceProblem {
 
 /// Balances layers and recomputation: exactly with a combinatorial solver when the problem has
 /// one chunk per stage or Megatron-LM's uniform-block shape, otherwise with the MILP (whose
-/// time limit may stop it short of a proof; the plan's status says so). `initial`
-/// (`[c][j][r]`), if feasible, seeds the MILP.
+/// time limit may stop it short of a proof; the plan's status says so). The MILP starts from
+/// `initial` (`[c][j][r]`) if it is feasible, else from the best plan of the uniform-block
+/// shape (solved exactly for each base kind), which it can only improve on; if the time limit
+/// comes before the MILP finds anything better, that plan is returned.
 pub fn balance(
     problem: &BalanceProblem,
     initial: Option<&[Vec<[u32; KINDS]>]>,
@@ -356,16 +362,103 @@ pub fn balance(
             "the exact solver produced an assignment that violates the constraints".into(),
         )),
         Some(None) => Err(infeasible(problem)),
-        None => milp(problem, initial),
+        None => {
+            let seed: Option<BalancePlan> = match initial.filter(|c| problem.feasible(c)) {
+                Some(c) => Some(BalancePlan {
+                    counts: c.to_vec(),
+                    objective: problem.objective(c),
+                    status: SolveStatus::TimeLimit,
+                    lower_bound: None,
+                }),
+                None => uniform_block_seed(problem),
+            };
+            if seed.is_none() && least_memory_kind_is_a_base(problem) {
+                // The uniform-block search covered every split with every layer of the kind
+                // keeping the least activation memory; any other kind keeps more, so nothing
+                // fits.
+                return Err(infeasible(problem));
+            }
+            let solved = milp(problem, seed.as_ref().map(|s| s.counts.as_slice()));
+            let mut plan = match (solved, seed) {
+                (Ok(plan), Some(s)) if s.objective < plan.objective => s,
+                (Ok(plan), _) => plan,
+                // Nothing better within the time limit: the starting point stands.
+                (Err(BalanceError::Solver(_)), Some(s)) => s,
+                (Err(e), None) | (Err(e), Some(_)) => return Err(e),
+            };
+            if plan.status == SolveStatus::TimeLimit {
+                plan.lower_bound = relaxation_bound(problem);
+            }
+            Ok(plan)
+        }
     }
 }
 
-/// The balancing MILP (any interleaving and kinds), solved with microlp under the time limit.
-pub(crate) fn milp(
-    problem: &BalanceProblem,
-    initial: Option<&[Vec<[u32; KINDS]>]>,
-) -> Result<BalancePlan, BalanceError> {
-    problem.check()?;
+/// Whether the allowed kind keeping the least activation memory is not full recomputation (or
+/// full recomputation is not allowed), so that the uniform-block search with it as the base
+/// kind tries the least memory of every split.
+fn least_memory_kind_is_a_base(problem: &BalanceProblem) -> bool {
+    let full = RecomputeKind::Full.index();
+    let least = (0..KINDS).filter(|&k| problem.allowed[k]).min_by(|&a, &b| {
+        problem
+            .act(a)
+            .total_cmp(&problem.act(b))
+            .then((a == full).cmp(&(b == full)))
+    });
+    let probe = |k: usize| {
+        let mut restricted = problem.clone();
+        restricted.allowed = [false; KINDS];
+        restricted.allowed[k] = true;
+        restricted.uniform_full = true;
+        exact::is_uniform_block(&restricted)
+    };
+    least.is_some_and(|k| k != full && probe(k))
+}
+
+/// The best plan of Megatron-LM's uniform-block shape (one base kind everywhere, the same number
+/// of fully recomputed layers in every chunk), solved exactly for each allowed base kind: a
+/// feasible starting point for the MILP. Its status is `TimeLimit` (not proven for the full
+/// problem).
+fn uniform_block_seed(problem: &BalanceProblem) -> Option<BalancePlan> {
+    let full = RecomputeKind::Full.index();
+    (0..KINDS)
+        .filter(|&k| k != full && problem.allowed[k])
+        .filter_map(|base| {
+            let mut restricted = problem.clone();
+            restricted.allowed = [false; KINDS];
+            restricted.allowed[base] = true;
+            restricted.allowed[full] = problem.allowed[full];
+            restricted.uniform_full = true;
+            if !exact::is_uniform_block(&restricted) {
+                return None;
+            }
+            exact::uniform_block(&restricted).filter(|plan| problem.feasible(&plan.counts))
+        })
+        .min_by(|a, b| a.objective.total_cmp(&b.objective))
+        .map(|plan| BalancePlan {
+            status: SolveStatus::TimeLimit,
+            lower_bound: None,
+            ..plan
+        })
+}
+
+/// The balancing program built for microlp: the model and the variables a plan is read from.
+struct Program {
+    model: MicroLpProblem,
+    /// `x[c][j][k]`, for allowed kinds.
+    x: Vec<Vec<[Option<Variable>; KINDS]>>,
+    /// The uniform number of fully recomputed layers per chunk, when required.
+    full_count: Option<Variable>,
+    /// The largest chunk time.
+    tau: Variable,
+    /// The objective, in units of `t_unit`.
+    objective: Expression,
+    /// Time unit of the model: a body layer's forward + backward.
+    t_unit: f64,
+}
+
+/// Builds the program; `integer` false gives its continuous relaxation.
+fn program(problem: &BalanceProblem, integer: bool) -> Program {
     let (p, v, m, l) = (
         problem.stages,
         problem.interleave,
@@ -376,19 +469,23 @@ pub(crate) fn milp(
     // sees coefficients of order one.
     let t_unit = (problem.forward + problem.backward[0]).max(f64::MIN_POSITIVE);
     let m_unit = problem.memory_cap.abs().max(f64::MIN_POSITIVE);
+    let count = || {
+        let var = variable().min(0).max(l as f64);
+        if integer { var.integer() } else { var }
+    };
     let mut vars = variables!();
     let mut x = vec![vec![[None::<Variable>; KINDS]; p]; v];
     for chunk in x.iter_mut() {
         for stage in chunk.iter_mut() {
             for (k, slot) in stage.iter_mut().enumerate() {
                 if problem.allowed[k] {
-                    *slot = Some(vars.add(variable().integer().min(0).max(l as f64)));
+                    *slot = Some(vars.add(count()));
                 }
             }
         }
     }
     let full_count = (problem.uniform_full && problem.allowed[RecomputeKind::Full.index()])
-        .then(|| vars.add(variable().integer().min(0).max(l as f64)));
+        .then(|| vars.add(count()));
     let tau = vars.add(variable().min(0));
     let sum_of = |c: usize, j: usize, coef: &dyn Fn(usize) -> f64| -> Expression {
         let mut e = Expression::default();
@@ -416,7 +513,7 @@ pub(crate) fn milp(
         }
     }
     objective += tau * (m * v - 1) as f64;
-    let mut model = vars.minimise(objective).using(microlp);
+    let mut model = vars.minimise(objective.clone()).using(microlp);
     model = model.with_time_limit(problem.time_limit.max(0.01));
     let mut all_layers = Expression::default();
     for (c, chunk) in x.iter().enumerate() {
@@ -444,6 +541,40 @@ pub(crate) fn milp(
             model.add_constraint(constraint!(mem <= room));
         }
     }
+    Program {
+        model,
+        x,
+        full_count,
+        tau,
+        objective,
+        t_unit,
+    }
+}
+
+/// The continuous relaxation's optimum: no plan has a smaller objective. `None` if the
+/// relaxation is infeasible or the solver fails.
+pub(crate) fn relaxation_bound(problem: &BalanceProblem) -> Option<f64> {
+    problem.check().ok()?;
+    let prog = program(problem, false);
+    let solution = prog.model.solve().ok()?;
+    Some(solution.eval(&prog.objective) * prog.t_unit)
+}
+
+/// The balancing MILP (any interleaving and kinds), solved with microlp under the time limit.
+pub(crate) fn milp(
+    problem: &BalanceProblem,
+    initial: Option<&[Vec<[u32; KINDS]>]>,
+) -> Result<BalancePlan, BalanceError> {
+    problem.check()?;
+    let (p, v) = (problem.stages, problem.interleave);
+    let Program {
+        mut model,
+        x,
+        full_count,
+        tau,
+        t_unit,
+        ..
+    } = program(problem, true);
     if let Some(init) = initial.filter(|c| problem.feasible(c)) {
         let mut start = Vec::new();
         for c in 0..v {
@@ -499,8 +630,10 @@ pub(crate) fn milp(
             "the solver returned an assignment that violates the constraints".into(),
         ));
     }
+    let objective = problem.objective(&counts);
     Ok(BalancePlan {
-        objective: problem.objective(&counts),
+        lower_bound: (status == SolveStatus::Optimal).then_some(objective),
+        objective,
         counts,
         status,
     })

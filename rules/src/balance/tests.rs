@@ -274,6 +274,9 @@ proptest! {
                 prop_assert_eq!(plan.status, SolveStatus::Optimal);
                 prop_assert!((plan.objective - e).abs() < 1e-6 * e.max(1.0), "milp {} vs exhaustive {}", plan.objective, e);
                 prop_assert!(pr.feasible(&plan.counts));
+                // The relaxation bounds every plan from below.
+                let bound = super::relaxation_bound(&pr).expect("the relaxation of a feasible program solves");
+                prop_assert!(bound <= e * (1.0 + 1e-9), "bound {} above the optimum {}", bound, e);
             }
             (e, g) => prop_assert!(false, "exhaustive {:?} vs milp {:?}", e, g),
         }
