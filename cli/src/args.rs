@@ -28,6 +28,10 @@ pub struct Cli {
     /// More log output (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
+    /// Local cache directory (default: `[workspace] cache`, else .autopar/cache next to the
+    /// workspace file).
+    #[arg(long, global = true, env = "AUTOPAR_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
     /// The command.
     #[command(subcommand)]
     pub command: Command,
@@ -54,6 +58,90 @@ pub enum Command {
         #[command(subcommand)]
         command: SolveCommand,
     },
+    /// Say, for every result the last build of a target recomputed, which input changed.
+    Explain {
+        /// Target.
+        target: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inspect or prune the local cache.
+    Cache {
+        /// Cache subcommand.
+        #[command(subcommand)]
+        command: CacheCommand,
+    },
+    /// Remove the plans, traces and build records of the workspace (and with --cache, every
+    /// cached result).
+    Clean {
+        /// Also empty the local cache.
+        #[arg(long)]
+        cache: bool,
+    },
+    /// Work with profiles (measured op and collective times).
+    Profile {
+        /// Profile subcommand.
+        #[command(subcommand)]
+        command: ProfileCommand,
+    },
+    /// Build, then rebuild whenever the workspace or a file it reads changes.
+    Watch(WatchArgs),
+}
+
+/// `autopar cache ...`.
+#[derive(Debug, Subcommand)]
+pub enum CacheCommand {
+    /// Entries and bytes per kind of result.
+    Stats {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Read every entry, check it against its hash, remove the corrupt ones.
+    Verify,
+    /// Remove least recently used entries until the cache holds at most --max-size.
+    Gc {
+        /// Size to shrink to: bytes, or with a suffix K, M, G (powers of 1024).
+        #[arg(long)]
+        max_size: String,
+    },
+}
+
+/// `autopar profile ...`.
+#[derive(Debug, Subcommand)]
+pub enum ProfileCommand {
+    /// Entries that differ between two profiles, and the cached results they invalidate.
+    Diff {
+        /// Old profile: a file or a workspace [[profile]] name.
+        old: String,
+        /// New profile: a file or a workspace [[profile]] name.
+        new: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Convert a profile (any time unit, shapes as strings) into the canonical file.
+    Import {
+        /// The profile to convert.
+        input: PathBuf,
+        /// Where to write the canonical file (default: standard output).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// The device it was measured on, when the file does not say.
+        #[arg(long)]
+        device: Option<String>,
+    },
+}
+
+/// `autopar watch`.
+#[derive(Debug, Args)]
+pub struct WatchArgs {
+    /// Targets to build (default: all).
+    pub targets: Vec<String>,
+    /// How often to look at the files, in milliseconds.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    pub interval_ms: u64,
 }
 
 /// `autopar solve ...`.
@@ -110,6 +198,9 @@ pub struct BuildArgs {
     /// Print a JSON report instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Show what would be solved and what is cached, without solving or writing anything.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 /// Precision on the command line.

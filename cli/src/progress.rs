@@ -1,6 +1,7 @@
 //! Build progress: a bar on a terminal, one plain line per target otherwise (CI logs).
 
 use autopar_engine::build::{Progress, TargetResult};
+use autopar_engine::cache::Source;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
 
@@ -39,10 +40,13 @@ impl Reporter {
                     TargetResult::Planned(_) => "planned",
                     TargetResult::Infeasible { .. } => "infeasible",
                 };
+                let how = match o.source {
+                    Source::Solved => format!("{} layouts searched", o.layouts),
+                    other => format!("cached in {}", other.name()),
+                };
                 eprintln!(
-                    "{status} {} ({} layouts, {:.2} s)",
+                    "{status} {} ({how}, {:.2} s)",
                     o.name,
-                    o.layouts,
                     o.elapsed.as_secs_f64()
                 );
             }

@@ -1,17 +1,34 @@
-//! `autopar build`: plan every target of the workspace (in parallel) and write the plans.
+//! `autopar build`: plan every target of the workspace (in parallel) and write the plans,
+//! reusing every result whose inputs are unchanged.
+//!
+//! A target's plan is looked up under the key of its inputs as written (model without names,
+//! cluster, training options, search space, profile measurements). On a miss, the layer costs
+//! the search reads are looked up one by one under their own keys (identical blocks share one),
+//! then the search result under a key of those costs: when a change (a profile entry no layer
+//! reads, say) leaves every cost as it was, the stored search result is reused. Only what is
+//! missing is solved.
 
+use crate::cache::{Cache, Counts, Source};
 use crate::error::EngineError;
+use crate::layer_costs::CachedCosts;
 use crate::plans::{remove_output, write_plan, write_trace};
+use crate::record::{
+    BuildRecord, PlanRecord, layer_reasons, plan_reasons, read_record, write_record,
+};
 use crate::workspace::{Target, Workspace};
+use autopar_rules::canonical::{Digest, KeyParts};
 use autopar_rules::cluster::GIB;
-use autopar_rules::estimate::Estimator;
+use autopar_rules::estimate::{CostSource, Estimator};
 use autopar_rules::frontend::LowerOptions;
+use autopar_rules::layer_cost::{LayerCost, LayerCostContext, Pricing};
 use autopar_rules::layout::LayoutError;
 use autopar_rules::plan::{Plan, PlanModel};
 use autopar_rules::schedule::{chrome_trace, simulate};
-use autopar_rules::search::{SearchResult, search};
+use autopar_rules::search::{SearchResult, layer_cost_digest, search};
+use autopar_store::EntryMeta;
 use rayon::prelude::*;
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How many layouts a plan lists: the chosen one and the runners-up.
@@ -49,6 +66,8 @@ pub struct TargetOutcome {
     pub result: TargetResult,
     /// Layouts priced.
     pub layouts: usize,
+    /// Where the plan came from.
+    pub source: Source,
     /// Wall time of this target.
     pub elapsed: Duration,
 }
@@ -58,6 +77,8 @@ pub struct TargetOutcome {
 pub struct BuildReport {
     /// One outcome per target built, in workspace order.
     pub outcomes: Vec<TargetOutcome>,
+    /// Results asked for and where they came from.
+    pub counts: Counts,
     /// Wall time of the build.
     pub elapsed: Duration,
 }
@@ -107,54 +128,150 @@ pub fn select<'w>(ws: &'w Workspace, names: &[String]) -> Result<Vec<&'w Target>
         .collect())
 }
 
-/// Plans the selected targets in parallel and writes their plans; stale plans of targets that
-/// became infeasible are removed so no file describes a plan that no longer holds.
+/// The components of a target's key: what its plan depends on, as the workspace states it
+/// (never names or file paths).
+pub fn target_parts(ws: &Workspace, t: &Target) -> KeyParts {
+    let model = &ws.models[t.model];
+    let cluster = &ws.clusters[t.cluster];
+    KeyParts::new("plan")
+        .with("model", &model.def.canonical_json())
+        .with(
+            "cluster",
+            &(cluster.nodes, cluster.gpus_per_node, &cluster.device),
+        )
+        .with("training", &t.options)
+        .with("search", &(&t.search, t.global_batch, LAYOUTS_KEPT))
+        .with("profile", &profile_entries(t))
+}
+
+fn profile_entries(t: &Target) -> Vec<(autopar_rules::profile::EntryId, f64)> {
+    t.profile.as_ref().map(|p| p.entries()).unwrap_or_default()
+}
+
+/// The key of a search result: the target's components, with the layer costs the search reads
+/// in place of the profile (which only matters through them).
+fn search_parts(target: &KeyParts, layer_costs: Digest) -> KeyParts {
+    let mut parts = KeyParts::new("search");
+    for (name, d) in &target.parts {
+        if name != "rules" && name != "profile" {
+            parts = parts.with_digest(name, *d);
+        }
+    }
+    parts.with_digest("layer costs", layer_costs)
+}
+
+/// Plans the selected targets in parallel through `cache` and writes their plans; stale plans
+/// of targets that became infeasible are removed so no file describes a plan that no longer
+/// holds. The cache is flushed before returning, so what the build solved survives it.
 pub fn build(
     ws: &Workspace,
     names: &[String],
+    cache: &Cache,
     progress: &(dyn Fn(Progress<'_>) + Sync),
 ) -> Result<BuildReport, EngineError> {
     let start = Instant::now();
     let targets = select(ws, names)?;
+    cache.reset_counts();
     progress(Progress::Begin(targets.len()));
     let outcomes = targets
         .par_iter()
         .map(|t| {
-            let outcome = plan_target(ws, t)?;
+            let outcome = plan_target(ws, t, cache)?;
             progress(Progress::Done(&outcome));
             Ok(outcome)
         })
-        .collect::<Result<Vec<_>, EngineError>>()?;
+        .collect::<Result<Vec<_>, EngineError>>();
+    cache.flush();
     Ok(BuildReport {
-        outcomes,
+        outcomes: outcomes?,
+        counts: cache.counts(),
         elapsed: start.elapsed(),
     })
 }
 
-fn plan_target(ws: &Workspace, t: &Target) -> Result<TargetOutcome, EngineError> {
+fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcome, EngineError> {
     let start = Instant::now();
     let model = &ws.models[t.model];
     let cluster = &ws.clusters[t.cluster];
     let span = tracing::info_span!("target", name = %t.name);
     let _enter = span.enter();
-    let est = Estimator::new(&model.name, &model.def, cluster, t.options);
-    let result = search(&est, &t.search, t.global_batch, LAYOUTS_KEPT);
-    tracing::info!(
-        candidates = result.candidates,
-        valid = result.valid,
-        feasible = result.feasible,
-        "searched"
-    );
+    let parts = target_parts(ws, t);
+    let key = parts.key();
+    let previous = read_record(&ws.root, &t.name);
+    let costs = CachedCosts::new(cache, &model.name);
+    let est = Estimator::new(&model.name, &model.def, cluster, t.options)
+        .with_costs(&costs)
+        .with_profile(t.profile.as_deref());
+    let mut reused_after_change = false;
+    let (mut result, source) = match cache.lookup_indexed::<SearchResult>(key) {
+        Some(found) => found,
+        None => {
+            let value =
+                search_parts(&parts, layer_cost_digest(&est, &t.search, t.global_batch)).key();
+            let found = match cache.lookup::<SearchResult>(value) {
+                Some(found) => {
+                    reused_after_change = true;
+                    found
+                }
+                None => {
+                    let r = search(&est, &t.search, t.global_batch, LAYOUTS_KEPT);
+                    let meta = EntryMeta {
+                        kind: "search".into(),
+                        description: format!(
+                            "plan search of {} on {}",
+                            model.name, cluster.device.name
+                        ),
+                        ..EntryMeta::default()
+                    };
+                    cache.put(value, &r, &meta);
+                    cache.record(Source::Solved);
+                    tracing::info!(
+                        candidates = r.candidates,
+                        valid = r.valid,
+                        feasible = r.feasible,
+                        refined = r.refined,
+                        "searched"
+                    );
+                    (r, Source::Solved)
+                }
+            };
+            let meta = EntryMeta {
+                kind: "plan-index".into(),
+                description: format!("target {} -> its search result", t.name),
+                ..EntryMeta::default()
+            };
+            cache.put(key, &value, &meta);
+            found
+        }
+    };
+    if let Some(names) = model.def.layer_names() {
+        rename_layers(&mut result, &names);
+    }
+    let mut layers = costs.take_records();
+    for l in &mut layers {
+        if l.source == Source::Solved {
+            let old = previous
+                .as_ref()
+                .and_then(|p| p.layers.iter().find(|o| o.slot == l.slot));
+            l.reasons = layer_reasons(old, l);
+        }
+    }
+    let mut plan_record = PlanRecord {
+        parts,
+        model: model.def.canonical_json(),
+        profile: profile_entries(t),
+        source,
+        reused_after_change,
+        reasons: Vec::new(),
+    };
+    if source == Source::Solved || reused_after_change {
+        plan_record.reasons = plan_reasons(previous.as_ref().map(|p| &p.plan), &plan_record);
+    }
     let path = ws.plan_path(&t.name);
     let trace = ws.trace_path(&t.name);
     let outcome = match plan_from(ws, t, &est, &result) {
         Ok(plan) => {
-            write_plan(&path, &plan)?;
-            // The estimate was simulated when refined, so this cannot fail.
-            let sim = simulate(&plan.estimate.pipeline_spec())
-                .map_err(|e| EngineError::Layout(LayoutError::Schedule(e)))?;
-            let title = format!("{}: {}", t.name, plan.estimate.layout.describe());
-            write_trace(&trace, &chrome_trace(&sim, &title))?;
+            write_outputs(&path, &trace, t, &plan)?;
             TargetResult::Planned(Box::new(Planned { plan, path, trace }))
         }
         Err(reason) => {
@@ -163,12 +280,164 @@ fn plan_target(ws: &Workspace, t: &Target) -> Result<TargetOutcome, EngineError>
             TargetResult::Infeasible { reason }
         }
     };
+    let record = BuildRecord {
+        target: t.name.clone(),
+        time_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+        plan: plan_record,
+        layers,
+    };
+    if let Err(e) = write_record(&ws.root, &record) {
+        tracing::warn!(error = %e, "could not record the build for `explain`");
+    }
     Ok(TargetOutcome {
         name: t.name.clone(),
         result: outcome,
         layouts: result.candidates,
+        source,
         elapsed: start.elapsed(),
     })
+}
+
+/// Writes the plan and its timeline, leaving files that already say the same untouched.
+fn write_outputs(
+    path: &std::path::Path,
+    trace: &std::path::Path,
+    t: &Target,
+    plan: &Plan,
+) -> Result<(), EngineError> {
+    let mut json = serde_json::to_vec_pretty(plan).map_err(|e| EngineError::BadPlan {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    json.push(b'\n');
+    let unchanged = std::fs::read(path).is_ok_and(|old| old == json) && trace.exists();
+    if unchanged {
+        return Ok(());
+    }
+    write_plan(path, plan)?;
+    // The estimate was simulated when refined, so this cannot fail.
+    let sim = simulate(&plan.estimate.pipeline_spec())
+        .map_err(|e| EngineError::Layout(LayoutError::Schedule(e)))?;
+    let title = format!("{}: {}", t.name, plan.estimate.layout.describe());
+    write_trace(trace, &chrome_trace(&sim, &title))
+}
+
+/// A graph file's layer names, which the stored result (keyed without names) may not carry.
+fn rename_layers(result: &mut SearchResult, names: &[String]) {
+    let name = |i: usize| names.get(i).cloned().unwrap_or_default();
+    for e in result
+        .ranked
+        .iter_mut()
+        .chain(result.least_memory.iter_mut())
+    {
+        for stage in &mut e.stages {
+            for c in &mut stage.chunks {
+                c.first_name = name(c.first);
+                c.last_name = name(c.last);
+            }
+        }
+    }
+}
+
+/// What a build would do for one target, found without solving anything.
+#[derive(Debug, Clone)]
+pub struct DryRun {
+    /// Target name.
+    pub name: String,
+    /// The plan is stored under the target's key.
+    pub plan_cached: bool,
+    /// The search result would be reused (every layer cost it reads is unchanged).
+    pub search_cached: bool,
+    /// Distinct layer costs the search reads that are stored.
+    pub layers_cached: usize,
+    /// Distinct layer costs that would be solved.
+    pub layers_to_solve: usize,
+    /// Why the plan would be recomputed, from the last build's record.
+    pub reasons: Vec<String>,
+}
+
+/// A [`CostSource`] that only looks: stored costs are returned, missing ones are counted and
+/// stand in as zeros (the search is never run on them).
+struct Probe<'c> {
+    cache: &'c Cache,
+    seen: Mutex<std::collections::HashMap<Digest, bool>>,
+}
+
+impl CostSource for Probe<'_> {
+    fn layer_costs(&self, ctx: &LayerCostContext<'_>, p: &Pricing<'_>) -> Vec<LayerCost> {
+        (0..ctx.graph().layers.len())
+            .map(|li| {
+                let key = ctx.key_parts(li, p).key();
+                let found: Option<LayerCost> = self.cache.peek(key);
+                let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+                seen.insert(key, found.is_some());
+                match found {
+                    Some(mut c) => {
+                        c.borrowed_params = ctx.borrowed(li, p.tp);
+                        c
+                    }
+                    None => LayerCost::empty(ctx.graph().layers[li].kind),
+                }
+            })
+            .collect()
+    }
+}
+
+/// What `build` would solve for the selected targets, solving nothing and writing nothing.
+pub fn dry_run(
+    ws: &Workspace,
+    names: &[String],
+    cache: &Cache,
+) -> Result<Vec<DryRun>, EngineError> {
+    let targets = select(ws, names)?;
+    Ok(targets
+        .iter()
+        .map(|t| {
+            let model = &ws.models[t.model];
+            let cluster = &ws.clusters[t.cluster];
+            let parts = target_parts(ws, t);
+            let plan_cached = cache
+                .peek::<Digest>(parts.key())
+                .is_some_and(|v| cache.contains(v));
+            let mut out = DryRun {
+                name: t.name.clone(),
+                plan_cached,
+                search_cached: plan_cached,
+                layers_cached: 0,
+                layers_to_solve: 0,
+                reasons: Vec::new(),
+            };
+            if plan_cached {
+                return out;
+            }
+            let probe = Probe {
+                cache,
+                seen: Mutex::new(std::collections::HashMap::new()),
+            };
+            let est = Estimator::new(&model.name, &model.def, cluster, t.options)
+                .with_costs(&probe)
+                .with_profile(t.profile.as_deref());
+            let digest = layer_cost_digest(&est, &t.search, t.global_batch);
+            let seen = probe.seen.into_inner().unwrap_or_else(|e| e.into_inner());
+            out.layers_cached = seen.values().filter(|&&hit| hit).count();
+            out.layers_to_solve = seen.len() - out.layers_cached;
+            out.search_cached =
+                out.layers_to_solve == 0 && cache.contains(search_parts(&parts, digest).key());
+            let previous = read_record(&ws.root, &t.name);
+            let record = PlanRecord {
+                parts,
+                model: model.def.canonical_json(),
+                profile: profile_entries(t),
+                source: Source::Solved,
+                reused_after_change: false,
+                reasons: Vec::new(),
+            };
+            out.reasons = plan_reasons(previous.as_ref().map(|p| &p.plan), &record);
+            out
+        })
+        .collect())
 }
 
 fn plan_from(

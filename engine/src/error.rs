@@ -63,6 +63,9 @@ pub enum EngineError {
     /// Writing an output failed.
     #[error(transparent)]
     Store(#[from] autopar_store::StoreError),
+    /// An error the incremental database keeps (the same workspace error, asked for again).
+    #[error(transparent)]
+    Shared(std::sync::Arc<EngineError>),
 }
 
 impl EngineError {
@@ -71,10 +74,18 @@ impl EngineError {
         EngineError::Config(Box::new(d))
     }
 
+    /// The error itself, seen through [`EngineError::Shared`].
+    pub fn inner(&self) -> &EngineError {
+        match self {
+            EngineError::Shared(e) => e.inner(),
+            other => other,
+        }
+    }
+
     /// Whether the error is the user's input (exit code 2) rather than a failed operation.
     pub fn is_input_error(&self) -> bool {
         matches!(
-            self,
+            self.inner(),
             EngineError::Config(_)
                 | EngineError::Read { .. }
                 | EngineError::Unknown { .. }

@@ -4,9 +4,13 @@
 
 pub mod alpa;
 pub mod build;
+pub mod cache;
+pub mod db;
 pub mod diagnostic;
 pub mod error;
+pub mod layer_costs;
 pub mod plans;
+pub mod record;
 pub mod sapp;
 pub mod session;
 pub mod workspace;

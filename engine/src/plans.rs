@@ -15,6 +15,12 @@ pub fn write_plan(path: &Path, plan: &Plan) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// Writes `text` to `path`, atomically.
+pub fn write_text(path: &Path, text: &str) -> Result<(), EngineError> {
+    autopar_store::write_atomic(path, text.as_bytes())?;
+    Ok(())
+}
+
 /// Writes a Chrome trace (`chrome://tracing`, Perfetto) to `path`, atomically.
 pub fn write_trace(path: &Path, trace: &serde_json::Value) -> Result<(), EngineError> {
     let json = serde_json::to_vec(trace).map_err(|e| EngineError::BadPlan {

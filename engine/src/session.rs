@@ -1,17 +1,20 @@
 //! Resolving command-line names: a workspace model or cluster, a model file, or a cluster
 //! shorthand, loading the workspace only when a name needs it.
 
+use crate::db::{Database, Db, target_keys, workspace};
 use crate::error::EngineError;
-use crate::workspace::{self, Workspace, parse_model_text};
+use crate::workspace::{Workspace, parse_model_text};
+use autopar_rules::canonical::Digest;
 use autopar_rules::cluster::{Cluster, PRESET_NAMES, parse_cluster_shorthand};
 use autopar_rules::frontend::ModelDef;
-use std::cell::OnceCell;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-/// The workspace file a command works against, loaded on first use.
+/// The workspace file a command works against, read through the incremental database on first
+/// use (and again, for what changed, after [`Session::refresh`]).
 pub struct Session {
     path: PathBuf,
-    workspace: OnceCell<Workspace>,
+    db: Database,
 }
 
 impl Session {
@@ -19,7 +22,7 @@ impl Session {
     pub fn new(path: PathBuf) -> Self {
         Session {
             path,
-            workspace: OnceCell::new(),
+            db: Database::default(),
         }
     }
 
@@ -28,13 +31,24 @@ impl Session {
         &self.path
     }
 
-    /// The workspace, loaded and validated once.
-    pub fn workspace(&self) -> Result<&Workspace, EngineError> {
-        if let Some(w) = self.workspace.get() {
-            return Ok(w);
+    /// The workspace, loaded and validated (once per change of the files it reads).
+    pub fn workspace(&self) -> Result<Arc<Workspace>, EngineError> {
+        let file = self.db.file(&self.path);
+        match workspace(&self.db, file) {
+            Ok(ws) => Ok(ws.clone()),
+            Err(e) => Err(EngineError::Shared(e.clone())),
         }
-        let w = workspace::load(&self.path)?;
-        Ok(self.workspace.get_or_init(|| w))
+    }
+
+    /// Each target's key, as the database last derived it.
+    pub fn target_keys(&self) -> Vec<(String, Digest)> {
+        let file = self.db.file(&self.path);
+        target_keys(&self.db, file).clone()
+    }
+
+    /// Re-reads the files the workspace was read from; returns those that changed.
+    pub fn refresh(&mut self) -> Vec<PathBuf> {
+        self.db.refresh()
     }
 
     /// A model by workspace name, or from a model file (HuggingFace config or graph file).
@@ -107,17 +121,20 @@ impl Session {
         what: &'static str,
         arg: &str,
         otherwise: &str,
-    ) -> Result<&Workspace, EngineError> {
+    ) -> Result<Arc<Workspace>, EngineError> {
         match self.workspace() {
-            Err(EngineError::Read { path, .. }) if !path.exists() => Err(EngineError::Unknown {
-                what,
-                name: arg.to_string(),
-                expected: format!(
-                    "{otherwise} (there is no {} to look names up in)",
-                    path.display()
-                ),
-            }),
-            other => other,
+            Err(e) => match e.inner() {
+                EngineError::Read { path, .. } if !path.exists() => Err(EngineError::Unknown {
+                    what,
+                    name: arg.to_string(),
+                    expected: format!(
+                        "{otherwise} (there is no {} to look names up in)",
+                        path.display()
+                    ),
+                }),
+                _ => Err(e),
+            },
+            ok => ok,
         }
     }
 }

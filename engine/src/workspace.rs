@@ -10,10 +10,12 @@ use autopar_rules::frontend::{
 use autopar_rules::layout::{Recompute, TrainingOptions};
 use autopar_rules::limits;
 use autopar_rules::memory::Precision;
+use autopar_rules::profile::{Profile, parse_profile};
 use autopar_rules::search::SearchSpace;
 use serde::{Deserialize, Deserializer};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use toml::Spanned;
 
 /// File name looked up in the current directory when no `--workspace` is given.
@@ -45,6 +47,21 @@ pub struct Target {
     pub options: TrainingOptions,
     /// Values each layout dimension may take.
     pub search: SearchSpace,
+    /// Indices into [`Workspace::profiles`]: the cluster's, then the target's own.
+    pub profiles: Vec<usize>,
+    /// Their measurements overlaid in that order (later files win); `None` without profiles.
+    pub profile: Option<Arc<Profile>>,
+}
+
+/// A profile of the workspace: measured costs from a file.
+#[derive(Clone, Debug)]
+pub struct NamedProfile {
+    /// Name clusters and targets refer to.
+    pub name: String,
+    /// The file.
+    pub path: PathBuf,
+    /// Its measurements.
+    pub profile: Arc<Profile>,
 }
 
 /// A loaded, validated workspace.
@@ -56,6 +73,14 @@ pub struct Workspace {
     pub root: PathBuf,
     /// Directory plans are written to.
     pub plans_dir: PathBuf,
+    /// Directory of the local cache, if `[workspace] cache` sets it.
+    pub cache_dir: Option<PathBuf>,
+    /// Profiles in file order.
+    pub profiles: Vec<NamedProfile>,
+    /// Profiles each cluster uses (indices into `profiles`), by cluster index.
+    pub cluster_profiles: Vec<Vec<usize>>,
+    /// Every file the workspace was read from: the workspace file, model and profile files.
+    pub inputs: Vec<PathBuf>,
     /// Models in file order.
     pub models: Vec<Model>,
     /// Clusters in file order.
@@ -161,6 +186,8 @@ struct RawFile {
     cluster: Vec<Spanned<RawCluster>>,
     #[serde(default)]
     target: Vec<Spanned<RawTarget>>,
+    #[serde(default)]
+    profile: Vec<Spanned<RawProfile>>,
 }
 
 #[derive(Deserialize)]
@@ -168,6 +195,15 @@ struct RawFile {
 struct RawSettings {
     #[serde(default)]
     plans: Option<String>,
+    #[serde(default)]
+    cache: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProfile {
+    name: Spanned<String>,
+    file: Spanned<String>,
 }
 
 #[derive(Deserialize)]
@@ -219,6 +255,8 @@ struct RawCluster {
     /// Device numbers replacing the preset's, checked against [`DEVICE_FIELDS`].
     #[serde(default)]
     overrides: BTreeMap<String, Spanned<f64>>,
+    #[serde(default)]
+    profiles: Vec<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -242,6 +280,8 @@ struct RawTarget {
     vocab_multiple: Option<Positive>,
     #[serde(default)]
     search: Option<RawSearch>,
+    #[serde(default)]
+    profiles: Vec<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -272,10 +312,15 @@ pub const DEFAULT_MEMORY_HEADROOM: f64 = 0.1;
 /// Megatron-LM's default `--make-vocab-size-divisible-by`.
 pub const DEFAULT_VOCAB_MULTIPLE: u64 = 128;
 
+/// Reads a file the workspace refers to.
+pub type ReadFile<'a> = &'a dyn Fn(&Path) -> std::io::Result<String>;
+
 struct Loader<'a> {
     file: &'a Path,
     text: &'a str,
     root: &'a Path,
+    read: ReadFile<'a>,
+    read_files: std::cell::RefCell<Vec<PathBuf>>,
 }
 
 impl Loader<'_> {
@@ -398,7 +443,8 @@ impl Loader<'_> {
         graph: bool,
     ) -> Result<ModelDef, EngineError> {
         let full = self.root.join(path.get_ref());
-        let text = std::fs::read_to_string(&full).map_err(|e| {
+        self.read_files.borrow_mut().push(full.clone());
+        let text = (self.read)(&full).map_err(|e| {
             self.diag(
                 path.span().start,
                 field,
@@ -407,6 +453,77 @@ impl Loader<'_> {
             )
         })?;
         parse_model_text(&full, &text, Some(graph))
+    }
+
+    fn profile(&self, raw: &Spanned<RawProfile>) -> Result<NamedProfile, EngineError> {
+        let p = raw.get_ref();
+        let full = self.root.join(p.file.get_ref());
+        self.read_files.borrow_mut().push(full.clone());
+        let text = (self.read)(&full).map_err(|e| {
+            self.diag(
+                p.file.span().start,
+                "profile.file",
+                "a readable profile file (relative to the workspace)",
+                format!("`{}` ({e})", p.file.get_ref()),
+            )
+        })?;
+        let profile = parse_profile(&text)
+            .map_err(|e| EngineError::config(Diagnostic::from_field(&full, &text, e, "")))?;
+        Ok(NamedProfile {
+            name: p.name.get_ref().clone(),
+            path: full,
+            profile: Arc::new(profile),
+        })
+    }
+
+    /// Resolves profile names of a cluster or target, checking each was measured on `device`.
+    fn attach(
+        &self,
+        names: &[Spanned<String>],
+        field: &str,
+        profiles: &[NamedProfile],
+        device: &str,
+    ) -> Result<Vec<usize>, EngineError> {
+        names
+            .iter()
+            .map(|n| {
+                let i = profiles
+                    .iter()
+                    .position(|p| p.name == *n.get_ref())
+                    .ok_or_else(|| {
+                        self.diag(
+                            n.span().start,
+                            field,
+                            if profiles.is_empty() {
+                                "the name of a [[profile]] (none are declared)".to_string()
+                            } else {
+                                format!(
+                                    "one of the [[profile]] names: {}",
+                                    profiles
+                                        .iter()
+                                        .map(|p| p.name.as_str())
+                                        .collect::<Vec<_>>()
+                                        .join(", ")
+                                )
+                            },
+                            format!("\"{}\"", n.get_ref()),
+                        )
+                    })?;
+                if profiles[i].profile.device != device {
+                    return Err(self.diag(
+                        n.span().start,
+                        field,
+                        format!("a profile measured on {device}"),
+                        format!(
+                            "\"{}\", measured on {}",
+                            n.get_ref(),
+                            profiles[i].profile.device
+                        ),
+                    ));
+                }
+                Ok(i)
+            })
+            .collect()
     }
 
     fn cluster(&self, raw: &Spanned<RawCluster>) -> Result<Cluster, EngineError> {
@@ -468,6 +585,8 @@ impl Loader<'_> {
         raw: &Spanned<RawTarget>,
         models: &[Model],
         clusters: &[Cluster],
+        profiles: &[NamedProfile],
+        cluster_profiles: &[Vec<usize>],
     ) -> Result<Target, EngineError> {
         let t = raw.get_ref();
         let find = |what: &str, name: &Spanned<String>, names: Vec<&str>| {
@@ -562,11 +681,26 @@ impl Loader<'_> {
         if let Some(s) = &t.search {
             self.search(s, &mut search)?;
         }
+        let mut used = cluster_profiles[cluster].clone();
+        used.extend(self.attach(
+            &t.profiles,
+            "target.profiles",
+            profiles,
+            &clusters[cluster].device.name,
+        )?);
+        let profile = used.iter().fold(None::<Profile>, |acc, &i| {
+            Some(match acc {
+                None => (*profiles[i].profile).clone(),
+                Some(a) => a.overlaid(&profiles[i].profile),
+            })
+        });
         Ok(Target {
             name: t.name.get_ref().clone(),
             model,
             cluster,
             global_batch,
+            profiles: used,
+            profile: profile.map(Arc::new),
             options: TrainingOptions {
                 seq,
                 precision: t.precision.unwrap_or(Precision::Bf16),
@@ -669,8 +803,14 @@ pub fn load(path: &Path) -> Result<Workspace, EngineError> {
     load_str(path, &text)
 }
 
-/// Validates workspace text as if read from `path`.
+/// Validates workspace text as if read from `path`, reading the files it refers to from disk.
 pub fn load_str(path: &Path, text: &str) -> Result<Workspace, EngineError> {
+    load_with(path, text, &|p| std::fs::read_to_string(p))
+}
+
+/// Validates workspace text as if read from `path`, reading the files it refers to with
+/// `read` (so an incremental database can track them).
+pub fn load_with(path: &Path, text: &str, read: ReadFile<'_>) -> Result<Workspace, EngineError> {
     let raw: RawFile = toml::from_str(text)
         .map_err(|e| EngineError::config(Diagnostic::from_toml(path, text, &e)))?;
     // A bare file name has an empty parent: paths relative to it stay relative.
@@ -679,6 +819,8 @@ pub fn load_str(path: &Path, text: &str) -> Result<Workspace, EngineError> {
         file: path,
         text,
         root: &root,
+        read,
+        read_files: std::cell::RefCell::new(vec![path.to_path_buf()]),
     };
     // Names: non-empty, unique per kind; target names must be usable as file names.
     for (kind, names) in [
@@ -696,6 +838,10 @@ pub fn load_str(path: &Path, text: &str) -> Result<Workspace, EngineError> {
         (
             "target",
             raw.target.iter().map(|t| &t.get_ref().name).collect(),
+        ),
+        (
+            "profile",
+            raw.profile.iter().map(|p| &p.get_ref().name).collect(),
         ),
     ] {
         for (i, n) in names.iter().enumerate() {
@@ -727,21 +873,45 @@ pub fn load_str(path: &Path, text: &str) -> Result<Workspace, EngineError> {
         .iter()
         .map(|c| l.cluster(c))
         .collect::<Result<Vec<_>, _>>()?;
+    let profiles = raw
+        .profile
+        .iter()
+        .map(|p| l.profile(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let cluster_profiles = raw
+        .cluster
+        .iter()
+        .zip(&clusters)
+        .map(|(raw, c)| {
+            l.attach(
+                &raw.get_ref().profiles,
+                "cluster.profiles",
+                &profiles,
+                &c.device.name,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let targets = raw
         .target
         .iter()
-        .map(|t| l.target(t, &models, &clusters))
+        .map(|t| l.target(t, &models, &clusters, &profiles, &cluster_profiles))
         .collect::<Result<Vec<_>, _>>()?;
-    let plans = raw
-        .workspace
-        .and_then(|w| w.plans)
-        .unwrap_or_else(|| "plans".to_string());
+    let settings = raw.workspace.unwrap_or(RawSettings {
+        plans: None,
+        cache: None,
+    });
+    let plans = settings.plans.unwrap_or_else(|| "plans".to_string());
+    let inputs = l.read_files.into_inner();
     Ok(Workspace {
         file: path.to_path_buf(),
         plans_dir: root.join(plans),
+        cache_dir: settings.cache.map(|c| root.join(c)),
         root,
         models,
         clusters,
         targets,
+        profiles,
+        cluster_profiles,
+        inputs,
     })
 }

@@ -5,9 +5,10 @@ use crate::cluster::{Cluster, GIB, Link};
 use crate::cost::{Collective, collective_time, p2p_time};
 use crate::frontend::{LowerOptions, ModelDef};
 use crate::graph::{Graph, LayerKind};
-use crate::layer_cost::{KernelOptions, LayerCost, layer_costs};
+use crate::layer_cost::{KernelOptions, LayerCost, LayerCostContext, Pricing};
 use crate::layout::{Layout, LayoutError, Recompute, TrainingOptions};
 use crate::memory::model_states;
+use crate::profile::Profile;
 use crate::schedule::{
     Bubble, PipelineSpec, Schedule, ideal_bubble, inflight_profiles, pipeline_time, simulate,
 };
@@ -192,7 +193,7 @@ pub struct Estimate {
 
 /// A graph with its layer costs for one (micro-batch, tp, sp), or why that combination cannot
 /// run.
-pub(crate) type Prepared = Result<Arc<(Arc<Graph>, Vec<LayerCost>)>, LayoutError>;
+pub type Prepared = Result<Arc<(Arc<Graph>, Vec<LayerCost>)>, LayoutError>;
 
 /// In-flight micro-batches per chunk at every possible activation peak, per stage
 /// (`[stage][profile][chunk]`).
@@ -266,12 +267,32 @@ impl LayerTime {
     }
 }
 
+/// Where an estimator gets layer costs: priced on the spot, or looked up in a cache keyed by
+/// [`LayerCostContext::key_parts`].
+pub trait CostSource: Sync {
+    /// The costs of every layer of `ctx`'s graph under `pricing`, in layer order.
+    fn layer_costs(&self, ctx: &LayerCostContext<'_>, pricing: &Pricing<'_>) -> Vec<LayerCost>;
+}
+
+/// Prices every layer with the cost model, remembering nothing.
+pub struct Direct;
+
+impl CostSource for Direct {
+    fn layer_costs(&self, ctx: &LayerCostContext<'_>, pricing: &Pricing<'_>) -> Vec<LayerCost> {
+        (0..ctx.graph().layers.len())
+            .map(|li| ctx.cost(li, pricing))
+            .collect()
+    }
+}
+
 /// Prices layouts of one model on one cluster, caching graphs and layer costs across layouts.
 pub struct Estimator<'a> {
     name: &'a str,
     model: &'a ModelDef,
     cluster: &'a Cluster,
     opts: TrainingOptions,
+    costs: &'a dyn CostSource,
+    profile: Option<&'a Profile>,
     graphs: Mutex<HashMap<(u64, u64), Arc<Graph>>>,
     prepared: Mutex<HashMap<(u64, u64, bool), Prepared>>,
     profiles: Mutex<HashMap<(usize, usize, usize), Profiles>>,
@@ -290,10 +311,24 @@ impl<'a> Estimator<'a> {
             model,
             cluster,
             opts,
+            costs: &Direct,
+            profile: None,
             graphs: Mutex::new(HashMap::new()),
             prepared: Mutex::new(HashMap::new()),
             profiles: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The same estimator getting layer costs from `costs`.
+    pub fn with_costs(mut self, costs: &'a dyn CostSource) -> Self {
+        self.costs = costs;
+        self
+    }
+
+    /// The same estimator with measured times overriding the cost model.
+    pub fn with_profile(mut self, profile: Option<&'a Profile>) -> Self {
+        self.profile = profile;
+        self
     }
 
     /// The training options.
@@ -357,11 +392,25 @@ impl<'a> Estimator<'a> {
                 grad_buffer_bytes: self.opts.precision.state_bytes().1,
                 grad_accumulation_fusion: self.opts.grad_accumulation_fusion,
             };
-            let costs = layer_costs(&g, TpConfig { t, sp }, &self.cluster.device, &kernels, link);
-            Ok(Arc::new((g, costs)))
+            let ctx = LayerCostContext::new(&g);
+            let pricing = Pricing {
+                tp: TpConfig { t, sp },
+                device: &self.cluster.device,
+                kernels: &kernels,
+                tp_link: link,
+                profile: self.profile,
+            };
+            let costs = self.costs.layer_costs(&ctx, &pricing);
+            Ok(Arc::new((g.clone(), costs)))
         });
         lock(&self.prepared).insert(key, result.clone());
         result
+    }
+
+    /// The graph and layer costs for micro-batch size `micro_batch`, tensor-parallel degree `t`
+    /// and sequence parallelism `sp`, or why that combination cannot run.
+    pub fn layer_costs(&self, micro_batch: u64, t: u64, sp: bool) -> Prepared {
+        self.prepare(micro_batch, t, sp)
     }
 
     /// Checks what does not depend on the graph: degrees, device count, batch split.

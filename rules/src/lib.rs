@@ -5,6 +5,7 @@
 
 pub mod balance;
 pub mod bottleneck;
+pub mod canonical;
 pub mod cluster;
 pub mod cost;
 pub mod error;
@@ -19,6 +20,7 @@ pub mod limits;
 pub mod memory;
 pub mod partition;
 pub mod plan;
+pub mod profile;
 pub mod schedule;
 pub mod search;
 pub mod tensor_parallel;

@@ -2,9 +2,11 @@
 //! x sequence parallelism x recomputation x ZeRO with even stages), keeping the fastest layouts
 //! that fit in memory.
 
+use crate::canonical::{Digest, digest};
 use crate::estimate::{Estimate, Estimator, Timing};
 use crate::layout::{Layout, LayoutError, Recompute};
 use crate::partition::Attempt;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::cmp::Ordering;
 
@@ -172,6 +174,36 @@ pub fn candidates(space: &SearchSpace, gpus: u64, global_batch: u64) -> Vec<Layo
     out
 }
 
+/// The (micro-batch, tp, sp) combinations the candidates of `space` price layers under.
+pub fn pricing_combinations(
+    space: &SearchSpace,
+    gpus: u64,
+    global_batch: u64,
+) -> Vec<(u64, u64, bool)> {
+    let mut out: Vec<(u64, u64, bool)> = candidates(space, gpus, global_batch)
+        .iter()
+        .map(|l| (l.micro_batch, l.tp, l.sequence_parallel))
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// The hash of every layer cost a search of `space` would read (or why a combination cannot
+/// run): two searches with equal digests, layouts and options give the same result.
+pub fn layer_cost_digest(est: &Estimator<'_>, space: &SearchSpace, global_batch: u64) -> Digest {
+    type Entry = ((u64, u64, bool), Result<Digest, String>);
+    let mut h: Vec<Entry> = Vec::new();
+    for (mb, t, sp) in pricing_combinations(space, est.cluster().gpus(), global_batch) {
+        let entry = match est.layer_costs(mb, t, sp) {
+            Ok(p) => Ok(digest(&p.1)),
+            Err(e) => Err(e.to_string()),
+        };
+        h.push(((mb, t, sp), entry));
+    }
+    digest(&h)
+}
+
 /// Prices every candidate and keeps the `keep` fastest that fit.
 ///
 /// Every layout is first screened with its layers split evenly and the closed-form pipeline
@@ -224,48 +256,59 @@ pub fn search(
     let mut least_memory: Option<Estimate> = None;
     let mut refined = 0;
     let mut refine_capped = false;
-    for i in order {
-        let bar = if fitting.len() >= keep.max(1) {
-            fitting[keep.max(1) - 1].0.step_time_s
-        } else {
-            f64::INFINITY
-        };
-        if optimistic[i] * (1.0 - REFINE_SLACK) > bar {
-            break;
-        }
-        let e = &screened[i];
-        if least_memory
-            .as_ref()
-            .is_none_or(|b| e.memory.total < b.memory.total)
-        {
-            least_memory = Some(e.clone());
-        }
-        if !may_fit(e) {
-            continue;
-        }
-        if refined == MAX_REFINED {
-            refine_capped = true;
-            break;
-        }
-        refined += 1;
-        // Refining runs the checks screening passed; the simulation accepts what they accept.
-        let Ok(r) = est.refine(&e.layout) else {
-            continue;
-        };
-        let best = r.estimate;
-        if best.fits {
-            // A layout that recomputes nothing after balancing may duplicate one refined
-            // before.
-            if fitting.iter().any(|(f, _)| f.layout == best.layout) {
-                continue;
+    // Layouts are refined a window at a time in parallel, then taken in order exactly as a
+    // sequential pass would (the window's refinements past a stop are discarded), so the
+    // result does not depend on the number of threads.
+    let window = 8 * rayon::current_num_threads().max(1);
+    'scan: for chunk in order.chunks(window) {
+        let done: Vec<Option<Result<crate::partition::Refined, LayoutError>>> = chunk
+            .par_iter()
+            .map(|&i| may_fit(&screened[i]).then(|| est.refine(&screened[i].layout)))
+            .collect();
+        for (&i, outcome) in chunk.iter().zip(done) {
+            let bar = if fitting.len() >= keep.max(1) {
+                fitting[keep.max(1) - 1].0.step_time_s
+            } else {
+                f64::INFINITY
+            };
+            if optimistic[i] * (1.0 - REFINE_SLACK) > bar {
+                break 'scan;
             }
-            fitting.push((best, r.attempts));
-            fitting.sort_by(|a, b| rank(&a.0, &b.0));
-        } else if least_memory
-            .as_ref()
-            .is_none_or(|b| best.memory.total < b.memory.total)
-        {
-            least_memory = Some(best);
+            let e = &screened[i];
+            if least_memory
+                .as_ref()
+                .is_none_or(|b| e.memory.total < b.memory.total)
+            {
+                least_memory = Some(e.clone());
+            }
+            let Some(outcome) = outcome else {
+                continue;
+            };
+            if refined == MAX_REFINED {
+                refine_capped = true;
+                break 'scan;
+            }
+            refined += 1;
+            // Refining runs the checks screening passed; the simulation accepts what they
+            // accept.
+            let Ok(r) = outcome else {
+                continue;
+            };
+            let best = r.estimate;
+            if best.fits {
+                // A layout that recomputes nothing after balancing may duplicate one refined
+                // before.
+                if fitting.iter().any(|(f, _)| f.layout == best.layout) {
+                    continue;
+                }
+                fitting.push((best, r.attempts));
+                fitting.sort_by(|a, b| rank(&a.0, &b.0));
+            } else if least_memory
+                .as_ref()
+                .is_none_or(|b| best.memory.total < b.memory.total)
+            {
+                least_memory = Some(best);
+            }
         }
     }
     fitting.truncate(keep);

@@ -85,6 +85,17 @@ pub fn tensor_bytes_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> f64
     }
 }
 
+/// Shape of tensor `t` as `op` sees it on one device.
+pub fn device_shape_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> Vec<u64> {
+    let mut shape = g.tensor(t).shape.clone();
+    if let Some(axis) = divided_axis_in_op(g, op, t, cfg)
+        && let Some(d) = shape.get_mut(axis)
+    {
+        *d /= cfg.t.max(1);
+    }
+    shape
+}
+
 /// Shape of a matrix product `op` as one device runs it (`None` for other ops).
 pub fn gemm_shape(g: &Graph, op: &Op, cfg: TpConfig) -> Option<GemmShape> {
     let out = *op.outputs.first()?;

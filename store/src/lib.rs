@@ -1,7 +1,12 @@
-//! Durable storage for autopar.
+//! Durable storage for autopar: atomic file outputs and the content-addressed local cache.
 //!
 //! Everything autopar writes must survive an interrupted process: a reader sees either the old
-//! file or the complete new one, never a torn write.
+//! file or the complete new one, never a torn write, and a cache entry is served only if it
+//! matches its hash.
+
+mod cache;
+
+pub use cache::{CacheStats, EntryMeta, GcReport, Key, LocalCache, Lookup, VerifyReport};
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -51,7 +51,7 @@ fn unknown_key() {
         "seq_len = 1024\nbatch = 4",
         "workspace.toml:21:1: field `target.batch`: expected one of `name`, `model`, \
          `cluster`, `global_batch`, `seq_len`, `precision`, `memory_headroom`, `attention`, \
-         `grad_accumulation_fusion`, `vocab_multiple`, `search`, found unknown field `batch`",
+         `grad_accumulation_fusion`, `vocab_multiple`, `search`, `profiles`, found unknown field `batch`",
     );
 }
 
@@ -168,7 +168,7 @@ fn unknown_cluster_key() {
         "gpus_per_node = 8",
         "gpus_per_node = 8\nnodez = 2",
         "workspace.toml:14:1: field `cluster.nodez`: expected one of `name`, `preset`, `nodes`, \
-         `gpus_per_node`, `overrides`, found unknown field `nodez`",
+         `gpus_per_node`, `overrides`, `profiles`, found unknown field `nodez`",
     );
 }
 

@@ -407,5 +407,9 @@ fn interleaved_balancing_reports_how_far_from_proven_it_is() {
     let r = ws.run(&args);
     assert_eq!(r.code, 1, "{}", r.stdout);
     assert!(r.stderr.contains("do not fit"), "{}", r.stderr);
-    assert!(!r.stderr.contains("MILP"), "proven, not timed out: {}", r.stderr);
+    assert!(
+        !r.stderr.contains("MILP"),
+        "proven, not timed out: {}",
+        r.stderr
+    );
 }

@@ -5,19 +5,37 @@ use crate::Failure;
 use crate::args::BuildArgs;
 use crate::progress::Reporter;
 use crate::render;
-use autopar_engine::build::{TargetResult, build};
+use autopar_engine::build::{TargetResult, build, dry_run};
+use autopar_engine::cache::{self, Cache};
 use autopar_engine::session::Session;
+use autopar_engine::workspace::Workspace;
 use serde_json::json;
+use std::path::Path;
 
-pub fn run(session: &Session, args: &BuildArgs) -> Result<(), Failure> {
+pub fn run(session: &Session, args: &BuildArgs, cache_dir: Option<&Path>) -> Result<(), Failure> {
     let ws = session.workspace()?;
-    let reporter = Reporter::new(args.json);
-    let report = build(ws, &args.targets, &|p| reporter.event(p));
+    let cache = Cache::open(&cache::cache_dir(cache_dir, &ws));
+    if args.dry_run {
+        return dry(&ws, args, &cache);
+    }
+    run_with(&ws, &args.targets, args.json, &cache)
+}
+
+/// One build of `targets` through `cache`, reported as `build` does.
+pub fn run_with(
+    ws: &Workspace,
+    targets: &[String],
+    json_out: bool,
+    cache: &Cache,
+) -> Result<(), Failure> {
+    let reporter = Reporter::new(json_out);
+    let report = build(ws, targets, cache, &|p| reporter.event(p));
     reporter.finish();
     let report = report?;
+    let c = report.counts;
     let planned = report.planned();
     let failed = report.outcomes.len() - planned;
-    if args.json {
+    if json_out {
         let targets: Vec<_> = report
             .outcomes
             .iter()
@@ -39,6 +57,7 @@ pub fn run(session: &Session, args: &BuildArgs) -> Result<(), Failure> {
                         "memory_per_device_gib": e.memory_per_device_gib,
                         "fits": e.fits,
                         "layouts": o.layouts,
+                        "source": o.source,
                         "elapsed_s": o.elapsed.as_secs_f64(),
                     })
                 }
@@ -55,6 +74,11 @@ pub fn run(session: &Session, args: &BuildArgs) -> Result<(), Failure> {
             "targets": targets,
             "planned": planned,
             "infeasible": failed,
+            "solves_total": c.total,
+            "hits_memory": c.memory,
+            "hits_local": c.local,
+            "hits_remote": c.remote,
+            "solved": c.solved,
             "elapsed_s": report.elapsed.as_secs_f64(),
         }))?;
     } else {
@@ -68,11 +92,18 @@ pub fn run(session: &Session, args: &BuildArgs) -> Result<(), Failure> {
                 }
             }
         }
-        let layouts: usize = report.outcomes.iter().map(|o| o.layouts).sum();
         println!(
-            "built {} target{}: {planned} planned, {failed} infeasible; {layouts} layouts priced in {:.2} s",
+            "built {} target{}: {planned} planned, {failed} infeasible",
             report.outcomes.len(),
             if report.outcomes.len() == 1 { "" } else { "s" },
+        );
+        println!(
+            "solves: {} total, {} memory hits, {} local hits, {} remote hits, {} solved in {:.2} s",
+            c.total,
+            c.memory,
+            c.local,
+            c.remote,
+            c.solved,
             report.elapsed.as_secs_f64()
         );
     }
@@ -83,4 +114,44 @@ pub fn run(session: &Session, args: &BuildArgs) -> Result<(), Failure> {
         ))),
         _ => Err(Failure::Partial),
     }
+}
+
+/// `build --dry-run`: what would be solved, per target.
+fn dry(ws: &Workspace, args: &BuildArgs, cache: &Cache) -> Result<(), Failure> {
+    let runs = dry_run(ws, &args.targets, cache)?;
+    if args.json {
+        let targets: Vec<_> = runs
+            .iter()
+            .map(|r| {
+                json!({
+                    "name": r.name,
+                    "plan_cached": r.plan_cached,
+                    "search_cached": r.search_cached,
+                    "layer_costs_cached": r.layers_cached,
+                    "layer_costs_to_solve": r.layers_to_solve,
+                    "reasons": if r.plan_cached { Vec::new() } else { r.reasons.clone() },
+                })
+            })
+            .collect();
+        return print_json(&json!({ "targets": targets }));
+    }
+    for r in &runs {
+        if r.plan_cached {
+            println!("{}: cached, nothing to solve", r.name);
+            continue;
+        }
+        let search = if r.search_cached {
+            "search result reused".to_string()
+        } else {
+            "search would run".to_string()
+        };
+        println!(
+            "{}: {search}; layer costs: {} to solve, {} cached",
+            r.name, r.layers_to_solve, r.layers_cached
+        );
+        for reason in &r.reasons {
+            println!("  because {reason}");
+        }
+    }
+    Ok(())
 }

@@ -1,20 +1,43 @@
 //! One module per command.
 
 mod build;
+mod cache;
 mod estimate;
+mod explain;
 mod graph;
 mod plan;
+mod profile;
 mod solve;
+mod watch;
 
 use crate::Failure;
-use crate::args::{Cli, Command, PlanCommand, SolveCommand};
+use crate::args::{CacheCommand, Cli, Command, PlanCommand, ProfileCommand, SolveCommand};
 use autopar_engine::session::Session;
 
 /// Runs the parsed command.
 pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
-    let session = Session::new(cli.workspace.clone());
+    let mut session = Session::new(cli.workspace.clone());
+    let dir = cli.cache_dir.as_deref();
     match &cli.command {
-        Command::Build(a) => build::run(&session, a),
+        Command::Build(a) => build::run(&session, a, dir),
+        Command::Explain { target, json } => explain::run(&session, target, *json),
+        Command::Cache { command } => match command {
+            CacheCommand::Stats { json } => cache::stats(&session, dir, *json),
+            CacheCommand::Verify => cache::verify(&session, dir),
+            CacheCommand::Gc { max_size } => cache::gc(&session, dir, max_size),
+        },
+        Command::Clean { cache: all } => cache::clean(&session, dir, *all),
+        Command::Profile { command } => match command {
+            ProfileCommand::Diff { old, new, json } => {
+                profile::diff(&session, dir, old, new, *json)
+            }
+            ProfileCommand::Import {
+                input,
+                output,
+                device,
+            } => profile::import(input, output.as_deref(), device.as_deref()),
+        },
+        Command::Watch(a) => watch::run(&mut session, a, dir),
         Command::Estimate(a) => estimate::run(&session, a),
         Command::Graph(a) => graph::run(&session, a),
         Command::Plan {

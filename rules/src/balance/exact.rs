@@ -180,7 +180,7 @@ pub(super) fn single_chunk(problem: &BalanceProblem) -> Option<BalancePlan> {
 
 /// Most chunk-count combinations the uniform-block solver enumerates per stage; beyond it the
 /// MILP takes over.
-const MAX_COMBINATIONS: usize = 1 << 20;
+const MAX_COMBINATIONS: usize = 1 << 26;
 
 /// Whether the problem has Megatron-LM's expressible shape (at most one kind besides full, the
 /// full count uniform over chunks) and is small enough to enumerate.
@@ -234,11 +234,6 @@ pub(super) fn uniform_block(problem: &BalanceProblem) -> Option<BalancePlan> {
                 .flat_map(|c| (0..p).flat_map(move |j| (lo..=l).map(move |n| (c, j, n))))
                 .map(|(c, j, n)| shape.chunk_time(c, j, n)),
         );
-        // Smallest bound whose capacities reach L (feasibility is monotone in the bound).
-        let first = first_true(&bounds, |t| shape.fits(t));
-        let Some(&tau) = bounds.get(first) else {
-            continue;
-        };
         let sum_t = match base {
             Some(b) => {
                 (l - n_full * chunks) as f64 * t_of(b) + (n_full * chunks) as f64 * t_of(full)
@@ -250,6 +245,26 @@ pub(super) fn uniform_block(problem: &BalanceProblem) -> Option<BalancePlan> {
             } else {
                 0.0
             };
+        // Memory alone rules this number of recomputed layers out.
+        if shape.memory_capacity_bound() < l {
+            continue;
+        }
+        // Without memory limits the chunks could hold L layers from this bound on: no plan
+        // with this many recomputed layers does better than it. Both this bound and the sum
+        // grow with the number of recomputed layers, so once it cannot win, no larger
+        // number can.
+        let time_only = first_true(&bounds, |t| shape.time_capacity(t) >= l);
+        if let (Some(&tau_lb), Some((best_objective, _, _))) = (bounds.get(time_only), best)
+            && sum_t / v as f64 + kappa * tau_lb >= best_objective
+        {
+            break;
+        }
+        // Smallest bound whose capacities reach L (feasibility is monotone in the bound).
+        let first = first_true(&bounds[time_only.min(bounds.len())..], |t| shape.fits(t))
+            + time_only.min(bounds.len());
+        let Some(&tau) = bounds.get(first) else {
+            continue;
+        };
         let objective = sum_t / v as f64 + kappa * tau;
         if best.is_none_or(|(o, _, _)| objective < o) {
             best = Some((objective, n_full, tau));
@@ -307,6 +322,68 @@ struct Uniform<'a> {
 impl Uniform<'_> {
     fn full(&self) -> usize {
         RecomputeKind::Full.index()
+    }
+
+    /// Layers chunk `c` of stage `j` can take beyond the minimum when every chunk holds the
+    /// minimum: the least over profiles of what is left divided by what a layer of the chunk
+    /// costs under the profile.
+    fn spare_layers(&self, j: usize, c: usize) -> usize {
+        let pr = self.problem;
+        let lo = self.n_full.max(1);
+        let (alpha, beta) = self.activation_line();
+        let room = pr.memory_cap * (1.0 + 1e-12) - pr.base_memory(j);
+        let mut spare = usize::MAX;
+        for q in &self.profiles[j] {
+            let used: f64 = q
+                .iter()
+                .map(|&k| lo as f64 * pr.memory.parameter + k as f64 * (alpha + beta * lo as f64))
+                .sum();
+            let per_layer = pr.memory.parameter + q[c] as f64 * beta;
+            if per_layer > 0.0 {
+                let extra = ((room - used) / per_layer).floor().max(0.0);
+                spare = spare.min(extra.min(pr.layers as f64) as usize);
+            }
+        }
+        spare.min(pr.layers)
+    }
+
+    /// An upper bound on the layers the stages can hold together, whatever the bound on
+    /// time: each stage's minimum plus what its cheapest chunk could add alone.
+    fn memory_capacity_bound(&self) -> usize {
+        let pr = self.problem;
+        let lo = self.n_full.max(1);
+        let mut total = 0usize;
+        for j in 0..pr.stages {
+            if !self.fits_memory(j, &vec![lo; pr.interleave]) {
+                return 0;
+            }
+            let extra: usize = (0..pr.interleave)
+                .map(|c| self.spare_layers(j, c))
+                .max()
+                .unwrap_or(0);
+            total = total.saturating_add(pr.interleave * lo + extra);
+        }
+        total
+    }
+
+    /// Layers all chunks can hold under bound `tau`, memory aside.
+    fn time_capacity(&self, tau: f64) -> usize {
+        let pr = self.problem;
+        let lo = self.n_full.max(1);
+        let mut total = 0;
+        for c in 0..pr.interleave {
+            for j in 0..pr.stages {
+                if self.chunk_time(c, j, lo) > tau {
+                    return 0;
+                }
+                let mut n = lo;
+                while self.base.is_some() && n < pr.layers && self.chunk_time(c, j, n + 1) <= tau {
+                    n += 1;
+                }
+                total += n;
+            }
+        }
+        total
     }
 
     fn chunk_time(&self, c: usize, j: usize, n: usize) -> f64 {
@@ -373,6 +450,14 @@ impl Uniform<'_> {
         let min = vec![lo; v];
         if !self.fits_memory(j, &min) {
             return None;
+        }
+        // Memory does not bind: every chunk takes what the bound allows.
+        if self.fits_memory(j, &hi) {
+            return Some((min.iter().sum(), hi));
+        }
+        // No chunk can take more than memory leaves it with the others at their minimum.
+        for (c, h) in hi.iter_mut().enumerate() {
+            *h = (*h).min(lo + self.spare_layers(j, c));
         }
         let (alpha, beta) = self.activation_line();
         let room = pr.memory_cap * (1.0 + 1e-12) - pr.base_memory(j);

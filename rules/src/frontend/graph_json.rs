@@ -510,6 +510,39 @@ fn cluster_ops(
 }
 
 impl GraphSpec {
+    /// The graph without names: tensors by index with shapes (`"b"`, `"s"` or sizes), kinds,
+    /// dtypes and splits; layers with their kinds and ops.
+    pub fn canonical_json(&self) -> serde_json::Value {
+        let dim = |d: &Dim| match d {
+            Dim::Fixed(n) => serde_json::json!(n),
+            Dim::Batch => serde_json::json!("b"),
+            Dim::Seq => serde_json::json!("s"),
+        };
+        serde_json::json!({
+            "max_seq": self.max_seq,
+            "tensors": self.tensors.iter().map(|t| serde_json::json!({
+                "shape": t.shape.iter().map(dim).collect::<Vec<_>>(),
+                "kind": t.kind,
+                "dtype": t.dtype,
+                "split": t.split,
+            })).collect::<Vec<_>>(),
+            "layers": self.layers.iter().map(|l| serde_json::json!({
+                "kind": l.kind,
+                "ops": l.ops.iter().map(|o| serde_json::json!({
+                    "kind": o.kind,
+                    "inputs": o.inputs,
+                    "outputs": o.outputs,
+                    "attention_core": o.attention_core,
+                })).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    /// Names of the layers, in order.
+    pub fn layer_names(&self) -> Vec<String> {
+        self.layers.iter().map(|l| l.name.clone()).collect()
+    }
+
     /// Instantiates the graph for micro-batch size `b`, sequence length `s` and floating-point
     /// dtype `dtype`, deriving the backward pass.
     pub fn lower(&self, b: u64, s: u64, dtype: DType) -> Result<Graph, FieldError> {

@@ -69,6 +69,26 @@ impl ModelDef {
         }
     }
 
+    /// The architecture without names (the model's, its layers', ops' and tensors'): what
+    /// plans depend on, as a JSON value whose fields `explain` can compare.
+    pub fn canonical_json(&self) -> serde_json::Value {
+        match self {
+            ModelDef::Transformer(c) => {
+                serde_json::json!({ "transformer": serde_json::to_value(c).unwrap_or_default() })
+            }
+            ModelDef::Graph(g) => serde_json::json!({ "graph": g.canonical_json() }),
+        }
+    }
+
+    /// Layer names a graph file gives (they appear in plans but are no part of any key);
+    /// `None` for transformers, whose layer names follow from their structure.
+    pub fn layer_names(&self) -> Option<Vec<String>> {
+        match self {
+            ModelDef::Transformer(_) => None,
+            ModelDef::Graph(g) => Some(g.layer_names()),
+        }
+    }
+
     /// The transformer architecture, if this is one.
     pub fn transformer(&self) -> Option<&TransformerConfig> {
         match self {

@@ -16,7 +16,7 @@ pub use summary::{GraphSummary, LayerGroup, LayerSummary, OpSummary};
 use serde::{Deserialize, Serialize};
 
 /// Element type of a tensor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     /// IEEE single precision.
@@ -201,7 +201,7 @@ impl OpKind {
 }
 
 /// Forward or backward pass.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Pass {
     /// Forward pass.

@@ -1,0 +1,130 @@
+//! `autopar cache stats|verify|gc` and `autopar clean`.
+
+use super::print_json;
+use crate::Failure;
+use crate::render;
+use autopar_engine::cache::LocalCache;
+use autopar_engine::cache::cache_dir;
+use autopar_engine::session::Session;
+use std::path::Path;
+
+fn open(session: &Session, dir: Option<&Path>) -> Result<LocalCache, Failure> {
+    let ws = session.workspace()?;
+    let dir = cache_dir(dir, &ws);
+    LocalCache::open(&dir, autopar_engine::cache::LOCK_WAIT)
+        .map_err(|e| Failure::Failed(anyhow::Error::new(e)))
+}
+
+pub fn stats(session: &Session, dir: Option<&Path>, json: bool) -> Result<(), Failure> {
+    let cache = open(session, dir)?;
+    let s = cache
+        .stats()
+        .map_err(|e| Failure::Failed(anyhow::Error::new(e)))?;
+    if json {
+        return print_json(&s);
+    }
+    println!(
+        "{}: {} entries, {} of results, {} on disk",
+        cache.path().display(),
+        s.entries,
+        render::bytes(s.bytes as f64),
+        render::bytes(s.disk_bytes as f64)
+    );
+    for (kind, n, bytes) in &s.kinds {
+        println!(
+            "  {kind:<12} {n:>8} entries {:>12}",
+            render::bytes(*bytes as f64)
+        );
+    }
+    Ok(())
+}
+
+pub fn verify(session: &Session, dir: Option<&Path>) -> Result<(), Failure> {
+    let cache = open(session, dir)?;
+    let r = cache
+        .verify()
+        .map_err(|e| Failure::Failed(anyhow::Error::new(e)))?;
+    println!(
+        "{}: {} entries checked, {} corrupt removed",
+        cache.path().display(),
+        r.checked,
+        r.removed
+    );
+    Ok(())
+}
+
+/// `500M`, `2G`, `1048576` -> bytes.
+fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (digits, scale) = match s.chars().last()?.to_ascii_uppercase() {
+        'K' => (&s[..s.len() - 1], 1u64 << 10),
+        'M' => (&s[..s.len() - 1], 1 << 20),
+        'G' => (&s[..s.len() - 1], 1 << 30),
+        'T' => (&s[..s.len() - 1], 1 << 40),
+        _ => (s, 1),
+    };
+    let x: f64 = digits.trim().parse().ok()?;
+    (x.is_finite() && x >= 0.0).then_some((x * scale as f64) as u64)
+}
+
+pub fn gc(session: &Session, dir: Option<&Path>, max_size: &str) -> Result<(), Failure> {
+    let Some(max) = parse_size(max_size) else {
+        return Err(Failure::Input(anyhow::anyhow!(
+            "--max-size: expected a size such as 500M or 2G, found `{max_size}`"
+        )));
+    };
+    let cache = open(session, dir)?;
+    let r = cache
+        .gc(max)
+        .map_err(|e| Failure::Failed(anyhow::Error::new(e)))?;
+    println!(
+        "{}: removed {} entries ({}), {} left",
+        cache.path().display(),
+        r.removed,
+        render::bytes(r.freed as f64),
+        render::bytes(r.remaining as f64)
+    );
+    Ok(())
+}
+
+pub fn clean(session: &Session, dir: Option<&Path>, with_cache: bool) -> Result<(), Failure> {
+    let ws = session.workspace()?;
+    let mut removed = 0;
+    for t in &ws.targets {
+        for path in [
+            ws.plan_path(&t.name),
+            ws.trace_path(&t.name),
+            autopar_engine::record::record_path(&ws.root, &t.name),
+        ] {
+            if path.exists() {
+                autopar_engine::plans::remove_output(&path)?;
+                removed += 1;
+            }
+        }
+    }
+    println!("removed {removed} plan, trace and record files");
+    if with_cache {
+        let cache = open(session, dir)?;
+        let n = cache
+            .clear()
+            .map_err(|e| Failure::Failed(anyhow::Error::new(e)))?;
+        println!("emptied {} ({n} entries)", cache.path().display());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1048576"), Some(1 << 20));
+        assert_eq!(parse_size("500M"), Some(500 << 20));
+        assert_eq!(parse_size("1.5k"), Some(1536));
+        assert_eq!(parse_size("2G"), Some(2 << 30));
+        assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_size("-1M"), None);
+        assert_eq!(parse_size(""), None);
+    }
+}

@@ -1,0 +1,58 @@
+//! `autopar explain TARGET`: for every result the last build of a target recomputed, which
+//! component of its key changed.
+
+use super::print_json;
+use crate::Failure;
+use autopar_engine::cache::Source;
+use autopar_engine::record::read_record;
+use autopar_engine::session::Session;
+
+pub fn run(session: &Session, target: &str, json: bool) -> Result<(), Failure> {
+    let ws = session.workspace()?;
+    autopar_engine::build::select(&ws, &[target.to_string()])?;
+    let Some(record) = read_record(&ws.root, target) else {
+        return Err(Failure::Failed(anyhow::anyhow!(
+            "target `{target}` has no recorded build: run `autopar build {target}` first"
+        )));
+    };
+    if json {
+        return print_json(&record);
+    }
+    let solved: Vec<_> = record
+        .layers
+        .iter()
+        .filter(|l| l.source == Source::Solved)
+        .collect();
+    let when = record.time_ms / 1000;
+    println!(
+        "{target}: last built at {when} (Unix time); plan {}, {} of {} distinct layer costs solved",
+        match (record.plan.source, record.plan.reused_after_change) {
+            (_, true) => "reused after its inputs changed".to_string(),
+            (Source::Solved, _) => "searched".to_string(),
+            (other, _) => format!("cached ({})", other.name()),
+        },
+        solved.len(),
+        record.layers.len()
+    );
+    if !record.plan.reasons.is_empty() {
+        println!("  plan");
+        for r in &record.plan.reasons {
+            println!("    {r}");
+        }
+        if record.plan.reused_after_change {
+            println!(
+                "    every layer cost the search reads came out the same: search result reused"
+            );
+        }
+    }
+    for l in solved {
+        println!("  layer cost {}", l.slot);
+        for r in &l.reasons {
+            println!("    {r}");
+        }
+    }
+    if record.plan.reasons.is_empty() && record.layers.iter().all(|l| l.source != Source::Solved) {
+        println!("  nothing was recomputed");
+    }
+    Ok(())
+}

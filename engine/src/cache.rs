@@ -1,0 +1,294 @@
+//! Memoized results: looked up in process memory, then in the local store, else solved and
+//! stored, with counts of each outcome (the summary every build ends with).
+
+use autopar_rules::canonical::Digest;
+pub use autopar_store::{CacheStats, EntryMeta, GcReport, LocalCache, VerifyReport};
+use autopar_store::{Key, Lookup};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Where a result came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    /// This process had it.
+    Memory,
+    /// The local store had it.
+    Local,
+    /// The remote cache had it.
+    Remote,
+    /// Nobody had it: computed.
+    Solved,
+}
+
+impl Source {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Source::Memory => "memory",
+            Source::Local => "local",
+            Source::Remote => "remote",
+            Source::Solved => "solved",
+        }
+    }
+}
+
+/// How many results a build asked for and where each came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counts {
+    /// Results asked for.
+    pub total: u64,
+    /// Found in process memory.
+    pub memory: u64,
+    /// Found in the local store.
+    pub local: u64,
+    /// Found in the remote cache.
+    pub remote: u64,
+    /// Computed.
+    pub solved: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    total: AtomicU64,
+    memory: AtomicU64,
+    local: AtomicU64,
+    remote: AtomicU64,
+    solved: AtomicU64,
+}
+
+/// The local cache directory of `ws`: `dir` when given (flag or `AUTOPAR_CACHE_DIR`), else
+/// `[workspace] cache`, else `.autopar/cache` next to the workspace file.
+pub fn cache_dir(dir: Option<&Path>, ws: &crate::workspace::Workspace) -> std::path::PathBuf {
+    match (dir, &ws.cache_dir) {
+        (Some(d), _) => d.to_path_buf(),
+        (None, Some(d)) => d.clone(),
+        (None, None) => ws.root.join(".autopar").join("cache"),
+    }
+}
+
+/// How long a build waits for another `autopar` process to release the local store.
+pub const LOCK_WAIT: Duration = Duration::from_secs(30);
+
+/// The memo of results: process memory over an optional local store.
+pub struct Cache {
+    local: Option<LocalCache>,
+    memory: Mutex<HashMap<Digest, Arc<Vec<u8>>>>,
+    counters: Counters,
+}
+
+fn key(d: Digest) -> Key {
+    Key(d.0)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Cache {
+    /// A cache in memory only.
+    pub fn in_memory() -> Self {
+        Cache {
+            local: None,
+            memory: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+        }
+    }
+
+    /// A cache backed by the local store at `dir`. A store that cannot be opened (held by
+    /// another process past [`LOCK_WAIT`], unreadable) is reported and the build goes on without
+    /// it: a cache problem never fails a build.
+    pub fn open(dir: &Path) -> Self {
+        let mut cache = Cache::in_memory();
+        match LocalCache::open(dir, LOCK_WAIT) {
+            Ok(local) => cache.local = Some(local),
+            Err(e) => tracing::warn!(error = %e, "working without the local cache"),
+        }
+        cache
+    }
+
+    /// The local store, if open.
+    pub fn local(&self) -> Option<&LocalCache> {
+        self.local.as_ref()
+    }
+
+    /// Counts since the cache was made (or last reset).
+    pub fn counts(&self) -> Counts {
+        let c = &self.counters;
+        Counts {
+            total: c.total.load(Ordering::Relaxed),
+            memory: c.memory.load(Ordering::Relaxed),
+            local: c.local.load(Ordering::Relaxed),
+            remote: c.remote.load(Ordering::Relaxed),
+            solved: c.solved.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Starts counting from zero (a new build in a long-running process).
+    pub fn reset_counts(&self) {
+        let c = &self.counters;
+        for a in [&c.total, &c.memory, &c.local, &c.remote, &c.solved] {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn count(&self, source: Source) {
+        let c = &self.counters;
+        c.total.fetch_add(1, Ordering::Relaxed);
+        match source {
+            Source::Memory => &c.memory,
+            Source::Local => &c.local,
+            Source::Remote => &c.remote,
+            Source::Solved => &c.solved,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The value under `k` from memory or the local store, without counting.
+    fn find<T: DeserializeOwned>(&self, k: Digest) -> Option<(T, Source)> {
+        let cached = lock(&self.memory).get(&k).cloned();
+        if let Some(bytes) = cached
+            && let Ok(v) = postcard::from_bytes(&bytes)
+        {
+            return Some((v, Source::Memory));
+        }
+        let local = self.local.as_ref()?;
+        match local.get(&key(k)) {
+            Ok(Lookup::Hit(bytes)) => match postcard::from_bytes(&bytes) {
+                Ok(v) => {
+                    lock(&self.memory).insert(k, Arc::new(bytes));
+                    Some((v, Source::Local))
+                }
+                Err(e) => {
+                    // Intact bytes of another layout (an older autopar): drop them.
+                    tracing::warn!(key = %k, error = %e, "undecodable cache entry removed");
+                    let _ = local.remove(&key(k));
+                    None
+                }
+            },
+            Ok(Lookup::Miss) | Ok(Lookup::Corrupt) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "cache read failed; recomputing");
+                None
+            }
+        }
+    }
+
+    /// Whether a result is known (for `--dry-run`), without counting or verifying it.
+    pub fn contains(&self, k: Digest) -> bool {
+        lock(&self.memory).contains_key(&k)
+            || self
+                .local
+                .as_ref()
+                .is_some_and(|l| l.contains(&key(k)).unwrap_or(false))
+    }
+
+    /// Stores a value in memory and in the local store.
+    pub fn put<T: Serialize>(&self, k: Digest, value: &T, meta: &EntryMeta) {
+        let bytes = autopar_rules::canonical::encode(value);
+        if let Some(local) = &self.local
+            && let Err(e) = local.put(&key(k), &bytes, meta)
+        {
+            tracing::warn!(error = %e, "cache write failed; the result is kept in memory only");
+        }
+        lock(&self.memory).insert(k, Arc::new(bytes));
+    }
+
+    /// The value under `k`, counted as a request: from memory, the store, or `solve` (whose
+    /// result is stored with the metadata `meta` gives).
+    pub fn get_or_solve<T: Serialize + DeserializeOwned>(
+        &self,
+        k: Digest,
+        meta: impl FnOnce() -> EntryMeta,
+        solve: impl FnOnce() -> T,
+    ) -> (T, Source) {
+        if let Some((v, source)) = self.find(k) {
+            self.count(source);
+            return (v, source);
+        }
+        let v = solve();
+        self.put(k, &v, &meta());
+        self.count(Source::Solved);
+        (v, Source::Solved)
+    }
+
+    /// Looks up `k`, counting a hit; a miss is not counted (the caller solves or resolves it
+    /// another way and reports that with [`Cache::record`]).
+    pub fn lookup<T: DeserializeOwned>(&self, k: Digest) -> Option<(T, Source)> {
+        let found = self.find(k);
+        if let Some((_, source)) = &found {
+            self.count(*source);
+        }
+        found
+    }
+
+    /// Follows the index entry under `index` (a key) to the value it names, counting one hit;
+    /// `None` (uncounted) when either is missing.
+    pub fn lookup_indexed<T: DeserializeOwned>(&self, index: Digest) -> Option<(T, Source)> {
+        let (target, s1) = self.find::<Digest>(index)?;
+        let (v, s2) = self.find::<T>(target)?;
+        let source = if s1 == Source::Memory && s2 == Source::Memory {
+            Source::Memory
+        } else {
+            Source::Local
+        };
+        self.count(source);
+        Some((v, source))
+    }
+
+    /// The value under `k` if known, uncounted (for `--dry-run` and tools).
+    pub fn peek<T: DeserializeOwned>(&self, k: Digest) -> Option<T> {
+        self.find(k).map(|(v, _)| v)
+    }
+
+    /// Counts a request resolved outside [`Cache::get_or_solve`].
+    pub fn record(&self, source: Source) {
+        self.count(source);
+    }
+
+    /// Makes the store's writes durable.
+    pub fn flush(&self) {
+        if let Some(local) = &self.local
+            && let Err(e) = local.flush()
+        {
+            tracing::warn!(error = %e, "cache flush failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_then_store_then_solve() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let k = Digest([3; 32]);
+        {
+            let c = Cache::open(dir.path());
+            let (v, s) = c.get_or_solve(k, EntryMeta::default, || 41u64);
+            assert_eq!((v, s), (41, Source::Solved));
+            let (v, s) = c.get_or_solve(k, EntryMeta::default, || 0u64);
+            assert_eq!((v, s), (41, Source::Memory));
+            c.flush();
+            assert_eq!(
+                c.counts(),
+                Counts {
+                    total: 2,
+                    memory: 1,
+                    local: 0,
+                    remote: 0,
+                    solved: 1
+                }
+            );
+        }
+        let c = Cache::open(dir.path());
+        let (v, s) = c.get_or_solve(k, EntryMeta::default, || 0u64);
+        assert_eq!((v, s), (41, Source::Local));
+    }
+}

@@ -1,0 +1,230 @@
+//! What the last build of each target did, kept in `.autopar/builds/<target>.json` so that
+//! `autopar explain` can say, for every result it recomputed, which part of its key changed.
+
+use crate::cache::Source;
+use crate::error::EngineError;
+use autopar_rules::canonical::KeyParts;
+use autopar_rules::profile::{EntryId, ProfileRead};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// One layer cost a build asked for.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LayerRecord {
+    /// The first layer that asked, with its parallel setting (`layers.0 · mb 1 · tp 8 sp`).
+    pub slot: String,
+    /// Its key's components.
+    pub parts: KeyParts,
+    /// The profile measurements it read.
+    pub reads: Vec<ProfileRead>,
+    /// Where the cost came from.
+    pub source: Source,
+    /// Why it was recomputed (empty when it was not).
+    pub reasons: Vec<String>,
+}
+
+/// The plan of a target in one build.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PlanRecord {
+    /// Components of the target's key (what the plan depends on, as written).
+    pub parts: KeyParts,
+    /// The model without names, for field-level reasons.
+    pub model: serde_json::Value,
+    /// The target's profile measurements.
+    pub profile: Vec<(EntryId, f64)>,
+    /// Where the plan came from.
+    pub source: Source,
+    /// The inputs changed but every layer cost the search reads was unchanged, so the stored
+    /// search result was reused.
+    pub reused_after_change: bool,
+    /// Why it was recomputed (empty when it was not).
+    pub reasons: Vec<String>,
+}
+
+/// What one build did for one target.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BuildRecord {
+    /// Target name.
+    pub target: String,
+    /// When, ms since the Unix epoch.
+    pub time_ms: u64,
+    /// The plan.
+    pub plan: PlanRecord,
+    /// The distinct layer costs asked for (none when the plan was found by its key).
+    pub layers: Vec<LayerRecord>,
+}
+
+/// Where the record of `target` lives under the workspace root.
+pub fn record_path(root: &Path, target: &str) -> PathBuf {
+    root.join(".autopar")
+        .join("builds")
+        .join(format!("{target}.json"))
+}
+
+/// The last build's record of `target`, if any (an unreadable record counts as none).
+pub fn read_record(root: &Path, target: &str) -> Option<BuildRecord> {
+    let text = std::fs::read_to_string(record_path(root, target)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// Stores the record of a build.
+pub fn write_record(root: &Path, record: &BuildRecord) -> Result<(), EngineError> {
+    let json = serde_json::to_vec_pretty(record).map_err(|e| EngineError::BadPlan {
+        path: record_path(root, &record.target),
+        reason: e.to_string(),
+    })?;
+    autopar_store::write_atomic(&record_path(root, &record.target), &json)?;
+    Ok(())
+}
+
+fn us(t: f64) -> String {
+    format!("{t} us")
+}
+
+/// How the profile measurements read changed: one line per entry.
+pub fn read_changes(old: &[ProfileRead], new: &[ProfileRead]) -> Vec<String> {
+    let a: BTreeMap<&EntryId, f64> = old.iter().map(|r| (&r.entry, r.time_us)).collect();
+    let b: BTreeMap<&EntryId, f64> = new.iter().map(|r| (&r.entry, r.time_us)).collect();
+    let mut out = Vec::new();
+    for (e, &t) in &b {
+        match a.get(e) {
+            Some(&u) if u.to_bits() != t.to_bits() => {
+                out.push(format!("profile entry {e}: {} -> {}", us(u), us(t)));
+            }
+            Some(_) => {}
+            None => out.push(format!("profile entry {e} now measured: {}", us(t))),
+        }
+    }
+    for (e, &u) in &a {
+        if !b.contains_key(e) {
+            out.push(format!(
+                "profile entry {e} no longer measured (was {})",
+                us(u)
+            ));
+        }
+    }
+    out
+}
+
+/// Fields of two JSON objects that differ, as `name: old -> new` (nested objects by path).
+fn field_changes(
+    path: &str,
+    old: &serde_json::Value,
+    new: &serde_json::Value,
+    out: &mut Vec<String>,
+) {
+    match (old, new) {
+        (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            for k in keys {
+                let sub = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                let null = serde_json::Value::Null;
+                field_changes(
+                    &sub,
+                    a.get(k).unwrap_or(&null),
+                    b.get(k).unwrap_or(&null),
+                    out,
+                );
+            }
+        }
+        (a, b) if a != b => {
+            let short = |v: &serde_json::Value| {
+                let s = v.to_string();
+                if s.len() > 60 {
+                    "(changed)".to_string()
+                } else {
+                    s
+                }
+            };
+            out.push(format!("{path}: {} -> {}", short(a), short(b)));
+        }
+        _ => {}
+    }
+}
+
+/// Why a plan was recomputed, from the components of its key that changed.
+pub fn plan_reasons(old: Option<&PlanRecord>, new: &PlanRecord) -> Vec<String> {
+    let Some(old) = old else {
+        return vec!["first build of this target (no earlier record)".to_string()];
+    };
+    let mut out = Vec::new();
+    for name in new.parts.changed_since(&old.parts) {
+        match name.as_str() {
+            "model" => {
+                let mut fields = Vec::new();
+                field_changes("", &old.model, &new.model, &mut fields);
+                let model = |f: &String| {
+                    f.trim_start_matches("transformer.")
+                        .trim_start_matches("graph.")
+                        .to_string()
+                };
+                out.push(format!(
+                    "model edit: {}",
+                    fields.iter().map(model).collect::<Vec<_>>().join("; ")
+                ));
+            }
+            "profile" => {
+                let old_reads: Vec<ProfileRead> = old
+                    .profile
+                    .iter()
+                    .map(|(e, t)| ProfileRead {
+                        entry: e.clone(),
+                        time_us: *t,
+                    })
+                    .collect();
+                let new_reads: Vec<ProfileRead> = new
+                    .profile
+                    .iter()
+                    .map(|(e, t)| ProfileRead {
+                        entry: e.clone(),
+                        time_us: *t,
+                    })
+                    .collect();
+                for line in read_changes(&old_reads, &new_reads) {
+                    out.push(line);
+                }
+            }
+            "rules" => out.push("autopar's planning rules changed (new version)".to_string()),
+            "cluster" => out.push("cluster edit (shape or device numbers)".to_string()),
+            "training" => out.push("training options changed".to_string()),
+            "search" => out.push("search space or global batch changed".to_string()),
+            other => out.push(format!("{other} changed")),
+        }
+    }
+    if out.is_empty() {
+        // Same key but not found: the stored result was evicted or removed.
+        out.push(
+            "inputs unchanged; the stored plan was missing (evicted, cleaned or corrupt)".into(),
+        );
+    }
+    out
+}
+
+/// Why a layer cost was recomputed.
+pub fn layer_reasons(old: Option<&LayerRecord>, new: &LayerRecord) -> Vec<String> {
+    let Some(old) = old else {
+        return vec!["not asked for in the previous build".to_string()];
+    };
+    let mut out = Vec::new();
+    for name in new.parts.changed_since(&old.parts) {
+        match name.as_str() {
+            "profile" => out.extend(read_changes(&old.reads, &new.reads)),
+            "subgraph" => out.push("the layer's ops or shapes changed (model edit)".into()),
+            "device" | "link" => out.push("device numbers changed (cluster edit)".into()),
+            "kernels" => out.push("kernel options changed (precision, gradient fusion)".into()),
+            "rules" => out.push("autopar's planning rules changed (new version)".into()),
+            other => out.push(format!("{other} changed")),
+        }
+    }
+    if out.is_empty() {
+        out.push(
+            "inputs unchanged; the stored cost was missing (evicted, cleaned or corrupt)".into(),
+        );
+    }
+    out
+}

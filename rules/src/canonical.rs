@@ -1,0 +1,176 @@
+//! Content hashes of canonical encodings: what cache keys are made of (DESIGN.md "Cache keys").
+//!
+//! A value is encoded with postcard (fields in declaration order, integers as varints, floats
+//! as their bit patterns, sequences in order; no maps with unspecified order are ever encoded)
+//! and hashed with blake3. A result's key is the hash of its named components, each itself a
+//! hash, under the rules version salt: so `explain` can say which component changed.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// A blake3 hash.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Digest(pub [u8; 32]);
+
+impl Digest {
+    /// Lower-case hex.
+    pub fn hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Parses 64 hex digits.
+    pub fn from_hex(s: &str) -> Option<Digest> {
+        if s.len() != 64 || !s.is_ascii() {
+            return None;
+        }
+        let mut out = [0u8; 32];
+        for (i, byte) in out.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+        }
+        Some(Digest(out))
+    }
+
+    /// The hash of raw bytes.
+    pub fn of_bytes(bytes: &[u8]) -> Digest {
+        Digest(*blake3::hash(bytes).as_bytes())
+    }
+}
+
+impl fmt::Display for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.hex())
+    }
+}
+
+impl fmt::Debug for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Digest({})", &self.hex()[..16])
+    }
+}
+
+/// Feeds postcard's output straight into a hasher.
+struct HashWriter<'a>(&'a mut blake3::Hasher);
+
+impl std::io::Write for HashWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The canonical encoding of `value`.
+pub fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
+    // Our types only use what postcard supports; an encoding failure would be a bug in a
+    // type, and hashing its message keeps keys deterministic all the same.
+    postcard::to_allocvec(value).unwrap_or_else(|e| format!("unencodable: {e}").into_bytes())
+}
+
+/// The hash of `value`'s canonical encoding.
+pub fn digest<T: Serialize + ?Sized>(value: &T) -> Digest {
+    let mut h = blake3::Hasher::new();
+    if let Err(e) = postcard::to_io(value, HashWriter(&mut h)) {
+        h.update(format!("unencodable: {e}").as_bytes());
+    }
+    Digest(*h.finalize().as_bytes())
+}
+
+/// The named components of a result's key. The key is the hash of the rules version salt, the
+/// result kind and every (name, component hash) in order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KeyParts {
+    /// Kind of result (`layer-cost`, `plan`, ...).
+    pub kind: String,
+    /// Components, in a fixed order.
+    pub parts: Vec<(String, Digest)>,
+}
+
+impl KeyParts {
+    /// Components of a result of `kind`, starting with the rules version salt.
+    pub fn new(kind: &str) -> Self {
+        KeyParts {
+            kind: kind.to_string(),
+            parts: vec![("rules".to_string(), digest(crate::RULES_VERSION))],
+        }
+    }
+
+    /// Adds a component: the hash of `value`'s canonical encoding.
+    pub fn with<T: Serialize + ?Sized>(mut self, name: &str, value: &T) -> Self {
+        self.parts.push((name.to_string(), digest(value)));
+        self
+    }
+
+    /// Adds a component whose hash is already known.
+    pub fn with_digest(mut self, name: &str, d: Digest) -> Self {
+        self.parts.push((name.to_string(), d));
+        self
+    }
+
+    /// The key.
+    pub fn key(&self) -> Digest {
+        digest(&(&self.kind, &self.parts))
+    }
+
+    /// Names of the components that differ from `old` (present in one only, or with different
+    /// hashes), in this key's order.
+    pub fn changed_since(&self, old: &KeyParts) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .parts
+            .iter()
+            .filter(|(n, d)| !old.parts.iter().any(|(m, e)| m == n && e == d))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for (n, _) in &old.parts {
+            if !self.parts.iter().any(|(m, _)| m == n) {
+                out.push(n.clone());
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Serialize)]
+    struct S {
+        a: u64,
+        b: f64,
+        c: Vec<String>,
+    }
+
+    #[test]
+    fn digests_are_stable_and_field_sensitive() {
+        let s = S {
+            a: 1,
+            b: 0.5,
+            c: vec!["x".into()],
+        };
+        assert_eq!(digest(&s), digest(&s));
+        assert_eq!(digest(&s), Digest::of_bytes(&encode(&s)));
+        let t = S { b: -0.5, ..s };
+        assert_ne!(digest(&t), digest(&S { b: 0.5, ..t }));
+        // Floats by bit pattern: 0.0 and -0.0 differ.
+        assert_ne!(digest(&0.0f64), digest(&-0.0f64));
+    }
+
+    #[test]
+    fn keys_name_the_changed_component() {
+        let a = KeyParts::new("plan")
+            .with("model", &1u64)
+            .with("cluster", &2u64);
+        let b = KeyParts::new("plan")
+            .with("model", &1u64)
+            .with("cluster", &3u64);
+        assert_ne!(a.key(), b.key());
+        assert_eq!(b.changed_since(&a), ["cluster"]);
+        assert!(a.changed_since(&a.clone()).is_empty());
+        let hex = a.key().hex();
+        assert_eq!(Digest::from_hex(&hex), Some(a.key()));
+        assert_eq!(Digest::from_hex("zz"), None);
+    }
+}
