@@ -121,6 +121,15 @@ pub enum ProfileCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Every kernel and collective a target's search prices, with modelled times: a profile
+    /// to fill in with measurements.
+    Template {
+        /// Target.
+        target: String,
+        /// Where to write it (default: standard output).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
     /// Convert a profile (any time unit, shapes as strings) into the canonical file.
     Import {
         /// The profile to convert.

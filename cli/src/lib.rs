@@ -7,6 +7,7 @@
 mod args;
 mod commands;
 mod logging;
+mod output;
 mod progress;
 mod render;
 

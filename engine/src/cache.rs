@@ -75,10 +75,13 @@ pub fn cache_dir(dir: Option<&Path>, ws: &crate::workspace::Workspace) -> std::p
 /// How long a build waits for another `autopar` process to release the local store.
 pub const LOCK_WAIT: Duration = Duration::from_secs(30);
 
+/// Results kept in process memory, shareable between the caches of successive builds (`watch`).
+pub type Memory = Arc<Mutex<HashMap<Digest, Arc<Vec<u8>>>>>;
+
 /// The memo of results: process memory over an optional local store.
 pub struct Cache {
     local: Option<LocalCache>,
-    memory: Mutex<HashMap<Digest, Arc<Vec<u8>>>>,
+    memory: Memory,
     counters: Counters,
 }
 
@@ -93,9 +96,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Cache {
     /// A cache in memory only.
     pub fn in_memory() -> Self {
+        Cache::with_memory(Memory::default())
+    }
+
+    /// A cache over results already in `memory` (kept by a long-running process).
+    pub fn with_memory(memory: Memory) -> Self {
         Cache {
             local: None,
-            memory: Mutex::new(HashMap::new()),
+            memory,
             counters: Counters::default(),
         }
     }
@@ -104,12 +112,22 @@ impl Cache {
     /// another process past [`LOCK_WAIT`], unreadable) is reported and the build goes on without
     /// it: a cache problem never fails a build.
     pub fn open(dir: &Path) -> Self {
-        let mut cache = Cache::in_memory();
+        Cache::open_with_memory(dir, Memory::default())
+    }
+
+    /// [`Cache::open`] over results already in `memory`.
+    pub fn open_with_memory(dir: &Path, memory: Memory) -> Self {
+        let mut cache = Cache::with_memory(memory);
         match LocalCache::open(dir, LOCK_WAIT) {
             Ok(local) => cache.local = Some(local),
             Err(e) => tracing::warn!(error = %e, "working without the local cache"),
         }
         cache
+    }
+
+    /// The results in process memory, to hand to the next build's cache.
+    pub fn memory(&self) -> Memory {
+        self.memory.clone()
     }
 
     /// The local store, if open.

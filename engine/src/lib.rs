@@ -10,6 +10,7 @@ pub mod diagnostic;
 pub mod error;
 pub mod layer_costs;
 pub mod plans;
+pub mod profiles;
 pub mod record;
 pub mod sapp;
 pub mod session;

@@ -386,25 +386,57 @@ impl<'a> Estimator<'a> {
                     tp: t,
                 });
             }
-            let link = self.cluster.group_link(1, t);
-            let kernels = KernelOptions {
-                dtype: self.opts.precision.dtype(),
-                grad_buffer_bytes: self.opts.precision.state_bytes().1,
-                grad_accumulation_fusion: self.opts.grad_accumulation_fusion,
-            };
+            let kernels = self.kernels();
             let ctx = LayerCostContext::new(&g);
-            let pricing = Pricing {
-                tp: TpConfig { t, sp },
-                device: &self.cluster.device,
-                kernels: &kernels,
-                tp_link: link,
-                profile: self.profile,
-            };
-            let costs = self.costs.layer_costs(&ctx, &pricing);
+            let costs = self.costs.layer_costs(&ctx, &self.pricing(t, sp, &kernels));
             Ok(Arc::new((g.clone(), costs)))
         });
         lock(&self.prepared).insert(key, result.clone());
         result
+    }
+
+    /// How the training options run kernels.
+    fn kernels(&self) -> KernelOptions {
+        KernelOptions {
+            dtype: self.opts.precision.dtype(),
+            grad_buffer_bytes: self.opts.precision.state_bytes().1,
+            grad_accumulation_fusion: self.opts.grad_accumulation_fusion,
+        }
+    }
+
+    /// What pricing a layer needs under tensor-parallel degree `t` and sequence parallelism
+    /// `sp`.
+    fn pricing<'k>(&'k self, t: u64, sp: bool, kernels: &'k KernelOptions) -> Pricing<'k> {
+        Pricing {
+            tp: TpConfig { t, sp },
+            device: &self.cluster.device,
+            kernels,
+            tp_link: self.cluster.group_link(1, t),
+            profile: self.profile,
+        }
+    }
+
+    /// Every kernel and collective the layers run under (micro-batch, `t`, `sp`), with the
+    /// analytic model's times: a template for measuring them.
+    pub fn modelled_profile(
+        &self,
+        micro_batch: u64,
+        t: u64,
+        sp: bool,
+    ) -> Result<Profile, LayoutError> {
+        let prepared = self.prepare(micro_batch, t, sp)?;
+        let g = &prepared.0;
+        let kernels = self.kernels();
+        let p = Pricing {
+            profile: None,
+            ..self.pricing(t, sp, &kernels)
+        };
+        let ctx = LayerCostContext::new(g);
+        let mut out = Profile::new(self.cluster.device.name.clone());
+        for li in 0..g.layers.len() {
+            out = out.overlaid(&ctx.modelled_entries(li, &p));
+        }
+        Ok(out)
     }
 
     /// The graph and layer costs for micro-batch size `micro_batch`, tensor-parallel degree `t`

@@ -237,6 +237,23 @@ impl<'g> LayerCostContext<'g> {
     /// Time of op `o`'s kernel (plus the separate accumulation of a fresh weight gradient when
     /// the product does not fuse it), measured when the profile has its signature.
     fn op_time(&self, o: OpId, p: &Pricing<'_>, reads: &mut Vec<ProfileRead>) -> f64 {
+        let (modelled, accumulate) = self.kernel_and_accumulation(o, p);
+        let measured = p
+            .profile
+            .and_then(|prof| prof.op_time(&self.op_signature(o, p)));
+        let kernel = match measured {
+            Some((seconds, read)) => {
+                reads.push(read);
+                seconds
+            }
+            None => modelled,
+        };
+        kernel + accumulate
+    }
+
+    /// The analytic time of op `o`'s kernel, and of the separate accumulation of a fresh
+    /// weight gradient into the gradient buffer when the product does not fuse it.
+    fn kernel_and_accumulation(&self, o: OpId, p: &Pricing<'_>) -> (f64, f64) {
         let g = self.g;
         let op = g.op(o);
         let kernels = p.kernels;
@@ -266,27 +283,42 @@ impl<'g> LayerCostContext<'g> {
                 );
             }
         }
-        let measured = p
-            .profile
-            .and_then(|prof| prof.op_time(&self.op_signature(o, p)));
-        let kernel = match measured {
-            Some((seconds, read)) => {
-                reads.push(read);
-                seconds
+        let flops = op_device_flops(g, op, tp);
+        let kernel = kernel_time(
+            op.kind,
+            flops,
+            bytes,
+            p.device,
+            dtype,
+            gemm_shape(g, op, tp),
+        );
+        (kernel, accumulate)
+    }
+
+    /// Every kernel and tensor-parallel collective of layer `li` with the time the analytic
+    /// model gives it, in microseconds: what a profile measuring this layer would hold.
+    pub fn modelled_entries(&self, li: usize, p: &Pricing<'_>) -> Profile {
+        let g = self.g;
+        let layer = &g.layers[li];
+        let mut prof = Profile::new(p.device.name.clone());
+        for &o in layer.forward.iter().chain(&layer.backward) {
+            let (kernel, _) = self.kernel_and_accumulation(o, p);
+            prof.insert_op(self.op_signature(o, p), kernel * 1e6);
+        }
+        if p.tp.t > 1 {
+            for &o in &layer.forward {
+                for coll in collectives(g, g.op(o), p.tp) {
+                    if coll.bytes > 0.0 {
+                        prof.insert_collective(
+                            Self::collective_signature(coll.kind, p),
+                            coll.bytes as u64,
+                            collective_time(coll.kind, p.tp.t, coll.bytes, p.tp_link) * 1e6,
+                        );
+                    }
+                }
             }
-            None => {
-                let flops = op_device_flops(g, op, tp);
-                kernel_time(
-                    op.kind,
-                    flops,
-                    bytes,
-                    p.device,
-                    dtype,
-                    gemm_shape(g, op, tp),
-                )
-            }
-        };
-        kernel + accumulate
+        }
+        prof
     }
 
     /// Time of a tensor-parallel collective, interpolated from the profile when it measured

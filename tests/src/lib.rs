@@ -67,6 +67,11 @@ impl TempWorkspace {
     pub fn run(&self, args: &[&str]) -> Run {
         run_in(self.path(), args)
     }
+
+    /// Starts autopar in the workspace directory without waiting for it.
+    pub fn spawn(&self, args: &[&str]) -> std::process::Child {
+        spawn_in(self.path(), args)
+    }
 }
 
 /// Output of one autopar process.
@@ -109,12 +114,27 @@ pub fn binary() -> PathBuf {
     bin
 }
 
+/// Starts the autopar binary with `args` in directory `dir`, stdout piped, without waiting.
+pub fn spawn_in(dir: &Path, args: &[&str]) -> std::process::Child {
+    Command::new(binary())
+        .args(args)
+        .current_dir(dir)
+        .env_remove("AUTOPAR_WORKSPACE")
+        .env_remove("AUTOPAR_CACHE_DIR")
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("autopar starts")
+}
+
 /// Runs the autopar binary with `args` in directory `dir`.
 pub fn run_in(dir: &Path, args: &[&str]) -> Run {
     let out: Output = Command::new(binary())
         .args(args)
         .current_dir(dir)
         .env_remove("AUTOPAR_WORKSPACE")
+        .env_remove("AUTOPAR_CACHE_DIR")
         .env_remove("RUST_LOG")
         .output()
         .expect("autopar runs");

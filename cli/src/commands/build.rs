@@ -3,6 +3,7 @@
 use super::print_json;
 use crate::Failure;
 use crate::args::BuildArgs;
+use crate::output::outln;
 use crate::progress::Reporter;
 use crate::render;
 use autopar_engine::build::{TargetResult, build, dry_run};
@@ -85,19 +86,19 @@ pub fn run_with(
         for o in &report.outcomes {
             match &o.result {
                 TargetResult::Planned(p) => {
-                    println!("{}", render::plan(&p.plan, Some(&p.path), Some(&p.trace)))
+                    outln!("{}", render::plan(&p.plan, Some(&p.path), Some(&p.trace)))
                 }
                 TargetResult::Infeasible { reason } => {
                     eprintln!("error: target {} is infeasible: {reason}", o.name)
                 }
             }
         }
-        println!(
+        outln!(
             "built {} target{}: {planned} planned, {failed} infeasible",
             report.outcomes.len(),
             if report.outcomes.len() == 1 { "" } else { "s" },
         );
-        println!(
+        outln!(
             "solves: {} total, {} memory hits, {} local hits, {} remote hits, {} solved in {:.2} s",
             c.total,
             c.memory,
@@ -137,7 +138,7 @@ fn dry(ws: &Workspace, args: &BuildArgs, cache: &Cache) -> Result<(), Failure> {
     }
     for r in &runs {
         if r.plan_cached {
-            println!("{}: cached, nothing to solve", r.name);
+            outln!("{}: cached, nothing to solve", r.name);
             continue;
         }
         let search = if r.search_cached {
@@ -145,12 +146,14 @@ fn dry(ws: &Workspace, args: &BuildArgs, cache: &Cache) -> Result<(), Failure> {
         } else {
             "search would run".to_string()
         };
-        println!(
+        outln!(
             "{}: {search}; layer costs: {} to solve, {} cached",
-            r.name, r.layers_to_solve, r.layers_cached
+            r.name,
+            r.layers_to_solve,
+            r.layers_cached
         );
         for reason in &r.reasons {
-            println!("  because {reason}");
+            outln!("  because {reason}");
         }
     }
     Ok(())

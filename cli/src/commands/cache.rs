@@ -2,6 +2,7 @@
 
 use super::print_json;
 use crate::Failure;
+use crate::output::outln;
 use crate::render;
 use autopar_engine::cache::LocalCache;
 use autopar_engine::cache::cache_dir;
@@ -23,7 +24,7 @@ pub fn stats(session: &Session, dir: Option<&Path>, json: bool) -> Result<(), Fa
     if json {
         return print_json(&s);
     }
-    println!(
+    outln!(
         "{}: {} entries, {} of results, {} on disk",
         cache.path().display(),
         s.entries,
@@ -31,7 +32,7 @@ pub fn stats(session: &Session, dir: Option<&Path>, json: bool) -> Result<(), Fa
         render::bytes(s.disk_bytes as f64)
     );
     for (kind, n, bytes) in &s.kinds {
-        println!(
+        outln!(
             "  {kind:<12} {n:>8} entries {:>12}",
             render::bytes(*bytes as f64)
         );
@@ -44,7 +45,7 @@ pub fn verify(session: &Session, dir: Option<&Path>) -> Result<(), Failure> {
     let r = cache
         .verify()
         .map_err(|e| Failure::Failed(anyhow::Error::new(e)))?;
-    println!(
+    outln!(
         "{}: {} entries checked, {} corrupt removed",
         cache.path().display(),
         r.checked,
@@ -77,7 +78,7 @@ pub fn gc(session: &Session, dir: Option<&Path>, max_size: &str) -> Result<(), F
     let r = cache
         .gc(max)
         .map_err(|e| Failure::Failed(anyhow::Error::new(e)))?;
-    println!(
+    outln!(
         "{}: removed {} entries ({}), {} left",
         cache.path().display(),
         r.removed,
@@ -102,13 +103,13 @@ pub fn clean(session: &Session, dir: Option<&Path>, with_cache: bool) -> Result<
             }
         }
     }
-    println!("removed {removed} plan, trace and record files");
+    outln!("removed {removed} plan, trace and record files");
     if with_cache {
         let cache = open(session, dir)?;
         let n = cache
             .clear()
             .map_err(|e| Failure::Failed(anyhow::Error::new(e)))?;
-        println!("emptied {} ({n} entries)", cache.path().display());
+        outln!("emptied {} ({n} entries)", cache.path().display());
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 use super::print_json;
 use crate::Failure;
 use crate::args::EstimateArgs;
+use crate::output::out;
 use crate::render;
 use autopar_engine::EngineError;
 use autopar_engine::session::Session;
@@ -81,7 +82,7 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
         render::estimate(&mut out, &e);
         render::stages(&mut out, &e);
         render::attempts(&mut out, &attempts);
-        print!("{out}");
+        out!("{out}");
     }
     if e.fits {
         Ok(())

@@ -3,6 +3,7 @@
 
 use super::print_json;
 use crate::Failure;
+use crate::output::outln;
 use autopar_engine::cache::Source;
 use autopar_engine::record::read_record;
 use autopar_engine::session::Session;
@@ -23,9 +24,9 @@ pub fn run(session: &Session, target: &str, json: bool) -> Result<(), Failure> {
         .iter()
         .filter(|l| l.source == Source::Solved)
         .collect();
-    let when = record.time_ms / 1000;
-    println!(
-        "{target}: last built at {when} (Unix time); plan {}, {} of {} distinct layer costs solved",
+    let when = autopar_engine::record::utc(record.time_ms);
+    outln!(
+        "{target}: last built {when}; plan {}, {} of {} distinct layer costs solved",
         match (record.plan.source, record.plan.reused_after_change) {
             (_, true) => "reused after its inputs changed".to_string(),
             (Source::Solved, _) => "searched".to_string(),
@@ -35,24 +36,22 @@ pub fn run(session: &Session, target: &str, json: bool) -> Result<(), Failure> {
         record.layers.len()
     );
     if !record.plan.reasons.is_empty() {
-        println!("  plan");
+        outln!("  plan");
         for r in &record.plan.reasons {
-            println!("    {r}");
+            outln!("    {r}");
         }
         if record.plan.reused_after_change {
-            println!(
-                "    every layer cost the search reads came out the same: search result reused"
-            );
+            outln!("    every layer cost the search reads came out the same: search result reused");
         }
     }
     for l in solved {
-        println!("  layer cost {}", l.slot);
+        outln!("  layer cost {}", l.slot);
         for r in &l.reasons {
-            println!("    {r}");
+            outln!("    {r}");
         }
     }
     if record.plan.reasons.is_empty() && record.layers.iter().all(|l| l.source != Source::Solved) {
-        println!("  nothing was recomputed");
+        outln!("  nothing was recomputed");
     }
     Ok(())
 }

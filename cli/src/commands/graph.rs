@@ -3,6 +3,7 @@
 use super::print_json;
 use crate::Failure;
 use crate::args::GraphArgs;
+use crate::output::out;
 use crate::render;
 use autopar_engine::session::Session;
 use autopar_rules::frontend::{Attention, LowerOptions};
@@ -40,7 +41,7 @@ pub fn run(session: &Session, a: &GraphArgs) -> Result<(), Failure> {
             Attention::Flash => "flash",
             Attention::Unfused => "unfused",
         };
-        print!("{}", render::graph(&summary, precision.name(), attention));
+        out!("{}", render::graph(&summary, precision.name(), attention));
         Ok(())
     }
 }

@@ -12,6 +12,7 @@ mod watch;
 
 use crate::Failure;
 use crate::args::{CacheCommand, Cli, Command, PlanCommand, ProfileCommand, SolveCommand};
+use crate::output::outln;
 use autopar_engine::session::Session;
 
 /// Runs the parsed command.
@@ -30,6 +31,9 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Profile { command } => match command {
             ProfileCommand::Diff { old, new, json } => {
                 profile::diff(&session, dir, old, new, *json)
+            }
+            ProfileCommand::Template { target, output } => {
+                profile::template(&session, target, output.as_deref())
             }
             ProfileCommand::Import {
                 input,
@@ -55,6 +59,6 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
 /// Prints `value` as pretty JSON on stdout.
 fn print_json(value: &impl serde::Serialize) -> Result<(), Failure> {
     let text = serde_json::to_string_pretty(value).map_err(|e| Failure::Failed(e.into()))?;
-    println!("{text}");
+    outln!("{text}");
     Ok(())
 }

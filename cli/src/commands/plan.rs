@@ -2,6 +2,7 @@
 
 use super::print_json;
 use crate::Failure;
+use crate::output::out;
 use crate::render;
 use autopar_engine::plans::read_plan;
 use autopar_engine::session::Session;
@@ -15,7 +16,7 @@ pub fn show(session: &Session, target: &str, json: bool) -> Result<(), Failure> 
     } else {
         let trace = ws.trace_path(target);
         let trace = trace.exists().then_some(trace.as_path());
-        print!("{}", render::plan(&plan, Some(&path), trace));
+        out!("{}", render::plan(&plan, Some(&path), trace));
         Ok(())
     }
 }

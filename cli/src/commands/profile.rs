@@ -2,6 +2,7 @@
 
 use super::print_json;
 use crate::Failure;
+use crate::output::{out, outln};
 use autopar_engine::EngineError;
 use autopar_engine::cache::LocalCache;
 use autopar_engine::cache::cache_dir;
@@ -103,35 +104,35 @@ pub fn diff(
             "targets": targets,
         }));
     }
-    println!(
+    outln!(
         "{} changed, {} added, {} removed",
         d.changed.len(),
         d.added.len(),
         d.removed.len()
     );
     for (e, o, n) in &d.changed {
-        println!("  changed  {e}: {o} us -> {n} us");
+        outln!("  changed  {e}: {o} us -> {n} us");
     }
     for (e, t) in &d.added {
-        println!("  added    {e}: {t} us");
+        outln!("  added    {e}: {t} us");
     }
     for (e, t) in &d.removed {
-        println!("  removed  {e}: {t} us");
+        outln!("  removed  {e}: {t} us");
     }
     if invalidated.is_empty() {
-        println!("no cached result reads a changed entry");
+        outln!("no cached result reads a changed entry");
     } else {
-        println!(
+        outln!(
             "invalidates {} cached result{}:",
             invalidated.len(),
             if invalidated.len() == 1 { "" } else { "s" }
         );
         for (_, kind, desc) in &invalidated {
-            println!("  {kind:<11} {desc}");
+            outln!("  {kind:<11} {desc}");
         }
     }
     if !targets.is_empty() {
-        println!(
+        outln!(
             "targets reading these profiles: {} (each re-plans only if a layer cost it reads changes)",
             targets.join(", ")
         );
@@ -152,7 +153,29 @@ pub fn import(input: &Path, output: Option<&Path>, device: Option<&str>) -> Resu
             autopar_engine::plans::write_text(out, &canonical)?;
             eprintln!("wrote {} ({} measurements)", out.display(), p.len());
         }
-        None => print!("{canonical}"),
+        None => out!("{canonical}"),
+    }
+    Ok(())
+}
+
+pub fn template(session: &Session, target: &str, output: Option<&Path>) -> Result<(), Failure> {
+    let ws = session.workspace()?;
+    let t = autopar_engine::build::select(&ws, &[target.to_string()])?
+        .first()
+        .copied()
+        .ok_or_else(|| Failure::Input(anyhow::anyhow!("no target `{target}`")))?;
+    let p = autopar_engine::profiles::template(&ws, t);
+    let text = p.to_canonical_json();
+    match output {
+        Some(out) => {
+            autopar_engine::plans::write_text(out, &text)?;
+            eprintln!(
+                "wrote {} ({} kernels and collectives to measure)",
+                out.display(),
+                p.len()
+            );
+        }
+        None => out!("{text}"),
     }
     Ok(())
 }

@@ -4,6 +4,7 @@
 use super::print_json;
 use crate::Failure;
 use crate::args::BalanceArgs;
+use crate::output::outln;
 use autopar_engine::alpa::solve_stages;
 use autopar_engine::plans::write_trace;
 use autopar_engine::sapp::{BalanceOptions, solve_balance};
@@ -23,15 +24,20 @@ pub fn stages(input: &Path, json: bool) -> Result<(), Failure> {
     if json {
         return print_json(&json!({ "cost": r.plan.cost, "stages": list }));
     }
-    println!(
+    outln!(
         "cost {:.6} (sum of stage costs + (B - 1) x max), {} stages, {} t_max bounds evaluated",
         r.plan.cost,
         r.plan.stages.len(),
         r.plan.bounds_evaluated
     );
-    println!(
+    outln!(
         "{:>5} {:>12} {:>10} {:>7} {:>12} {:>16}",
-        "stage", "layers", "submesh", "config", "cost", "devices"
+        "stage",
+        "layers",
+        "submesh",
+        "config",
+        "cost",
+        "devices"
     );
     for (q, s) in r.plan.stages.iter().enumerate() {
         let (n, m) = r.submeshes[s.submesh];
@@ -39,7 +45,7 @@ pub fn stages(input: &Path, json: bool) -> Result<(), Failure> {
             let (first, count) = p[q];
             format!("{first}..{}", first + count - 1)
         });
-        println!(
+        outln!(
             "{:>5} {:>12} {:>10} {:>7} {:>12.6} {:>16}",
             q,
             format!("{}..={}", s.start, s.end),
@@ -96,7 +102,7 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
         .iter()
         .filter_map(|k| t.activation[k.index()].map(|x| format!("{} {x:.2}", k.name())))
         .collect();
-    println!(
+    outln!(
         "memory terms (MB): const {:.2} · per layer {:.2} · activations {} · head {:.2} · tail {:.2}",
         t.constant,
         t.parameter,
@@ -104,7 +110,7 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
         t.head,
         t.tail
     );
-    println!(
+    outln!(
         "balanced {} layers over {} stages x {} chunks, {} micro-batches, cap {} MB: {} in {:.2} s",
         r.problem.layers,
         a.stages,
@@ -124,15 +130,15 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
         },
         r.solve_seconds
     );
-    println!("To put in yaml configuration:");
-    println!("        offset: {:?}", r.lists.offset);
-    println!("        recompute: {:?}", r.lists.recompute);
-    println!("        select_recompute: {:?}", r.lists.select_recompute);
-    println!(
+    outln!("To put in yaml configuration:");
+    outln!("        offset: {:?}", r.lists.offset);
+    outln!("        recompute: {:?}", r.lists.recompute);
+    outln!("        select_recompute: {:?}", r.lists.select_recompute);
+    outln!(
         "        select_comm_recompute: {:?}",
         r.lists.select_comm_recompute
     );
-    println!(
+    outln!(
         "{:>5} {:>6} {}  {:>10} {:>10}",
         "stage",
         "layers",
@@ -149,7 +155,7 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
                 per_kind[k] += n;
             }
         }
-        println!(
+        outln!(
             "{:>5} {:>6} {}  {:>10.1} {:>10.0}",
             j,
             per_kind.iter().sum::<u32>(),
@@ -158,17 +164,20 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
             r.peak_memory[j]
         );
     }
-    println!("bubble    real    =  ideal   + imbalance + recompute");
-    println!(
+    outln!("bubble    real    =  ideal   + imbalance + recompute");
+    outln!(
         "        {:>7.4}  = {:>7.4}  + {:>7.4}   + {:>7.4}",
-        b.real, b.ideal, b.imbalance, b.recompute
+        b.real,
+        b.ideal,
+        b.imbalance,
+        b.recompute
     );
-    println!(
+    outln!(
         "total time {:.1} (time units of the yaml)",
         r.simulation.makespan
     );
     if let Some(path) = &a.trace {
-        println!("trace {}", path.display());
+        outln!("trace {}", path.display());
     }
     Ok(())
 }
