@@ -128,6 +128,14 @@ pub fn select<'w>(ws: &'w Workspace, names: &[String]) -> Result<Vec<&'w Target>
         .collect())
 }
 
+/// Peak resident memory of this process so far, bytes (Linux; `None` elsewhere).
+pub fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// The components of a target's key: what its plan depends on, as the workspace states it
 /// (never names or file paths).
 pub fn target_parts(ws: &Workspace, t: &Target) -> KeyParts {

@@ -81,6 +81,7 @@ pub fn run_with(
             "hits_remote": c.remote,
             "solved": c.solved,
             "elapsed_s": report.elapsed.as_secs_f64(),
+            "peak_rss_bytes": autopar_engine::build::peak_rss(),
         }))?;
     } else {
         for o in &report.outcomes {
@@ -99,13 +100,17 @@ pub fn run_with(
             if report.outcomes.len() == 1 { "" } else { "s" },
         );
         outln!(
-            "solves: {} total, {} memory hits, {} local hits, {} remote hits, {} solved in {:.2} s",
+            "solves: {} total, {} memory hits, {} local hits, {} remote hits, {} solved in {:.2} s{}",
             c.total,
             c.memory,
             c.local,
             c.remote,
             c.solved,
-            report.elapsed.as_secs_f64()
+            report.elapsed.as_secs_f64(),
+            autopar_engine::build::peak_rss().map_or(String::new(), |b| format!(
+                ", peak memory {}",
+                render::bytes(b as f64)
+            ))
         );
     }
     match (planned, failed) {
