@@ -38,12 +38,17 @@ pub fn si(x: f64) -> String {
     format!("{v:.2}{suffix}")
 }
 
-/// Bytes as GiB (or MiB when small).
+/// Bytes as GiB, or MiB, KiB or bytes when small.
 pub fn bytes(b: f64) -> String {
+    const KIB: f64 = 1024.0;
     if b >= GIB / 10.0 {
         format!("{:.1} GiB", b / GIB)
+    } else if b >= KIB * KIB / 10.0 {
+        format!("{:.1} MiB", b / (KIB * KIB))
+    } else if b >= KIB {
+        format!("{:.1} KiB", b / KIB)
     } else {
-        format!("{:.1} MiB", b / (1024.0 * 1024.0))
+        format!("{b:.0} B")
     }
 }
 

@@ -120,7 +120,7 @@ impl Cache {
         let mut cache = Cache::with_memory(memory);
         match LocalCache::open(dir, LOCK_WAIT) {
             Ok(local) => cache.local = Some(local),
-            Err(e) => tracing::warn!(error = %e, "working without the local cache"),
+            Err(e) => tracing::warn!("working without the local cache: {e}: {}", e.source),
         }
         cache
     }
