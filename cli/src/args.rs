@@ -32,6 +32,21 @@ pub struct Cli {
     /// workspace file).
     #[arg(long, global = true, env = "AUTOPAR_CACHE_DIR")]
     pub cache_dir: Option<PathBuf>,
+    /// Remote cache base URL, in the Bazel HTTP cache layout (default: `[cache] remote`).
+    #[arg(long, global = true, env = "AUTOPAR_REMOTE_CACHE")]
+    pub remote_cache: Option<String>,
+    /// Read and upload (rw), or only read (ro).
+    #[arg(long, global = true, env = "AUTOPAR_REMOTE_CACHE_MODE", value_enum)]
+    pub remote_cache_mode: Option<RemoteMode>,
+    /// File with the remote cache's bearer token (`AUTOPAR_REMOTE_TOKEN` takes precedence).
+    #[arg(long, global = true, env = "AUTOPAR_REMOTE_TOKEN_FILE")]
+    pub remote_token_file: Option<PathBuf>,
+    /// Remote request timeout in milliseconds (default 10000).
+    #[arg(long, global = true, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub remote_timeout_ms: Option<u64>,
+    /// Instance prefix on the remote (`{url}/{instance}/ac/...`).
+    #[arg(long, global = true)]
+    pub remote_instance: Option<String>,
     /// The command.
     #[command(subcommand)]
     pub command: Command,
@@ -89,6 +104,15 @@ pub enum Command {
     Watch(WatchArgs),
 }
 
+/// Remote cache access.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum RemoteMode {
+    /// Read and upload.
+    Rw,
+    /// Read only.
+    Ro,
+}
+
 /// `autopar cache ...`.
 #[derive(Debug, Subcommand)]
 pub enum CacheCommand {
@@ -106,6 +130,32 @@ pub enum CacheCommand {
         #[arg(long)]
         max_size: String,
     },
+    /// Run a remote cache server (Bazel HTTP cache layout) for a team.
+    Serve(ServeArgs),
+}
+
+/// `autopar cache serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Directory to keep the blobs in.
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Address to listen on (port 0 picks a free port and prints it).
+    #[arg(long, default_value = "127.0.0.1:9092")]
+    pub listen: String,
+    /// Tokens file: one `read <token>` or `readwrite <token>` per line. Without it, anyone who
+    /// can connect may read and write.
+    #[arg(long)]
+    pub tokens: Option<PathBuf>,
+    /// Allow reads without a token even when tokens are configured.
+    #[arg(long)]
+    pub allow_anonymous_read: bool,
+    /// Total size kept, with a suffix K, M, G; least recently used entries are evicted past it.
+    #[arg(long, default_value = "10G")]
+    pub max_size: String,
+    /// Largest blob accepted, with a suffix K, M, G.
+    #[arg(long, default_value = "256M")]
+    pub max_blob: String,
 }
 
 /// `autopar profile ...`.

@@ -2,6 +2,8 @@
 //! stored, with counts of each outcome (the summary every build ends with).
 
 use autopar_rules::canonical::Digest;
+use autopar_store::remote::{Fetch, RemoteCache, Uploader};
+pub use autopar_store::remote::{Mode, RemoteConfig, RemoteStats};
 pub use autopar_store::{CacheStats, EntryMeta, GcReport, LocalCache, VerifyReport};
 use autopar_store::{Key, Lookup};
 use serde::de::DeserializeOwned;
@@ -63,13 +65,75 @@ struct Counters {
 }
 
 /// The local cache directory of `ws`: `dir` when given (flag or `AUTOPAR_CACHE_DIR`), else
-/// `[workspace] cache`, else `.autopar/cache` next to the workspace file.
+/// `[cache] dir`, else `.autopar/cache` next to the workspace file.
 pub fn cache_dir(dir: Option<&Path>, ws: &crate::workspace::Workspace) -> std::path::PathBuf {
-    match (dir, &ws.cache_dir) {
+    match (dir, &ws.cache.dir) {
         (Some(d), _) => d.to_path_buf(),
         (None, Some(d)) => d.clone(),
         (None, None) => ws.root.join(".autopar").join("cache"),
     }
+}
+
+/// Remote-cache settings given on the command line or in the environment (flags win over the
+/// environment, both over `[cache]` in `workspace.toml`).
+#[derive(Clone, Debug, Default)]
+pub struct RemoteFlags {
+    /// Base URL.
+    pub url: Option<String>,
+    /// Read-write or read-only.
+    pub mode: Option<Mode>,
+    /// File with the bearer token.
+    pub token_file: Option<std::path::PathBuf>,
+    /// Request timeout, ms.
+    pub timeout_ms: Option<u64>,
+    /// Instance prefix.
+    pub instance: Option<String>,
+}
+
+/// Default remote request timeout.
+pub const REMOTE_TIMEOUT_MS: u64 = 10_000;
+
+/// The remote cache to use, if any: `flags` over `[cache]`; the token from
+/// `AUTOPAR_REMOTE_TOKEN`, else the token file.
+pub fn remote_config(
+    flags: &RemoteFlags,
+    ws: &crate::workspace::Workspace,
+) -> Result<Option<RemoteConfig>, crate::EngineError> {
+    let c = &ws.cache;
+    let Some(url) = flags.url.clone().or_else(|| c.remote.clone()) else {
+        return Ok(None);
+    };
+    let mode = flags.mode.unwrap_or(match c.remote_mode.as_deref() {
+        Some("ro") => Mode::Ro,
+        _ => Mode::Rw,
+    });
+    let token = match std::env::var("AUTOPAR_REMOTE_TOKEN") {
+        Ok(t) if !t.trim().is_empty() => Some(t.trim().to_string()),
+        _ => match flags.token_file.as_ref().or(c.token_file.as_ref()) {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|source| crate::EngineError::Read {
+                        path: path.clone(),
+                        source,
+                    })?
+                    .trim()
+                    .to_string(),
+            ),
+            None => None,
+        },
+    };
+    Ok(Some(RemoteConfig {
+        url,
+        mode,
+        token,
+        timeout: Duration::from_millis(
+            flags
+                .timeout_ms
+                .or(c.timeout_ms)
+                .unwrap_or(REMOTE_TIMEOUT_MS),
+        ),
+        instance: flags.instance.clone().or_else(|| c.instance.clone()),
+    }))
 }
 
 /// How long a build waits for another `autopar` process to release the local store.
@@ -78,10 +142,14 @@ pub const LOCK_WAIT: Duration = Duration::from_secs(30);
 /// Results kept in process memory, shareable between the caches of successive builds (`watch`).
 pub type Memory = Arc<Mutex<HashMap<Digest, Arc<Vec<u8>>>>>;
 
-/// The memo of results: process memory over an optional local store.
+/// Results queued for upload at most; more are dropped (they stay in the local store).
+pub const UPLOAD_QUEUE: usize = 4096;
+
+/// The memo of results: process memory over an optional local store over an optional remote.
 pub struct Cache {
     local: Option<LocalCache>,
     memory: Memory,
+    remote: Option<(Arc<RemoteCache>, Uploader)>,
     counters: Counters,
 }
 
@@ -104,7 +172,41 @@ impl Cache {
         Cache {
             local: None,
             memory,
+            remote: None,
             counters: Counters::default(),
+        }
+    }
+
+    /// The same cache, also reading from and uploading to the remote `cfg` describes.
+    pub fn with_remote(mut self, cfg: RemoteConfig) -> Self {
+        let remote = Arc::new(RemoteCache::new(cfg));
+        let uploader = Uploader::start(remote.clone(), UPLOAD_QUEUE);
+        self.remote = Some((remote, uploader));
+        self
+    }
+
+    /// What the remote did (`None` without one).
+    pub fn remote_stats(&self) -> Option<RemoteStats> {
+        self.remote.as_ref().map(|(r, _)| r.stats())
+    }
+
+    /// Waits up to `wait` for queued uploads (the build's results are written already); says
+    /// so when some did not finish.
+    pub fn finish_uploads(&self, wait: Duration) {
+        if let Some((remote, uploader)) = &self.remote {
+            if !uploader.finish(wait) {
+                tracing::warn!(
+                    "uploads to {} did not finish within {} s; the results stay in the local cache",
+                    remote.url(),
+                    wait.as_secs()
+                );
+            }
+            if uploader.dropped() > 0 {
+                tracing::warn!(
+                    "{} results were not uploaded (upload queue full)",
+                    uploader.dropped()
+                );
+            }
         }
     }
 
@@ -175,26 +277,47 @@ impl Cache {
         {
             return Some((v, Source::Memory));
         }
-        let local = self.local.as_ref()?;
-        match local.get(&key(k)) {
-            Ok(Lookup::Hit(bytes)) => match postcard::from_bytes(&bytes) {
-                Ok(v) => {
-                    lock(&self.memory).insert(k, Arc::new(bytes));
-                    Some((v, Source::Local))
-                }
-                Err(e) => {
-                    // Intact bytes of another layout (an older autopar): drop them.
-                    tracing::warn!(key = %k, error = %e, "undecodable cache entry removed");
-                    let _ = local.remove(&key(k));
-                    None
-                }
-            },
-            Ok(Lookup::Miss) | Ok(Lookup::Corrupt) => None,
-            Err(e) => {
-                tracing::warn!(error = %e, "cache read failed; recomputing");
-                None
+        if let Some(local) = &self.local {
+            match local.get(&key(k)) {
+                Ok(Lookup::Hit(bytes)) => match postcard::from_bytes(&bytes) {
+                    Ok(v) => {
+                        lock(&self.memory).insert(k, Arc::new(bytes));
+                        return Some((v, Source::Local));
+                    }
+                    Err(e) => {
+                        // Intact bytes of another layout (an older autopar): drop them.
+                        tracing::warn!(key = %k, error = %e, "undecodable cache entry removed");
+                        let _ = local.remove(&key(k));
+                    }
+                },
+                Ok(Lookup::Miss) | Ok(Lookup::Corrupt) => {}
+                Err(e) => tracing::warn!(error = %e, "cache read failed; recomputing"),
             }
         }
+        let (remote, _) = self.remote.as_ref()?;
+        let Fetch::Hit(bytes) = remote.get(&key(k)) else {
+            return None;
+        };
+        let v = match postcard::from_bytes(&bytes) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(key = %k, error = %e, "remote cache entry does not decode; ignored");
+                return None;
+            }
+        };
+        // A verified remote hit is kept locally, so the next build finds it there.
+        if let Some(local) = &self.local {
+            let meta = EntryMeta {
+                kind: "remote".into(),
+                description: format!("copied from {}", remote.url()),
+                ..EntryMeta::default()
+            };
+            if let Err(e) = local.put(&key(k), &bytes, &meta) {
+                tracing::warn!(error = %e, "could not keep a remote hit locally");
+            }
+        }
+        lock(&self.memory).insert(k, Arc::new(bytes));
+        Some((v, Source::Remote))
     }
 
     /// Whether a result is known (for `--dry-run`), without counting or verifying it.
@@ -206,13 +329,16 @@ impl Cache {
                 .is_some_and(|l| l.contains(&key(k)).unwrap_or(false))
     }
 
-    /// Stores a value in memory and in the local store.
+    /// Stores a value in memory and in the local store, and queues its upload.
     pub fn put<T: Serialize>(&self, k: Digest, value: &T, meta: &EntryMeta) {
         let bytes = autopar_rules::canonical::encode(value);
         if let Some(local) = &self.local
             && let Err(e) = local.put(&key(k), &bytes, meta)
         {
             tracing::warn!(error = %e, "cache write failed; the result is kept in memory only");
+        }
+        if let Some((_, uploader)) = &self.remote {
+            uploader.submit(key(k), &meta.kind, bytes.clone());
         }
         lock(&self.memory).insert(k, Arc::new(bytes));
     }
@@ -250,7 +376,9 @@ impl Cache {
     pub fn lookup_indexed<T: DeserializeOwned>(&self, index: Digest) -> Option<(T, Source)> {
         let (target, s1) = self.find::<Digest>(index)?;
         let (v, s2) = self.find::<T>(target)?;
-        let source = if s1 == Source::Memory && s2 == Source::Memory {
+        let source = if s1 == Source::Remote || s2 == Source::Remote {
+            Source::Remote
+        } else if s1 == Source::Memory && s2 == Source::Memory {
             Source::Memory
         } else {
             Source::Local

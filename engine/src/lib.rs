@@ -16,4 +16,5 @@ pub mod sapp;
 pub mod session;
 pub mod workspace;
 
+pub use autopar_store::server;
 pub use error::EngineError;

@@ -53,6 +53,24 @@ pub struct Target {
     pub profile: Option<Arc<Profile>>,
 }
 
+/// The `[cache]` table: where results are kept and shared. Command-line flags and
+/// environment variables take precedence over it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CacheSettings {
+    /// Local cache directory (resolved against the workspace directory).
+    pub dir: Option<PathBuf>,
+    /// Remote cache base URL.
+    pub remote: Option<String>,
+    /// `"rw"` or `"ro"`.
+    pub remote_mode: Option<String>,
+    /// File holding the remote cache's bearer token (resolved against the workspace directory).
+    pub token_file: Option<PathBuf>,
+    /// Remote request timeout, ms.
+    pub timeout_ms: Option<u64>,
+    /// Instance prefix on the remote.
+    pub instance: Option<String>,
+}
+
 /// A profile of the workspace: measured costs from a file.
 #[derive(Clone, Debug)]
 pub struct NamedProfile {
@@ -73,8 +91,8 @@ pub struct Workspace {
     pub root: PathBuf,
     /// Directory plans are written to.
     pub plans_dir: PathBuf,
-    /// Directory of the local cache, if `[workspace] cache` sets it.
-    pub cache_dir: Option<PathBuf>,
+    /// `[cache]` settings.
+    pub cache: CacheSettings,
     /// Profiles in file order.
     pub profiles: Vec<NamedProfile>,
     /// Profiles each cluster uses (indices into `profiles`), by cluster index.
@@ -188,6 +206,25 @@ struct RawFile {
     target: Vec<Spanned<RawTarget>>,
     #[serde(default)]
     profile: Vec<Spanned<RawProfile>>,
+    #[serde(default)]
+    cache: Option<RawCache>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCache {
+    #[serde(default)]
+    dir: Option<String>,
+    #[serde(default)]
+    remote: Option<Spanned<String>>,
+    #[serde(default)]
+    remote_mode: Option<Spanned<String>>,
+    #[serde(default)]
+    token_file: Option<String>,
+    #[serde(default)]
+    timeout_ms: Option<Positive>,
+    #[serde(default)]
+    instance: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -195,8 +232,6 @@ struct RawFile {
 struct RawSettings {
     #[serde(default)]
     plans: Option<String>,
-    #[serde(default)]
-    cache: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -896,16 +931,56 @@ pub fn load_with(path: &Path, text: &str, read: ReadFile<'_>) -> Result<Workspac
         .iter()
         .map(|t| l.target(t, &models, &clusters, &profiles, &cluster_profiles))
         .collect::<Result<Vec<_>, _>>()?;
-    let settings = raw.workspace.unwrap_or(RawSettings {
-        plans: None,
-        cache: None,
-    });
+    let settings = raw.workspace.unwrap_or(RawSettings { plans: None });
     let plans = settings.plans.unwrap_or_else(|| "plans".to_string());
+    let cache = match raw.cache {
+        None => CacheSettings::default(),
+        Some(c) => {
+            if let Some(m) = &c.remote_mode
+                && !matches!(m.get_ref().as_str(), "rw" | "ro")
+            {
+                return Err(l.diag(
+                    m.span().start,
+                    "cache.remote_mode",
+                    "\"rw\" or \"ro\"",
+                    format!("\"{}\"", m.get_ref()),
+                ));
+            }
+            if let Some(u) = &c.remote
+                && !(u.get_ref().starts_with("http://") || u.get_ref().starts_with("https://"))
+            {
+                return Err(l.diag(
+                    u.span().start,
+                    "cache.remote",
+                    "an http:// or https:// URL",
+                    format!("\"{}\"", u.get_ref()),
+                ));
+            }
+            if let Some(i) = &c.instance
+                && !valid_name(i.get_ref())
+            {
+                return Err(l.diag(
+                    i.span().start,
+                    "cache.instance",
+                    "a name of letters, digits, '.', '_' or '-'",
+                    format!("\"{}\"", i.get_ref()),
+                ));
+            }
+            CacheSettings {
+                dir: c.dir.map(|d| root.join(d)),
+                remote: c.remote.map(|u| u.into_inner()),
+                remote_mode: c.remote_mode.map(|m| m.into_inner()),
+                token_file: c.token_file.map(|f| root.join(f)),
+                timeout_ms: c.timeout_ms.map(|t| t.0),
+                instance: c.instance.map(|i| i.into_inner()),
+            }
+        }
+    };
     let inputs = l.read_files.into_inner();
     Ok(Workspace {
         file: path.to_path_buf(),
         plans_dir: root.join(plans),
-        cache_dir: settings.cache.map(|c| root.join(c)),
+        cache,
         root,
         models,
         clusters,

@@ -1,10 +1,14 @@
-//! Durable storage for autopar: atomic file outputs and the content-addressed local cache.
+//! Durable storage for autopar: atomic file outputs, the content-addressed local cache, the
+//! remote cache client and the built-in remote cache server.
 //!
 //! Everything autopar writes must survive an interrupted process: a reader sees either the old
 //! file or the complete new one, never a torn write, and a cache entry is served only if it
 //! matches its hash.
 
 mod cache;
+pub mod reapi;
+pub mod remote;
+pub mod server;
 
 pub use cache::{CacheStats, EntryMeta, GcReport, Key, LocalCache, Lookup, VerifyReport};
 

@@ -7,19 +7,44 @@ use crate::output::outln;
 use crate::progress::Reporter;
 use crate::render;
 use autopar_engine::build::{TargetResult, build, dry_run};
-use autopar_engine::cache::{self, Cache};
+use autopar_engine::cache::{self, Cache, RemoteFlags};
 use autopar_engine::session::Session;
 use autopar_engine::workspace::Workspace;
 use serde_json::json;
 use std::path::Path;
 
-pub fn run(session: &Session, args: &BuildArgs, cache_dir: Option<&Path>) -> Result<(), Failure> {
+pub fn run(
+    session: &Session,
+    args: &BuildArgs,
+    cache_dir: Option<&Path>,
+    remote: &RemoteFlags,
+) -> Result<(), Failure> {
     let ws = session.workspace()?;
-    let cache = Cache::open(&cache::cache_dir(cache_dir, &ws));
     if args.dry_run {
+        // What is known locally; the remote is not asked.
+        let cache = Cache::open(&cache::cache_dir(cache_dir, &ws));
         return dry(&ws, args, &cache);
     }
-    run_with(&ws, &args.targets, args.json, &cache)
+    let cache = open_cache(&ws, cache_dir, remote)?;
+    let result = run_with(&ws, &args.targets, args.json, &cache);
+    cache.finish_uploads(UPLOAD_WAIT);
+    result
+}
+
+/// How long a finished build waits for its uploads before exiting.
+pub const UPLOAD_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The cache a build of `ws` uses: the local store, and the remote when one is configured.
+pub fn open_cache(
+    ws: &Workspace,
+    cache_dir: Option<&Path>,
+    remote: &RemoteFlags,
+) -> Result<Cache, Failure> {
+    let cache = Cache::open(&cache::cache_dir(cache_dir, ws));
+    Ok(match cache::remote_config(remote, ws)? {
+        Some(cfg) => cache.with_remote(cfg),
+        None => cache,
+    })
 }
 
 /// One build of `targets` through `cache`, reported as `build` does.
@@ -80,6 +105,7 @@ pub fn run_with(
             "hits_local": c.local,
             "hits_remote": c.remote,
             "solved": c.solved,
+            "remote": cache.remote_stats(),
             "elapsed_s": report.elapsed.as_secs_f64(),
             "peak_rss_bytes": autopar_engine::build::peak_rss(),
         }))?;
@@ -99,12 +125,19 @@ pub fn run_with(
             report.outcomes.len(),
             if report.outcomes.len() == 1 { "" } else { "s" },
         );
+        // With a remote, its misses and errors are counted on the same line.
+        let remote = match cache.remote_stats() {
+            Some(r) => format!(
+                "{} remote hits ({} misses, {} errors)",
+                c.remote, r.misses, r.errors
+            ),
+            None => format!("{} remote hits", c.remote),
+        };
         outln!(
-            "solves: {} total, {} memory hits, {} local hits, {} remote hits, {} solved in {:.2} s{}",
+            "solves: {} total, {} memory hits, {} local hits, {remote}, {} solved in {:.2} s{}",
             c.total,
             c.memory,
             c.local,
-            c.remote,
             c.solved,
             report.elapsed.as_secs_f64(),
             autopar_engine::build::peak_rss().map_or(String::new(), |b| format!(

@@ -6,6 +6,7 @@ use crate::output::outln;
 use crate::render;
 use autopar_engine::cache::LocalCache;
 use autopar_engine::cache::cache_dir;
+use autopar_engine::server;
 use autopar_engine::session::Session;
 use std::path::Path;
 
@@ -84,6 +85,61 @@ pub fn gc(session: &Session, dir: Option<&Path>, max_size: &str) -> Result<(), F
         r.removed,
         render::bytes(r.freed as f64),
         render::bytes(r.remaining as f64)
+    );
+    Ok(())
+}
+
+pub fn serve(a: &crate::args::ServeArgs) -> Result<(), Failure> {
+    let size = |flag: &str, v: &str| {
+        parse_size(v).filter(|&n| n > 0).ok_or_else(|| {
+            Failure::Input(anyhow::anyhow!(
+                "{flag}: expected a size such as 500M or 2G, found `{v}`"
+            ))
+        })
+    };
+    let max_total = size("--max-size", &a.max_size)?;
+    let max_blob = size("--max-blob", &a.max_blob)?;
+    let tokens = match &a.tokens {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|source| {
+                autopar_engine::EngineError::Read {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+            server::parse_tokens(&text).map_err(|(line, msg)| {
+                Failure::Input(anyhow::anyhow!("{}:{line}: {msg}", path.display()))
+            })?
+        }
+        None => Vec::new(),
+    };
+    if tokens.is_empty() && a.tokens.is_some() {
+        return Err(Failure::Input(anyhow::anyhow!(
+            "{}: expected at least one `read <token>` or `readwrite <token>` line, found none",
+            a.tokens
+                .as_ref()
+                .map_or(String::new(), |p| p.display().to_string())
+        )));
+    }
+    let cfg = server::ServeConfig {
+        dir: a.dir.clone(),
+        listen: a.listen.clone(),
+        tokens,
+        allow_anonymous_read: a.allow_anonymous_read,
+        max_blob,
+        max_total,
+    };
+    let status = server::serve(cfg, |addr| {
+        outln!("serving {} on http://{addr}", a.dir.display());
+    })
+    .map_err(|e| Failure::Failed(anyhow::Error::new(e)))?;
+    outln!(
+        "stopped: {} entries, {} hits, {} misses, {} uploads, {} rejected",
+        status.entries,
+        status.hits,
+        status.misses,
+        status.uploads,
+        status.rejects
     );
     Ok(())
 }

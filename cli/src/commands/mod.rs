@@ -11,21 +11,35 @@ mod solve;
 mod watch;
 
 use crate::Failure;
-use crate::args::{CacheCommand, Cli, Command, PlanCommand, ProfileCommand, SolveCommand};
+use crate::args::{
+    CacheCommand, Cli, Command, PlanCommand, ProfileCommand, RemoteMode, SolveCommand,
+};
 use crate::output::outln;
+use autopar_engine::cache::{Mode, RemoteFlags};
 use autopar_engine::session::Session;
 
 /// Runs the parsed command.
 pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
     let mut session = Session::new(cli.workspace.clone());
     let dir = cli.cache_dir.as_deref();
+    let remote = RemoteFlags {
+        url: cli.remote_cache.clone(),
+        mode: cli.remote_cache_mode.map(|m| match m {
+            RemoteMode::Rw => Mode::Rw,
+            RemoteMode::Ro => Mode::Ro,
+        }),
+        token_file: cli.remote_token_file.clone(),
+        timeout_ms: cli.remote_timeout_ms,
+        instance: cli.remote_instance.clone(),
+    };
     match &cli.command {
-        Command::Build(a) => build::run(&session, a, dir),
+        Command::Build(a) => build::run(&session, a, dir, &remote),
         Command::Explain { target, json } => explain::run(&session, target, *json),
         Command::Cache { command } => match command {
             CacheCommand::Stats { json } => cache::stats(&session, dir, *json),
             CacheCommand::Verify => cache::verify(&session, dir),
             CacheCommand::Gc { max_size } => cache::gc(&session, dir, max_size),
+            CacheCommand::Serve(a) => cache::serve(a),
         },
         Command::Clean { cache: all } => cache::clean(&session, dir, *all),
         Command::Profile { command } => match command {
@@ -41,7 +55,7 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
                 device,
             } => profile::import(input, output.as_deref(), device.as_deref()),
         },
-        Command::Watch(a) => watch::run(&mut session, a, dir),
+        Command::Watch(a) => watch::run(&mut session, a, dir, &remote),
         Command::Estimate(a) => estimate::run(&session, a),
         Command::Graph(a) => graph::run(&session, a),
         Command::Plan {

@@ -6,15 +6,20 @@ use super::build::run_with;
 use crate::Failure;
 use crate::args::WatchArgs;
 use crate::output::outln;
-use autopar_engine::cache::{Cache, Memory, cache_dir};
+use autopar_engine::cache::{Cache, Memory, RemoteFlags, cache_dir, remote_config};
 use autopar_engine::session::Session;
 use std::path::Path;
 use std::time::Duration;
 
-pub fn run(session: &mut Session, args: &WatchArgs, cache: Option<&Path>) -> Result<(), Failure> {
+pub fn run(
+    session: &mut Session,
+    args: &WatchArgs,
+    cache: Option<&Path>,
+    remote: &RemoteFlags,
+) -> Result<(), Failure> {
     let memory = Memory::default();
     let mut keys = session.target_keys();
-    build_once(session, args, cache, &memory);
+    build_once(session, args, cache, remote, &memory);
     loop {
         std::thread::sleep(Duration::from_millis(args.interval_ms));
         let changed = session.refresh();
@@ -30,14 +35,25 @@ pub fn run(session: &mut Session, args: &WatchArgs, cache: Option<&Path>) -> Res
             continue;
         }
         keys = now;
-        build_once(session, args, cache, &memory);
+        build_once(session, args, cache, remote, &memory);
     }
 }
 
-fn build_once(session: &Session, args: &WatchArgs, dir: Option<&Path>, memory: &Memory) {
+fn build_once(
+    session: &Session,
+    args: &WatchArgs,
+    dir: Option<&Path>,
+    remote: &RemoteFlags,
+    memory: &Memory,
+) {
     let result = session.workspace().map_err(Failure::from).and_then(|ws| {
-        let cache = Cache::open_with_memory(&cache_dir(dir, &ws), memory.clone());
-        run_with(&ws, &args.targets, false, &cache)
+        let mut cache = Cache::open_with_memory(&cache_dir(dir, &ws), memory.clone());
+        if let Some(cfg) = remote_config(remote, &ws)? {
+            cache = cache.with_remote(cfg);
+        }
+        let result = run_with(&ws, &args.targets, false, &cache);
+        cache.finish_uploads(super::build::UPLOAD_WAIT);
+        result
     });
     match result {
         Ok(()) | Err(Failure::Partial) => {}

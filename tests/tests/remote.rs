@@ -1,0 +1,490 @@
+//! The team remote cache on loopback: two teammates share results through `autopar cache
+//! serve` and through nginx with WebDAV PUT; failures of every kind never fail a build; tokens;
+//! a corrupt blob on the server; rejected uploads; concurrent load; graceful shutdown.
+
+use autopar_tests::{Run, TempWorkspace, binary};
+use serde_json::Value;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Two small targets: quick to build, and enough to see shared and separate results.
+const SMALL: &str = r#"
+[[model]]
+name = "tiny"
+transformer = { hidden = 512, layers = 4, heads = 8, ffn_hidden = 2048, vocab = 32000, max_seq = 1024 }
+
+[[model]]
+name = "gpt2"
+hf_config = "models/gpt2-small.json"
+
+[[cluster]]
+name = "one"
+preset = "h100-sxm"
+nodes = 1
+gpus_per_node = 2
+
+[[target]]
+name = "tiny"
+model = "tiny"
+cluster = "one"
+global_batch = 8
+[target.search]
+micro_batch = [1]
+
+[[target]]
+name = "gpt2"
+model = "gpt2"
+cluster = "one"
+global_batch = 8
+[target.search]
+micro_batch = [1, 2]
+"#;
+
+/// A running `autopar cache serve`.
+struct Server {
+    child: Child,
+    addr: String,
+    dir: tempfile::TempDir,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("server dir");
+        Self::start_in(dir, extra)
+    }
+
+    fn start_in(dir: tempfile::TempDir, extra: &[&str]) -> Self {
+        let mut args = vec![
+            "cache".to_string(),
+            "serve".into(),
+            "--dir".into(),
+            dir.path().display().to_string(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut child = Command::new(binary())
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("server starts");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("server says where it listens");
+        let addr = line
+            .trim()
+            .rsplit("http://")
+            .next()
+            .expect("an address")
+            .to_string();
+        Server { child, addr, dir }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn status(&self) -> Value {
+        let (code, body) = http(&self.addr, "GET", "/status", &[], b"");
+        assert_eq!(code, 200);
+        serde_json::from_slice(&body).expect("status JSON")
+    }
+
+    /// SIGTERM, then wait; returns the exit status and what it printed last.
+    fn stop(mut self) -> (bool, tempfile::TempDir) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let ok = self.child.wait().map(|s| s.success()).unwrap_or(false);
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().expect("dir"));
+        (ok, dir)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection: (status, body).
+fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> (u16, Vec<u8>) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).expect("write");
+    s.write_all(body).expect("write body");
+    let mut resp = Vec::new();
+    let _ = s.read_to_end(&mut resp);
+    let head_end = resp
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(resp.len(), |p| p + 4);
+    let head = String::from_utf8_lossy(&resp[..head_end]);
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, resp[head_end..].to_vec())
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    autopar_engine::server::sha256_hex(bytes)
+}
+
+fn build(ws: &TempWorkspace, remote: &str, env: &[(&str, &str)]) -> Run {
+    let out = Command::new(binary())
+        .args(["--remote-cache", remote, "build", "--json"])
+        .current_dir(ws.path())
+        .env_remove("AUTOPAR_REMOTE_TOKEN")
+        .env_remove("AUTOPAR_CACHE_DIR")
+        .env_remove("RUST_LOG")
+        .envs(env.iter().copied())
+        .output()
+        .expect("autopar runs");
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn field(r: &Run, k: &str) -> u64 {
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    r.json()[k]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{k} in {}", r.stdout))
+}
+
+fn warnings(r: &Run) -> Vec<&str> {
+    r.stderr.lines().filter(|l| l.contains("WARN")).collect()
+}
+
+/// Teammate A builds and uploads; teammate B, with an empty local cache, solves nothing.
+fn teammates_share(remote: &str) {
+    let a = TempWorkspace::with_toml(SMALL);
+    let b = TempWorkspace::with_toml(SMALL);
+    let first = build(&a, remote, &[]);
+    assert!(field(&first, "solved") > 2, "{}", first.stdout);
+    assert_eq!(field(&first, "hits_remote"), 0);
+    let second = build(&b, remote, &[]);
+    assert_eq!(field(&second, "solved"), 0, "{}", second.stderr);
+    assert_eq!(
+        field(&second, "hits_remote"),
+        2,
+        "both plans from the remote"
+    );
+    assert_eq!(a.read("plans/tiny.json"), b.read("plans/tiny.json"));
+    // The remote hits were kept locally: offline, B still solves nothing.
+    let offline = b.run(&["build", "--json"]);
+    assert_eq!(field(&offline, "solved"), 0);
+    assert_eq!(field(&offline, "hits_local"), 2);
+}
+
+#[test]
+fn two_teammates_share_results_through_the_built_in_server() {
+    let server = Server::start(&[]);
+    teammates_share(&server.url());
+    let s = server.status();
+    assert!(s["uploads"].as_u64().expect("uploads") > 0, "{s}");
+    assert_eq!(s["rejects"], 0);
+}
+
+/// nginx with WebDAV PUT, as a team might already run it.
+struct Nginx {
+    child: Child,
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl Nginx {
+    fn start() -> Option<Nginx> {
+        let nginx = ["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"]
+            .into_iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())?;
+        let dir = tempfile::tempdir().expect("dir");
+        let data = dir.path().join("data");
+        let tmp = dir.path().join("tmp");
+        std::fs::create_dir_all(&data).expect("data");
+        std::fs::create_dir_all(&tmp).expect("tmp");
+        // Workers may run as another user.
+        for d in [dir.path(), &data, &tmp] {
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o777));
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let d = dir.path().display();
+        let conf = format!(
+            "daemon off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
+             events {{ worker_connections 128; }}\nhttp {{\n  access_log off;\n\
+             client_body_temp_path {d}/tmp;\n  proxy_temp_path {d}/tmp;\n  fastcgi_temp_path {d}/tmp;\n\
+             uwsgi_temp_path {d}/tmp;\n  scgi_temp_path {d}/tmp;\n  server {{\n\
+             listen 127.0.0.1:{port};\n    location / {{\n      root {d}/data;\n\
+             dav_methods PUT;\n      create_full_put_path on;\n      dav_access user:rw group:rw all:rw;\n\
+             client_max_body_size 256m;\n    }}\n  }}\n}}\n"
+        );
+        let conf_path = dir.path().join("nginx.conf");
+        std::fs::write(&conf_path, conf).expect("config");
+        let child = Command::new(nginx)
+            .arg("-c")
+            .arg(&conf_path)
+            .arg("-p")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nginx starts");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "nginx did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(Nginx { child, dir, port })
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = &self.dir;
+    }
+}
+
+#[test]
+fn two_teammates_share_results_through_nginx_webdav() {
+    let Some(nginx) = Nginx::start() else {
+        eprintln!("skipping: nginx is not installed (.ci/run installs it)");
+        return;
+    };
+    teammates_share(&format!("http://127.0.0.1:{}", nginx.port));
+}
+
+#[test]
+fn an_unreachable_or_stopped_server_never_fails_a_build() {
+    // Nothing listens on a port just released.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port();
+    let ws = TempWorkspace::with_toml(SMALL);
+    let r = build(&ws, &format!("http://127.0.0.1:{port}"), &[]);
+    assert!(field(&r, "solved") > 2);
+    assert_eq!(warnings(&r).len(), 1, "{}", r.stderr);
+    assert!(r.stderr.contains("continuing without it"), "{}", r.stderr);
+    // Requests in flight when the breaker opens fail too; then nothing more is asked.
+    let errors = r.json()["remote"]["errors"].as_u64().expect("errors");
+    assert!((3..=8).contains(&errors), "{errors} errors");
+    // A server that goes away in the middle of a build.
+    let server = Server::start(&[]);
+    let url = server.url();
+    let big = TempWorkspace::default_copy();
+    let child = Command::new(binary())
+        .args(["--remote-cache", &url, "build", "--json"])
+        .current_dir(big.path())
+        .env_remove("AUTOPAR_CACHE_DIR")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("build starts");
+    std::thread::sleep(Duration::from_millis(300));
+    drop(server);
+    let out = child.wait_with_output().expect("build ends");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let warns = stderr.lines().filter(|l| l.contains("WARN")).count();
+    assert!(warns <= 1, "{stderr}");
+    let report: Value = serde_json::from_slice(&out.stdout).expect("report");
+    assert_eq!(report["planned"], 4);
+}
+
+#[test]
+fn tokens_scope_reads_and_writes() {
+    let tokens = tempfile::NamedTempFile::new().expect("tokens file");
+    std::fs::write(
+        tokens.path(),
+        "# team tokens\nread reader-token\nreadwrite writer-token\n",
+    )
+    .expect("write tokens");
+    let tokens_path = tokens.path().display().to_string();
+    let server = Server::start(&["--tokens", &tokens_path]);
+    let url = server.url();
+    let a = TempWorkspace::with_toml(SMALL);
+    let wrote = build(&a, &url, &[("AUTOPAR_REMOTE_TOKEN", "writer-token")]);
+    assert!(field(&wrote, "solved") > 2);
+    assert!(warnings(&wrote).is_empty(), "{}", wrote.stderr);
+    // A reader reads everything, and cannot write what it solves.
+    let b = TempWorkspace::with_toml(&SMALL.replace(
+        "global_batch = 8\n[target.search]\nmicro_batch = [1]\n",
+        "global_batch = 16\n[target.search]\nmicro_batch = [1]\n",
+    ));
+    let read = build(&b, &url, &[("AUTOPAR_REMOTE_TOKEN", "reader-token")]);
+    // gpt2's plan, and tiny's 9 layer costs (the batch changed, the layers did not).
+    assert_eq!(field(&read, "hits_remote"), 10, "{}", read.stdout);
+    assert_eq!(field(&read, "solved"), 1, "tiny's search for the new batch");
+    assert_eq!(warnings(&read).len(), 1, "{}", read.stderr);
+    assert!(
+        read.stderr.contains("refuses writes (HTTP 403)"),
+        "{}",
+        read.stderr
+    );
+    // No token, no anonymous reads: refused, and the build goes on alone.
+    let c = TempWorkspace::with_toml(SMALL);
+    let none = build(&c, &url, &[]);
+    assert_eq!(field(&none, "hits_remote"), 0);
+    assert!(
+        none.stderr.contains("refuses reads (HTTP 401)"),
+        "{}",
+        none.stderr
+    );
+    assert!(server.status()["rejects"].as_u64().expect("rejects") >= 2);
+    // With anonymous reads allowed, a stranger reads what the team wrote.
+    let (_, dir) = server.stop();
+    let open = Server::start_in(dir, &["--tokens", &tokens_path, "--allow-anonymous-read"]);
+    let d = TempWorkspace::with_toml(SMALL);
+    let anon = build(&d, &open.url(), &[("AUTOPAR_REMOTE_TOKEN", "wrong")]);
+    assert_eq!(field(&anon, "hits_remote"), 2, "{}", anon.stderr);
+}
+
+#[test]
+fn a_corrupted_blob_on_the_server_is_detected_and_not_kept() {
+    let server = Server::start(&[]);
+    let a = TempWorkspace::with_toml(SMALL);
+    let first = field(&build(&a, &server.url(), &[]), "solved");
+    // Damage every blob on the server's disk.
+    let cas = server.dir.path().join("cas");
+    for e in std::fs::read_dir(&cas).expect("cas").flatten() {
+        let mut bytes = std::fs::read(e.path()).expect("read");
+        if let Some(b) = bytes.last_mut() {
+            *b ^= 0x5a;
+        }
+        std::fs::write(e.path(), bytes).expect("write");
+    }
+    let b = TempWorkspace::with_toml(SMALL);
+    let r = build(&b, &server.url(), &[]);
+    assert_eq!(field(&r, "hits_remote"), 0);
+    assert_eq!(field(&r, "solved"), first, "everything recomputed");
+    assert!(r.stderr.contains("does not match its hash"), "{}", r.stderr);
+    let stats = b.run(&["cache", "stats", "--json"]).json();
+    let kinds: Vec<&str> = stats["kinds"]
+        .as_array()
+        .expect("kinds")
+        .iter()
+        .map(|k| k[0].as_str().expect("kind"))
+        .collect();
+    assert!(
+        !kinds.contains(&"remote"),
+        "nothing from the remote was kept: {kinds:?}"
+    );
+}
+
+#[test]
+fn bad_uploads_are_rejected() {
+    let server = Server::start(&["--max-blob", "1K"]);
+    let addr = server.addr.clone();
+    let body = b"some result bytes";
+    let good = sha256_hex(body);
+    assert_eq!(
+        http(&addr, "PUT", &format!("/cas/{good}"), &[], body).0,
+        200
+    );
+    assert_eq!(
+        http(&addr, "GET", &format!("/cas/{good}"), &[], b""),
+        (200, body.to_vec())
+    );
+    let (code, _) = http(&addr, "HEAD", &format!("/cas/{good}"), &[], b"");
+    assert_eq!(code, 200);
+    // The body's hash is not its name.
+    let wrong = sha256_hex(b"something else");
+    assert_eq!(
+        http(&addr, "PUT", &format!("/cas/{wrong}"), &[], body).0,
+        400
+    );
+    // Larger than --max-blob.
+    let big = vec![7u8; 2048];
+    assert_eq!(
+        http(
+            &addr,
+            "PUT",
+            &format!("/cas/{}", sha256_hex(&big)),
+            &[],
+            &big
+        )
+        .0,
+        413
+    );
+    // An action-cache entry that is not an ActionResult.
+    let key = "ab".repeat(32);
+    assert_eq!(
+        http(&addr, "PUT", &format!("/ac/{key}"), &[], b"\xff\xff\xff").0,
+        400
+    );
+    // Not a key.
+    assert_eq!(http(&addr, "GET", "/cas/nothex", &[], b"").0, 404);
+    assert_eq!(http(&addr, "GET", &format!("/ac/{key}"), &[], b"").0, 404);
+    let s = server.status();
+    assert_eq!(s["rejects"], 3, "{s}");
+    assert_eq!(s["uploads"], 1);
+    assert_eq!(s["entries"], 1);
+}
+
+#[test]
+fn concurrent_clients_see_no_errors() {
+    let server = Server::start(&[]);
+    let errors = autopar_tests::load::run(&server.addr, 32, 500);
+    assert_eq!(errors.errors, 0, "{errors:?}");
+    assert_eq!(errors.requests, 32 * 500);
+}
+
+#[test]
+fn graceful_shutdown_keeps_what_it_acknowledged() {
+    let server = Server::start(&["--max-size", "1M"]);
+    let addr = server.addr.clone();
+    let mut names = Vec::new();
+    for i in 0..20u8 {
+        let body = vec![i; 100];
+        let name = sha256_hex(&body);
+        assert_eq!(
+            http(&addr, "PUT", &format!("/cas/{name}"), &[], &body).0,
+            200
+        );
+        names.push((name, body));
+    }
+    let (clean, dir) = server.stop();
+    assert!(clean, "exits cleanly on SIGTERM");
+    let again = Server::start_in(dir, &[]);
+    assert_eq!(again.status()["entries"], 20);
+    for (name, body) in &names {
+        assert_eq!(
+            &http(&again.addr, "GET", &format!("/cas/{name}"), &[], b"").1,
+            body
+        );
+    }
+}
