@@ -488,3 +488,42 @@ fn graceful_shutdown_keeps_what_it_acknowledged() {
         );
     }
 }
+
+#[test]
+fn instances_partition_the_remote() {
+    let server = Server::start(&[]);
+    let url = server.url();
+    let run = |ws: &TempWorkspace, instance: &str| -> Run {
+        let out = Command::new(binary())
+            .args([
+                "--remote-cache",
+                &url,
+                "--remote-instance",
+                instance,
+                "build",
+                "--json",
+            ])
+            .current_dir(ws.path())
+            .env_remove("AUTOPAR_REMOTE_TOKEN")
+            .env_remove("AUTOPAR_CACHE_DIR")
+            .env_remove("RUST_LOG")
+            .output()
+            .expect("autopar runs");
+        Run {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    };
+    let a = TempWorkspace::with_toml(SMALL);
+    assert!(field(&run(&a, "team-a"), "solved") > 2);
+    let other = TempWorkspace::with_toml(SMALL);
+    assert_eq!(
+        field(&run(&other, "team-b"), "hits_remote"),
+        0,
+        "another instance"
+    );
+    let same = TempWorkspace::with_toml(SMALL);
+    assert_eq!(field(&run(&same, "team-a"), "hits_remote"), 2);
+    assert!(server.dir.path().join("team-a/ac").is_dir());
+}
