@@ -281,7 +281,7 @@ pub struct Cluster {
 }
 
 /// Effective cost parameters of the links a communication group uses.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Link {
     /// Start-up latency (alpha), s.
     pub latency: f64,

@@ -13,6 +13,7 @@ pub mod estimate;
 pub mod frontend;
 pub mod graph;
 pub mod inter;
+pub mod intra;
 pub mod layer_cost;
 pub mod layering;
 pub mod layout;
@@ -23,6 +24,7 @@ pub mod plan;
 pub mod profile;
 pub mod schedule;
 pub mod search;
+pub mod sharding;
 pub mod tensor_parallel;
 
 /// Version salt of the planning rules: changes whenever a rule's results change meaning.
