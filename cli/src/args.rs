@@ -218,6 +218,63 @@ pub enum SolveCommand {
     },
     /// SAPP pipeline balancing of layers and recomputation from a MindSpore SAPP yaml.
     Balance(BalanceArgs),
+    /// Intra-operator auto-sharding (Alpa's ILP) of a layer range on a 2D device mesh.
+    Sharding(ShardingArgs),
+}
+
+/// Solver of `autopar solve sharding`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum ShardingSolverArg {
+    /// The exact solver when the graph allows, else the ILP.
+    Auto,
+    /// Only the exact (variable-elimination) solver.
+    Exact,
+    /// Only the ILP (good_lp / microlp).
+    Ilp,
+}
+
+/// `autopar solve sharding`.
+#[derive(Debug, Args)]
+pub struct ShardingArgs {
+    /// Workspace model name, or a path to a HuggingFace config.json or a graph file.
+    #[arg(long)]
+    pub model: String,
+    /// Device mesh AxB: A nodes of B GPUs (as Alpa's meshes; 1x8 is one 8-GPU node, 8x1 one
+    /// GPU on each of 8 nodes).
+    #[arg(long)]
+    pub mesh: String,
+    /// Workspace cluster name, PRESET:NODESxGPUS, or a preset name sized to the mesh.
+    #[arg(long, default_value = autopar_engine::sharding::DEFAULT_PRESET)]
+    pub cluster: String,
+    /// Layers I..J (J excluded), I..=J or I, as `autopar graph` numbers them (default: the
+    /// first transformer block).
+    #[arg(long)]
+    pub layers: Option<String>,
+    /// Per-device memory budget, GiB (default: the device's memory).
+    #[arg(long)]
+    pub memory_gib: Option<f64>,
+    /// Sequences per micro-batch (split across the mesh as the plan chooses).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
+    pub mbs: u64,
+    /// Micro-batches per step: per-step costs (gradient synchronisation, optimizer) count
+    /// 1/B against every micro-batch.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
+    pub microbatches: u64,
+    /// Micro-batches whose activations are live at the memory peak (1F1B: stages - stage).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
+    pub inflight: u64,
+    /// Solver.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub solver: ShardingSolverArg,
+    /// ILP time limit in seconds (the incumbent and its gap are reported when it is hit).
+    #[arg(long, default_value_t = 60.0)]
+    pub time_limit: f64,
+    /// Model options.
+    #[command(flatten)]
+    pub model_options: ModelOptions,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `autopar solve balance` (SAPP's flags: -s, -mb, -i, -mem, -t).

@@ -1,8 +1,9 @@
 //! Human-readable rendering of estimates, plans and graphs.
 
+use autopar_engine::sharding::ShardingResult;
 use autopar_rules::cluster::{Cluster, GIB};
 use autopar_rules::estimate::{Chunk, Estimate, MemoryBreakdown};
-use autopar_rules::graph::GraphSummary;
+use autopar_rules::graph::{GraphSummary, Pass};
 use autopar_rules::layout::{Layout, Recompute};
 use autopar_rules::partition::Attempt;
 use autopar_rules::plan::{Plan, shell_quote};
@@ -398,4 +399,153 @@ pub fn graph(g: &GraphSummary, precision: &str, attention: &str) -> String {
         }
     }
     out
+}
+
+/// The plan of `autopar solve sharding`.
+pub fn sharding(r: &ShardingResult, micro_batch: u64) -> String {
+    let p = &r.plan;
+    let mut out = String::new();
+    let layers = if r.layer_names.len() == 1 {
+        r.layer_names[0].clone()
+    } else {
+        format!(
+            "{} .. {}",
+            r.layer_names.first().map_or("", String::as_str),
+            r.layer_names.last().map_or("", String::as_str)
+        )
+    };
+    let _ = writeln!(
+        out,
+        "{} layers {}..{} ({layers}) on mesh {}x{} of {}, micro-batch {micro_batch} x {} tokens, {} micro-batch(es) per step",
+        r.model,
+        p.layers[0],
+        p.layers[1],
+        p.mesh[0],
+        p.mesh[1],
+        cluster(&r.cluster),
+        r.seq,
+        p.microbatches
+    );
+    let s = &p.solve;
+    let status = if s.optimal {
+        "optimal".to_string()
+    } else {
+        format!("time limit, gap {:.2}%", s.gap * 100.0)
+    };
+    let _ = writeln!(
+        out,
+        "solver {} ({status}) in {}: {} variables, {} strategies ({} undominated), {} edges, largest factor {}",
+        s.solver,
+        secs(s.seconds),
+        s.variables,
+        s.strategies,
+        s.undominated,
+        s.edges,
+        thousands(s.width)
+    );
+    let t = &p.per_microbatch;
+    let _ = writeln!(
+        out,
+        "per micro-batch: forward {}, backward {} (compute {}, op collectives {}, resharding {})",
+        secs(p.forward),
+        secs(p.backward),
+        secs(t.compute),
+        secs(t.communication),
+        secs(t.resharding)
+    );
+    let _ = writeln!(
+        out,
+        "per step: {} (gradient sync, optimizer, updated-weight gathers); objective {} per micro-batch",
+        secs(p.step),
+        secs(p.objective)
+    );
+    let m = &p.memory;
+    let _ = writeln!(
+        out,
+        "memory per device: {}{} (activations {}, weights {}, gradients {}, optimizer states {})",
+        bytes(m.total),
+        m.budget
+            .map(|b| format!(" of {}", bytes(b)))
+            .unwrap_or_default(),
+        bytes(m.activations),
+        bytes(m.weights),
+        bytes(m.gradients),
+        bytes(m.optimizer)
+    );
+    let _ = writeln!(out);
+    let width =
+        |items: &mut dyn Iterator<Item = usize>, least: usize| items.max().unwrap_or(0).max(least);
+    let wn = width(&mut p.ops.iter().map(|o| o.name.len()), 2);
+    let wi = width(&mut p.ops.iter().map(|o| o.inputs.join(" ").len()), 6);
+    let wo = width(&mut p.ops.iter().map(|o| o.outputs.join(" ").len()), 7);
+    let _ = writeln!(
+        out,
+        "{:<wn$} {:<4} {:<wi$} {:<wo$} {:>9}",
+        "op", "pass", "inputs", "outputs", "compute"
+    );
+    for o in &p.ops {
+        let pass = match o.pass {
+            Pass::Forward => "fwd",
+            Pass::Backward => "bwd",
+        };
+        let _ = writeln!(
+            out,
+            "{:<wn$} {:<4} {:<wi$} {:<wo$} {:>9}",
+            o.name,
+            pass,
+            o.inputs.join(" "),
+            o.outputs.join(" "),
+            secs(o.compute_seconds)
+        );
+    }
+    let _ = writeln!(out);
+    let wp = width(&mut p.parameters.iter().map(|q| q.name.len()), 9);
+    let _ = writeln!(
+        out,
+        "{:<wp$} {:<16} {:<10} {:<10}",
+        "parameter", "shape", "weight", "states"
+    );
+    for q in &p.parameters {
+        let shape: Vec<String> = q.shape.iter().map(|d| d.to_string()).collect();
+        let _ = writeln!(
+            out,
+            "{:<wp$} {:<16} {:<10} {}",
+            q.name,
+            shape.join("x"),
+            q.weight,
+            q.states
+        );
+    }
+    let _ = writeln!(out);
+    if p.collectives.is_empty() {
+        let _ = writeln!(out, "no collectives");
+    } else {
+        let _ = writeln!(
+            out,
+            "{:<9} {:<15} {:>4} {:>10} {:>9} {:<16} tensor",
+            "phase", "collective", "axis", "bytes", "time", "why"
+        );
+        for c in &p.collectives {
+            let _ = writeln!(
+                out,
+                "{:<9} {:<15} {:>4} {:>10} {:>9} {:<16} {}",
+                json_name(&c.phase),
+                json_name(&c.kind),
+                c.axis,
+                bytes(c.bytes),
+                secs(c.seconds),
+                json_name(&c.reason),
+                c.tensor
+            );
+        }
+    }
+    out
+}
+
+/// The serde name of a unit enum value.
+fn json_name(v: &impl serde::Serialize) -> String {
+    serde_json::to_value(v)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
 }

@@ -14,6 +14,7 @@ pub mod profiles;
 pub mod record;
 pub mod sapp;
 pub mod session;
+pub mod sharding;
 pub mod workspace;
 
 pub use autopar_store::server;

@@ -67,6 +67,9 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Solve {
             command: SolveCommand::Balance(a),
         } => solve::balance(a),
+        Command::Solve {
+            command: SolveCommand::Sharding(a),
+        } => solve::sharding(&session, a),
     }
 }
 

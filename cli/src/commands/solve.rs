@@ -3,12 +3,15 @@
 
 use super::print_json;
 use crate::Failure;
-use crate::args::BalanceArgs;
+use crate::args::{BalanceArgs, ShardingArgs, ShardingSolverArg};
 use crate::output::outln;
 use autopar_engine::alpa::solve_stages;
 use autopar_engine::plans::write_trace;
 use autopar_engine::sapp::{BalanceOptions, solve_balance};
+use autopar_engine::session::Session;
+use autopar_engine::sharding::{ShardingRequest, solve_sharding};
 use autopar_rules::balance::{KINDS, RecomputeKind};
+use autopar_rules::intra::stage::SolverChoice;
 use autopar_rules::schedule::chrome_trace;
 use serde_json::json;
 use std::path::Path;
@@ -179,5 +182,47 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
     if let Some(path) = &a.trace {
         outln!("trace {}", path.display());
     }
+    Ok(())
+}
+
+pub fn sharding(session: &Session, a: &ShardingArgs) -> Result<(), Failure> {
+    if !(a.time_limit.is_finite() && a.time_limit > 0.0) {
+        return Err(Failure::Input(anyhow::anyhow!(
+            "--time-limit: expected a positive number of seconds, found {}",
+            a.time_limit
+        )));
+    }
+    let req = ShardingRequest {
+        model: a.model.clone(),
+        cluster: Some(a.cluster.clone()),
+        mesh: a.mesh.clone(),
+        layers: a.layers.clone(),
+        micro_batch: a.mbs,
+        seq: a.model_options.seq,
+        precision: a.model_options.precision.into(),
+        attention: a.model_options.attention.into(),
+        memory_gib: a.memory_gib,
+        microbatches: a.microbatches,
+        inflight: a.inflight,
+        solver: match a.solver {
+            ShardingSolverArg::Auto => SolverChoice::Auto,
+            ShardingSolverArg::Exact => SolverChoice::Exact,
+            ShardingSolverArg::Ilp => SolverChoice::Ilp,
+        },
+        time_limit: a.time_limit,
+    };
+    let r = solve_sharding(session, &req)?;
+    if a.json {
+        let mut value = serde_json::to_value(&r.plan).map_err(|e| Failure::Failed(e.into()))?;
+        if let Some(obj) = value.as_object_mut() {
+            obj.insert("model".into(), json!(r.model));
+            obj.insert("cluster".into(), json!(r.cluster.name));
+            obj.insert("seq".into(), json!(r.seq));
+            obj.insert("micro_batch".into(), json!(a.mbs));
+            obj.insert("layer_names".into(), json!(r.layer_names));
+        }
+        return print_json(&value);
+    }
+    outln!("{}", crate::render::sharding(&r, a.mbs));
     Ok(())
 }

@@ -96,7 +96,7 @@ pub enum IntraError {
     },
     /// No sharding fits the memory budget.
     #[error(
-        "no sharding fits {budget_gib:.2} GiB per device; the least memory any sharding needs is {least_gib:.2} GiB"
+        "no sharding fits {budget_gib:.2} GiB per device: every sharding of this range needs at least {least_gib:.2} GiB (raise the budget, or use a bigger mesh or fewer layers)"
     )]
     NoFit {
         /// The budget, GiB.
@@ -206,6 +206,8 @@ pub struct StageMemory {
     pub optimizer: f64,
     /// Everything.
     pub total: f64,
+    /// The per-device budget the solve respected, if any.
+    pub budget: Option<f64>,
 }
 
 /// Time split by kind, s.
@@ -1073,6 +1075,7 @@ impl<'g> StageModel<'g> {
         }
         let m = &mut plan.memory;
         m.total = m.activations + m.weights + m.gradients + m.optimizer;
+        m.budget = self.opts.memory_budget;
         plan.objective = plan.forward + plan.backward + plan.step / b;
         plan
     }

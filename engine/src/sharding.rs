@@ -1,0 +1,269 @@
+//! `solve sharding`: the intra-op pass on a layer range of a model, with the arguments the
+//! command line gives (model and cluster names, `AxB` meshes, `I..J` ranges).
+
+use crate::error::EngineError;
+use crate::session::Session;
+use crate::workspace::DEFAULT_VOCAB_MULTIPLE;
+use autopar_rules::cluster::{Cluster, PRESET_NAMES, preset};
+use autopar_rules::frontend::{Attention, LowerOptions};
+use autopar_rules::graph::{Graph, LayerKind};
+use autopar_rules::intra::stage::{IntraError, SolverChoice, StageModel, StageOptions, StagePlan};
+use autopar_rules::layout::LayoutError;
+use autopar_rules::memory::Precision;
+use autopar_rules::sharding::Mesh;
+use std::ops::Range;
+
+/// Preset a mesh runs on when no cluster is named.
+pub const DEFAULT_PRESET: &str = "h100-sxm";
+
+/// What `solve sharding` is asked.
+#[derive(Clone, Debug)]
+pub struct ShardingRequest {
+    /// Workspace model name or model file.
+    pub model: String,
+    /// Workspace cluster name, `PRESET:NODESxGPUS`, or a preset name (sized to the mesh);
+    /// `None`: [`DEFAULT_PRESET`].
+    pub cluster: Option<String>,
+    /// `AxB`.
+    pub mesh: String,
+    /// `I..J`, `I..=J` or `I`; `None`: the first transformer block.
+    pub layers: Option<String>,
+    /// Sequences per micro-batch.
+    pub micro_batch: u64,
+    /// Tokens per sequence (`None`: the model's maximum).
+    pub seq: Option<u64>,
+    /// Precision.
+    pub precision: Precision,
+    /// Attention implementation.
+    pub attention: Attention,
+    /// Per-device memory budget, GiB (`None`: the device's memory).
+    pub memory_gib: Option<f64>,
+    /// Micro-batches per step.
+    pub microbatches: u64,
+    /// Micro-batches in flight at the memory peak.
+    pub inflight: u64,
+    /// Solver.
+    pub solver: SolverChoice,
+    /// ILP time limit, s.
+    pub time_limit: f64,
+}
+
+/// What `solve sharding` found.
+#[derive(Clone, Debug)]
+pub struct ShardingResult {
+    /// Model name.
+    pub model: String,
+    /// The cluster the mesh sits on.
+    pub cluster: Cluster,
+    /// Sequence length used.
+    pub seq: u64,
+    /// Names of the layers solved.
+    pub layer_names: Vec<String>,
+    /// The plan.
+    pub plan: StagePlan,
+}
+
+/// Parses `AxB` (also `A×B`).
+pub fn parse_mesh(s: &str) -> Result<(u64, u64), EngineError> {
+    let bad = |why: &str| EngineError::Argument {
+        flag: "--mesh",
+        expected: "AxB with A, B >= 1 (A nodes of B GPUs, e.g. 2x4)".into(),
+        found: format!("`{s}` ({why})"),
+    };
+    let (a, b) = s.split_once(['x', 'X', '×']).ok_or_else(|| bad("no `x`"))?;
+    let num = |t: &str| -> Result<u64, EngineError> {
+        let n: u64 = t.trim().parse().map_err(|_| bad("not a whole number"))?;
+        if n == 0 || n > autopar_rules::limits::MAX_GPUS {
+            return Err(bad("out of range"));
+        }
+        Ok(n)
+    };
+    Ok((num(a)?, num(b)?))
+}
+
+/// Parses a layer range against a graph of `layers` layers: `I..J` (J excluded), `I..=J`, or
+/// one index `I`.
+pub fn parse_layers(s: &str, layers: usize) -> Result<Range<usize>, EngineError> {
+    let bad = |why: String| EngineError::Argument {
+        flag: "--layers",
+        expected: format!("I..J, I..=J or I with 0 <= I < J <= {layers}"),
+        found: format!("`{s}` ({why})"),
+    };
+    let num = |t: &str| -> Result<usize, EngineError> {
+        t.trim()
+            .parse()
+            .map_err(|_| bad(format!("`{t}` is not a layer index")))
+    };
+    let range = if let Some((a, b)) = s.split_once("..=") {
+        num(a)?..num(b)?.saturating_add(1)
+    } else if let Some((a, b)) = s.split_once("..") {
+        num(a)?..num(b)?
+    } else {
+        let i = num(s)?;
+        i..i.saturating_add(1)
+    };
+    if range.start >= range.end || range.end > layers {
+        return Err(bad(format!("the model has layers 0..{layers}")));
+    }
+    Ok(range)
+}
+
+/// The cluster a mesh `a x b` runs on.
+fn cluster_for(
+    session: &Session,
+    arg: Option<&str>,
+    a: u64,
+    b: u64,
+) -> Result<Cluster, EngineError> {
+    let name = arg.unwrap_or(DEFAULT_PRESET);
+    match preset(name) {
+        Some(device) if !name.contains(':') => {
+            // A bare preset: as many 8-GPU nodes as the mesh needs.
+            let gpn = 8;
+            let nodes = if b <= gpn { a } else { (a * b).div_ceil(gpn) };
+            Ok(Cluster {
+                name: format!("{name}:{nodes}x{gpn}"),
+                nodes,
+                gpus_per_node: gpn,
+                device,
+            })
+        }
+        _ => session.cluster(name).map_err(|e| match e {
+            EngineError::Unknown {
+                what,
+                name,
+                expected,
+            } => EngineError::Unknown {
+                what,
+                name,
+                expected: format!("{expected}, or a preset name ({})", PRESET_NAMES.join(", ")),
+            },
+            e => e,
+        }),
+    }
+}
+
+/// Lowers the model, builds the problem of the layer range on the mesh and solves it.
+pub fn solve_sharding(
+    session: &Session,
+    req: &ShardingRequest,
+) -> Result<ShardingResult, EngineError> {
+    let (name, def) = session.model(&req.model)?;
+    let (a, b) = parse_mesh(&req.mesh)?;
+    let cluster = cluster_for(session, req.cluster.as_deref(), a, b)?;
+    let mesh = Mesh::on(&cluster, a, b).map_err(|why| EngineError::Argument {
+        flag: "--mesh",
+        expected: format!("a mesh that fits {}", cluster.name),
+        found: why,
+    })?;
+    let seq = req
+        .seq
+        .or(def.max_seq())
+        .ok_or_else(|| EngineError::Argument {
+            flag: "--seq",
+            expected: "a sequence length (the model does not declare max_seq)".into(),
+            found: "nothing".into(),
+        })?;
+    let opts = LowerOptions {
+        micro_batch: req.micro_batch,
+        seq,
+        dtype: req.precision.dtype(),
+        attention: req.attention,
+        vocab_multiple: DEFAULT_VOCAB_MULTIPLE * a * b,
+    };
+    let graph: Graph = def
+        .lower(&name, &opts)
+        .map_err(|e| EngineError::Layout(LayoutError::Model(e)))?;
+    let layers = match &req.layers {
+        Some(s) => parse_layers(s, graph.layers.len())?,
+        None => {
+            let first = graph
+                .layers
+                .iter()
+                .position(|l| l.kind == LayerKind::Block)
+                .unwrap_or(0);
+            first..first + 1
+        }
+    };
+    if let Some(m) = req.memory_gib
+        && !(m.is_finite() && m > 0.0)
+    {
+        return Err(EngineError::Argument {
+            flag: "--memory-gib",
+            expected: "a positive number of GiB".into(),
+            found: m.to_string(),
+        });
+    }
+    if !(req.time_limit.is_finite() && req.time_limit > 0.0) {
+        return Err(EngineError::Argument {
+            flag: "--time-limit",
+            expected: "a positive number of seconds".into(),
+            found: req.time_limit.to_string(),
+        });
+    }
+    let stage = StageOptions {
+        microbatches: req.microbatches,
+        inflight: req.inflight,
+        // Without a budget given, what the device holds.
+        memory_budget: Some(
+            req.memory_gib
+                .map_or(cluster.device.hbm_bytes, |g| g * (1u64 << 30) as f64),
+        ),
+        precision: req.precision,
+        solver: req.solver,
+        time_limit: req.time_limit,
+        ..StageOptions::default()
+    };
+    let model = StageModel::build(&graph, layers.clone(), mesh, &cluster.device, stage)
+        .map_err(intra_error)?;
+    let plan = model.solve().map_err(intra_error)?;
+    Ok(ShardingResult {
+        model: name,
+        cluster,
+        seq,
+        layer_names: graph.layers[layers]
+            .iter()
+            .map(|l| l.name.clone())
+            .collect(),
+        plan,
+    })
+}
+
+fn intra_error(e: IntraError) -> EngineError {
+    match e {
+        IntraError::Range { .. } => EngineError::Argument {
+            flag: "--layers",
+            expected: "a layer range of the model".into(),
+            found: e.to_string(),
+        },
+        e => EngineError::Infeasible(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meshes_and_ranges_parse_or_say_why() {
+        assert_eq!(parse_mesh("2x4").ok(), Some((2, 4)));
+        assert_eq!(parse_mesh("1×8").ok(), Some((1, 8)));
+        for bad in ["8", "0x8", "ax2", "2x", "-1x2"] {
+            let e = parse_mesh(bad)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(e.contains("--mesh") && e.contains(bad), "{bad}: {e}");
+        }
+        assert_eq!(parse_layers("1..3", 5).ok(), Some(1..3));
+        assert_eq!(parse_layers("1..=3", 5).ok(), Some(1..4));
+        assert_eq!(parse_layers("4", 5).ok(), Some(4..5));
+        for bad in ["3..3", "5", "0..6", "x", "2..1"] {
+            let e = parse_layers(bad, 5)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(e.contains("--layers") && e.contains("0..5"), "{bad}: {e}");
+        }
+    }
+}
