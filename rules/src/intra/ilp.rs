@@ -46,6 +46,11 @@ pub enum IlpError {
 /// Solves `p` with the ILP under `time_limit` seconds. A solve stopped by the time limit
 /// returns its incumbent with the LP relaxation's optimum as the lower bound.
 pub fn solve(p: &Problem, time_limit: f64) -> Result<IlpSolution, IlpError> {
+    // Settled without the solver (microlp can fail on such models with a singular basis).
+    let least = p.leanest().memory;
+    if !p.fits(least) {
+        return Err(IlpError::Infeasible);
+    }
     let (status, values, _) = run(p, time_limit, false)?;
     let choice: Vec<usize> = values
         .iter()

@@ -71,6 +71,30 @@ impl Problem {
         (cost, memory)
     }
 
+    /// The plan needing the least memory: memory is a sum over variables, so each takes its
+    /// leanest strategy (the cheapest of those on a tie).
+    pub fn leanest(&self) -> Assignment {
+        let choice: Vec<usize> = self
+            .vars
+            .iter()
+            .map(|var| {
+                (0..var.cost.len())
+                    .min_by(|&a, &b| {
+                        var.memory[a]
+                            .total_cmp(&var.memory[b])
+                            .then(var.cost[a].total_cmp(&var.cost[b]))
+                    })
+                    .unwrap_or(0)
+            })
+            .collect();
+        let (cost, memory) = self.evaluate(&choice);
+        Assignment {
+            choice,
+            cost,
+            memory,
+        }
+    }
+
     /// Whether `choice` fits the budget.
     pub fn fits(&self, memory: f64) -> bool {
         self.memory_budget

@@ -96,12 +96,12 @@ pub enum IntraError {
     },
     /// No sharding fits the memory budget.
     #[error(
-        "no sharding fits {budget_gib:.2} GiB per device: every sharding of this range needs at least {least_gib:.2} GiB (raise the budget, or use a bigger mesh or fewer layers)"
+        "no sharding fits {budget_gib:.2} GiB per device: the leanest sharding of this range needs {least_gib:.2} GiB (raise the budget, or use a bigger mesh or fewer layers)"
     )]
     NoFit {
         /// The budget, GiB.
         budget_gib: f64,
-        /// A lower bound on what any sharding needs, GiB.
+        /// What the leanest sharding needs, GiB.
         least_gib: f64,
     },
     /// The exact solver was asked for but the graph is too wide for it.
@@ -232,6 +232,9 @@ pub struct SolveInfo {
     pub gap: f64,
     /// Wall time of the solve, s.
     pub seconds: f64,
+    /// The objective the solver reached, s per micro-batch: the same number as
+    /// [`StagePlan::objective`], which is recomputed from the plan's parts.
+    pub cost: f64,
     /// Variables (after follower merging).
     pub variables: usize,
     /// Strategies over all variables.
@@ -924,6 +927,7 @@ impl<'g> StageModel<'g> {
             optimal,
             gap,
             seconds: start.elapsed().as_secs_f64(),
+            cost: assignment.cost,
             variables: p.vars.len(),
             strategies: self.problem.vars.iter().map(|v| v.cost.len()).sum(),
             undominated: p.vars.iter().map(|v| v.cost.len()).sum(),
@@ -937,12 +941,7 @@ impl<'g> StageModel<'g> {
     }
 
     fn no_fit(&self) -> IntraError {
-        let least: f64 = self
-            .problem
-            .vars
-            .iter()
-            .map(|v| v.memory.iter().copied().fold(f64::INFINITY, f64::min))
-            .sum();
+        let least = self.problem.leanest().memory;
         IntraError::NoFit {
             budget_gib: self.opts.memory_budget.unwrap_or(f64::INFINITY) / GIB,
             least_gib: least / GIB,
