@@ -5,6 +5,7 @@ use std::process::{Command, Output};
 
 pub mod load;
 pub mod megatron;
+pub mod sharding;
 
 /// Root of the repository.
 pub fn repo_root() -> PathBuf {

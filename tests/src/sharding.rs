@@ -1,0 +1,60 @@
+//! Shared set-up of the intra-op sharding tests and benchmark: shipped models lowered at a
+//! micro-batch and sequence length, meshes on a preset cluster.
+
+use crate::repo_root;
+use autopar_rules::cluster::{Cluster, preset};
+use autopar_rules::frontend::parse_hf_config;
+use autopar_rules::frontend::{Attention, LowerOptions, ModelDef};
+use autopar_rules::graph::{DType, Graph};
+use autopar_rules::sharding::Mesh;
+
+/// Every HuggingFace config shipped under `models/`, by file name, sorted.
+pub fn shipped_models() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(repo_root().join("models"))
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".json") && !n.ends_with(".graph.json"))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// `models/<file>` lowered with `micro_batch` sequences of `seq` tokens (the model's maximum
+/// when `None`), bf16, flash attention, the vocabulary padded for `devices`.
+pub fn lower(file: &str, micro_batch: u64, seq: Option<u64>, devices: u64) -> Graph {
+    let path = repo_root().join("models").join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let cfg = parse_hf_config(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let seq = seq.unwrap_or(cfg.max_seq);
+    let def = ModelDef::Transformer(cfg);
+    let opts = LowerOptions {
+        micro_batch,
+        seq,
+        dtype: DType::Bf16,
+        attention: Attention::Flash,
+        vocab_multiple: 128 * devices,
+    };
+    def.lower(file, &opts)
+        .unwrap_or_else(|e| panic!("{file}: {e}"))
+}
+
+/// An H100 cluster big enough for mesh `a x b`.
+pub fn cluster_for(a: u64, b: u64) -> Cluster {
+    let device = preset("h100-sxm").unwrap_or_else(|| panic!("the h100-sxm preset"));
+    Cluster {
+        name: "h100".into(),
+        nodes: a.max(a * b / 8),
+        gpus_per_node: 8,
+        device,
+    }
+}
+
+/// Mesh `a x b` on [`cluster_for`].
+pub fn mesh(a: u64, b: u64) -> (Mesh, Cluster) {
+    let c = cluster_for(a, b);
+    let m = Mesh::on(&c, a, b).unwrap_or_else(|e| panic!("{e}"));
+    (m, c)
+}
