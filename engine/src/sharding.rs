@@ -86,7 +86,7 @@ pub fn parse_mesh(s: &str) -> Result<(u64, u64), EngineError> {
 pub fn parse_layers(s: &str, layers: usize) -> Result<Range<usize>, EngineError> {
     let bad = |why: String| EngineError::Argument {
         flag: "--layers",
-        expected: format!("I..J, I..=J or I with 0 <= I < J <= {layers}"),
+        expected: format!("I..J, I..=J or I within the model's layers 0..{layers}"),
         found: format!("`{s}` ({why})"),
     };
     let num = |t: &str| -> Result<usize, EngineError> {
@@ -103,7 +103,7 @@ pub fn parse_layers(s: &str, layers: usize) -> Result<Range<usize>, EngineError>
         i..i.saturating_add(1)
     };
     if range.start >= range.end || range.end > layers {
-        return Err(bad(format!("the model has layers 0..{layers}")));
+        return Err(bad("an empty range or one past the last layer".into()));
     }
     Ok(range)
 }

@@ -312,7 +312,7 @@ fn solve_sharding_rejects_bad_input() {
         ),
         (
             vec!["--mesh", "1x8", "--layers", "0..999"],
-            "the model has layers 0..98",
+            "within the model's layers 0..98",
         ),
         (
             vec!["--mesh", "1x8", "--memory-gib", "0"],
