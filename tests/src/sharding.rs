@@ -3,18 +3,19 @@
 
 use crate::repo_root;
 use autopar_rules::cluster::{Cluster, preset};
-use autopar_rules::frontend::parse_hf_config;
 use autopar_rules::frontend::{Attention, LowerOptions, ModelDef};
+use autopar_rules::frontend::{parse_graph_file, parse_hf_config};
 use autopar_rules::graph::{DType, Graph};
 use autopar_rules::sharding::Mesh;
 
-/// Every HuggingFace config shipped under `models/`, by file name, sorted.
+/// Every model file shipped under `models/` (HuggingFace configs and graph files), by file
+/// name, sorted.
 pub fn shipped_models() -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(repo_root().join("models"))
         .map(|d| {
             d.filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.ends_with(".json") && !n.ends_with(".graph.json"))
+                .filter(|n| n.ends_with(".json"))
                 .collect()
         })
         .unwrap_or_default();
@@ -23,10 +24,17 @@ pub fn shipped_models() -> Vec<String> {
 }
 
 /// `models/<file>` lowered with `micro_batch` sequences of `seq` tokens (the model's maximum
-/// when `None`), bf16, flash attention, the vocabulary padded for `devices`.
+/// when `None`; 1024 for a graph file), bf16, flash attention, the vocabulary padded for
+/// `devices`.
 pub fn lower(file: &str, micro_batch: u64, seq: Option<u64>, devices: u64) -> Graph {
     let path = repo_root().join("models").join(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    if file.ends_with(".graph.json") {
+        let spec = parse_graph_file(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
+        return spec
+            .lower(micro_batch, seq.unwrap_or(1024), DType::Bf16)
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+    }
     let cfg = parse_hf_config(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
     let seq = seq.unwrap_or(cfg.max_seq);
     let def = ModelDef::Transformer(cfg);
