@@ -15,7 +15,7 @@
 //!    front is the optimum; each point remembers how it was formed, so the assignment is read
 //!    back without a second search.
 
-use super::problem::{Assignment, Problem};
+use super::problem::{Assignment, Problem, within_budget};
 
 /// Largest number of entries of any factor the elimination would build, along the order.
 fn order_and_width(p: &Problem) -> (Vec<usize>, f64) {
@@ -414,7 +414,7 @@ impl Bounds<'_> {
     /// kept when the rest adds at least `rest`.
     fn keeps(&self, own: Rest, rest: Rest) -> bool {
         let slack = |x: f64| x * (1.0 + 1e-9) + 1e-12;
-        own.1 + rest.1 <= slack(self.budget)
+        within_budget(own.1 + rest.1, self.budget)
             && own.0 + rest.0 <= slack(self.upper)
             && own.2 + rest.2 <= slack(self.upper + self.lambda * self.budget)
     }

@@ -51,6 +51,11 @@ pub struct Assignment {
     pub memory: f64,
 }
 
+/// Whether `memory` is within `budget`, allowing for rounding: the one test every solver uses.
+pub fn within_budget(memory: f64, budget: f64) -> bool {
+    memory <= budget * (1.0 + 1e-12) + 1e-9
+}
+
 impl Problem {
     /// Strategies of variable `v`.
     pub fn k(&self, v: usize) -> usize {
@@ -95,10 +100,9 @@ impl Problem {
         }
     }
 
-    /// Whether `choice` fits the budget.
+    /// Whether `memory` fits the budget.
     pub fn fits(&self, memory: f64) -> bool {
-        self.memory_budget
-            .is_none_or(|b| memory <= b * (1.0 + 1e-12) + 1e-9)
+        self.memory_budget.is_none_or(|b| within_budget(memory, b))
     }
 
     /// The same problem with edges between the same pair of variables added together, so each
