@@ -102,6 +102,45 @@ pub enum Command {
     },
     /// Build, then rebuild whenever the workspace or a file it reads changes.
     Watch(WatchArgs),
+    /// Execute a plan's training steps on synthetic data (CPU threads as virtual devices) and
+    /// compare the measured step time with the prediction; --check compares with one device.
+    Run(RunArgs),
+}
+
+/// Backends of `autopar run`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum BackendArg {
+    /// One thread per virtual device, f32, in-process collectives.
+    Cpu,
+    /// NVIDIA GPUs (CUDA, cuBLAS, NVRTC, NCCL loaded at run time).
+    Cuda,
+}
+
+/// `autopar run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Target whose plan (plans/<target>.json) runs.
+    #[arg(required_unless_present = "plan", conflicts_with = "plan")]
+    pub target: Option<String>,
+    /// A plan file to run instead of a target's.
+    #[arg(long, value_name = "FILE")]
+    pub plan: Option<PathBuf>,
+    /// Backend.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: BackendArg,
+    /// Training steps.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub steps: u64,
+    /// Seed of the random weights and synthetic data.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Also run the plan's model on one device and compare the loss of every step, every
+    /// gradient and the updated weights (relative tolerance 1e-4).
+    #[arg(long)]
+    pub check: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Remote cache access.

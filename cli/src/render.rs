@@ -549,3 +549,62 @@ fn json_name(v: &impl serde::Serialize) -> String {
         .and_then(|v| v.as_str().map(str::to_string))
         .unwrap_or_default()
 }
+
+/// The report of `autopar run`.
+pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
+    let mut s = String::new();
+    let l = &o.layout;
+    let _ = writeln!(
+        s,
+        "run {} ({}) on {}: {} virtual device(s), {}, micro-batch {} x {} tokens",
+        o.target,
+        o.model,
+        o.backend.name(),
+        o.devices,
+        l.describe(),
+        o.micro_batch,
+        o.seq
+    );
+    let _ = writeln!(
+        s,
+        "program   {} in {} ({} kernels over {} virtual stage(s)), key {}",
+        o.program.source,
+        secs(o.program.seconds),
+        o.program.steps_per_chunk.iter().sum::<usize>(),
+        o.program.steps_per_chunk.len(),
+        &o.program.key[..16.min(o.program.key.len())]
+    );
+    let _ = writeln!(s, "{:>6}  {:>10}  {:>12}", "step", "loss", "time");
+    for (i, (loss, t)) in o.result.losses.iter().zip(&o.result.step_times).enumerate() {
+        let _ = writeln!(s, "{:>6}  {:>10.6}  {:>12}", i + 1, loss, secs(*t));
+    }
+    let _ = writeln!(
+        s,
+        "step time measured {} (median{}) on {}; predicted {} on {}",
+        secs(o.measured_step_time_s),
+        if o.result.step_times.len() > 1 {
+            ", first step left out"
+        } else {
+            ""
+        },
+        o.backend.name(),
+        secs(o.predicted_step_time_s),
+        o.cluster
+    );
+    if let Some(c) = &o.check {
+        let _ = writeln!(
+            s,
+            "check     {}: loss {:.1e} over {} step(s), gradients {:.1e} (worst `{}`, {} compared), \
+             weights after one update {:.1e}; tolerance {:.0e}",
+            if c.passed { "PASSED" } else { "FAILED" },
+            c.loss_rel,
+            c.reference.losses.len(),
+            c.grad_rel,
+            c.worst_grad,
+            c.compared,
+            c.param_rel,
+            c.tolerance
+        );
+    }
+    s
+}

@@ -63,6 +63,9 @@ pub enum EngineError {
     /// Writing an output failed.
     #[error(transparent)]
     Store(#[from] autopar_store::StoreError),
+    /// A plan cannot be lowered or run by the executor.
+    #[error(transparent)]
+    Exec(#[from] crate::executor::ExecError),
     /// An error the incremental database keeps (the same workspace error, asked for again).
     #[error(transparent)]
     Shared(std::sync::Arc<EngineError>),
@@ -91,6 +94,13 @@ impl EngineError {
                 | EngineError::Unknown { .. }
                 | EngineError::Argument { .. }
                 | EngineError::Layout(_)
+        ) || matches!(
+            self.inner(),
+            EngineError::Exec(
+                crate::executor::ExecError::Unavailable(_)
+                    | crate::executor::ExecError::Lower(_)
+                    | crate::executor::ExecError::TooLarge(_)
+            )
         )
     }
 }

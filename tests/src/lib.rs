@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+pub mod executor;
 pub mod load;
 pub mod megatron;
 pub mod sharding;

@@ -7,6 +7,7 @@ mod explain;
 mod graph;
 mod plan;
 mod profile;
+mod run;
 mod solve;
 mod watch;
 
@@ -57,6 +58,7 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         },
         Command::Watch(a) => watch::run(&mut session, a, dir, &remote),
         Command::Estimate(a) => estimate::run(&session, a),
+        Command::Run(a) => run::run(&session, a, dir),
         Command::Graph(a) => graph::run(&session, a),
         Command::Plan {
             command: PlanCommand::Show { target, json },

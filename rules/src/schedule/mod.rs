@@ -6,7 +6,8 @@ mod simulate;
 mod trace;
 
 pub use simulate::{
-    Block, BlockKind, Bubble, PipelineSpec, ScheduleError, Simulation, inflight_profiles, simulate,
+    Block, BlockKind, Bubble, PipelineSpec, ScheduleError, Simulation, Step, inflight_profiles,
+    simulate, stage_program,
 };
 pub use trace::chrome_trace;
 

@@ -133,15 +133,20 @@ pub struct Simulation {
 }
 
 /// One entry of a stage's program.
-#[derive(Clone, Copy, Debug)]
-struct Step {
-    kind: BlockKind,
-    chunk: usize,
-    microbatch: usize,
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Step {
+    /// Forward or backward.
+    pub kind: BlockKind,
+    /// Chunk of the stage.
+    pub chunk: usize,
+    /// Micro-batch.
+    pub microbatch: usize,
 }
 
-/// The order in which stage `j` runs its blocks.
-fn program(schedule: Schedule, j: usize, p: usize, v: usize, m: usize) -> Vec<Step> {
+/// The order in which stage `j` of `p` (with `v` chunks, `m` micro-batches) runs its blocks:
+/// what the simulator times and what the executor runs. Interleaving (`v > 1`) needs `m` to
+/// be a multiple of `p` ([`simulate`] checks).
+pub fn stage_program(schedule: Schedule, j: usize, p: usize, v: usize, m: usize) -> Vec<Step> {
     let fwd = |chunk, microbatch| Step {
         kind: BlockKind::Forward,
         chunk,
@@ -208,7 +213,7 @@ pub fn inflight_profiles(
 ) -> Vec<Vec<u32>> {
     let mut held = vec![0u32; v];
     let mut profiles: Vec<Vec<u32>> = Vec::new();
-    for step in program(schedule, j, p, v, m) {
+    for step in stage_program(schedule, j, p, v, m) {
         match step.kind {
             BlockKind::Forward => {
                 held[step.chunk] += 1;
@@ -254,7 +259,9 @@ pub fn simulate(spec: &PipelineSpec) -> Result<Simulation, ScheduleError> {
             stages: p,
         });
     }
-    let programs: Vec<Vec<Step>> = (0..p).map(|j| program(spec.schedule, j, p, v, m)).collect();
+    let programs: Vec<Vec<Step>> = (0..p)
+        .map(|j| stage_program(spec.schedule, j, p, v, m))
+        .collect();
     let vstages = p * v;
     // End times of forward and backward blocks, per micro-batch and virtual stage.
     let mut f_end = vec![f64::NAN; m * vstages];

@@ -1,0 +1,81 @@
+//! `autopar run TARGET|--plan FILE`: execute a plan and compare with its prediction.
+
+use super::print_json;
+use crate::Failure;
+use crate::args::{BackendArg, RunArgs};
+use crate::output::out;
+use crate::render;
+use autopar_engine::cache::{Cache, cache_dir};
+use autopar_engine::executor::RunOptions;
+use autopar_engine::plans::read_plan;
+use autopar_engine::run::{Backend, RunOutcome, run_plan};
+use autopar_engine::session::Session;
+use std::path::Path;
+
+pub fn run(session: &Session, a: &RunArgs, dir: Option<&Path>) -> Result<(), Failure> {
+    let ws = session.workspace()?;
+    let plan = match (&a.target, &a.plan) {
+        (_, Some(file)) => {
+            if !file.is_file() {
+                return Err(Failure::Input(anyhow::anyhow!(
+                    "--plan: expected a plan file, found nothing at {}",
+                    file.display()
+                )));
+            }
+            read_plan(&file.display().to_string(), file)?
+        }
+        (Some(t), None) => {
+            if ws.target(t).is_none() {
+                return Err(Failure::Input(anyhow::anyhow!(
+                    "target `{t}` is not known: expected one of {}",
+                    ws.targets
+                        .iter()
+                        .map(|t| t.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+            read_plan(t, &ws.plan_path(t))?
+        }
+        (None, None) => {
+            return Err(Failure::Input(anyhow::anyhow!(
+                "expected a target or --plan FILE, found neither"
+            )));
+        }
+    };
+    let backend = match a.backend {
+        BackendArg::Cpu => Backend::Cpu,
+        BackendArg::Cuda => Backend::Cuda,
+    };
+    let cache = Cache::open(&cache_dir(dir, &ws));
+    let opts = RunOptions {
+        steps: a.steps as usize,
+        seed: a.seed,
+        check: a.check,
+    };
+    tracing::info!(target = %plan.target, backend = backend.name(), "running");
+    let outcome = run_plan(&ws, &cache, &plan, backend, &opts)?;
+    cache.flush();
+    if a.json {
+        print_json(&outcome)?;
+    } else {
+        out!("{}", render::run(&outcome));
+    }
+    failed_check(&outcome)
+}
+
+/// A check that found a difference fails the command.
+fn failed_check(o: &RunOutcome) -> Result<(), Failure> {
+    match &o.check {
+        Some(c) if !c.passed => Err(Failure::Failed(anyhow::anyhow!(
+            "the sharded run differs from the single-device run by more than {:.0e} (loss {:.1e}, \
+             gradient {:.1e} at `{}`, weights {:.1e})",
+            c.tolerance,
+            c.loss_rel,
+            c.grad_rel,
+            c.worst_grad,
+            c.param_rel
+        ))),
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,612 @@
+//! The CPU backend: one thread per virtual device running its stage's actions on f32 shards,
+//! talking to the others through the in-process [`Fabric`].
+
+use super::comm::{Endpoint, Fabric, Payload, Tag};
+use super::kernels::{self, Group};
+use super::lower::{Action, Init, Program, Role};
+use super::placement::{Conversion, State, gather, slice};
+use super::tensor::Tensor;
+use super::{ExecError, RunOptions};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Adam hyper-parameters of the synthetic training run.
+const LR: f32 = 1e-3;
+const BETA1: f32 = 0.9;
+const BETA2: f32 = 0.95;
+const ADAM_EPS: f32 = 1e-8;
+/// Scale of random weights (GPT-2's initialiser standard deviation).
+const WEIGHT_SCALE: f32 = 0.02;
+/// Scale of the perturbation of gains and of biases.
+const SMALL_SCALE: f32 = 0.1;
+
+/// Where a device sits in the layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Coord {
+    /// Pipeline stage.
+    pub pp: usize,
+    /// Data-parallel rank.
+    pub dp: usize,
+    /// Tensor-parallel rank.
+    pub tp: usize,
+}
+
+/// What one device measured and, when checking, what it computed.
+#[derive(Debug, Default)]
+pub struct DeviceReport {
+    /// Sum of the losses of its micro-batches, per step (last stage, tensor rank 0 only).
+    pub loss_sums: Vec<f64>,
+    /// Wall time of every step, s.
+    pub step_times: Vec<f64>,
+    /// Local parameter gradients of the first step before any synchronisation (when
+    /// checking).
+    pub grads: Vec<HashMap<u32, Tensor>>,
+    /// Local parameters after the first step (when checking).
+    pub params: HashMap<u32, Tensor>,
+}
+
+/// Megatron-LM's rank order: tensor ranks fastest, then data, then pipeline.
+pub fn rank_of(prog: &Program, c: Coord) -> usize {
+    let l = &prog.layout;
+    (c.pp * l.dp + c.dp) * l.tp + c.tp
+}
+
+/// The coordinates of device `rank`.
+pub fn coord_of(prog: &Program, rank: usize) -> Coord {
+    let l = &prog.layout;
+    Coord {
+        tp: rank % l.tp,
+        dp: (rank / l.tp) % l.dp,
+        pp: rank / (l.tp * l.dp),
+    }
+}
+
+/// A deterministic value in `[-1, 1)` from a seed and a position (splitmix64).
+pub fn noise(parts: &[u64]) -> f32 {
+    let mut z: u64 = 0x9e37_79b9_7f4a_7c15;
+    for &p in parts {
+        z = z.wrapping_add(p).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+    }
+    ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// Local shape of a value of whole shape `shape` in `state` over `ranks` ranks.
+pub fn local_shape(shape: &[usize], state: &State, ranks: usize) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    if let State::Split { axis, .. } = state
+        && let Some(d) = s.get_mut(*axis)
+    {
+        *d /= ranks;
+    }
+    s
+}
+
+/// The whole initial value of parameter `value`.
+pub fn initial_parameter(prog: &Program, seed: u64, value: u32) -> Tensor {
+    let info = &prog.values[value as usize];
+    let n: usize = info.shape.iter().product();
+    let init = match info.role {
+        Role::Parameter { init } => init,
+        _ => Init::Weight,
+    };
+    let data = (0..n)
+        .map(|i| {
+            let u = noise(&[seed, 1, value as u64, i as u64]);
+            match init {
+                Init::Weight => u * WEIGHT_SCALE,
+                Init::Gain => 1.0 + u * SMALL_SCALE,
+                Init::Bias => u * SMALL_SCALE,
+            }
+        })
+        .collect();
+    Tensor {
+        shape: info.shape.clone(),
+        data,
+    }
+}
+
+struct Saved {
+    env: HashMap<u32, Tensor>,
+    ctx: Vec<Option<StepCtx>>,
+}
+
+struct StepCtx {
+    inputs: Vec<Tensor>,
+    outputs: Vec<Tensor>,
+    aux: Option<Tensor>,
+}
+
+/// A virtual device.
+pub struct Device<'p> {
+    prog: &'p Program,
+    opts: &'p RunOptions,
+    me: usize,
+    at: Coord,
+    ep: Endpoint,
+    tp_group: Vec<usize>,
+    dp_group: Vec<usize>,
+    params: HashMap<u32, Tensor>,
+    grads: HashMap<u32, Tensor>,
+    moments: HashMap<u32, (Vec<f32>, Vec<f32>)>,
+    updates: u32,
+    saved: HashMap<(usize, usize), Saved>,
+    inbox: HashMap<(usize, usize, Payload), HashMap<u32, Tensor>>,
+    report: DeviceReport,
+}
+
+struct TpGroup<'a> {
+    ep: &'a mut Endpoint,
+    group: &'a [usize],
+    rank: usize,
+}
+
+impl Group for TpGroup<'_> {
+    fn rank(&self) -> (usize, usize) {
+        (self.rank, self.group.len())
+    }
+    fn all_reduce_sum(&mut self, data: &mut [f32]) -> Result<(), ExecError> {
+        self.ep.all_reduce_sum(self.group, self.rank, data)
+    }
+    fn all_reduce_max(&mut self, data: &mut [f32]) -> Result<(), ExecError> {
+        self.ep.all_reduce_max(self.group, self.rank, data)
+    }
+}
+
+impl<'p> Device<'p> {
+    /// Device `me` of `prog`, with its parameters initialised.
+    pub fn new(prog: &'p Program, opts: &'p RunOptions, me: usize, fabric: Arc<Fabric>) -> Self {
+        let at = coord_of(prog, me);
+        let l = &prog.layout;
+        let tp_group = (0..l.tp)
+            .map(|t| rank_of(prog, Coord { tp: t, ..at }))
+            .collect();
+        let dp_group = (0..l.dp)
+            .map(|d| rank_of(prog, Coord { dp: d, ..at }))
+            .collect();
+        let mut params = HashMap::new();
+        for code in prog.chunks.iter().filter(|c| c.stage == at.pp) {
+            for &p in &code.parameters {
+                if params.contains_key(&p) {
+                    continue;
+                }
+                let whole = initial_parameter(prog, opts.seed, p);
+                params.insert(
+                    p,
+                    shard(&whole, &prog.values[p as usize].placement, at.tp, l.tp),
+                );
+            }
+        }
+        Device {
+            prog,
+            opts,
+            me,
+            at,
+            ep: Endpoint::new(fabric),
+            tp_group,
+            dp_group,
+            params,
+            grads: HashMap::new(),
+            moments: HashMap::new(),
+            updates: 0,
+            saved: HashMap::new(),
+            inbox: HashMap::new(),
+            report: DeviceReport::default(),
+        }
+    }
+
+    /// Runs every step; returns what was measured.
+    pub fn run(mut self) -> Result<DeviceReport, ExecError> {
+        let actions = &self.prog.stages[self.at.pp];
+        for step in 0..self.opts.steps {
+            let start = Instant::now();
+            let mut loss = 0.0f64;
+            for &action in actions {
+                loss += self.act(action, step)?;
+            }
+            self.report.step_times.push(start.elapsed().as_secs_f64());
+            self.report.loss_sums.push(loss);
+            if self.opts.check && step == 0 {
+                self.report.params = self.params.clone();
+            }
+        }
+        Ok(self.report)
+    }
+
+    fn act(&mut self, action: Action, step: usize) -> Result<f64, ExecError> {
+        let prog = self.prog;
+        match action {
+            Action::RecvActivations { chunk, microbatch } => {
+                let mut got = HashMap::new();
+                for &v in &prog.chunks[chunk].recv {
+                    let tag = self.tag(self.me, Payload::Activation, chunk, microbatch, v);
+                    got.insert(v, self.ep.fabric.recv(tag)?);
+                }
+                self.inbox
+                    .insert((chunk, microbatch, Payload::Activation), got);
+            }
+            Action::Forward { chunk, microbatch } => {
+                return self.forward(chunk, microbatch, step);
+            }
+            Action::SendActivations { chunk, microbatch } => {
+                let to = self.neighbour(chunk + 1);
+                let saved = self.saved.get(&(chunk, microbatch));
+                for &v in &prog.chunks[chunk].send {
+                    let t = saved
+                        .and_then(|s| s.env.get(&v))
+                        .cloned()
+                        .ok_or_else(|| missing(v, prog))?;
+                    let tag = self.tag(to, Payload::Activation, chunk + 1, microbatch, v);
+                    self.ep.fabric.send(tag, t);
+                }
+            }
+            Action::RecvGradients { chunk, microbatch } => {
+                let mut got = HashMap::new();
+                for &v in &prog.chunks[chunk].send {
+                    let tag = self.tag(self.me, Payload::Gradient, chunk, microbatch, v);
+                    got.insert(v, self.ep.fabric.recv(tag)?);
+                }
+                self.inbox
+                    .insert((chunk, microbatch, Payload::Gradient), got);
+            }
+            Action::Backward { chunk, microbatch } => self.backward(chunk, microbatch)?,
+            Action::SendGradients { .. } => {
+                // Sent by `backward`, which holds the gradients.
+            }
+            Action::SyncTied => {
+                if self.opts.check && self.report.grads.is_empty() {
+                    self.report.grads.push(self.grads.clone());
+                }
+                self.sync_tied()?;
+            }
+            Action::SyncGradients | Action::OptimizerStep => {
+                // Both happen in `update`, which fuses the data-parallel reduction with the
+                // (possibly sharded) optimizer as ZeRO does.
+                if matches!(action, Action::SyncGradients) {
+                    self.update()?;
+                }
+            }
+        }
+        Ok(0.0)
+    }
+
+    fn tag(&self, to: usize, payload: Payload, chunk: usize, microbatch: usize, value: u32) -> Tag {
+        Tag {
+            to,
+            payload,
+            chunk,
+            microbatch,
+            value,
+        }
+    }
+
+    /// The device holding virtual stage `chunk` with this device's data and tensor ranks.
+    fn neighbour(&self, chunk: usize) -> usize {
+        let pp = self.prog.layout.pp;
+        rank_of(
+            self.prog,
+            Coord {
+                pp: chunk % pp,
+                ..self.at
+            },
+        )
+    }
+
+    fn input(&self, v: u32, microbatch: usize, step: usize) -> Tensor {
+        let info = &self.prog.values[v as usize];
+        let l = &self.prog.layout;
+        let mb = self.prog.micro_batch;
+        let per_seq: usize = info.shape[1..].iter().product();
+        let mut data = Vec::with_capacity(mb * per_seq);
+        for i in 0..mb {
+            let seq = ((self.at.dp * l.microbatches + microbatch) * mb + i) as u64;
+            for e in 0..per_seq {
+                let u = noise(&[self.opts.seed, 2, step as u64, v as u64, seq, e as u64]);
+                data.push(match info.role {
+                    Role::Input { bound: Some(b) } => {
+                        (((u + 1.0) * 0.5 * b as f32) as usize).min(b - 1) as f32
+                    }
+                    _ => u,
+                });
+            }
+        }
+        let whole = Tensor {
+            shape: info.shape.clone(),
+            data,
+        };
+        shard(&whole, &info.placement, self.at.tp, l.tp)
+    }
+
+    fn convert(&mut self, mut t: Tensor, convs: &[Conversion]) -> Result<Tensor, ExecError> {
+        for c in convs {
+            t = match c {
+                Conversion::Slice { to } => shard(&t, to, self.at.tp, self.tp_group.len()),
+                Conversion::AllGather { from } => {
+                    let State::Split { axis, parts } = from else {
+                        return Err(ExecError::Lower("gather of an unsplit value".into()));
+                    };
+                    let shape = t.shape.clone();
+                    let all = self.ep.exchange(&self.tp_group, self.at.tp, t.data)?;
+                    let pieces: Vec<Tensor> = all
+                        .iter()
+                        .map(|d| Tensor {
+                            shape: shape.clone(),
+                            data: d.clone(),
+                        })
+                        .collect();
+                    let refs: Vec<&Tensor> = pieces.iter().collect();
+                    gather(&refs, *axis, parts)
+                }
+                Conversion::AllReduce => {
+                    self.ep
+                        .all_reduce_sum(&self.tp_group, self.at.tp, &mut t.data)?;
+                    t
+                }
+                Conversion::ReduceScatter { to } => {
+                    self.ep
+                        .all_reduce_sum(&self.tp_group, self.at.tp, &mut t.data)?;
+                    shard(&t, to, self.at.tp, self.tp_group.len())
+                }
+            };
+        }
+        Ok(t)
+    }
+
+    fn forward(&mut self, chunk: usize, microbatch: usize, step: usize) -> Result<f64, ExecError> {
+        let prog = self.prog;
+        let code = &prog.chunks[chunk];
+        let tp = prog.layout.tp;
+        let mut env = self
+            .inbox
+            .remove(&(chunk, microbatch, Payload::Activation))
+            .unwrap_or_default();
+        for &v in &code.inputs {
+            env.insert(v, self.input(v, microbatch, step));
+        }
+        let mut ctx = Vec::with_capacity(code.steps.len());
+        for s in &code.steps {
+            let mut inputs = Vec::with_capacity(s.inputs.len());
+            for (&v, convs) in s.inputs.iter().zip(&s.before) {
+                let t = env
+                    .get(&v)
+                    .or_else(|| self.params.get(&v))
+                    .cloned()
+                    .ok_or_else(|| missing(v, prog))?;
+                inputs.push(self.convert(t, convs)?);
+            }
+            let shapes: Vec<Vec<usize>> = s
+                .outputs
+                .iter()
+                .zip(&s.out_states)
+                .map(|(&o, st)| local_shape(&prog.values[o as usize].shape, st, tp))
+                .collect();
+            let refs: Vec<&Tensor> = inputs.iter().collect();
+            let mut group = TpGroup {
+                ep: &mut self.ep,
+                group: &self.tp_group,
+                rank: self.at.tp,
+            };
+            let f = kernels::forward(&s.kernel, &refs, &shapes, &mut group)?;
+            for ((&o, convs), t) in s.outputs.iter().zip(&s.after).zip(&f.outputs) {
+                let placed = self.convert(t.clone(), convs)?;
+                env.insert(o, placed);
+            }
+            ctx.push(Some(StepCtx {
+                inputs,
+                outputs: f.outputs,
+                aux: f.aux,
+            }));
+        }
+        let mut loss = 0.0;
+        if chunk + 1 == prog.chunks.len() && self.at.tp == 0 {
+            loss = env
+                .get(&prog.loss)
+                .and_then(|t| t.data.first())
+                .copied()
+                .unwrap_or(f32::NAN) as f64;
+        }
+        self.saved.insert((chunk, microbatch), Saved { env, ctx });
+        Ok(loss)
+    }
+
+    fn backward(&mut self, chunk: usize, microbatch: usize) -> Result<(), ExecError> {
+        let prog = self.prog;
+        let code = &prog.chunks[chunk];
+        let l = &prog.layout;
+        let mut saved = self.saved.remove(&(chunk, microbatch)).ok_or_else(|| {
+            ExecError::Lower(format!("backward of chunk {chunk} before its forward"))
+        })?;
+        let mut grads = self
+            .inbox
+            .remove(&(chunk, microbatch, Payload::Gradient))
+            .unwrap_or_default();
+        if chunk + 1 == prog.chunks.len() {
+            // Mean over every micro-batch of every data-parallel replica.
+            let scale = 1.0 / (l.microbatches * l.dp) as f32;
+            grads.insert(
+                prog.loss,
+                Tensor {
+                    shape: vec![1],
+                    data: vec![scale],
+                },
+            );
+        }
+        for (si, s) in code.steps.iter().enumerate().rev() {
+            let present: Vec<Option<Tensor>> = s.outputs.iter().map(|o| grads.remove(o)).collect();
+            if present.iter().all(Option::is_none) {
+                continue;
+            }
+            let Some(c) = saved.ctx[si].take() else {
+                continue;
+            };
+            let mut dys = Vec::with_capacity(present.len());
+            for ((g, convs), y) in present.into_iter().zip(&s.grad_before).zip(&c.outputs) {
+                let g = match g {
+                    Some(g) => self.convert(g, convs)?,
+                    None => Tensor::zeros(y.shape.clone()),
+                };
+                dys.push(g);
+            }
+            let xs: Vec<&Tensor> = c.inputs.iter().collect();
+            let ys: Vec<&Tensor> = c.outputs.iter().collect();
+            let ds: Vec<&Tensor> = dys.iter().collect();
+            let mut group = TpGroup {
+                ep: &mut self.ep,
+                group: &self.tp_group,
+                rank: self.at.tp,
+            };
+            let dx = kernels::backward(&s.kernel, &xs, &ys, c.aux.as_ref(), &ds, &mut group);
+            for ((&v, convs), g) in s.inputs.iter().zip(&s.grad_after).zip(dx) {
+                let (Some(convs), Some(g)) = (convs, g) else {
+                    continue;
+                };
+                let g = self.convert(g, convs)?;
+                let into = if matches!(prog.values[v as usize].role, Role::Parameter { .. }) {
+                    &mut self.grads
+                } else {
+                    &mut grads
+                };
+                match into.get_mut(&v) {
+                    Some(acc) => acc.add_assign(&g),
+                    None => {
+                        into.insert(v, g);
+                    }
+                }
+            }
+        }
+        if chunk > 0 {
+            let to = self.neighbour(chunk - 1);
+            for &v in &code.recv {
+                let g = match grads.remove(&v) {
+                    Some(g) => g,
+                    None => {
+                        let x = saved.env.get(&v).ok_or_else(|| missing(v, prog))?;
+                        Tensor::zeros(x.shape.clone())
+                    }
+                };
+                let tag = self.tag(to, Payload::Gradient, chunk - 1, microbatch, v);
+                self.ep.fabric.send(tag, g);
+            }
+        }
+        Ok(())
+    }
+
+    /// Sums the gradients of parameters that several stages hold (a tied embedding).
+    fn sync_tied(&mut self) -> Result<(), ExecError> {
+        let prog = self.prog;
+        for tied in prog.tied.iter().filter(|t| t.stages.contains(&self.at.pp)) {
+            let group: Vec<usize> = tied
+                .stages
+                .iter()
+                .map(|&s| rank_of(prog, Coord { pp: s, ..self.at }))
+                .collect();
+            let index = tied
+                .stages
+                .iter()
+                .position(|&s| s == self.at.pp)
+                .unwrap_or(0);
+            let shape = self
+                .params
+                .get(&tied.value)
+                .map(|p| p.shape.clone())
+                .unwrap_or_default();
+            let g = self
+                .grads
+                .entry(tied.value)
+                .or_insert_with(|| Tensor::zeros(shape));
+            self.ep.all_reduce_sum(&group, index, &mut g.data)?;
+        }
+        Ok(())
+    }
+
+    /// Data-parallel gradient synchronisation and the Adam update, in one flat bucket: an
+    /// all-reduce and a full update, or (ZeRO) a reduce-scatter, an update of this rank's
+    /// shard and an all-gather of the parameters.
+    fn update(&mut self) -> Result<(), ExecError> {
+        let mut keys: Vec<u32> = self.params.keys().copied().collect();
+        keys.sort_unstable();
+        let mut flat_g = Vec::new();
+        let mut flat_p = Vec::new();
+        for k in &keys {
+            let p = &self.params[k];
+            match self.grads.get(k) {
+                Some(g) => flat_g.extend_from_slice(&g.data),
+                None => flat_g.extend(std::iter::repeat_n(0.0, p.len())),
+            }
+            flat_p.extend_from_slice(&p.data);
+        }
+        self.grads.clear();
+        let dp = self.dp_group.len();
+        let n = flat_p.len();
+        let zero = self.prog.layout.zero > 0 && dp > 1;
+        let shard_len = n.div_ceil(dp);
+        let range = if zero {
+            let lo = (self.at.dp * shard_len).min(n);
+            lo..(lo + shard_len).min(n)
+        } else {
+            0..n
+        };
+        if zero {
+            // Reduce-scatter: every rank sums only its shard of the bucket.
+            let all = self.ep.exchange(&self.dp_group, self.at.dp, flat_g)?;
+            flat_g = vec![0.0; range.len()];
+            for piece in all.iter() {
+                for (d, v) in flat_g.iter_mut().zip(&piece[range.clone()]) {
+                    *d += v;
+                }
+            }
+        } else {
+            self.ep
+                .all_reduce_sum(&self.dp_group, self.at.dp, &mut flat_g)?;
+        }
+        self.updates += 1;
+        let t = self.updates as i32;
+        let (m, v) = self
+            .moments
+            .entry(0)
+            .or_insert_with(|| (vec![0.0; range.len()], vec![0.0; range.len()]));
+        let c1 = 1.0 - BETA1.powi(t);
+        let c2 = 1.0 - BETA2.powi(t);
+        for (i, g) in flat_g.iter().enumerate() {
+            m[i] = BETA1 * m[i] + (1.0 - BETA1) * g;
+            v[i] = BETA2 * v[i] + (1.0 - BETA2) * g * g;
+            let step = LR * (m[i] / c1) / ((v[i] / c2).sqrt() + ADAM_EPS);
+            flat_p[range.start + i] -= step;
+        }
+        if zero {
+            let mine = flat_p[range.clone()].to_vec();
+            let all = self.ep.exchange(&self.dp_group, self.at.dp, mine)?;
+            let mut at = 0;
+            for piece in all.iter() {
+                let end = (at + piece.len()).min(n);
+                flat_p[at..end].copy_from_slice(&piece[..end - at]);
+                at = end;
+            }
+        }
+        let mut at = 0;
+        for k in &keys {
+            if let Some(p) = self.params.get_mut(k) {
+                let len = p.len();
+                p.data.copy_from_slice(&flat_p[at..at + len]);
+                at += len;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn missing(v: u32, prog: &Program) -> ExecError {
+    let name = prog.values.get(v as usize).map_or("?", |i| i.name.as_str());
+    ExecError::Lower(format!("value `{name}` is not available where it is read"))
+}
+
+/// This rank's piece of a whole tensor in `state`.
+pub fn shard(whole: &Tensor, state: &State, rank: usize, ranks: usize) -> Tensor {
+    match state {
+        State::Split { axis, parts } if ranks > 1 => slice(whole, *axis, parts, rank, ranks),
+        _ => whole.clone(),
+    }
+}

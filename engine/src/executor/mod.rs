@@ -1,0 +1,307 @@
+//! The executor: lowers a plan into per-device programs and runs them (DESIGN.md "Executor").
+//!
+//! [`lower::lower`] turns a model graph and a parallel layout (data, tensor and pipeline
+//! degrees, interleaved chunks, sequence parallelism, ZeRO) into a [`Program`]. The CPU
+//! backend ([`run_program`]) runs it with one thread per virtual device on synthetic data and
+//! random weights; [`check`] compares a sharded run with the single-device run of the same
+//! model, loss and every gradient. The CUDA backend is probed by [`cuda::probe`].
+
+pub mod comm;
+pub mod cpu;
+pub mod cuda;
+pub mod kernels;
+pub mod lower;
+pub mod placement;
+pub mod tensor;
+
+pub use lower::{ExecLayout, Program, lower};
+
+use autopar_rules::graph::Graph;
+use cpu::{Coord, Device, DeviceReport, rank_of};
+use placement::{State, gather};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::Arc;
+use tensor::Tensor;
+
+/// Why a program cannot be lowered or run.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ExecError {
+    /// The layout or model cannot be lowered.
+    #[error("cannot lower the plan: {0}")]
+    Lower(String),
+    /// Another device failed, so this one stopped.
+    #[error("stopped because another device failed")]
+    Aborted,
+    /// A device thread panicked (a bug).
+    #[error("a device failed unexpectedly: {0}")]
+    Panic(String),
+    /// The requested backend cannot run on this machine.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The plan's model is too large for the backend's memory.
+    #[error("{0}")]
+    TooLarge(String),
+}
+
+/// Options of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunOptions {
+    /// Training steps.
+    pub steps: usize,
+    /// Seed of weights and data.
+    pub seed: u64,
+    /// Keep gradients and parameters for a comparison with the reference.
+    pub check: bool,
+}
+
+/// What a run measured.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunResult {
+    /// Mean loss of every step (over every micro-batch of every replica).
+    pub losses: Vec<f64>,
+    /// Wall time of every step (slowest device), s.
+    pub step_times: Vec<f64>,
+}
+
+impl RunResult {
+    /// Median step time, s, leaving out the first step (warm-up) when there are several.
+    pub fn median_step_time(&self) -> f64 {
+        let mut t: Vec<f64> = if self.step_times.len() > 1 {
+            self.step_times[1..].to_vec()
+        } else {
+            self.step_times.clone()
+        };
+        t.sort_by(f64::total_cmp);
+        t.get(t.len() / 2).copied().unwrap_or(0.0)
+    }
+}
+
+/// A sharded run compared with the single-device run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CheckReport {
+    /// Largest relative difference of a step's loss.
+    pub loss_rel: f64,
+    /// Largest relative difference (L2 norm of the difference over the norm) of a gradient of
+    /// the first step.
+    pub grad_rel: f64,
+    /// The parameter whose gradient differs most.
+    pub worst_grad: String,
+    /// Largest relative difference of a parameter after the first update.
+    pub param_rel: f64,
+    /// Gradients compared.
+    pub compared: usize,
+    /// The tolerance.
+    pub tolerance: f64,
+    /// Whether every difference is within the tolerance.
+    pub passed: bool,
+    /// The reference run.
+    pub reference: RunResult,
+}
+
+/// Relative tolerance of a check (the 1e-4).
+pub const CHECK_TOLERANCE: f64 = 1e-4;
+
+/// Runs `prog` on the CPU backend: every device's report, in rank order.
+pub fn run_program(prog: &Program, opts: &RunOptions) -> Result<Vec<DeviceReport>, ExecError> {
+    let fabric = Arc::new(comm::Fabric::default());
+    let n = prog.layout.devices();
+    let results: Vec<Result<DeviceReport, ExecError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|me| {
+                let fabric = fabric.clone();
+                s.spawn(move || {
+                    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        Device::new(prog, opts, me, fabric.clone()).run()
+                    }));
+                    let out = match run {
+                        Ok(r) => r,
+                        Err(p) => Err(ExecError::Panic(panic_message(p.as_ref()))),
+                    };
+                    if out.is_err() {
+                        fabric.fail();
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|p| Err(ExecError::Panic(panic_message(p.as_ref()))))
+            })
+            .collect()
+    });
+    // Report the failure that caused the others.
+    if let Some(e) = results
+        .iter()
+        .filter_map(|r| r.as_ref().err())
+        .find(|e| !matches!(e, ExecError::Aborted))
+        .or_else(|| results.iter().filter_map(|r| r.as_ref().err()).next())
+    {
+        return Err(e.clone());
+    }
+    Ok(results.into_iter().filter_map(Result::ok).collect())
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".into())
+}
+
+/// Loss and step times of a run from its devices' reports.
+pub fn summarize(prog: &Program, reports: &[DeviceReport]) -> RunResult {
+    let l = &prog.layout;
+    let steps = reports.first().map_or(0, |r| r.step_times.len());
+    let denom = (l.microbatches * l.dp) as f64;
+    RunResult {
+        losses: (0..steps)
+            .map(|s| reports.iter().map(|r| r.loss_sums[s]).sum::<f64>() / denom)
+            .collect(),
+        step_times: (0..steps)
+            .map(|s| reports.iter().map(|r| r.step_times[s]).fold(0.0, f64::max))
+            .collect(),
+    }
+}
+
+/// The whole gradient of every parameter at every step, assembled from the devices' shards:
+/// gathered over tensor ranks, summed over data-parallel replicas and over the stages that hold
+/// a copy (before synchronisation each holds a partial sum).
+fn whole_grads(prog: &Program, reports: &[DeviceReport], step: usize) -> HashMap<u32, Tensor> {
+    let l = &prog.layout;
+    let mut out: HashMap<u32, Tensor> = HashMap::new();
+    for pp in 0..l.pp {
+        for dp in 0..l.dp {
+            let first = &reports[rank_of(prog, Coord { pp, dp, tp: 0 })];
+            let Some(grads) = first.grads.get(step) else {
+                continue;
+            };
+            for &v in grads.keys() {
+                let pieces: Vec<&Tensor> = (0..l.tp)
+                    .filter_map(|tp| {
+                        reports[rank_of(prog, Coord { pp, dp, tp })].grads[step].get(&v)
+                    })
+                    .collect();
+                let whole = assemble(prog, v, &pieces);
+                match out.get_mut(&v) {
+                    Some(acc) => acc.add_assign(&whole),
+                    None => {
+                        out.insert(v, whole);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn assemble(prog: &Program, v: u32, pieces: &[&Tensor]) -> Tensor {
+    match &prog.values[v as usize].placement {
+        State::Split { axis, parts } if pieces.len() > 1 => gather(pieces, *axis, parts),
+        _ => pieces[0].clone(),
+    }
+}
+
+/// Whole parameters after the run, from data rank 0 of the first stage holding each.
+fn whole_params(prog: &Program, reports: &[DeviceReport]) -> HashMap<u32, Tensor> {
+    let l = &prog.layout;
+    let mut out = HashMap::new();
+    for pp in 0..l.pp {
+        let first = &reports[rank_of(prog, Coord { pp, dp: 0, tp: 0 })];
+        for &v in first.params.keys() {
+            if out.contains_key(&v) {
+                continue;
+            }
+            let pieces: Vec<&Tensor> = (0..l.tp)
+                .filter_map(|tp| {
+                    reports[rank_of(prog, Coord { pp, dp: 0, tp })]
+                        .params
+                        .get(&v)
+                })
+                .collect();
+            out.insert(v, assemble(prog, v, &pieces));
+        }
+    }
+    out
+}
+
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        diff += (*x as f64 - *y as f64).powi(2);
+        norm += (*y as f64).powi(2);
+    }
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    diff.sqrt() / norm.sqrt().max(1e-30)
+}
+
+/// Runs `prog` and the single-device program of the same graph with the same seed, and
+/// compares losses, every gradient of every step and the final parameters.
+pub fn check(
+    graph: &Graph,
+    prog: &Program,
+    opts: &RunOptions,
+) -> Result<(RunResult, CheckReport), ExecError> {
+    let opts = RunOptions {
+        check: true,
+        ..*opts
+    };
+    let l = &prog.layout;
+    let reference = lower(
+        graph,
+        &ExecLayout::single(graph.layers.len(), l.microbatches * l.dp),
+    )?;
+    let sharded = run_program(prog, &opts)?;
+    let single = run_program(&reference, &opts)?;
+    let (ours, theirs) = (summarize(prog, &sharded), summarize(&reference, &single));
+    let loss_rel = ours
+        .losses
+        .iter()
+        .zip(&theirs.losses)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(1e-30))
+        .fold(0.0, f64::max);
+    let (mut grad_rel, mut worst, mut compared) = (0.0f64, String::new(), 0);
+    // Gradients and updated parameters of the first step, where both runs start from the same
+    // weights; later steps are compared by their losses (Adam's normalisation amplifies
+    // rounding in near-zero gradients, so later weights differ by more than rounding).
+    {
+        let a = whole_grads(prog, &sharded, 0);
+        let b = whole_grads(&reference, &single, 0);
+        for (v, g) in &b {
+            let r = a.get(v).map_or(f64::INFINITY, |x| rel(&x.data, &g.data));
+            compared += 1;
+            if r > grad_rel || worst.is_empty() {
+                grad_rel = grad_rel.max(r);
+                worst = prog.values[*v as usize].name.clone();
+            }
+        }
+    }
+    let (pa, pb) = (
+        whole_params(prog, &sharded),
+        whole_params(&reference, &single),
+    );
+    let param_rel = pb
+        .iter()
+        .map(|(v, t)| pa.get(v).map_or(f64::INFINITY, |x| rel(&x.data, &t.data)))
+        .fold(0.0, f64::max);
+    let passed =
+        loss_rel <= CHECK_TOLERANCE && grad_rel <= CHECK_TOLERANCE && param_rel <= CHECK_TOLERANCE;
+    Ok((
+        ours,
+        CheckReport {
+            loss_rel,
+            grad_rel,
+            worst_grad: worst,
+            param_rel,
+            compared,
+            tolerance: CHECK_TOLERANCE,
+            passed,
+            reference: theirs,
+        },
+    ))
+}

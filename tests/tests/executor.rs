@@ -1,0 +1,209 @@
+//! The CPU executor: a sharded training step equals the single-device step (loss, every
+//! gradient and the updated parameters within 1e-4 relative) under data, tensor, sequence,
+//! pipeline and interleaved-pipeline parallelism, ZeRO, and their combinations.
+
+use autopar_engine::executor::{ExecError, ExecLayout, RunOptions, check, lower};
+use autopar_rules::graph::Graph;
+use autopar_tests::executor::{layout, tiny_gpt, tiny_llama};
+
+const OPTS: RunOptions = RunOptions {
+    steps: 2,
+    seed: 7,
+    check: true,
+};
+
+fn assert_matches(graph: &Graph, l: &ExecLayout) {
+    let prog = lower(graph, l).expect("lowers");
+    let (run, report) = check(graph, &prog, &OPTS).expect("runs");
+    println!(
+        "{:<28} loss {:.6} | loss {:.1e} grad {:.1e} ({}) param {:.1e}",
+        l.describe(),
+        run.losses[0],
+        report.loss_rel,
+        report.grad_rel,
+        report.worst_grad,
+        report.param_rel
+    );
+    assert!(report.passed, "{}: {report:?}", l.describe());
+    assert!(report.compared > 0);
+    // The loss of a random model is about ln(vocab).
+    assert!(run.losses.iter().all(|l| l.is_finite() && *l > 1.0));
+}
+
+#[test]
+fn llama_data_tensor_and_sequence_parallel() {
+    let whole = vec![vec![(0, 5)]];
+    let g2 = tiny_llama(1, 32, 2);
+    assert_matches(&g2, &layout(2, 1, false, 0, 2, whole.clone()));
+    assert_matches(&g2, &layout(1, 2, false, 0, 2, whole.clone()));
+    assert_matches(&g2, &layout(1, 2, true, 0, 2, whole.clone()));
+    assert_matches(&g2, &layout(2, 2, true, 1, 1, whole));
+}
+
+#[test]
+fn llama_pipelines_interleaved_and_combined() {
+    let g1 = tiny_llama(1, 32, 1);
+    assert_matches(
+        &g1,
+        &layout(1, 1, false, 0, 4, vec![vec![(0, 2)], vec![(3, 5)]]),
+    );
+    // Interleaved: virtual stages 0..3 are (stage 0, chunk 0), (1, 0), (0, 1), (1, 1).
+    let inter = vec![vec![(0, 1), (3, 3)], vec![(2, 2), (4, 5)]];
+    assert_matches(&g1, &layout(1, 1, false, 0, 4, inter.clone()));
+    let g2 = tiny_llama(2, 32, 2);
+    // 8 virtual devices: dp2 x tp2 x pp2, sequence parallel, ZeRO-1.
+    assert_matches(
+        &g2,
+        &layout(2, 2, true, 1, 2, vec![vec![(0, 2)], vec![(3, 5)]]),
+    );
+    // 8 virtual devices, interleaved.
+    assert_matches(&g2, &layout(2, 2, false, 0, 2, inter));
+}
+
+#[test]
+fn gpt_with_tied_embeddings_biases_and_unfused_attention() {
+    let g = tiny_gpt(1, 16, 2);
+    assert_matches(&g, &layout(1, 2, false, 0, 2, vec![vec![(0, 3)]]));
+    assert_matches(&g, &layout(1, 2, true, 0, 2, vec![vec![(0, 3)]]));
+    // The tied embedding lives on the first and the last stage.
+    assert_matches(
+        &g,
+        &layout(2, 2, true, 1, 2, vec![vec![(0, 1)], vec![(2, 3)]]),
+    );
+}
+
+#[test]
+fn megatron_collectives_per_block() {
+    let g = tiny_llama(1, 32, 2);
+    let plain = lower(
+        &g,
+        &layout(
+            1,
+            2,
+            false,
+            0,
+            1,
+            vec![vec![(0, 0)], vec![(1, 1)], vec![(2, 5)]],
+        ),
+    )
+    .expect("lowers");
+    // One block on its own stage: 2 all-reduces forward (attention and MLP outputs) and 2
+    // backward (their inputs' gradients), nothing else (Megatron-LM, Shoeybi et al. 2019).
+    let c = plain.collectives(1);
+    assert_eq!(c.get("all_reduce"), Some(&4), "{c:?}");
+    assert_eq!(c.values().sum::<usize>(), 4, "{c:?}");
+    let sp = lower(
+        &g,
+        &layout(
+            1,
+            2,
+            true,
+            0,
+            1,
+            vec![vec![(0, 0)], vec![(1, 1)], vec![(2, 5)]],
+        ),
+    )
+    .expect("lowers");
+    // Sequence parallel: each all-reduce becomes an all-gather and a reduce-scatter; the
+    // gradients of the two norms' gains, computed on a slice of the sequence, are all-reduced.
+    let c = sp.collectives(1);
+    assert_eq!(c.get("all_gather"), Some(&4), "{c:?}");
+    assert_eq!(c.get("reduce_scatter"), Some(&4), "{c:?}");
+    assert_eq!(c.get("all_reduce"), Some(&2), "{c:?}");
+}
+
+#[test]
+fn layouts_that_cannot_run_are_refused() {
+    let g = tiny_llama(1, 32, 4);
+    // Two key/value heads do not split four ways.
+    let e = lower(&g, &layout(1, 4, false, 0, 1, vec![vec![(0, 5)]])).expect_err("kv heads");
+    assert!(
+        matches!(&e, ExecError::Lower(m) if m.contains("split 4 ways")),
+        "{e}"
+    );
+    // Chunks must cover the layers in order.
+    let e = lower(
+        &g,
+        &layout(1, 1, false, 0, 1, vec![vec![(0, 2)], vec![(4, 5)]]),
+    )
+    .expect_err("gap");
+    assert!(e.to_string().contains("start at layer 3"), "{e}");
+    // Interleaving needs whole rounds of micro-batches.
+    let e = lower(
+        &g,
+        &layout(
+            1,
+            1,
+            false,
+            0,
+            3,
+            vec![vec![(0, 1), (3, 3)], vec![(2, 2), (4, 5)]],
+        ),
+    )
+    .expect_err("rounds");
+    assert!(e.to_string().contains("multiple of the 2 stages"), "{e}");
+}
+
+#[test]
+fn cli_runs_checks_and_caches_a_plan() {
+    let ws = autopar_tests::TempWorkspace::default_copy();
+    let mut toml = ws.read("workspace.toml");
+    toml.push_str(
+        r#"
+[[target]]
+name = "tiny-test"
+model = "tiny-llama"
+cluster = "dgx-h100-1"
+global_batch = 8
+seq_len = 32
+[target.search]
+tp = [2]
+pp = [2]
+interleave = [2]
+sequence_parallel = [true]
+zero = [1]
+micro_batch = [1]
+"#,
+    );
+    ws.write("workspace.toml", &toml);
+    let b = ws.run(&["build", "tiny-test"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let r = ws.run(&["run", "tiny-test", "--check", "--steps", "2", "--json"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let j = r.json();
+    assert_eq!(j["devices"], 8);
+    assert_eq!(j["layout"]["tp"], 2);
+    assert_eq!(j["program"]["source"], "lowered");
+    assert_eq!(j["check"]["passed"], true, "{j}");
+    assert_eq!(j["result"]["losses"].as_array().map(Vec::len), Some(2));
+    assert!(j["predicted_step_time_s"].as_f64().is_some_and(|t| t > 0.0));
+    // The second run of the same plan lowers nothing.
+    let again = ws.run(&["run", "tiny-test", "--steps", "1", "--json"]);
+    assert_eq!(again.code, 0, "{}", again.stderr);
+    assert_eq!(again.json()["program"]["source"], "local");
+    assert_eq!(again.json()["program"]["key"], j["program"]["key"]);
+    // Text output names the measured and predicted step times.
+    let text = ws.run(&["run", "tiny-test", "--steps", "1"]);
+    assert!(text.stdout.contains("predicted"), "{}", text.stdout);
+
+    // No GPU stack here (or no CUDA kernels in this build): exit 2 saying what is missing.
+    let cuda = ws.run(&["run", "tiny-test", "--backend", "cuda"]);
+    assert_eq!(cuda.code, 2, "{}", cuda.stderr);
+    assert!(
+        cuda.stderr.contains("CUDA") || cuda.stderr.contains("libcuda"),
+        "{}",
+        cuda.stderr
+    );
+    // Bad input: unknown target, missing plan file, no plan built yet.
+    assert_eq!(ws.run(&["run", "no-such-target"]).code, 2);
+    let missing = ws.run(&["run", "--plan", "missing.json"]);
+    assert_eq!(missing.code, 2);
+    assert!(missing.stderr.contains("--plan"), "{}", missing.stderr);
+    let unbuilt = ws.run(&["run", "llama3-8b"]);
+    assert_eq!(unbuilt.code, 1);
+    assert!(
+        unbuilt.stderr.contains("autopar build llama3-8b"),
+        "{}",
+        unbuilt.stderr
+    );
+}
