@@ -180,17 +180,7 @@ impl Endpoint {
         index: usize,
         data: &mut [f32],
     ) -> Result<(), ExecError> {
-        if group.len() == 1 {
-            return Ok(());
-        }
-        let all = self.exchange(group, index, data.to_vec())?;
-        data.fill(0.0);
-        for piece in all.iter() {
-            for (d, v) in data.iter_mut().zip(piece) {
-                *d += v;
-            }
-        }
-        Ok(())
+        self.all_reduce(group, index, data, |a, b| a + b)
     }
 
     /// Maximum over `group`, in place.
@@ -200,13 +190,24 @@ impl Endpoint {
         index: usize,
         data: &mut [f32],
     ) -> Result<(), ExecError> {
+        self.all_reduce(group, index, data, f32::max)
+    }
+
+    /// `combine` over the members' buffers in rank order, in place.
+    fn all_reduce(
+        &mut self,
+        group: &[usize],
+        index: usize,
+        data: &mut [f32],
+        combine: impl Fn(f32, f32) -> f32,
+    ) -> Result<(), ExecError> {
         if group.len() == 1 {
             return Ok(());
         }
         let all = self.exchange(group, index, data.to_vec())?;
-        for piece in all.iter() {
-            for (d, v) in data.iter_mut().zip(piece) {
-                *d = d.max(*v);
+        for (i, d) in data.iter_mut().enumerate() {
+            if let Some(v) = all.iter().map(|piece| piece[i]).reduce(&combine) {
+                *d = v;
             }
         }
         Ok(())

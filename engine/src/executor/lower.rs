@@ -648,26 +648,21 @@ fn lower_op(
             let has_bias = ins.len() == 3;
             match p(w, values) {
                 State::Split { axis, parts } if axis == n_axis => {
-                    let mut in_states = vec![rep.clone(), p(w, values)];
-                    let mut grad_states = vec![State::Partial, p(w, values)];
-                    if has_bias {
-                        in_states.push(p(ins[2], values));
-                        grad_states.push(p(ins[2], values));
-                    }
-                    rules.push(Rule {
-                        kernel: Kernel::MatMul {
-                            transpose_b,
-                            bias: has_bias,
-                        },
-                        inputs: ins.clone(),
-                        outputs: outs.clone(),
-                        in_states,
-                        out_states: vec![State::Split {
-                            axis: ry - 1,
-                            parts,
-                        }],
-                        grad_states,
-                    });
+                    // Column-parallel: the bias is split with the output.
+                    let sb = (has_bias).then(|| p(ins[2], values));
+                    let out = State::Split {
+                        axis: ry - 1,
+                        parts,
+                    };
+                    rules.push(matmul_rule(
+                        &ins,
+                        &outs,
+                        transpose_b,
+                        [rep.clone(), p(w, values)],
+                        [State::Partial, p(w, values)],
+                        sb.map(|b| [b.clone(), b]),
+                        out,
+                    ));
                 }
                 State::Split { parts, .. } => {
                     // Row-parallel: partial sums, reduced into the output's placement; the bias
@@ -717,23 +712,15 @@ fn lower_op(
                 _ => {
                     let sx = keep_unless(p(x, values), &|a| a + 1 == rx);
                     let wg = partial_if_split(&sx);
-                    let mut in_states = vec![sx.clone(), rep.clone()];
-                    let mut grad_states = vec![sx.clone(), wg.clone()];
-                    if has_bias {
-                        in_states.push(rep.clone());
-                        grad_states.push(wg);
-                    }
-                    rules.push(Rule {
-                        kernel: Kernel::MatMul {
-                            transpose_b,
-                            bias: has_bias,
-                        },
-                        inputs: ins.clone(),
-                        outputs: outs.clone(),
-                        in_states,
-                        out_states: vec![sx],
-                        grad_states,
-                    });
+                    rules.push(matmul_rule(
+                        &ins,
+                        &outs,
+                        transpose_b,
+                        [sx.clone(), rep.clone()],
+                        [sx.clone(), wg.clone()],
+                        has_bias.then(|| [rep.clone(), wg]),
+                        sx,
+                    ));
                 }
             }
         }
@@ -1022,6 +1009,36 @@ fn lower_op(
         .into_iter()
         .map(|r| finish(op.name.as_str(), r, values))
         .collect()
+}
+
+/// A product `x · w (+ bias)` reading `x, w` in `reads` (bias: `bias[0]`), writing `out`, with
+/// gradients in `grads` (bias: `bias[1]`).
+fn matmul_rule(
+    ins: &[u32],
+    outs: &[u32],
+    transpose_b: bool,
+    reads: [State; 2],
+    grads: [State; 2],
+    bias: Option<[State; 2]>,
+    out: State,
+) -> Rule {
+    let mut in_states = reads.to_vec();
+    let mut grad_states = grads.to_vec();
+    if let Some([read, grad]) = bias.clone() {
+        in_states.push(read);
+        grad_states.push(grad);
+    }
+    Rule {
+        kernel: Kernel::MatMul {
+            transpose_b,
+            bias: bias.is_some(),
+        },
+        inputs: ins.to_vec(),
+        outputs: outs.to_vec(),
+        in_states,
+        out_states: vec![out],
+        grad_states,
+    }
 }
 
 fn unary(kernel: Kernel, x: u32, y: u32, s: State) -> Rule {
