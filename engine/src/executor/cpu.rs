@@ -8,6 +8,7 @@ use super::placement::{Conversion, State, gather, slice};
 use super::tensor::Tensor;
 use super::{ExecError, RunOptions};
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -131,10 +132,15 @@ pub struct Device<'p> {
     dp_group: Vec<usize>,
     params: HashMap<u32, Tensor>,
     grads: HashMap<u32, Tensor>,
-    moments: HashMap<u32, (Vec<f32>, Vec<f32>)>,
+    /// Adam's moments of this rank's range of the parameter bucket.
+    moments: Option<(Vec<f32>, Vec<f32>)>,
+    /// This rank's range of the summed gradient bucket, between sync and update.
+    reduced: Vec<f32>,
     updates: u32,
     saved: HashMap<(usize, usize), Saved>,
     inbox: HashMap<(usize, usize, Payload), HashMap<u32, Tensor>>,
+    /// Input gradients of a (chunk, micro-batch) backward, until they are sent.
+    outbox: HashMap<(usize, usize), HashMap<u32, Tensor>>,
     report: DeviceReport,
 }
 
@@ -190,10 +196,12 @@ impl<'p> Device<'p> {
             dp_group,
             params,
             grads: HashMap::new(),
-            moments: HashMap::new(),
+            moments: None,
+            reduced: Vec::new(),
             updates: 0,
             saved: HashMap::new(),
             inbox: HashMap::new(),
+            outbox: HashMap::new(),
             report: DeviceReport::default(),
         }
     }
@@ -253,8 +261,13 @@ impl<'p> Device<'p> {
                     .insert((chunk, microbatch, Payload::Gradient), got);
             }
             Action::Backward { chunk, microbatch } => self.backward(chunk, microbatch)?,
-            Action::SendGradients { .. } => {
-                // Sent by `backward`, which holds the gradients.
+            Action::SendGradients { chunk, microbatch } => {
+                let to = self.neighbour(chunk - 1);
+                let grads = self.outbox.remove(&(chunk, microbatch)).unwrap_or_default();
+                for (v, g) in grads {
+                    let tag = self.tag(to, Payload::Gradient, chunk - 1, microbatch, v);
+                    self.ep.fabric.send(tag, g);
+                }
             }
             Action::SyncTied => {
                 if self.opts.check && self.report.grads.is_empty() {
@@ -262,13 +275,8 @@ impl<'p> Device<'p> {
                 }
                 self.sync_tied()?;
             }
-            Action::SyncGradients | Action::OptimizerStep => {
-                // Both happen in `update`, which fuses the data-parallel reduction with the
-                // (possibly sharded) optimizer as ZeRO does.
-                if matches!(action, Action::SyncGradients) {
-                    self.update()?;
-                }
-            }
+            Action::SyncGradients => self.sync_gradients()?,
+            Action::OptimizerStep => self.optimizer_step()?,
         }
         Ok(0.0)
     }
@@ -478,7 +486,7 @@ impl<'p> Device<'p> {
             }
         }
         if chunk > 0 {
-            let to = self.neighbour(chunk - 1);
+            let mut out = HashMap::new();
             for &v in &code.recv {
                 let g = match grads.remove(&v) {
                     Some(g) => g,
@@ -487,9 +495,9 @@ impl<'p> Device<'p> {
                         Tensor::zeros(x.shape.clone())
                     }
                 };
-                let tag = self.tag(to, Payload::Gradient, chunk - 1, microbatch, v);
-                self.ep.fabric.send(tag, g);
+                out.insert(v, g);
             }
+            self.outbox.insert((chunk, microbatch), out);
         }
         Ok(())
     }
@@ -522,62 +530,73 @@ impl<'p> Device<'p> {
         Ok(())
     }
 
-    /// Data-parallel gradient synchronisation and the Adam update, in one flat bucket: an
-    /// all-reduce and a full update, or (ZeRO) a reduce-scatter, an update of this rank's
-    /// shard and an all-gather of the parameters.
-    fn update(&mut self) -> Result<(), ExecError> {
+    /// This device's parameters in key order, their total length, and the range of the flat
+    /// bucket this rank updates: all of it, or (ZeRO with several replicas) its shard.
+    fn bucket(&self) -> (Vec<u32>, usize, Range<usize>) {
         let mut keys: Vec<u32> = self.params.keys().copied().collect();
         keys.sort_unstable();
-        let mut flat_g = Vec::new();
-        let mut flat_p = Vec::new();
+        let n: usize = keys.iter().map(|k| self.params[k].len()).sum();
+        let dp = self.dp_group.len();
+        if self.prog.layout.zero > 0 && dp > 1 {
+            let shard = n.div_ceil(dp);
+            let lo = (self.at.dp * shard).min(n);
+            (keys, n, lo..(lo + shard).min(n))
+        } else {
+            (keys, n, 0..n)
+        }
+    }
+
+    /// Data-parallel gradient synchronisation over one flat bucket: an all-reduce, or (ZeRO) a
+    /// reduce-scatter that leaves each rank the sum of its shard only.
+    fn sync_gradients(&mut self) -> Result<(), ExecError> {
+        let (keys, n, range) = self.bucket();
+        let mut flat = Vec::with_capacity(n);
         for k in &keys {
-            let p = &self.params[k];
             match self.grads.get(k) {
-                Some(g) => flat_g.extend_from_slice(&g.data),
-                None => flat_g.extend(std::iter::repeat_n(0.0, p.len())),
+                Some(g) => flat.extend_from_slice(&g.data),
+                None => flat.extend(std::iter::repeat_n(0.0, self.params[k].len())),
             }
-            flat_p.extend_from_slice(&p.data);
         }
         self.grads.clear();
-        let dp = self.dp_group.len();
-        let n = flat_p.len();
-        let zero = self.prog.layout.zero > 0 && dp > 1;
-        let shard_len = n.div_ceil(dp);
-        let range = if zero {
-            let lo = (self.at.dp * shard_len).min(n);
-            lo..(lo + shard_len).min(n)
-        } else {
-            0..n
-        };
-        if zero {
-            // Reduce-scatter: every rank sums only its shard of the bucket.
-            let all = self.ep.exchange(&self.dp_group, self.at.dp, flat_g)?;
-            flat_g = vec![0.0; range.len()];
+        self.reduced = if range.len() < n {
+            let all = self.ep.exchange(&self.dp_group, self.at.dp, flat)?;
+            let mut mine = vec![0.0; range.len()];
             for piece in all.iter() {
-                for (d, v) in flat_g.iter_mut().zip(&piece[range.clone()]) {
+                for (d, v) in mine.iter_mut().zip(&piece[range.clone()]) {
                     *d += v;
                 }
             }
+            mine
         } else {
             self.ep
-                .all_reduce_sum(&self.dp_group, self.at.dp, &mut flat_g)?;
+                .all_reduce_sum(&self.dp_group, self.at.dp, &mut flat)?;
+            flat
+        };
+        Ok(())
+    }
+
+    /// Adam on this rank's range of the bucket, then (ZeRO) an all-gather of the parameters.
+    fn optimizer_step(&mut self) -> Result<(), ExecError> {
+        let (keys, n, range) = self.bucket();
+        let mut flat_p = Vec::with_capacity(n);
+        for k in &keys {
+            flat_p.extend_from_slice(&self.params[k].data);
         }
         self.updates += 1;
         let t = self.updates as i32;
         let (m, v) = self
             .moments
-            .entry(0)
-            .or_insert_with(|| (vec![0.0; range.len()], vec![0.0; range.len()]));
+            .get_or_insert_with(|| (vec![0.0; range.len()], vec![0.0; range.len()]));
         let c1 = 1.0 - BETA1.powi(t);
         let c2 = 1.0 - BETA2.powi(t);
-        for (i, g) in flat_g.iter().enumerate() {
+        for (i, g) in self.reduced.iter().enumerate() {
             m[i] = BETA1 * m[i] + (1.0 - BETA1) * g;
             v[i] = BETA2 * v[i] + (1.0 - BETA2) * g * g;
             let step = LR * (m[i] / c1) / ((v[i] / c2).sqrt() + ADAM_EPS);
             flat_p[range.start + i] -= step;
         }
-        if zero {
-            let mine = flat_p[range.clone()].to_vec();
+        if range.len() < n {
+            let mine = flat_p[range].to_vec();
             let all = self.ep.exchange(&self.dp_group, self.at.dp, mine)?;
             let mut at = 0;
             for piece in all.iter() {
