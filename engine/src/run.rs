@@ -7,8 +7,10 @@ use crate::executor::{
     CheckReport, ExecError, ExecLayout, Program, RunOptions, RunResult, check, cuda, lower,
     run_program, summarize,
 };
+use crate::profiles::CPU_DEVICE;
 use crate::workspace::Workspace;
 use autopar_rules::canonical::digest;
+use autopar_rules::estimate::TimeBreakdown;
 use autopar_rules::frontend::LowerOptions;
 use autopar_rules::graph::{DType, Graph};
 use autopar_rules::plan::Plan;
@@ -78,8 +80,13 @@ pub struct RunOutcome {
     pub measured_step_time_s: f64,
     /// The plan's predicted step time on its cluster, s.
     pub predicted_step_time_s: f64,
+    /// Where the predicted step time goes.
+    pub predicted_time: TimeBreakdown,
     /// The cluster the prediction is for.
     pub cluster: String,
+    /// The cluster's device is the one the backend runs on (a `cpu` cluster on the CPU
+    /// backend), so measured and predicted times compare.
+    pub comparable: bool,
     /// Comparison with the single-device run, with `--check`.
     pub check: Option<CheckReport>,
 }
@@ -234,7 +241,9 @@ pub fn run_plan(
         measured_step_time_s: result.median_step_time(),
         result,
         predicted_step_time_s: plan.estimate.step_time_s,
+        predicted_time: plan.estimate.time,
         cluster: plan.cluster.name.clone(),
+        comparable: backend == Backend::Cpu && plan.cluster.device.name == CPU_DEVICE,
         check: report,
     })
 }

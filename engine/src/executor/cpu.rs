@@ -7,6 +7,7 @@ use super::lower::{Action, Init, Program, Role};
 use super::placement::{Conversion, State, gather, slice};
 use super::tensor::Tensor;
 use super::{ExecError, RunOptions};
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -40,11 +41,26 @@ pub struct DeviceReport {
     pub loss_sums: Vec<f64>,
     /// Wall time of every step, s.
     pub step_times: Vec<f64>,
+    /// Where the time of every step went.
+    pub phases: Vec<Phases>,
     /// Local parameter gradients of the first step before any synchronisation (when
     /// checking).
     pub grads: Vec<HashMap<u32, Tensor>>,
     /// Local parameters after the first step (when checking).
     pub params: HashMap<u32, Tensor>,
+}
+
+/// Where one device's step time went, s.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Phases {
+    /// Forward passes of every micro-batch.
+    pub forward: f64,
+    /// Backward passes.
+    pub backward: f64,
+    /// Sending, waiting for and reducing activations and gradients between devices.
+    pub communication: f64,
+    /// The optimizer update.
+    pub optimizer: f64,
 }
 
 /// Megatron-LM's rank order: tensor ranks fastest, then data, then pipeline.
@@ -110,14 +126,16 @@ pub fn initial_parameter(prog: &Program, seed: u64, value: u32) -> Tensor {
     }
 }
 
+// Values are shared rather than copied between the environment, the parameters and what a
+// backward keeps, as a framework's tensors are: only conversions and transfers copy.
 struct Saved {
-    env: HashMap<u32, Tensor>,
+    env: HashMap<u32, Arc<Tensor>>,
     ctx: Vec<Option<StepCtx>>,
 }
 
 struct StepCtx {
-    inputs: Vec<Tensor>,
-    outputs: Vec<Tensor>,
+    inputs: Vec<Arc<Tensor>>,
+    outputs: Vec<Arc<Tensor>>,
     aux: Option<Tensor>,
 }
 
@@ -130,7 +148,7 @@ pub struct Device<'p> {
     ep: Endpoint,
     tp_group: Vec<usize>,
     dp_group: Vec<usize>,
-    params: HashMap<u32, Tensor>,
+    params: HashMap<u32, Arc<Tensor>>,
     grads: HashMap<u32, Tensor>,
     /// Adam's moments of this rank's range of the parameter bucket.
     moments: Option<(Vec<f32>, Vec<f32>)>,
@@ -182,7 +200,12 @@ impl<'p> Device<'p> {
                 let whole = initial_parameter(prog, opts.seed, p);
                 params.insert(
                     p,
-                    shard(&whole, &prog.values[p as usize].placement, at.tp, l.tp),
+                    Arc::new(shard(
+                        &whole,
+                        &prog.values[p as usize].placement,
+                        at.tp,
+                        l.tp,
+                    )),
                 );
             }
         }
@@ -212,13 +235,27 @@ impl<'p> Device<'p> {
         for step in 0..self.opts.steps {
             let start = Instant::now();
             let mut loss = 0.0f64;
+            let mut phases = Phases::default();
             for &action in actions {
+                let began = Instant::now();
                 loss += self.act(action, step)?;
+                let took = began.elapsed().as_secs_f64();
+                *match action {
+                    Action::Forward { .. } => &mut phases.forward,
+                    Action::Backward { .. } => &mut phases.backward,
+                    Action::OptimizerStep => &mut phases.optimizer,
+                    _ => &mut phases.communication,
+                } += took;
             }
             self.report.step_times.push(start.elapsed().as_secs_f64());
+            self.report.phases.push(phases);
             self.report.loss_sums.push(loss);
             if self.opts.check && step == 0 {
-                self.report.params = self.params.clone();
+                self.report.params = self
+                    .params
+                    .iter()
+                    .map(|(&k, p)| (k, Tensor::clone(p)))
+                    .collect();
             }
         }
         Ok(self.report)
@@ -245,7 +282,7 @@ impl<'p> Device<'p> {
                 for &v in &prog.chunks[chunk].send {
                     let t = saved
                         .and_then(|s| s.env.get(&v))
-                        .cloned()
+                        .map(|t| Tensor::clone(t))
                         .ok_or_else(|| missing(v, prog))?;
                     let tag = self.tag(to, Payload::Activation, chunk + 1, microbatch, v);
                     self.ep.fabric.send(tag, t);
@@ -328,6 +365,19 @@ impl<'p> Device<'p> {
         shard(&whole, &info.placement, self.at.tp, l.tp)
     }
 
+    /// [`Self::convert`] of a shared value: shared further when nothing converts it.
+    fn convert_shared(
+        &mut self,
+        t: Arc<Tensor>,
+        convs: &[Conversion],
+    ) -> Result<Arc<Tensor>, ExecError> {
+        if convs.is_empty() {
+            return Ok(t);
+        }
+        let owned = Arc::unwrap_or_clone(t);
+        Ok(Arc::new(self.convert(owned, convs)?))
+    }
+
     fn convert(&mut self, mut t: Tensor, convs: &[Conversion]) -> Result<Tensor, ExecError> {
         for c in convs {
             t = match c {
@@ -367,12 +417,15 @@ impl<'p> Device<'p> {
         let prog = self.prog;
         let code = &prog.chunks[chunk];
         let tp = prog.layout.tp;
-        let mut env = self
+        let mut env: HashMap<u32, Arc<Tensor>> = self
             .inbox
             .remove(&(chunk, microbatch, Payload::Activation))
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(v, t)| (v, Arc::new(t)))
+            .collect();
         for &v in &code.inputs {
-            env.insert(v, self.input(v, microbatch, step));
+            env.insert(v, Arc::new(self.input(v, microbatch, step)));
         }
         let mut ctx = Vec::with_capacity(code.steps.len());
         for s in &code.steps {
@@ -383,7 +436,7 @@ impl<'p> Device<'p> {
                     .or_else(|| self.params.get(&v))
                     .cloned()
                     .ok_or_else(|| missing(v, prog))?;
-                inputs.push(self.convert(t, convs)?);
+                inputs.push(self.convert_shared(t, convs)?);
             }
             let shapes: Vec<Vec<usize>> = s
                 .outputs
@@ -391,20 +444,21 @@ impl<'p> Device<'p> {
                 .zip(&s.out_states)
                 .map(|(&o, st)| local_shape(&prog.values[o as usize].shape, st, tp))
                 .collect();
-            let refs: Vec<&Tensor> = inputs.iter().collect();
+            let refs: Vec<&Tensor> = inputs.iter().map(|t| &**t).collect();
             let mut group = TpGroup {
                 ep: &mut self.ep,
                 group: &self.tp_group,
                 rank: self.at.tp,
             };
             let f = kernels::forward(&s.kernel, &refs, &shapes, &mut group)?;
-            for ((&o, convs), t) in s.outputs.iter().zip(&s.after).zip(&f.outputs) {
-                let placed = self.convert(t.clone(), convs)?;
+            let outputs: Vec<Arc<Tensor>> = f.outputs.into_iter().map(Arc::new).collect();
+            for ((&o, convs), t) in s.outputs.iter().zip(&s.after).zip(&outputs) {
+                let placed = self.convert_shared(t.clone(), convs)?;
                 env.insert(o, placed);
             }
             ctx.push(Some(StepCtx {
                 inputs,
-                outputs: f.outputs,
+                outputs,
                 aux: f.aux,
             }));
         }
@@ -458,8 +512,8 @@ impl<'p> Device<'p> {
                 };
                 dys.push(g);
             }
-            let xs: Vec<&Tensor> = c.inputs.iter().collect();
-            let ys: Vec<&Tensor> = c.outputs.iter().collect();
+            let xs: Vec<&Tensor> = c.inputs.iter().map(|t| &**t).collect();
+            let ys: Vec<&Tensor> = c.outputs.iter().map(|t| &**t).collect();
             let ds: Vec<&Tensor> = dys.iter().collect();
             let mut group = TpGroup {
                 ep: &mut self.ep,
@@ -549,6 +603,10 @@ impl<'p> Device<'p> {
     /// Data-parallel gradient synchronisation over one flat bucket: an all-reduce, or (ZeRO) a
     /// reduce-scatter that leaves each rank the sum of its shard only.
     fn sync_gradients(&mut self) -> Result<(), ExecError> {
+        if self.dp_group.len() == 1 {
+            // Nothing to reduce: the optimizer reads the gradients where they are.
+            return Ok(());
+        }
         let (keys, n, range) = self.bucket();
         let mut flat = Vec::with_capacity(n);
         for k in &keys {
@@ -578,10 +636,6 @@ impl<'p> Device<'p> {
     /// Adam on this rank's range of the bucket, then (ZeRO) an all-gather of the parameters.
     fn optimizer_step(&mut self) -> Result<(), ExecError> {
         let (keys, n, range) = self.bucket();
-        let mut flat_p = Vec::with_capacity(n);
-        for k in &keys {
-            flat_p.extend_from_slice(&self.params[k].data);
-        }
         self.updates += 1;
         let t = self.updates as i32;
         let (m, v) = self
@@ -589,25 +643,55 @@ impl<'p> Device<'p> {
             .get_or_insert_with(|| (vec![0.0; range.len()], vec![0.0; range.len()]));
         let c1 = 1.0 - BETA1.powi(t);
         let c2 = 1.0 - BETA2.powi(t);
-        for (i, g) in self.reduced.iter().enumerate() {
-            m[i] = BETA1 * m[i] + (1.0 - BETA1) * g;
-            v[i] = BETA2 * v[i] + (1.0 - BETA2) * g * g;
-            let step = LR * (m[i] / c1) / ((v[i] / c2).sqrt() + ADAM_EPS);
-            flat_p[range.start + i] -= step;
-        }
-        if range.len() < n {
-            let mine = flat_p[range].to_vec();
-            let all = self.ep.exchange(&self.dp_group, self.at.dp, mine)?;
-            let mut at = 0;
-            for piece in all.iter() {
-                let end = (at + piece.len()).min(n);
-                flat_p[at..end].copy_from_slice(&piece[..end - at]);
-                at = end;
+        let adam = |p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| {
+            for i in 0..g.len() {
+                m[i] = BETA1 * m[i] + (1.0 - BETA1) * g[i];
+                v[i] = BETA2 * v[i] + (1.0 - BETA2) * g[i] * g[i];
+                p[i] -= LR * (m[i] / c1) / ((v[i] / c2).sqrt() + ADAM_EPS);
             }
+        };
+        if range.len() == n {
+            // Every parameter is this rank's to update: in place, from the reduced bucket or,
+            // with one replica, from the gradients themselves.
+            let single = self.dp_group.len() == 1;
+            let mut at = 0;
+            for k in &keys {
+                if let Some(p) = self.params.get_mut(k) {
+                    let p = Arc::make_mut(p);
+                    let span = at..at + p.len();
+                    at = span.end;
+                    let none;
+                    let g = match (single, self.grads.get(k)) {
+                        (false, _) => &self.reduced[span.clone()],
+                        (true, Some(g)) => &g.data[..],
+                        (true, None) => {
+                            none = vec![0.0; p.len()];
+                            &none[..]
+                        }
+                    };
+                    adam(&mut p.data, g, &mut m[span.clone()], &mut v[span]);
+                }
+            }
+            self.grads.clear();
+            return Ok(());
+        }
+        let mut flat_p = Vec::with_capacity(n);
+        for k in &keys {
+            flat_p.extend_from_slice(&self.params[k].data);
+        }
+        adam(&mut flat_p[range.clone()], &self.reduced, m, v);
+        let mine = flat_p[range].to_vec();
+        let all = self.ep.exchange(&self.dp_group, self.at.dp, mine)?;
+        let mut at = 0;
+        for piece in all.iter() {
+            let end = (at + piece.len()).min(n);
+            flat_p[at..end].copy_from_slice(&piece[..end - at]);
+            at = end;
         }
         let mut at = 0;
         for k in &keys {
             if let Some(p) = self.params.get_mut(k) {
+                let p = Arc::make_mut(p);
                 let len = p.len();
                 p.data.copy_from_slice(&flat_p[at..at + len]);
                 at += len;

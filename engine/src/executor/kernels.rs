@@ -305,23 +305,7 @@ pub fn backward(
                 Mat::t(&w.data, k, n)
             };
             matmul(Mat::new(&d.data, m, n), wt, &mut dx, false);
-            // dw = xᵀ · dy, or dyᵀ · x when stored transposed.
-            let mut dw = vec![0.0f32; w.len()];
-            if *transpose_b {
-                matmul(
-                    Mat::t(&d.data, m, n),
-                    Mat::new(&a.data, m, k),
-                    &mut dw,
-                    false,
-                );
-            } else {
-                matmul(
-                    Mat::t(&a.data, m, k),
-                    Mat::new(&d.data, m, n),
-                    &mut dw,
-                    false,
-                );
-            }
+            let dw = matmul_weight_grad(&a.data, &d.data, (m, k, n), *transpose_b);
             let mut out = vec![like(a, dx), like(w, dw)];
             if *bias {
                 out.push(like(x[2], column_sums(&d.data, n)));
@@ -333,7 +317,9 @@ pub fn backward(
             like(x[1], column_sums(&d.data, x[1].len())),
         ],
         Kernel::BatchMatMul { transpose_b } => {
-            let (da, db) = batch_matmul_backward(x[0], x[1], d, *transpose_b);
+            // da = d · bᵀ is the product with b's layout flipped.
+            let da = batch_matmul(d, x[1], !*transpose_b);
+            let db = batch_matmul_grad_b(x[0], d, &x[1].shape, *transpose_b);
             vec![like(x[0], da), like(x[1], db)]
         }
         Kernel::LayerNorm | Kernel::RmsNorm => {
@@ -481,6 +467,23 @@ fn weight_mat(w: &Tensor, transpose_b: bool) -> Mat<'_> {
     }
 }
 
+/// Gradient of the weight of an `m x k` by `k x n` product from its input `x` (`m x k`) and
+/// output gradient `dy` (`m x n`): `xᵀ · dy`, or `dyᵀ · x` when the weight is stored transposed.
+pub fn matmul_weight_grad(
+    x: &[f32],
+    dy: &[f32],
+    (m, k, n): (usize, usize, usize),
+    transpose_b: bool,
+) -> Vec<f32> {
+    let mut dw = vec![0.0f32; k * n];
+    if transpose_b {
+        matmul(Mat::t(dy, m, n), Mat::new(x, m, k), &mut dw, false);
+    } else {
+        matmul(Mat::t(x, m, k), Mat::new(dy, m, n), &mut dw, false);
+    }
+    dw
+}
+
 fn add_rows(out: &mut [f32], bias: &[f32]) {
     for row in out.chunks_mut(bias.len()) {
         for (o, b) in row.iter_mut().zip(bias) {
@@ -489,7 +492,7 @@ fn add_rows(out: &mut [f32], bias: &[f32]) {
     }
 }
 
-fn column_sums(data: &[f32], n: usize) -> Vec<f32> {
+pub(super) fn column_sums(data: &[f32], n: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; n];
     for row in data.chunks(n) {
         for (o, v) in out.iter_mut().zip(row) {
@@ -523,10 +526,11 @@ fn gelu(x: f32) -> (f32, f32) {
 
 /// Leading-axis bookkeeping of a batched product: for every matrix of `a`, the index of the
 /// matrix of `b` it multiplies (`b`'s leading axes divide `a`'s: grouped heads share a key).
-fn batch_map(a: &Tensor, b: &Tensor) -> Vec<usize> {
-    let ra = a.shape.len();
-    let lead_a = &a.shape[..ra - 2];
-    let lead_b = &b.shape[..b.shape.len() - 2];
+/// For every matrix of `a` (shape `a`), the index of the matrix of `b` (shape `b`) it is
+/// multiplied with: `b`'s leading axes may divide `a`'s.
+fn batch_map(a: &[usize], b: &[usize]) -> Vec<usize> {
+    let lead_a = &a[..a.len() - 2];
+    let lead_b = &b[..b.len() - 2];
     let count: usize = lead_a.iter().product();
     let mut out = Vec::with_capacity(count);
     for i in 0..count {
@@ -554,7 +558,7 @@ fn batch_matmul(a: &Tensor, b: &Tensor, transpose_b: bool) -> Vec<f32> {
     } else {
         b.shape[rb - 1]
     };
-    let map = batch_map(a, b);
+    let map = batch_map(&a.shape, &b.shape);
     let mut out = vec![0.0f32; map.len() * m * n];
     for (i, &j) in map.iter().enumerate() {
         let am = Mat::new(&a.data[i * m * k..(i + 1) * m * k], m, k);
@@ -569,43 +573,30 @@ fn batch_matmul(a: &Tensor, b: &Tensor, transpose_b: bool) -> Vec<f32> {
     out
 }
 
-fn batch_matmul_backward(
+/// Gradient of a batched product's `b` (shaped `b_shape`) from `a` and the output gradient
+/// `d`: `aᵀ · d`, or `dᵀ · a` when `b` is stored transposed, summed over the heads that share
+/// one `b` (grouped-query attention).
+pub fn batch_matmul_grad_b(
     a: &Tensor,
-    b: &Tensor,
     d: &Tensor,
+    b_shape: &[usize],
     transpose_b: bool,
-) -> (Vec<f32>, Vec<f32>) {
+) -> Vec<f32> {
     let ra = a.shape.len();
     let (m, k) = (a.shape[ra - 2], a.shape[ra - 1]);
     let n = d.last();
-    let map = batch_map(a, b);
-    let mut da = vec![0.0f32; a.len()];
-    let mut db = vec![0.0f32; b.len()];
-    for (i, &j) in map.iter().enumerate() {
+    let mut db = vec![0.0f32; b_shape.iter().product()];
+    for (i, &j) in batch_map(&a.shape, b_shape).iter().enumerate() {
         let dm = &d.data[i * m * n..(i + 1) * m * n];
         let am = &a.data[i * m * k..(i + 1) * m * k];
-        let bs = &b.data[j * k * n..(j + 1) * k * n];
-        // da = d · bᵀ (b as used is k x n).
-        let bt = if transpose_b {
-            Mat::new(bs, n, k)
-        } else {
-            Mat::t(bs, k, n)
-        };
-        matmul(
-            Mat::new(dm, m, n),
-            bt,
-            &mut da[i * m * k..(i + 1) * m * k],
-            false,
-        );
         let dbs = &mut db[j * k * n..(j + 1) * k * n];
         if transpose_b {
-            // b stored n x k: db = dᵀ · a.
             matmul(Mat::t(dm, m, n), Mat::new(am, m, k), dbs, true);
         } else {
             matmul(Mat::t(am, m, k), Mat::new(dm, m, n), dbs, true);
         }
     }
-    (da, db)
+    db
 }
 
 fn softmax_causal(x: &Tensor, scale: f32) -> Vec<f32> {
@@ -664,7 +655,7 @@ fn attention_probs(q: &[f32], k: &[f32], s: usize, d: usize, scale: f32) -> Vec<
 fn attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Vec<f32> {
     let r = q.shape.len();
     let (s, d) = (q.shape[r - 2], q.shape[r - 1]);
-    let map = batch_map(q, k);
+    let map = batch_map(&q.shape, &k.shape);
     let heads = q.shape[1];
     let mut out = vec![0.0f32; q.len()];
     let mut head = vec![0.0f32; s * d];
@@ -693,7 +684,7 @@ fn attention_backward(
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let r = q.shape.len();
     let (s, d) = (q.shape[r - 2], q.shape[r - 1]);
-    let map = batch_map(q, k);
+    let map = batch_map(&q.shape, &k.shape);
     let mut dq = vec![0.0f32; q.len()];
     let mut dk = vec![0.0f32; k.len()];
     let mut dv = vec![0.0f32; v.len()];

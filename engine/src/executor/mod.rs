@@ -11,12 +11,14 @@ pub mod cpu;
 pub mod cuda;
 pub mod kernels;
 pub mod lower;
+pub mod measure;
 pub mod placement;
 pub mod tensor;
 
 pub use lower::{ExecLayout, Program, lower};
 
 use autopar_rules::graph::Graph;
+pub use cpu::Phases;
 use cpu::{Coord, Device, DeviceReport, rank_of};
 use placement::{State, gather};
 use serde::{Deserialize, Serialize};
@@ -42,6 +44,9 @@ pub enum ExecError {
     /// The plan's model is too large for the backend's memory.
     #[error("{0}")]
     TooLarge(String),
+    /// The backend has no kernel for an op signature (it is left to the analytic model).
+    #[error("no kernel for {0}")]
+    NoKernel(String),
 }
 
 /// Options of a run.
@@ -62,18 +67,35 @@ pub struct RunResult {
     pub losses: Vec<f64>,
     /// Wall time of every step (slowest device), s.
     pub step_times: Vec<f64>,
+    /// Where the time of every step went on its slowest device.
+    pub phases: Vec<Phases>,
+}
+
+/// The median of `values` leaving out the first (warm-up) when there are several.
+fn median_after_warmup(values: impl Iterator<Item = f64>) -> f64 {
+    let mut t: Vec<f64> = values.collect();
+    if t.len() > 1 {
+        t.remove(0);
+    }
+    t.sort_by(f64::total_cmp);
+    t.get(t.len() / 2).copied().unwrap_or(0.0)
 }
 
 impl RunResult {
     /// Median step time, s, leaving out the first step (warm-up) when there are several.
     pub fn median_step_time(&self) -> f64 {
-        let mut t: Vec<f64> = if self.step_times.len() > 1 {
-            self.step_times[1..].to_vec()
-        } else {
-            self.step_times.clone()
-        };
-        t.sort_by(f64::total_cmp);
-        t.get(t.len() / 2).copied().unwrap_or(0.0)
+        median_after_warmup(self.step_times.iter().copied())
+    }
+
+    /// Median of each phase over the same steps.
+    pub fn median_phases(&self) -> Phases {
+        let of = |f: fn(&Phases) -> f64| median_after_warmup(self.phases.iter().map(f));
+        Phases {
+            forward: of(|p| p.forward),
+            backward: of(|p| p.backward),
+            communication: of(|p| p.communication),
+            optimizer: of(|p| p.optimizer),
+        }
     }
 }
 
@@ -163,6 +185,14 @@ pub fn summarize(prog: &Program, reports: &[DeviceReport]) -> RunResult {
             .collect(),
         step_times: (0..steps)
             .map(|s| reports.iter().map(|r| r.step_times[s]).fold(0.0, f64::max))
+            .collect(),
+        phases: (0..steps)
+            .map(|s| {
+                reports
+                    .iter()
+                    .max_by(|a, b| a.step_times[s].total_cmp(&b.step_times[s]))
+                    .map_or_else(Phases::default, |r| r.phases[s])
+            })
             .collect(),
     }
 }
