@@ -219,6 +219,9 @@ pub enum ProfileCommand {
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
+    /// Measure every kernel and collective the targets training MODEL on CLUSTER price, on
+    /// this machine, and write them as a profile.
+    Run(ProfileRunArgs),
     /// Convert a profile (any time unit, shapes as strings) into the canonical file.
     Import {
         /// The profile to convert.
@@ -230,6 +233,31 @@ pub enum ProfileCommand {
         #[arg(long)]
         device: Option<String>,
     },
+}
+
+/// `autopar profile run`.
+#[derive(Debug, Args)]
+pub struct ProfileRunArgs {
+    /// Model whose kernels are measured (with the shapes of the targets training it on
+    /// --cluster).
+    #[arg(long)]
+    pub model: String,
+    /// Cluster of those targets.
+    #[arg(long)]
+    pub cluster: String,
+    /// Backend that runs the kernels.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: BackendArg,
+    /// Where to write the profile (default: standard output, the summary then goes to
+    /// standard error).
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+    /// Kernels listed in the summary, slowest first.
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `autopar watch`.

@@ -1,9 +1,21 @@
-//! Build progress: a bar on a terminal, one plain line per target otherwise (CI logs).
+//! Progress: a bar on a terminal; for builds one plain line per target otherwise (CI logs).
 
 use autopar_engine::build::{Progress, TargetResult};
 use autopar_engine::cache::Source;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
+
+/// A progress bar drawn with `template` on stderr when it is a terminal; `None` otherwise.
+pub fn bar(template: &str) -> Option<ProgressBar> {
+    std::io::stderr().is_terminal().then(|| {
+        let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+        let style =
+            ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar());
+        bar.set_style(style);
+        bar.enable_steady_tick(std::time::Duration::from_millis(100));
+        bar
+    })
+}
 
 /// Reports build progress on stderr.
 pub struct Reporter {
@@ -13,16 +25,11 @@ pub struct Reporter {
 impl Reporter {
     /// A bar when stderr is a terminal and `quiet` is false; plain lines otherwise.
     pub fn new(quiet: bool) -> Self {
-        let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
-            let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
-            let style = ProgressStyle::with_template(
-                "{spinner} planning [{bar:30}] {pos}/{len} targets {msg}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
-            bar.set_style(style);
-            bar.enable_steady_tick(std::time::Duration::from_millis(100));
-            bar
-        });
+        let bar = if quiet {
+            None
+        } else {
+            bar("{spinner} planning [{bar:30}] {pos}/{len} targets {msg}")
+        };
         Reporter { bar }
     }
 

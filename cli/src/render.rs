@@ -580,7 +580,7 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
     }
     let _ = writeln!(
         s,
-        "step time measured {} (median{}) on {}; predicted {} on {}",
+        "step time measured {} (median{}) on {}; predicted {} on {}{}",
         secs(o.measured_step_time_s),
         if o.result.step_times.len() > 1 {
             ", first step left out"
@@ -589,7 +589,33 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
         },
         o.backend.name(),
         secs(o.predicted_step_time_s),
-        o.cluster
+        o.cluster,
+        if o.comparable && o.predicted_step_time_s > 0.0 {
+            format!(
+                ": error {:+.1}%",
+                100.0
+                    * (o.predicted_step_time_s / o.measured_step_time_s.max(f64::MIN_POSITIVE)
+                        - 1.0)
+            )
+        } else {
+            String::new()
+        }
+    );
+    let m = o.result.median_phases();
+    let p = &o.predicted_time;
+    let _ = writeln!(
+        s,
+        "measured  forward + backward {} · communication {} · optimizer {}",
+        secs(m.forward + m.backward),
+        secs(m.communication),
+        secs(m.optimizer)
+    );
+    let _ = writeln!(
+        s,
+        "predicted compute {} · communication and bubble {} · optimizer {}",
+        secs(p.compute + p.recompute),
+        secs(p.tp_comm + p.p2p + p.zero_comm + p.bubble + p.grad_sync),
+        secs(p.optimizer)
     );
     if let Some(c) = &o.check {
         let _ = writeln!(
@@ -607,4 +633,145 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
         );
     }
     s
+}
+
+/// Peak FLOP/s of `device` for products computed in `dtype`.
+fn peak_for(device: &autopar_rules::cluster::Device, dtype: autopar_rules::graph::DType) -> f64 {
+    match dtype {
+        autopar_rules::graph::DType::F32 => device.peak_fp32_flops,
+        _ => device.peak_bf16_flops,
+    }
+}
+
+/// Measured entries, slowest first, with the analytic time for the cluster's device.
+fn measured_rows(m: &autopar_engine::profiles::Measured) -> Vec<(String, f64, Option<f64>)> {
+    // Modelled times are for the cluster's device: a comparison only when that was measured.
+    let modelled: std::collections::HashMap<_, _> = if m.modelled.device == m.profile.device {
+        m.modelled.entries().into_iter().collect()
+    } else {
+        Default::default()
+    };
+    let mut rows: Vec<(String, f64, Option<f64>)> = m
+        .profile
+        .entries()
+        .into_iter()
+        .map(|(e, t)| {
+            let model = modelled.get(&e).copied();
+            (e.to_string(), t, model)
+        })
+        .collect();
+    rows.sort_by(|a, b| b.1.total_cmp(&a.1));
+    rows
+}
+
+/// `autopar profile run`'s summary.
+pub fn profile_run(
+    m: &autopar_engine::profiles::Measured,
+    device: &autopar_rules::cluster::Device,
+    a: &crate::args::ProfileRunArgs,
+    backend: autopar_engine::run::Backend,
+) -> String {
+    let mut s = String::new();
+    let (ops, colls) = m
+        .profile
+        .entries()
+        .iter()
+        .fold((0, 0), |(o, c), (e, _)| match e {
+            autopar_rules::profile::EntryId::Op(_) => (o + 1, c),
+            autopar_rules::profile::EntryId::Collective(..) => (o, c + 1),
+        });
+    let _ = writeln!(
+        s,
+        "profile of {} on {} (targets {}), measured on {}: {ops} kernels and {colls} collective sizes in {}",
+        a.model,
+        a.cluster,
+        m.targets.join(", "),
+        backend.name(),
+        secs(m.seconds)
+    );
+    if !m.skipped.is_empty() {
+        let _ = writeln!(
+            s,
+            "{} left to the analytic model (no {} kernel):",
+            m.skipped.len(),
+            backend.name()
+        );
+        for k in &m.skipped {
+            let _ = writeln!(s, "  {}", k.reason);
+        }
+    }
+    if let Some((autopar_rules::profile::EntryId::Op(sig), rate)) = &m.fastest_product {
+        let peak = peak_for(device, sig.dtype);
+        let _ = writeln!(
+            s,
+            "fastest matrix product {:.1} GFLOP/s = {:.0}% of the `{}` peak ({:.1} GFLOP/s): {sig}",
+            rate / 1e9,
+            100.0 * rate / peak,
+            device.name,
+            peak / 1e9
+        );
+    }
+    let rows = measured_rows(m);
+    let compared = m.modelled.device == m.profile.device;
+    if !rows.is_empty() && a.top > 0 {
+        let _ = if compared {
+            writeln!(
+                s,
+                "{:>12}  {:>12}  {:>6}  slowest entries",
+                "measured",
+                format!("{} model", m.modelled.device),
+                "ratio"
+            )
+        } else {
+            writeln!(s, "{:>12}  slowest entries", "measured")
+        };
+        for (e, us, model) in rows.iter().take(a.top) {
+            let t = format!("{us:.1} us");
+            if !compared {
+                let _ = writeln!(s, "{t:>12}  {e}");
+                continue;
+            }
+            let (model, ratio) = match model {
+                Some(x) if *x > 0.0 => (format!("{x:.1} us"), format!("{:.2}", us / x)),
+                _ => ("-".into(), "-".into()),
+            };
+            let _ = writeln!(s, "{t:>12}  {model:>12}  {ratio:>6}  {e}");
+        }
+    }
+    if m.profile.device != m.modelled.device {
+        let _ = writeln!(
+            s,
+            "note: the profile's device is `{}`; it applies to clusters with preset = \"{}\", not to `{}` ({})",
+            m.profile.device, m.profile.device, a.cluster, m.modelled.device
+        );
+    }
+    s
+}
+
+/// `autopar profile run`'s summary as JSON.
+pub fn profile_run_json(
+    m: &autopar_engine::profiles::Measured,
+    device: &autopar_rules::cluster::Device,
+    a: &crate::args::ProfileRunArgs,
+    backend: autopar_engine::run::Backend,
+) -> serde_json::Value {
+    let fastest = m.fastest_product.as_ref().map(|(e, rate)| {
+        let peak = match e {
+            autopar_rules::profile::EntryId::Op(sig) => peak_for(device, sig.dtype),
+            autopar_rules::profile::EntryId::Collective(..) => f64::NAN,
+        };
+        serde_json::json!({"entry": e.to_string(), "flops_per_s": rate, "fraction_of_peak": rate / peak})
+    });
+    serde_json::json!({
+        "model": a.model,
+        "cluster": a.cluster,
+        "backend": backend.name(),
+        "device": m.profile.device,
+        "cluster_device": m.modelled.device,
+        "targets": m.targets,
+        "seconds": m.seconds,
+        "fastest_product": fastest,
+        "skipped": m.skipped.iter().map(|k| serde_json::json!({"entry": k.entry.to_string(), "reason": k.reason})).collect::<Vec<_>>(),
+        "entries": measured_rows(m).into_iter().map(|(e, t, model)| serde_json::json!({"entry": e, "measured_us": t, "modelled_us": model})).collect::<Vec<_>>(),
+    })
 }

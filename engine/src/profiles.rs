@@ -72,7 +72,7 @@ pub fn model_template(
         .filter(|t| t.model == m && t.cluster == c)
         .collect();
     if targets.is_empty() {
-        let pairs: Vec<String> = ws
+        let mut pairs: Vec<String> = ws
             .targets
             .iter()
             .map(|t| {
@@ -82,6 +82,8 @@ pub fn model_template(
                 )
             })
             .collect();
+        pairs.sort();
+        pairs.dedup();
         return Err(EngineError::Unknown {
             what: "model and cluster pair",
             name: format!("{model} on {cluster}"),

@@ -22,7 +22,7 @@ pub struct TempWorkspace {
 }
 
 impl TempWorkspace {
-    /// Copies the default workspace.
+    /// Copies the default workspace with the files it reads.
     pub fn default_copy() -> Self {
         let dir = tempfile::tempdir().expect("temporary directory");
         let root = repo_root();
@@ -31,11 +31,14 @@ impl TempWorkspace {
             dir.path().join("workspace.toml"),
         )
         .expect("copy workspace.toml");
-        let models = dir.path().join("models");
-        std::fs::create_dir_all(&models).expect("models dir");
-        for entry in std::fs::read_dir(root.join("models")).expect("read models") {
-            let entry = entry.expect("entry");
-            std::fs::copy(entry.path(), models.join(entry.file_name())).expect("copy model");
+        // The files the default workspace reads: models and measured profiles.
+        for sub in ["models", "profiles"] {
+            let to = dir.path().join(sub);
+            std::fs::create_dir_all(&to).expect("directory");
+            for entry in std::fs::read_dir(root.join(sub)).expect("read directory") {
+                let entry = entry.expect("entry");
+                std::fs::copy(entry.path(), to.join(entry.file_name())).expect("copy file");
+            }
         }
         TempWorkspace { dir }
     }

@@ -207,3 +207,130 @@ micro_batch = [1]
         unbuilt.stderr
     );
 }
+
+#[test]
+fn profile_run_measures_what_the_targets_price_and_plans_read_it() {
+    let ws = autopar_tests::TempWorkspace::default_copy();
+    let mut toml = ws.read("workspace.toml");
+    toml.push_str(
+        r#"
+[[cluster]]
+name = "two-threads"
+preset = "cpu"
+nodes = 1
+gpus_per_node = 2
+
+[[target]]
+name = "tiny-cpu"
+model = "tiny-llama"
+cluster = "two-threads"
+global_batch = 2
+seq_len = 32
+precision = "fp32"
+[target.search]
+micro_batch = [1]
+"#,
+    );
+    ws.write("workspace.toml", &toml);
+    let before = ws.run(&["build", "tiny-cpu", "--json"]);
+    assert_eq!(before.code, 0, "{}", before.stderr);
+    let modelled_step = ws.read("plans/tiny-cpu.json");
+
+    let r = ws.run(&[
+        "profile",
+        "run",
+        "--model",
+        "tiny-llama",
+        "--cluster",
+        "two-threads",
+        "-o",
+        "measured.json",
+        "--json",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let summary = r.json();
+    assert_eq!(summary["device"], "cpu");
+    assert_eq!(summary["targets"], serde_json::json!(["tiny-cpu"]));
+    assert_eq!(summary["skipped"], serde_json::json!([]), "{summary}");
+    assert!(
+        summary["fastest_product"]["flops_per_s"]
+            .as_f64()
+            .is_some_and(|f| f > 0.0)
+    );
+    // Every kernel and collective the target's search prices (tp 1 and 2) has a positive time.
+    let template = ws.run(&["profile", "template", "tiny-cpu"]);
+    assert_eq!(template.code, 0, "{}", template.stderr);
+    let want = autopar_rules::profile::parse_profile(&template.stdout).expect("template");
+    let got = autopar_rules::profile::parse_profile(&ws.read("measured.json")).expect("profile");
+    assert_eq!(got.device, "cpu");
+    let keys = |p: &autopar_rules::profile::Profile| -> Vec<_> {
+        p.entries().into_iter().map(|(e, _)| e).collect()
+    };
+    assert_eq!(keys(&got), keys(&want));
+    assert!(got.entries().iter().all(|(_, t)| *t > 0.0));
+    assert!(
+        keys(&got)
+            .iter()
+            .any(|e| matches!(e, autopar_rules::profile::EntryId::Collective(..))),
+        "tensor parallelism over two threads measures collectives"
+    );
+
+    // Attached to the cluster, the measurements replace the modelled times.
+    let attached = toml.replace(
+        "gpus_per_node = 2\n",
+        "gpus_per_node = 2\nprofiles = [\"measured\"]\n\n[[profile]]\nname = \"measured\"\nfile = \"measured.json\"\n",
+    );
+    ws.write("workspace.toml", &attached);
+    let after = ws.run(&["build", "tiny-cpu"]);
+    assert_eq!(after.code, 0, "{}", after.stderr);
+    assert_ne!(ws.read("plans/tiny-cpu.json"), modelled_step);
+    let explain = ws.run(&["explain", "tiny-cpu"]);
+    assert!(explain.stdout.contains("profile"), "{}", explain.stdout);
+    // Running the plan on the CPU compares like with like.
+    let run = ws.run(&["run", "tiny-cpu", "--steps", "2", "--json"]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert_eq!(run.json()["comparable"], true);
+    let text = ws.run(&["run", "tiny-cpu", "--steps", "1"]);
+    assert!(text.stdout.contains("error "), "{}", text.stdout);
+
+    // Bad input: unknown names, a pair no target trains, no GPU stack.
+    let unknown = ws.run(&[
+        "profile",
+        "run",
+        "--model",
+        "nope",
+        "--cluster",
+        "two-threads",
+    ]);
+    assert_eq!(unknown.code, 2);
+    assert!(
+        unknown.stderr.contains("model `nope`"),
+        "{}",
+        unknown.stderr
+    );
+    let unpaired = ws.run(&[
+        "profile",
+        "run",
+        "--model",
+        "gpt2-small",
+        "--cluster",
+        "two-threads",
+    ]);
+    assert_eq!(unpaired.code, 2);
+    assert!(
+        unpaired.stderr.contains("gpt2-small on two-threads"),
+        "{}",
+        unpaired.stderr
+    );
+    let cuda = ws.run(&[
+        "profile",
+        "run",
+        "--model",
+        "tiny-llama",
+        "--cluster",
+        "two-threads",
+        "--backend",
+        "cuda",
+    ]);
+    assert_eq!(cuda.code, 2, "{}", cuda.stderr);
+}

@@ -50,6 +50,7 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
             ProfileCommand::Template { target, output } => {
                 profile::template(&session, target, output.as_deref())
             }
+            ProfileCommand::Run(a) => profile::run(&session, a),
             ProfileCommand::Import {
                 input,
                 output,

@@ -1,12 +1,15 @@
-//! `autopar profile diff` and `autopar profile import`.
+//! `autopar profile diff`, `template`, `run` and `import`.
 
 use super::print_json;
 use crate::Failure;
+use crate::args::{BackendArg, ProfileRunArgs};
 use crate::output::{out, outln};
+use crate::render;
 use autopar_engine::EngineError;
 use autopar_engine::cache::LocalCache;
 use autopar_engine::cache::cache_dir;
 use autopar_engine::diagnostic::Diagnostic;
+use autopar_engine::run::Backend;
 use autopar_engine::session::Session;
 use autopar_rules::canonical::digest;
 use autopar_rules::profile::{EntryId, Profile, import_profile, parse_profile};
@@ -176,6 +179,71 @@ pub fn template(session: &Session, target: &str, output: Option<&Path>) -> Resul
             );
         }
         None => out!("{text}"),
+    }
+    Ok(())
+}
+
+pub fn run(session: &Session, a: &ProfileRunArgs) -> Result<(), Failure> {
+    let ws = session.workspace()?;
+    let backend = match a.backend {
+        BackendArg::Cpu => Backend::Cpu,
+        BackendArg::Cuda => Backend::Cuda,
+    };
+    let bar = crate::progress::bar("{spinner} measuring [{bar:30}] {pos}/{len} {msg}");
+    let mut progress = |i: usize, n: usize, e: &EntryId| {
+        if let Some(bar) = &bar {
+            bar.set_length(n as u64);
+            bar.set_position(i as u64);
+            bar.set_message(e.to_string());
+        }
+    };
+    let measured =
+        autopar_engine::profiles::measure(&ws, &a.model, &a.cluster, backend, &mut progress)?;
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    // Measurements are compared with the model of the device they were taken on: the
+    // cluster's (with its overrides) when that is it, else the backend's preset.
+    let device = ws
+        .cluster(&a.cluster)
+        .map(|c| c.device.clone())
+        .filter(|d| d.name == measured.profile.device)
+        .or_else(|| autopar_rules::cluster::preset(&measured.profile.device))
+        .ok_or_else(|| {
+            Failure::Failed(anyhow::anyhow!(
+                "no device model named `{}`",
+                measured.profile.device
+            ))
+        })?;
+    let summary = if a.json {
+        serde_json::to_string_pretty(&render::profile_run_json(&measured, &device, a, backend))
+            .map_err(|e| Failure::Failed(e.into()))?
+            + "\n"
+    } else {
+        render::profile_run(&measured, &device, a, backend)
+    };
+    let text = measured.profile.to_canonical_json();
+    match &a.output {
+        Some(path) => {
+            autopar_engine::plans::write_text(path, &text)?;
+            out!("{summary}");
+            let wrote = format!(
+                "wrote {} ({} measurements, device `{}`)",
+                path.display(),
+                measured.profile.len(),
+                measured.profile.device
+            );
+            // Standard output stays one JSON document with --json.
+            if a.json {
+                eprintln!("{wrote}");
+            } else {
+                outln!("{wrote}");
+            }
+        }
+        None => {
+            eprint!("{summary}");
+            out!("{text}");
+        }
     }
     Ok(())
 }
