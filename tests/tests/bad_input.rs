@@ -158,7 +158,7 @@ fn unknown_preset() {
         "preset = \"a100-80g\"",
         "preset = \"v100\"",
         "workspace.toml:11:10: field `cluster.preset`: expected one of a100-40g, a100-80g, \
-         h100-sxm, h200, found \"v100\"",
+         h100-sxm, h200, cpu, found \"v100\"",
     );
 }
 
@@ -350,7 +350,7 @@ fn bad_command_line_values() {
                 "--gbs",
                 "8",
             ],
-            "error: --cluster: expected PRESET:NODESxGPUS with PRESET one of a100-40g, a100-80g, h100-sxm, h200, found `a100-80g:0x8` (the number of nodes must be a positive integer, found `0`)",
+            "error: --cluster: expected PRESET:NODESxGPUS with PRESET one of a100-40g, a100-80g, h100-sxm, h200, cpu, found `a100-80g:0x8` (the number of nodes must be a positive integer, found `0`)",
         ),
         (
             &[
