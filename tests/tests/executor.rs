@@ -294,43 +294,32 @@ micro_batch = [1]
     assert!(text.stdout.contains("error "), "{}", text.stdout);
 
     // Bad input: unknown names, a pair no target trains, no GPU stack.
-    let unknown = ws.run(&[
-        "profile",
-        "run",
-        "--model",
-        "nope",
-        "--cluster",
-        "two-threads",
-    ]);
+    let profile_run = |model: &str, extra: &[&str]| {
+        let mut args = vec![
+            "profile",
+            "run",
+            "--model",
+            model,
+            "--cluster",
+            "two-threads",
+        ];
+        args.extend_from_slice(extra);
+        ws.run(&args)
+    };
+    let unknown = profile_run("nope", &[]);
     assert_eq!(unknown.code, 2);
     assert!(
         unknown.stderr.contains("model `nope`"),
         "{}",
         unknown.stderr
     );
-    let unpaired = ws.run(&[
-        "profile",
-        "run",
-        "--model",
-        "gpt2-small",
-        "--cluster",
-        "two-threads",
-    ]);
+    let unpaired = profile_run("gpt2-small", &[]);
     assert_eq!(unpaired.code, 2);
     assert!(
         unpaired.stderr.contains("gpt2-small on two-threads"),
         "{}",
         unpaired.stderr
     );
-    let cuda = ws.run(&[
-        "profile",
-        "run",
-        "--model",
-        "tiny-llama",
-        "--cluster",
-        "two-threads",
-        "--backend",
-        "cuda",
-    ]);
+    let cuda = profile_run("tiny-llama", &["--backend", "cuda"]);
     assert_eq!(cuda.code, 2, "{}", cuda.stderr);
 }

@@ -120,6 +120,28 @@ fn filled(shape: &[usize], tag: u64, bound: Option<usize>) -> Tensor {
     }
 }
 
+/// `Ok` when `sig` has `n_in` operands and `n_out` results.
+fn check_arity(
+    sig: &OpSignature,
+    ins: &[Vec<usize>],
+    outs: &[Vec<usize>],
+    n_in: usize,
+    n_out: usize,
+) -> Result<(), ExecError> {
+    if ins.len() == n_in && outs.len() == n_out {
+        Ok(())
+    } else {
+        Err(no_kernel(
+            sig,
+            format!(
+                "expected {n_in} operands and {n_out} results, found {} and {}",
+                ins.len(),
+                outs.len()
+            ),
+        ))
+    }
+}
+
 fn numel(s: &[usize]) -> usize {
     s.iter().product()
 }
@@ -229,17 +251,7 @@ impl OpBench {
     ) -> Result<Work, ExecError> {
         let bad = |why: &str| no_kernel(sig, why);
         let noisy = |i: usize| filled(&ins[i], i as u64, None);
-        let arity = |n_in: usize, n_out: usize| {
-            if ins.len() == n_in && outs.len() == n_out {
-                Ok(())
-            } else {
-                Err(bad(&format!(
-                    "expected {n_in} operands and {n_out} results, found {} and {}",
-                    ins.len(),
-                    outs.len()
-                )))
-            }
-        };
+        let arity = |n_in: usize, n_out: usize| check_arity(sig, ins, outs, n_in, n_out);
         let same_shape = |a: &[usize], b: &[usize]| {
             if a == b {
                 Ok(())
@@ -387,17 +399,7 @@ impl OpBench {
         let bad = |why: &str| no_kernel(sig, why);
         let noisy = |i: usize| filled(&ins[i], i as u64, None);
         let zeros = |s: &[usize]| Tensor::zeros(s.to_vec());
-        let arity = |n_in: usize, n_out: usize| {
-            if ins.len() == n_in && outs.len() == n_out {
-                Ok(())
-            } else {
-                Err(bad(&format!(
-                    "expected {n_in} operands and {n_out} results, found {} and {}",
-                    ins.len(),
-                    outs.len()
-                )))
-            }
-        };
+        let arity = |n_in: usize, n_out: usize| check_arity(sig, ins, outs, n_in, n_out);
         let bwd =
             |kernel: Kernel, x: Vec<Tensor>, y: Vec<Tensor>, dy: Vec<Tensor>| Work::Backward {
                 kernel,
