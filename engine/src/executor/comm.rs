@@ -7,6 +7,7 @@
 //! device is woken and fails too instead of waiting forever.
 
 use super::ExecError;
+use super::placement::gather;
 use super::tensor::Tensor;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -171,6 +172,28 @@ impl Endpoint {
         let s = *seq;
         *seq += 1;
         self.fabric.exchange(group, index, s, data)
+    }
+
+    /// The whole tensor from every member's piece `t`, split along `axis` as `parts` say.
+    pub fn all_gather(
+        &mut self,
+        group: &[usize],
+        index: usize,
+        t: Tensor,
+        axis: usize,
+        parts: &[usize],
+    ) -> Result<Tensor, ExecError> {
+        let shape = t.shape.clone();
+        let all = self.exchange(group, index, t.data)?;
+        let pieces: Vec<Tensor> = all
+            .iter()
+            .map(|d| Tensor {
+                shape: shape.clone(),
+                data: d.clone(),
+            })
+            .collect();
+        let refs: Vec<&Tensor> = pieces.iter().collect();
+        Ok(gather(&refs, axis, parts))
     }
 
     /// Sum over `group`, in place.

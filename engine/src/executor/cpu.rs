@@ -4,7 +4,7 @@
 use super::comm::{Endpoint, Fabric, Payload, Tag};
 use super::kernels::{self, Group};
 use super::lower::{Action, Init, Program, Role};
-use super::placement::{Conversion, State, gather, slice};
+use super::placement::{Conversion, State, slice};
 use super::tensor::Tensor;
 use super::{ExecError, RunOptions};
 use serde::{Deserialize, Serialize};
@@ -89,6 +89,11 @@ pub fn noise(parts: &[u64]) -> f32 {
         z ^= z >> 31;
     }
     ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// A token id (or label) below `bound` from a noise value `u` in `[-1, 1)`, stored as f32.
+pub fn id_below(u: f32, bound: usize) -> f32 {
+    (((u + 1.0) * 0.5 * bound as f32) as usize).min(bound.saturating_sub(1)) as f32
 }
 
 /// Local shape of a value of whole shape `shape` in `state` over `ranks` ranks.
@@ -351,9 +356,7 @@ impl<'p> Device<'p> {
             for e in 0..per_seq {
                 let u = noise(&[self.opts.seed, 2, step as u64, v as u64, seq, e as u64]);
                 data.push(match info.role {
-                    Role::Input { bound: Some(b) } => {
-                        (((u + 1.0) * 0.5 * b as f32) as usize).min(b - 1) as f32
-                    }
+                    Role::Input { bound: Some(b) } => id_below(u, b),
                     _ => u,
                 });
             }
@@ -386,17 +389,8 @@ impl<'p> Device<'p> {
                     let State::Split { axis, parts } = from else {
                         return Err(ExecError::Lower("gather of an unsplit value".into()));
                     };
-                    let shape = t.shape.clone();
-                    let all = self.ep.exchange(&self.tp_group, self.at.tp, t.data)?;
-                    let pieces: Vec<Tensor> = all
-                        .iter()
-                        .map(|d| Tensor {
-                            shape: shape.clone(),
-                            data: d.clone(),
-                        })
-                        .collect();
-                    let refs: Vec<&Tensor> = pieces.iter().collect();
-                    gather(&refs, *axis, parts)
+                    self.ep
+                        .all_gather(&self.tp_group, self.at.tp, t, *axis, parts)?
                 }
                 Conversion::AllReduce => {
                     self.ep

@@ -131,17 +131,10 @@ pub fn forward(
     let outputs = match kernel {
         Kernel::Embedding { vocab_parallel } => {
             let (ids, table) = (x[0], x[1]);
-            let (rank, _) = vocab_rank(*vocab_parallel, group);
             let h = table.last();
-            let local_rows = rows(table);
-            let offset = rank * local_rows;
             let mut out = vec![0.0f32; ids.len() * h];
-            for (t, &id) in ids.data.iter().enumerate() {
-                let id = id as usize;
-                if id >= offset && id < offset + local_rows {
-                    let r = id - offset;
-                    out[t * h..(t + 1) * h].copy_from_slice(&table.data[r * h..(r + 1) * h]);
-                }
+            for (t, r) in table_rows(ids, table, *vocab_parallel, group) {
+                out[t * h..(t + 1) * h].copy_from_slice(&table.data[r * h..(r + 1) * h]);
             }
             single(out)
         }
@@ -277,18 +270,11 @@ pub fn backward(
     match kernel {
         Kernel::Embedding { vocab_parallel } => {
             let (ids, table) = (x[0], x[1]);
-            let (rank, _) = vocab_rank(*vocab_parallel, group);
             let h = table.last();
-            let local_rows = rows(table);
-            let offset = rank * local_rows;
             let mut grad = vec![0.0f32; table.len()];
-            for (t, &id) in ids.data.iter().enumerate() {
-                let id = id as usize;
-                if id >= offset && id < offset + local_rows {
-                    let r = id - offset;
-                    for j in 0..h {
-                        grad[r * h + j] += d.data[t * h + j];
-                    }
+            for (t, r) in table_rows(ids, table, *vocab_parallel, group) {
+                for j in 0..h {
+                    grad[r * h + j] += d.data[t * h + j];
                 }
             }
             vec![None, like(table, grad)]
@@ -452,6 +438,23 @@ pub fn backward(
 /// This rank and the group size for a vocabulary-parallel kernel, (0, 1) for a replicated one.
 fn vocab_rank(parallel: bool, group: &dyn Group) -> (usize, usize) {
     if parallel { group.rank() } else { (0, 1) }
+}
+
+/// `(token, local row)` of every id of `ids` that falls in this rank's rows of `table` (all of
+/// them unless the table is split over the group by rows).
+fn table_rows<'a>(
+    ids: &'a Tensor,
+    table: &Tensor,
+    vocab_parallel: bool,
+    group: &dyn Group,
+) -> impl Iterator<Item = (usize, usize)> + 'a {
+    let (rank, _) = vocab_rank(vocab_parallel, group);
+    let local_rows = rows(table);
+    let offset = rank * local_rows;
+    ids.data.iter().enumerate().filter_map(move |(t, &id)| {
+        let id = id as usize;
+        (id >= offset && id < offset + local_rows).then(|| (t, id - offset))
+    })
 }
 
 fn weight_dims(w: &Tensor, transpose_b: bool) -> (usize, usize) {

@@ -13,12 +13,12 @@
 //! [`MIN_TIME`] of them, at most [`MAX_RUNS`]. Collectives run between threads through the
 //! executor's [`Fabric`], every rank starting each run together.
 
-use super::ExecError;
 use super::comm::{Endpoint, Fabric};
-use super::cpu::{noise, shard};
+use super::cpu::{id_below, noise, shard};
 use super::kernels::{Group, Kernel, backward, batch_matmul_grad_b, forward, matmul_weight_grad};
-use super::placement::{State, gather};
+use super::placement::State;
 use super::tensor::Tensor;
+use super::{ExecError, median};
 use autopar_rules::graph::Pass;
 use autopar_rules::profile::{CollectiveName, OpSignature};
 use std::hint::black_box;
@@ -106,12 +106,7 @@ fn filled(shape: &[usize], tag: u64, bound: Option<usize>) -> Tensor {
     let data = (0..n)
         .map(|i| {
             let u = noise(&[tag, i as u64]);
-            match bound {
-                Some(b) => ((u + 1.0) * 0.5 * b as f32)
-                    .floor()
-                    .clamp(0.0, (b - 1) as f32),
-                None => u,
-            }
+            bound.map_or(u, |b| id_below(u, b))
         })
         .collect();
     Tensor {
@@ -788,10 +783,9 @@ fn repeat(mut f: impl FnMut() -> Result<(), ExecError>) -> Result<Timing, ExecEr
         f()?;
         samples.push(t.elapsed().as_secs_f64());
     }
-    samples.sort_by(f64::total_cmp);
     Ok(Timing {
-        seconds: samples[samples.len() / 2],
         runs: samples.len(),
+        seconds: median(samples),
     })
 }
 
@@ -858,16 +852,7 @@ pub fn time_collective(
                                 black_box(t);
                             }
                             _ => {
-                                let all = ep.exchange(&group, rank, t.data)?;
-                                let pieces: Vec<Tensor> = all
-                                    .iter()
-                                    .map(|d| Tensor {
-                                        shape: vec![per],
-                                        data: d.clone(),
-                                    })
-                                    .collect();
-                                let refs: Vec<&Tensor> = pieces.iter().collect();
-                                black_box(gather(&refs, 0, &[whole]));
+                                black_box(ep.all_gather(&group, rank, t, 0, &[whole])?);
                             }
                         }
                         samples.push(start.elapsed().as_secs_f64());
@@ -891,9 +876,8 @@ pub fn time_collective(
             *slot = slot.max(t);
         }
     }
-    per_run.sort_by(f64::total_cmp);
     Ok(Timing {
-        seconds: per_run[runs / 2],
+        seconds: median(per_run),
         runs,
     })
 }

@@ -71,14 +71,19 @@ pub struct RunResult {
     pub phases: Vec<Phases>,
 }
 
+/// The median of `values` (the upper one of an even count; 0 when empty).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
 /// The median of `values` leaving out the first (warm-up) when there are several.
 fn median_after_warmup(values: impl Iterator<Item = f64>) -> f64 {
     let mut t: Vec<f64> = values.collect();
     if t.len() > 1 {
         t.remove(0);
     }
-    t.sort_by(f64::total_cmp);
-    t.get(t.len() / 2).copied().unwrap_or(0.0)
+    median(t)
 }
 
 impl RunResult {
