@@ -116,6 +116,15 @@ pub enum BackendArg {
     Cuda,
 }
 
+impl From<BackendArg> for autopar_engine::run::Backend {
+    fn from(b: BackendArg) -> Self {
+        match b {
+            BackendArg::Cpu => Self::Cpu,
+            BackendArg::Cuda => Self::Cuda,
+        }
+    }
+}
+
 /// `autopar run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {

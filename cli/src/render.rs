@@ -646,7 +646,7 @@ fn peak_for(device: &autopar_rules::cluster::Device, dtype: autopar_rules::graph
 /// Measured entries, slowest first, with the analytic time for the cluster's device.
 fn measured_rows(m: &autopar_engine::profiles::Measured) -> Vec<(String, f64, Option<f64>)> {
     // Modelled times are for the cluster's device: a comparison only when that was measured.
-    let modelled: std::collections::HashMap<_, _> = if m.modelled.device == m.profile.device {
+    let modelled: std::collections::HashMap<_, _> = if m.compares_with_model() {
         m.modelled.entries().into_iter().collect()
     } else {
         Default::default()
@@ -700,7 +700,7 @@ pub fn profile_run(
             let _ = writeln!(s, "  {}", k.reason);
         }
     }
-    if let Some((autopar_rules::profile::EntryId::Op(sig), rate)) = &m.fastest_product {
+    if let Some((sig, rate)) = &m.fastest_product {
         let peak = peak_for(device, sig.dtype);
         let _ = writeln!(
             s,
@@ -712,7 +712,7 @@ pub fn profile_run(
         );
     }
     let rows = measured_rows(m);
-    let compared = m.modelled.device == m.profile.device;
+    let compared = m.compares_with_model();
     if !rows.is_empty() && a.top > 0 {
         let _ = if compared {
             writeln!(
@@ -738,7 +738,7 @@ pub fn profile_run(
             let _ = writeln!(s, "{t:>12}  {model:>12}  {ratio:>6}  {e}");
         }
     }
-    if m.profile.device != m.modelled.device {
+    if !compared {
         let _ = writeln!(
             s,
             "note: the profile's device is `{}`; it applies to clusters with preset = \"{}\", not to `{}` ({})",
@@ -755,12 +755,9 @@ pub fn profile_run_json(
     a: &crate::args::ProfileRunArgs,
     backend: autopar_engine::run::Backend,
 ) -> serde_json::Value {
-    let fastest = m.fastest_product.as_ref().map(|(e, rate)| {
-        let peak = match e {
-            autopar_rules::profile::EntryId::Op(sig) => peak_for(device, sig.dtype),
-            autopar_rules::profile::EntryId::Collective(..) => f64::NAN,
-        };
-        serde_json::json!({"entry": e.to_string(), "flops_per_s": rate, "fraction_of_peak": rate / peak})
+    let fastest = m.fastest_product.as_ref().map(|(sig, rate)| {
+        let peak = peak_for(device, sig.dtype);
+        serde_json::json!({"entry": sig.to_string(), "flops_per_s": rate, "fraction_of_peak": rate / peak})
     });
     serde_json::json!({
         "model": a.model,

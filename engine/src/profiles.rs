@@ -8,7 +8,7 @@ use crate::executor::measure::{OpBench, time_collective};
 use crate::run::Backend;
 use crate::workspace::{Target, Workspace};
 use autopar_rules::estimate::Estimator;
-use autopar_rules::profile::{EntryId, Profile};
+use autopar_rules::profile::{EntryId, OpSignature, Profile};
 use autopar_rules::search::pricing_combinations;
 use std::time::Instant;
 
@@ -122,9 +122,17 @@ pub struct Measured {
     /// Targets whose shapes were measured.
     pub targets: Vec<String>,
     /// The matrix product that ran fastest, with its rate in FLOP/s.
-    pub fastest_product: Option<(EntryId, f64)>,
+    pub fastest_product: Option<(OpSignature, f64)>,
     /// Wall time of the measurements, s.
     pub seconds: f64,
+}
+
+impl Measured {
+    /// Whether the modelled times are for the device the measurements were taken on, so the
+    /// two compare.
+    pub fn compares_with_model(&self) -> bool {
+        self.modelled.device == self.profile.device
+    }
 }
 
 /// Measures every entry of `model` on `cluster`'s template on `backend`; `progress` is told
@@ -144,31 +152,28 @@ pub fn measure(
     let entries = modelled.entries();
     let mut profile = Profile::new(CPU_DEVICE);
     let mut skipped = Vec::new();
-    let mut fastest_product: Option<(EntryId, f64)> = None;
+    let mut fastest_product: Option<(OpSignature, f64)> = None;
     for (i, (entry, _)) in entries.iter().enumerate() {
         progress(i, entries.len(), entry);
-        let timing = match entry {
+        let measured = match entry {
             EntryId::Op(sig) => OpBench::new(sig).and_then(|b| {
                 let t = b.time()?;
                 if let Some(flops) = b.product_flops() {
                     let rate = flops / t.seconds.max(f64::MIN_POSITIVE);
                     if fastest_product.as_ref().is_none_or(|(_, r)| rate > *r) {
-                        fastest_product = Some((entry.clone(), rate));
+                        fastest_product = Some((sig.clone(), rate));
                     }
                 }
-                Ok(t)
+                profile.insert_op(sig.clone(), t.seconds * 1e6);
+                Ok(())
             }),
             EntryId::Collective(sig, bytes) => {
                 time_collective(sig.collective, sig.ranks as usize, *bytes)
+                    .map(|t| profile.insert_collective(*sig, *bytes, t.seconds * 1e6))
             }
         };
-        match timing {
-            Ok(t) => match entry {
-                EntryId::Op(sig) => profile.insert_op(sig.clone(), t.seconds * 1e6),
-                EntryId::Collective(sig, bytes) => {
-                    profile.insert_collective(*sig, *bytes, t.seconds * 1e6)
-                }
-            },
+        match measured {
+            Ok(()) => {}
             Err(e @ (ExecError::NoKernel(_) | ExecError::TooLarge(_))) => skipped.push(Skipped {
                 entry: entry.clone(),
                 reason: e.to_string(),

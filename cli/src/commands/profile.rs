@@ -2,7 +2,7 @@
 
 use super::print_json;
 use crate::Failure;
-use crate::args::{BackendArg, ProfileRunArgs};
+use crate::args::ProfileRunArgs;
 use crate::output::{out, outln};
 use crate::render;
 use autopar_engine::EngineError;
@@ -185,10 +185,7 @@ pub fn template(session: &Session, target: &str, output: Option<&Path>) -> Resul
 
 pub fn run(session: &Session, a: &ProfileRunArgs) -> Result<(), Failure> {
     let ws = session.workspace()?;
-    let backend = match a.backend {
-        BackendArg::Cpu => Backend::Cpu,
-        BackendArg::Cuda => Backend::Cuda,
-    };
+    let backend = Backend::from(a.backend);
     let bar = crate::progress::bar("{spinner} measuring [{bar:30}] {pos}/{len} {msg}");
     let mut progress = |i: usize, n: usize, e: &EntryId| {
         if let Some(bar) = &bar {

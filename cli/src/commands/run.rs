@@ -2,7 +2,7 @@
 
 use super::print_json;
 use crate::Failure;
-use crate::args::{BackendArg, RunArgs};
+use crate::args::RunArgs;
 use crate::output::out;
 use crate::render;
 use autopar_engine::cache::{Cache, cache_dir};
@@ -43,10 +43,7 @@ pub fn run(session: &Session, a: &RunArgs, dir: Option<&Path>) -> Result<(), Fai
             )));
         }
     };
-    let backend = match a.backend {
-        BackendArg::Cpu => Backend::Cpu,
-        BackendArg::Cuda => Backend::Cuda,
-    };
+    let backend = Backend::from(a.backend);
     let cache = Cache::open(&cache_dir(dir, &ws));
     let opts = RunOptions {
         steps: a.steps as usize,
