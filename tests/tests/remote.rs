@@ -164,11 +164,7 @@ fn build(ws: &TempWorkspace, remote: &str, env: &[(&str, &str)]) -> Run {
         .envs(env.iter().copied())
         .output()
         .expect("autopar runs");
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+    Run::from(out)
 }
 
 fn field(r: &Run, k: &str) -> u64 {
@@ -509,11 +505,7 @@ fn instances_partition_the_remote() {
             .env_remove("RUST_LOG")
             .output()
             .expect("autopar runs");
-        Run {
-            code: out.status.code().unwrap_or(-1),
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        }
+        Run::from(out)
     };
     let a = TempWorkspace::with_toml(SMALL);
     assert!(field(&run(&a, "team-a"), "solved") > 2);
