@@ -137,8 +137,8 @@ pub struct RunArgs {
     /// Backend.
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: BackendArg,
-    /// Training steps.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    /// Training steps (the first is a warm-up: the step time is the median of the others).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=1000))]
     pub steps: u64,
     /// Seed of the random weights and synthetic data.
     #[arg(long, default_value_t = 1)]

@@ -71,10 +71,15 @@ pub struct RunResult {
     pub phases: Vec<Phases>,
 }
 
-/// The median of `values` (the upper one of an even count; 0 when empty).
+/// The median of `values` (the mean of the middle two of an even count; 0 when empty).
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(0.0)
+    let n = values.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => values[n / 2],
+        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
 }
 
 /// The median of `values` leaving out the first (warm-up) when there are several.
@@ -339,4 +344,31 @@ pub fn check(
             reference: theirs,
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(vec![]), 0.0);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+    }
+
+    #[test]
+    fn step_time_leaves_out_the_warm_up() {
+        let r = RunResult {
+            losses: vec![1.0; 5],
+            step_times: vec![9.0, 1.0, 2.0, 4.0, 3.0],
+            phases: vec![Phases::default(); 5],
+        };
+        assert_eq!(r.median_step_time(), 2.5);
+        let one = RunResult {
+            step_times: vec![9.0],
+            ..r
+        };
+        assert_eq!(one.median_step_time(), 9.0);
+    }
 }
