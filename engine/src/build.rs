@@ -315,7 +315,7 @@ fn write_outputs(
     t: &Target,
     plan: &Plan,
 ) -> Result<(), EngineError> {
-    let mut json = serde_json::to_vec_pretty(plan).map_err(|e| EngineError::BadPlan {
+    let mut json = serde_json::to_vec_pretty(plan).map_err(|e| EngineError::Encode {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })?;

@@ -52,6 +52,14 @@ pub enum EngineError {
         /// Where the plan would be.
         path: PathBuf,
     },
+    /// An output could not be encoded (a bug: every output is plain data).
+    #[error("cannot encode {}: {reason}", path.display())]
+    Encode {
+        /// The file it was for.
+        path: PathBuf,
+        /// The encoder's error.
+        reason: String,
+    },
     /// A plan file exists but cannot be read back.
     #[error("plan file {} is unreadable: {reason}", path.display())]
     BadPlan {
@@ -94,6 +102,7 @@ impl EngineError {
                 | EngineError::Unknown { .. }
                 | EngineError::Argument { .. }
                 | EngineError::Layout(_)
+                | EngineError::BadPlan { .. }
         ) || matches!(
             self.inner(),
             EngineError::Exec(

@@ -65,14 +65,28 @@ pub fn read_plan(target: &str, path: &Path) -> Result<Plan, EngineError> {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
-    let schema = value.get("schema").and_then(serde_json::Value::as_u64);
-    if schema != Some(u64::from(PLAN_SCHEMA)) {
+    let reason = match value.get("schema").and_then(serde_json::Value::as_u64) {
+        Some(s) if s == u64::from(PLAN_SCHEMA) => None,
+        Some(s) => {
+            // A plan names its target; a file given by path may not be the target's.
+            let target = value
+                .get("target")
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or(target);
+            Some(format!(
+                "plan schema {s} is not {PLAN_SCHEMA} (written by another version of autopar); \
+                 rebuild it with `autopar build {target}`"
+            ))
+        }
+        None => Some(format!(
+            "expected an autopar plan (a JSON object with `schema`: {PLAN_SCHEMA}), found no \
+             `schema` field"
+        )),
+    };
+    if let Some(reason) = reason {
         return Err(EngineError::BadPlan {
             path: path.to_path_buf(),
-            reason: format!(
-                "plan schema {} is not {PLAN_SCHEMA}; rebuild it with `autopar build {target}`",
-                schema.map_or("missing".to_string(), |s| s.to_string())
-            ),
+            reason,
         });
     }
     serde_json::from_value(value).map_err(|e| EngineError::BadPlan {

@@ -70,7 +70,7 @@ pub fn read_record(root: &Path, target: &str) -> Option<BuildRecord> {
 
 /// Stores the record of a build.
 pub fn write_record(root: &Path, record: &BuildRecord) -> Result<(), EngineError> {
-    let json = serde_json::to_vec_pretty(record).map_err(|e| EngineError::BadPlan {
+    let json = serde_json::to_vec_pretty(record).map_err(|e| EngineError::Encode {
         path: record_path(root, &record.target),
         reason: e.to_string(),
     })?;

@@ -199,6 +199,29 @@ micro_batch = [1]
     let missing = ws.run(&["run", "--plan", "missing.json"]);
     assert_eq!(missing.code, 2);
     assert!(missing.stderr.contains("--plan"), "{}", missing.stderr);
+    // A file that is not a plan, and a plan of another schema: exit 2, saying which.
+    ws.write("not-a-plan.json", "{\"steps\": 3}\n");
+    let not_plan = ws.run(&["run", "--plan", "not-a-plan.json"]);
+    assert_eq!(not_plan.code, 2, "{}", not_plan.stderr);
+    assert!(
+        not_plan.stderr.contains("not-a-plan.json")
+            && not_plan.stderr.contains("found no `schema` field"),
+        "{}",
+        not_plan.stderr
+    );
+    let plan = ws.read("plans/tiny-test.json");
+    ws.write(
+        "old.json",
+        &plan.replacen("\"schema\": 2", "\"schema\": 1", 1),
+    );
+    let old = ws.run(&["run", "--plan", "old.json"]);
+    assert_eq!(old.code, 2, "{}", old.stderr);
+    assert!(
+        old.stderr.contains("plan schema 1 is not 2")
+            && old.stderr.contains("autopar build tiny-test"),
+        "{}",
+        old.stderr
+    );
     let unbuilt = ws.run(&["run", "llama3-8b"]);
     assert_eq!(unbuilt.code, 1);
     assert!(
