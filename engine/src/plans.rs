@@ -60,8 +60,14 @@ pub fn read_plan(target: &str, path: &Path) -> Result<Plan, EngineError> {
             });
         }
     };
+    parse_plan(target, path, &text)
+}
+
+/// Reads a plan from `text`, the contents of `path` (named in errors), the plan of `target`
+/// unless the text names another.
+pub fn parse_plan(target: &str, path: &Path, text: &str) -> Result<Plan, EngineError> {
     let value: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| EngineError::BadPlan {
+        serde_json::from_str(text).map_err(|e| EngineError::BadPlan {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;

@@ -12,14 +12,15 @@ use crate::workspace::Workspace;
 use autopar_rules::canonical::digest;
 use autopar_rules::estimate::TimeBreakdown;
 use autopar_rules::frontend::LowerOptions;
-use autopar_rules::graph::{DType, Graph};
+use autopar_rules::graph::{DType, Graph, TensorKind};
 use autopar_rules::plan::Plan;
 use autopar_store::EntryMeta;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
 /// Bytes of host memory the CPU backend may use for parameters, gradients and Adam moments of
-/// all virtual devices together (a guard against running a 175B plan on a laptop).
+/// all virtual devices together, and again for saved activations (a guard against running a
+/// 175B plan, or a plan edited to a huge micro-batch, on a laptop).
 pub const CPU_STATE_LIMIT: f64 = 8.0 * (1u64 << 30) as f64;
 
 /// Backends `autopar run` knows.
@@ -129,10 +130,31 @@ pub fn plan_graph(ws: &Workspace, plan: &Plan) -> Result<Graph, EngineError> {
                 seq: plan.training.seq,
                 dtype: DType::F32,
                 attention: plan.training.attention,
-                vocab_multiple: plan.training.vocab_multiple.max(1) * l.tp,
+                vocab_multiple: plan.training.vocab_multiple.max(1).saturating_mul(l.tp),
             },
         )
         .map_err(|e| EngineError::Exec(ExecError::Lower(e.to_string())))
+}
+
+/// The graph and layout `plan` runs with, refused when they would not fit the CPU backend's
+/// budget: everything [`run_plan`] checks before lowering.
+pub fn prepare(ws: &Workspace, plan: &Plan) -> Result<(Graph, ExecLayout), EngineError> {
+    let (l, m) = (&plan.estimate.layout, plan.estimate.num_microbatches);
+    let batch = m
+        .checked_mul(l.micro_batch)
+        .and_then(|b| b.checked_mul(l.dp));
+    if m == 0 || batch != Some(l.global_batch) {
+        return Err(ExecError::Lower(format!(
+            "the plan is inconsistent: {m} micro-batch(es) of {} on dp{} do not make its global \
+             batch of {}; rebuild it with `autopar build {}`",
+            l.micro_batch, l.dp, l.global_batch, plan.target
+        ))
+        .into());
+    }
+    let graph = plan_graph(ws, plan)?;
+    let layout = exec_layout(plan);
+    check_size(&graph, &layout, &plan.model.name)?;
+    Ok((graph, layout))
 }
 
 /// Refuses models whose training state would not fit the CPU backend's budget.
@@ -146,6 +168,29 @@ fn check_size(graph: &Graph, layout: &ExecLayout, name: &str) -> Result<(), Exec
              models (e.g. the default workspace's tiny-llama targets)",
             graph.parameter_count() as f64,
             bytes / (1u64 << 30) as f64,
+            layout.dp,
+            CPU_STATE_LIMIT / (1u64 << 30) as f64
+        )));
+    }
+    // Every activation of one micro-batch, kept for as many micro-batches as a 1F1B schedule
+    // can have in flight, on every replica: an upper bound of what the devices save.
+    let per_microbatch: f64 = graph
+        .tensors
+        .iter()
+        .filter(|t| t.kind == TensorKind::Activation)
+        .map(|t| t.elements() as f64 * 4.0)
+        .sum();
+    let virtual_stages = layout.chunks.iter().map(Vec::len).sum::<usize>().max(1);
+    let inflight = layout.microbatches.min(virtual_stages).max(1);
+    let activations = per_microbatch * inflight as f64 * layout.dp as f64;
+    if activations > CPU_STATE_LIMIT {
+        return Err(ExecError::TooLarge(format!(
+            "`{name}` at micro-batch {} x {} tokens saves up to {:.1} GiB of activations on the \
+             CPU backend ({inflight} micro-batch(es) in flight, dp{}), above the {:.0} GiB it \
+             allows",
+            graph.micro_batch,
+            graph.seq,
+            activations / (1u64 << 30) as f64,
             layout.dp,
             CPU_STATE_LIMIT / (1u64 << 30) as f64
         )));
@@ -212,9 +257,7 @@ pub fn run_plan(
     if backend == Backend::Cuda {
         cuda::probe()?;
     }
-    let graph = plan_graph(ws, plan)?;
-    let layout = exec_layout(plan);
-    check_size(&graph, &layout, &plan.model.name)?;
+    let (graph, layout) = prepare(ws, plan)?;
     let description = format!(
         "program of {} ({}), {}",
         plan.target,

@@ -222,6 +222,25 @@ micro_batch = [1]
         "{}",
         old.stderr
     );
+    // A plan edited to a micro-batch the CPU cannot hold, or to a batch its micro-batches do
+    // not make: refused before anything is allocated.
+    let huge = plan
+        .replacen("\"micro_batch\": 1,", "\"micro_batch\": 1000000,", 1)
+        .replacen("\"global_batch\": 8,", "\"global_batch\": 8000000,", 1);
+    assert!(
+        huge.contains("\"micro_batch\": 1000000,") && huge.contains("\"global_batch\": 8000000,"),
+        "the plan has a micro-batch of 1 and a global batch of 8"
+    );
+    ws.write("huge.json", &huge);
+    let r = ws.run(&["run", "--plan", "huge.json"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("GiB of activations"), "{}", r.stderr);
+    let skewed = plan.replacen("\"global_batch\": 8,", "\"global_batch\": 9,", 1);
+    assert_ne!(skewed, plan, "the plan has a global batch of 8");
+    ws.write("skewed.json", &skewed);
+    let r = ws.run(&["run", "--plan", "skewed.json"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("inconsistent"), "{}", r.stderr);
     let unbuilt = ws.run(&["run", "llama3-8b"]);
     assert_eq!(unbuilt.code, 1);
     assert!(

@@ -300,13 +300,14 @@ impl Graph {
         &self.ops[id.0 as usize]
     }
 
-    /// Total number of trained parameters (a weight shared by two layers counts once).
+    /// Total number of trained parameters (a weight shared by two layers counts once;
+    /// saturating, as shapes are).
     pub fn parameter_count(&self) -> u64 {
         self.tensors
             .iter()
             .filter(|t| t.kind == TensorKind::Parameter)
             .map(Tensor::elements)
-            .sum()
+            .fold(0u64, u64::saturating_add)
     }
 
     /// Parameters owned by each layer: a weight belongs to the first layer that reads it.
