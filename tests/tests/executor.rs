@@ -199,48 +199,48 @@ micro_batch = [1]
     let missing = ws.run(&["run", "--plan", "missing.json"]);
     assert_eq!(missing.code, 2);
     assert!(missing.stderr.contains("--plan"), "{}", missing.stderr);
-    // A file that is not a plan, and a plan of another schema: exit 2, saying which.
-    ws.write("not-a-plan.json", "{\"steps\": 3}\n");
-    let not_plan = ws.run(&["run", "--plan", "not-a-plan.json"]);
-    assert_eq!(not_plan.code, 2, "{}", not_plan.stderr);
-    assert!(
-        not_plan.stderr.contains("not-a-plan.json")
-            && not_plan.stderr.contains("found no `schema` field"),
-        "{}",
-        not_plan.stderr
-    );
+    // Plan files that cannot run: not a plan, another schema, edited to a micro-batch the CPU
+    // cannot hold, or to a global batch its micro-batches do not make. Each is refused (exit
+    // 2) before anything is allocated, saying why.
     let plan = ws.read("plans/tiny-test.json");
-    ws.write(
-        "old.json",
-        &plan.replacen("\"schema\": 2", "\"schema\": 1", 1),
-    );
-    let old = ws.run(&["run", "--plan", "old.json"]);
-    assert_eq!(old.code, 2, "{}", old.stderr);
-    assert!(
-        old.stderr.contains("plan schema 1 is not 2")
-            && old.stderr.contains("autopar build tiny-test"),
-        "{}",
-        old.stderr
-    );
-    // A plan edited to a micro-batch the CPU cannot hold, or to a batch its micro-batches do
-    // not make: refused before anything is allocated.
-    let huge = plan
-        .replacen("\"micro_batch\": 1,", "\"micro_batch\": 1000000,", 1)
-        .replacen("\"global_batch\": 8,", "\"global_batch\": 8000000,", 1);
-    assert!(
-        huge.contains("\"micro_batch\": 1000000,") && huge.contains("\"global_batch\": 8000000,"),
-        "the plan has a micro-batch of 1 and a global batch of 8"
-    );
-    ws.write("huge.json", &huge);
-    let r = ws.run(&["run", "--plan", "huge.json"]);
-    assert_eq!(r.code, 2, "{}", r.stderr);
-    assert!(r.stderr.contains("GiB of activations"), "{}", r.stderr);
-    let skewed = plan.replacen("\"global_batch\": 8,", "\"global_batch\": 9,", 1);
-    assert_ne!(skewed, plan, "the plan has a global batch of 8");
-    ws.write("skewed.json", &skewed);
-    let r = ws.run(&["run", "--plan", "skewed.json"]);
-    assert_eq!(r.code, 2, "{}", r.stderr);
-    assert!(r.stderr.contains("inconsistent"), "{}", r.stderr);
+    let edit = |pairs: &[(&str, &str)]| {
+        pairs.iter().fold(plan.clone(), |text, (from, to)| {
+            assert!(text.contains(from), "the plan has {from}");
+            text.replacen(from, to, 1)
+        })
+    };
+    let cases = [
+        (
+            "not-a-plan.json",
+            "{\"steps\": 3}\n".to_string(),
+            "found no `schema` field",
+        ),
+        (
+            "old.json",
+            edit(&[("\"schema\": 2", "\"schema\": 1")]),
+            "plan schema 1 is not 2 (written by another version of autopar); rebuild it with \
+             `autopar build tiny-test`",
+        ),
+        (
+            "huge.json",
+            edit(&[
+                ("\"micro_batch\": 1,", "\"micro_batch\": 1000000,"),
+                ("\"global_batch\": 8,", "\"global_batch\": 8000000,"),
+            ]),
+            "GiB of activations",
+        ),
+        (
+            "skewed.json",
+            edit(&[("\"global_batch\": 8,", "\"global_batch\": 9,")]),
+            "inconsistent",
+        ),
+    ];
+    for (file, text, says) in cases {
+        ws.write(file, &text);
+        let r = ws.run(&["run", "--plan", file]);
+        assert_eq!(r.code, 2, "{file}: {}", r.stderr);
+        assert!(r.stderr.contains(says), "{file}: {}", r.stderr);
+    }
     let unbuilt = ws.run(&["run", "llama3-8b"]);
     assert_eq!(unbuilt.code, 1);
     assert!(
