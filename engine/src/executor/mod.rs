@@ -22,7 +22,7 @@ pub use cpu::Phases;
 use cpu::{Coord, Device, DeviceReport, rank_of};
 use placement::{State, gather};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use tensor::Tensor;
 
@@ -210,9 +210,9 @@ pub fn summarize(prog: &Program, reports: &[DeviceReport]) -> RunResult {
 /// The whole gradient of every parameter at every step, assembled from the devices' shards:
 /// gathered over tensor ranks, summed over data-parallel replicas and over the stages that hold
 /// a copy (before synchronisation each holds a partial sum).
-fn whole_grads(prog: &Program, reports: &[DeviceReport], step: usize) -> HashMap<u32, Tensor> {
+fn whole_grads(prog: &Program, reports: &[DeviceReport], step: usize) -> BTreeMap<u32, Tensor> {
     let l = &prog.layout;
-    let mut out: HashMap<u32, Tensor> = HashMap::new();
+    let mut out: BTreeMap<u32, Tensor> = BTreeMap::new();
     for pp in 0..l.pp {
         for dp in 0..l.dp {
             let first = &reports[rank_of(prog, Coord { pp, dp, tp: 0 })];
@@ -246,9 +246,9 @@ fn assemble(prog: &Program, v: u32, pieces: &[&Tensor]) -> Tensor {
 }
 
 /// Whole parameters after the run, from data rank 0 of the first stage holding each.
-fn whole_params(prog: &Program, reports: &[DeviceReport]) -> HashMap<u32, Tensor> {
+fn whole_params(prog: &Program, reports: &[DeviceReport]) -> BTreeMap<u32, Tensor> {
     let l = &prog.layout;
-    let mut out = HashMap::new();
+    let mut out = BTreeMap::new();
     for pp in 0..l.pp {
         let first = &reports[rank_of(prog, Coord { pp, dp: 0, tp: 0 })];
         for &v in first.params.keys() {
@@ -307,8 +307,9 @@ pub fn check(
         .fold(0.0, f64::max);
     let (mut grad_rel, mut worst, mut compared) = (0.0f64, String::new(), 0);
     // Gradients and updated parameters of the first step, where both runs start from the same
-    // weights; later steps are compared by their losses (Adam's normalisation amplifies
-    // rounding in near-zero gradients, so later weights differ by more than rounding).
+    // weights, in graph order (the worst is the first of the largest differences); later steps
+    // are compared by their losses (Adam's normalisation amplifies rounding in near-zero
+    // gradients, so later weights differ by more than rounding).
     {
         let a = whole_grads(prog, &sharded, 0);
         let b = whole_grads(&reference, &single, 0);
