@@ -107,6 +107,7 @@ pub fn exec_layout(plan: &Plan) -> ExecLayout {
             .iter()
             .map(|s| s.chunks.iter().map(|c| (c.first, c.last)).collect())
             .collect(),
+        grad_accumulation_fusion: plan.training.grad_accumulation_fusion,
     }
 }
 

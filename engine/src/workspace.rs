@@ -118,6 +118,18 @@ impl Workspace {
         self.clusters.iter().find(|c| c.name == name)
     }
 
+    /// The measurements of the cluster called `name` (its `profiles`, overlaid in order), with
+    /// the profile names; `None` when it has none.
+    pub fn cluster_profile(&self, name: &str) -> Option<(Vec<String>, Profile)> {
+        let c = self.clusters.iter().position(|c| c.name == name)?;
+        let used = &self.cluster_profiles[c];
+        let names = used
+            .iter()
+            .map(|&i| self.profiles[i].name.clone())
+            .collect();
+        overlay(&self.profiles, used).map(|p| (names, p))
+    }
+
     /// The target called `name`.
     pub fn target(&self, name: &str) -> Option<&Target> {
         self.targets.iter().find(|t| t.name == name)
@@ -723,12 +735,7 @@ impl Loader<'_> {
             profiles,
             &clusters[cluster].device.name,
         )?);
-        let profile = used.iter().fold(None::<Profile>, |acc, &i| {
-            Some(match acc {
-                None => (*profiles[i].profile).clone(),
-                Some(a) => a.overlaid(&profiles[i].profile),
-            })
-        });
+        let profile = overlay(profiles, &used);
         Ok(Target {
             name: t.name.get_ref().clone(),
             model,
@@ -827,6 +834,16 @@ fn valid_name(name: &str) -> bool {
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+/// `profiles[used]` overlaid in order (later files win); `None` when `used` is empty.
+fn overlay(profiles: &[NamedProfile], used: &[usize]) -> Option<Profile> {
+    used.iter().fold(None, |acc, &i| {
+        Some(match acc {
+            None => (*profiles[i].profile).clone(),
+            Some(a) => a.overlaid(&profiles[i].profile),
+        })
+    })
 }
 
 /// Reads and validates the workspace file at `path`.

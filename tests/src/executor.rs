@@ -69,5 +69,6 @@ pub fn layout(
         zero,
         microbatches,
         chunks,
+        grad_accumulation_fusion: true,
     }
 }

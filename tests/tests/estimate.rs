@@ -227,3 +227,55 @@ fn estimate_prices_graph_file_models_under_tensor_parallelism() {
     assert_eq!(one["time"]["tp_comm"], 0.0);
     assert!(two["time"]["tp_comm"].as_f64().expect("tp comm") > 0.0);
 }
+
+/// A workspace cluster with `profiles` prices a hand-chosen layout with its measured times,
+/// exactly as `autopar build` prices the same layout; the `PRESET:NODESxGPUS` form, which has no
+/// profiles, prices it with the model alone.
+#[test]
+fn estimate_reads_the_clusters_profiles_as_build_does() {
+    let ws = TempWorkspace::default_copy();
+    let b = ws.run(&["build", "tiny-llama-cpu", "--json"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let plan: serde_json::Value =
+        serde_json::from_str(&ws.read("plans/tiny-llama-cpu.json")).expect("plan");
+    let l = &plan["estimate"]["layout"];
+    let arg = |k: &str| l[k].as_u64().expect(k).to_string();
+    let estimate = |cluster: &str| {
+        let (tp, pp, mbs) = (arg("tp"), arg("pp"), arg("micro_batch"));
+        let r = ws.run(&[
+            "estimate",
+            "--model",
+            "tiny-llama",
+            "--cluster",
+            cluster,
+            "--tp",
+            &tp,
+            "--pp",
+            &pp,
+            "--mbs",
+            &mbs,
+            "--gbs",
+            "4",
+            "--seq",
+            "128",
+            "--precision",
+            "fp32",
+            "--json",
+        ]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        r.json()
+    };
+    assert_eq!(
+        l["recompute"], "none",
+        "the layout estimate prices by default"
+    );
+    let measured = estimate("host-cpu");
+    assert_eq!(measured["profiles"], serde_json::json!(["host-cpu"]));
+    assert_eq!(
+        measured["step_time_s"], plan["estimate"]["step_time_s"],
+        "the same price as the build's"
+    );
+    let modelled = estimate("cpu:1x1");
+    assert_eq!(modelled["profiles"], serde_json::json!([]));
+    assert_ne!(modelled["step_time_s"], measured["step_time_s"]);
+}

@@ -51,7 +51,14 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
         recompute: a.recompute.into(),
         zero: a.zero,
     };
-    let est = Estimator::new(&name, &def, &cluster, opts);
+    // A workspace cluster's measured times price the layout as `autopar build` prices it.
+    let measured = if a.cluster.contains(':') {
+        None
+    } else {
+        session.workspace()?.cluster_profile(&a.cluster)
+    };
+    let est =
+        Estimator::new(&name, &def, &cluster, opts).with_profile(measured.as_ref().map(|(_, p)| p));
     let (e, attempts) = if a.balance {
         let r = est.refine(&layout).map_err(EngineError::from)?;
         (r.estimate, r.attempts)
@@ -70,6 +77,8 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             if a.balance {
                 obj.insert("partitions".into(), json!(attempts));
             }
+            let names = measured.as_ref().map_or(Vec::new(), |(n, _)| n.clone());
+            obj.insert("profiles".into(), json!(names));
         }
         print_json(&value)?;
     } else {
@@ -79,6 +88,12 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             a.gbs,
             opts.precision.name()
         );
+        if let Some((names, _)) = &measured {
+            out.push_str(&format!(
+                "  profiles  {} (measured times where they have the kernel, the model elsewhere)\n",
+                names.join(", ")
+            ));
+        }
         render::estimate(&mut out, &e);
         render::stages(&mut out, &e);
         render::attempts(&mut out, &attempts);

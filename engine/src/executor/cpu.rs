@@ -514,7 +514,36 @@ impl<'p> Device<'p> {
                 group: &self.tp_group,
                 rank: self.at.tp,
             };
-            let dx = kernels::backward(&s.kernel, &xs, &ys, c.aux.as_ref(), &ds, &mut group);
+            // Under fused accumulation a parameter's gradient so far is lent to the kernel,
+            // which adds into it; it needs no conversion (a weight is stored as its products
+            // read it).
+            let mut sums: Vec<Option<Tensor>> = s
+                .inputs
+                .iter()
+                .zip(&s.grad_after)
+                .map(|(v, convs)| {
+                    let fuse = l.grad_accumulation_fusion
+                        && convs.as_ref().is_some_and(Vec::is_empty)
+                        && matches!(prog.values[*v as usize].role, Role::Parameter { .. });
+                    fuse.then(|| self.grads.remove(v)).flatten()
+                })
+                .collect();
+            let mut into: Vec<Option<&mut Tensor>> = sums.iter_mut().map(Option::as_mut).collect();
+            let dx = kernels::backward(
+                &s.kernel,
+                &xs,
+                &ys,
+                c.aux.as_ref(),
+                &ds,
+                &mut group,
+                &mut into,
+            );
+            drop(into);
+            for (&v, sum) in s.inputs.iter().zip(sums) {
+                if let Some(sum) = sum {
+                    self.grads.insert(v, sum);
+                }
+            }
             for ((&v, convs), g) in s.inputs.iter().zip(&s.grad_after).zip(dx) {
                 let (Some(convs), Some(g)) = (convs, g) else {
                     continue;

@@ -252,6 +252,10 @@ pub fn forward(
 
 /// Runs a kernel backward: gradients of its operands (`None` where none flows) from its
 /// operands `x`, outputs `y`, auxiliary values and output gradients `dy`.
+///
+/// `into[i]`, where given, holds the gradient operand `i` accumulated so far: a matrix product
+/// adds its weight and bias gradients straight into it and returns `None` for them (fused
+/// gradient accumulation); every other gradient is returned fresh.
 pub fn backward(
     kernel: &Kernel,
     x: &[&Tensor],
@@ -259,6 +263,7 @@ pub fn backward(
     aux: Option<&Tensor>,
     dy: &[&Tensor],
     group: &mut dyn Group,
+    into: &mut [Option<&mut Tensor>],
 ) -> Vec<Option<Tensor>> {
     let like = |t: &Tensor, data: Vec<f32>| {
         Some(Tensor {
@@ -291,10 +296,34 @@ pub fn backward(
                 Mat::t(&w.data, k, n)
             };
             matmul(Mat::new(&d.data, m, n), wt, &mut dx, false);
-            let dw = matmul_weight_grad(&a.data, &d.data, (m, k, n), *transpose_b);
-            let mut out = vec![like(a, dx), like(w, dw)];
+            let mut acc = |i: usize| into.get_mut(i).and_then(Option::take);
+            let dw = match acc(1) {
+                Some(sum) => {
+                    matmul_weight_grad_into(
+                        &a.data,
+                        &d.data,
+                        (m, k, n),
+                        *transpose_b,
+                        &mut sum.data,
+                        true,
+                    );
+                    None
+                }
+                None => like(
+                    w,
+                    matmul_weight_grad(&a.data, &d.data, (m, k, n), *transpose_b),
+                ),
+            };
+            let mut out = vec![like(a, dx), dw];
             if *bias {
-                out.push(like(x[2], column_sums(&d.data, n)));
+                let db = column_sums(&d.data, n);
+                out.push(match acc(2) {
+                    Some(sum) => {
+                        sum.data.iter_mut().zip(&db).for_each(|(s, g)| *s += g);
+                        None
+                    }
+                    None => like(x[2], db),
+                });
             }
             out
         }
@@ -475,16 +504,29 @@ fn weight_mat(w: &Tensor, transpose_b: bool) -> Mat<'_> {
 pub fn matmul_weight_grad(
     x: &[f32],
     dy: &[f32],
-    (m, k, n): (usize, usize, usize),
+    dims: (usize, usize, usize),
     transpose_b: bool,
 ) -> Vec<f32> {
-    let mut dw = vec![0.0f32; k * n];
-    if transpose_b {
-        matmul(Mat::t(dy, m, n), Mat::new(x, m, k), &mut dw, false);
-    } else {
-        matmul(Mat::t(x, m, k), Mat::new(dy, m, n), &mut dw, false);
-    }
+    let mut dw = vec![0.0f32; dims.1 * dims.2];
+    matmul_weight_grad_into(x, dy, dims, transpose_b, &mut dw, false);
     dw
+}
+
+/// [`matmul_weight_grad`] written into `dw`, or added to it when `accumulate` (the product
+/// itself adds, as a fused gradient accumulation does).
+fn matmul_weight_grad_into(
+    x: &[f32],
+    dy: &[f32],
+    (m, k, n): (usize, usize, usize),
+    transpose_b: bool,
+    dw: &mut [f32],
+    accumulate: bool,
+) {
+    if transpose_b {
+        matmul(Mat::t(dy, m, n), Mat::new(x, m, k), dw, accumulate);
+    } else {
+        matmul(Mat::t(x, m, k), Mat::new(dy, m, n), dw, accumulate);
+    }
 }
 
 fn add_rows(out: &mut [f32], bias: &[f32]) {

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Version of the lowered program layout (part of its cache key).
-pub const PROGRAM_VERSION: u32 = 1;
+pub const PROGRAM_VERSION: u32 = 2;
 
 /// The parallel layout a program is lowered for.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -39,6 +39,10 @@ pub struct ExecLayout {
     /// Layers of every chunk, `[stage][chunk] = (first, last)` inclusive; virtual stage
     /// `chunk * pp + stage` runs them.
     pub chunks: Vec<Vec<(usize, usize)>>,
+    /// Weight-gradient products add into the gradient of the step's earlier micro-batches
+    /// (Megatron-LM's `--gradient-accumulation-fusion`) instead of producing a fresh gradient
+    /// that a separate pass adds.
+    pub grad_accumulation_fusion: bool,
 }
 
 impl ExecLayout {
@@ -52,6 +56,7 @@ impl ExecLayout {
             zero: 0,
             microbatches,
             chunks: vec![vec![(0, layers.saturating_sub(1))]],
+            grad_accumulation_fusion: true,
         }
     }
 

@@ -724,7 +724,15 @@ impl OpBench {
                 let xs: Vec<&Tensor> = x.iter().collect();
                 let ys: Vec<&Tensor> = y.iter().collect();
                 let dys: Vec<&Tensor> = dy.iter().collect();
-                black_box(backward(kernel, &xs, &ys, aux.as_ref(), &dys, &mut Alone));
+                black_box(backward(
+                    kernel,
+                    &xs,
+                    &ys,
+                    aux.as_ref(),
+                    &dys,
+                    &mut Alone,
+                    &mut [],
+                ));
             }
             Work::WeightGrad {
                 x,

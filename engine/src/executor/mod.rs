@@ -294,7 +294,10 @@ pub fn check(
     let l = &prog.layout;
     let reference = lower(
         graph,
-        &ExecLayout::single(graph.layers.len(), l.microbatches * l.dp),
+        &ExecLayout {
+            grad_accumulation_fusion: l.grad_accumulation_fusion,
+            ..ExecLayout::single(graph.layers.len(), l.microbatches * l.dp)
+        },
     )?;
     let sharded = run_program(prog, &opts)?;
     let single = run_program(&reference, &opts)?;
