@@ -22,6 +22,7 @@ use super::{ExecError, median};
 use autopar_rules::graph::Pass;
 use autopar_rules::profile::{CollectiveName, OpSignature};
 use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -781,12 +782,17 @@ fn ce_vocab(logits: &[usize], labels: &[usize]) -> Option<usize> {
     (v > 0 && numel(logits) == numel(labels) * v).then_some(v)
 }
 
+/// Whether a measurement with `runs` timed runs, the first begun at `since`, needs another.
+fn another_run(runs: usize, since: Instant) -> bool {
+    runs < MAX_RUNS && (runs < MIN_RUNS || since.elapsed() < MIN_TIME)
+}
+
 /// The median time of `f` after one warm-up run.
 fn repeat(mut f: impl FnMut() -> Result<(), ExecError>) -> Result<Timing, ExecError> {
     f()?;
     let mut samples = Vec::new();
     let start = Instant::now();
-    while samples.len() < MAX_RUNS && (samples.len() < MIN_RUNS || start.elapsed() < MIN_TIME) {
+    while another_run(samples.len(), start) {
         let t = Instant::now();
         f()?;
         samples.push(t.elapsed().as_secs_f64());
@@ -827,23 +833,27 @@ pub fn time_collective(
         axis: 0,
         parts: vec![whole],
     };
-    let runs = MIN_RUNS * 2;
     let fabric = Arc::new(Fabric::default());
     let barrier = Arc::new(Barrier::new(ranks));
+    // Rank 0 applies the kernels' rule (after a warm-up, at least MIN_RUNS runs and MIN_TIME)
+    // and tells the others whether another run follows, so every rank runs as many.
+    let go_on = Arc::new(AtomicBool::new(true));
     let group: Vec<usize> = (0..ranks).collect();
     let results: Vec<Result<Vec<f64>, ExecError>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..ranks)
             .map(|rank| {
-                let (fabric, barrier, group, split) = (
+                let (fabric, barrier, go_on, group, split) = (
                     fabric.clone(),
                     barrier.clone(),
+                    go_on.clone(),
                     group.clone(),
                     split.clone(),
                 );
                 s.spawn(move || -> Result<Vec<f64>, ExecError> {
                     let mut ep = Endpoint::new(fabric);
-                    let mut samples = Vec::with_capacity(runs);
-                    for _ in 0..=runs {
+                    let mut samples = Vec::new();
+                    let mut timed_since = None;
+                    loop {
                         let t = match what {
                             CollectiveName::AllGather => filled(&[per], rank as u64, None),
                             _ => filled(&[whole], rank as u64, None),
@@ -864,6 +874,15 @@ pub fn time_collective(
                             }
                         }
                         samples.push(start.elapsed().as_secs_f64());
+                        if rank == 0 {
+                            let since = *timed_since.get_or_insert_with(Instant::now);
+                            go_on.store(another_run(samples.len() - 1, since), Ordering::Relaxed);
+                        }
+                        // The barrier orders rank 0's decision before everyone's read.
+                        barrier.wait();
+                        if !go_on.load(Ordering::Relaxed) {
+                            break;
+                        }
                     }
                     Ok(samples)
                 })
@@ -878,15 +897,17 @@ pub fn time_collective(
             .collect()
     });
     // A collective takes as long as its slowest rank; the first run warms up.
-    let mut per_run = vec![0.0f64; runs];
+    let mut per_run: Vec<f64> = Vec::new();
     for r in results {
-        for (slot, t) in per_run.iter_mut().zip(r?.into_iter().skip(1)) {
+        let timed = r?.into_iter().skip(1);
+        per_run.resize(timed.len(), 0.0);
+        for (slot, t) in per_run.iter_mut().zip(timed) {
             *slot = slot.max(t);
         }
     }
     Ok(Timing {
+        runs: per_run.len(),
         seconds: median(per_run),
-        runs,
     })
 }
 
@@ -988,7 +1009,7 @@ mod tests {
             CollectiveName::ReduceScatter,
         ] {
             let t = time_collective(what, 2, 4096).expect("measures");
-            assert!(t.seconds > 0.0 && t.runs == 2 * MIN_RUNS);
+            assert!(t.seconds > 0.0 && (MIN_RUNS..=MAX_RUNS).contains(&t.runs));
         }
         assert!(time_collective(CollectiveName::AllToAll, 2, 4096).is_err());
     }
