@@ -5,7 +5,7 @@
 
 use crate::diagnostic::Diagnostic;
 use crate::error::EngineError;
-use autopar_rules::frontend::locate::{PathSeg, locate, offset_of};
+use autopar_rules::frontend::locate::{PathSeg, locate};
 use autopar_rules::inter::{InterError, StageOptions, StagePlan, StageProblem, place, solve};
 use serde::Deserialize;
 use std::path::Path;
@@ -42,16 +42,12 @@ pub fn solve_stages(file: &Path) -> Result<StagesReport, EngineError> {
         path: file.to_path_buf(),
         source,
     })?;
-    let raw: RawStages = serde_json::from_str(&text).map_err(|e| {
-        let (field, expected, found) = ("(document)", "a stage-cost JSON document", e.to_string());
-        EngineError::config(Diagnostic::at(
-            file,
-            &text,
-            Some(offset_of(&text, e.line(), e.column())),
-            field,
-            expected,
-            found,
-        ))
+    let raw: RawStages = serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(
+        &text,
+    ))
+    .map_err(|e| {
+        let field = e.path().to_string();
+        EngineError::config(Diagnostic::from_json(file, &text, &field, e.inner()))
     })?;
     let err = |path: &[PathSeg<'_>], field: String, expected: String, found: String| {
         EngineError::config(Diagnostic::at(

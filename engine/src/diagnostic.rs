@@ -1,7 +1,7 @@
 //! Input errors that point at a place in a file: path, line, column, field, expected, found.
 
 use autopar_rules::error::FieldError;
-use autopar_rules::frontend::locate::line_col;
+use autopar_rules::frontend::locate::{line_col, offset_of};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -112,32 +112,55 @@ impl Diagnostic {
             .map_or(full.as_str(), |(m, _)| m)
             .trim();
         let (path, rest) = match msg.split_once(": ") {
-            Some((p, r)) if !p.contains(' ') => (p.to_string(), r),
-            _ => (String::new(), msg),
+            Some((p, r)) if !p.contains(' ') => (p, r),
+            _ => ("", msg),
         };
-        let join = |f: &str| match (path.is_empty(), f.is_empty()) {
-            (true, _) => f.to_string(),
-            (false, true) => path.clone(),
-            (false, false) => format!("{path}.{f}"),
-        };
-        let (field, expected, found) = match classify(rest) {
-            Classified::Named {
-                field,
-                expected,
-                found,
-            } => (join(&field), expected, found),
-            Classified::Value { expected, found } => (join(""), expected, found),
-            Classified::Other(m) => (
-                if path.is_empty() {
-                    "(document)".into()
-                } else {
-                    path.clone()
-                },
-                "valid YAML".to_string(),
-                m,
-            ),
-        };
+        let (field, expected, found) = at_path(path, rest, "valid YAML");
         Diagnostic::at(file, text, offset, field, expected, found)
+    }
+
+    /// A JSON parse or type error met at `path`, the field path `serde_path_to_error` reports
+    /// (`.` for the document itself, `?` before any field).
+    pub fn from_json(file: &Path, text: &str, path: &str, e: &serde_json::Error) -> Self {
+        let offset = (e.line() > 0).then(|| offset_of(text, e.line(), e.column()));
+        let full = e.to_string();
+        let msg = full
+            .rsplit_once(" at line ")
+            .map_or(full.as_str(), |(m, _)| m)
+            .trim();
+        // `.` is the document itself; `?` a place the error came before any field.
+        let path = if path == "." || path == "?" { "" } else { path };
+        let (field, expected, found) = at_path(path, msg, "valid JSON");
+        Diagnostic::at(file, text, offset, field, expected, found)
+    }
+}
+
+/// Field, expected and found of serde's message `msg` about the value at `path` (empty: the
+/// document); `syntax` is what a message that is not about a field expected.
+fn at_path(path: &str, msg: &str, syntax: &str) -> (String, String, String) {
+    // A path may already end at the named field (an unknown key is part of its path).
+    let join = |f: &str| match (path.is_empty(), f.is_empty()) {
+        (true, _) => f.to_string(),
+        (false, true) => path.to_string(),
+        (false, false) if path == f || path.ends_with(&format!(".{f}")) => path.to_string(),
+        (false, false) => format!("{path}.{f}"),
+    };
+    match classify(msg) {
+        Classified::Named {
+            field,
+            expected,
+            found,
+        } => (join(&field), expected, found),
+        Classified::Value { expected, found } => (join(""), expected, found),
+        Classified::Other(m) => (
+            if path.is_empty() {
+                "(document)".into()
+            } else {
+                path.to_string()
+            },
+            syntax.to_string(),
+            m,
+        ),
     }
 }
 

@@ -1,12 +1,13 @@
 //! Plan files: written atomically, read back with their schema checked.
 
+use crate::diagnostic::Diagnostic;
 use crate::error::EngineError;
 use autopar_rules::plan::{PLAN_SCHEMA, Plan};
 use std::path::Path;
 
 /// Writes `plan` as pretty JSON to `path`, atomically.
 pub fn write_plan(path: &Path, plan: &Plan) -> Result<(), EngineError> {
-    let mut json = serde_json::to_vec_pretty(plan).map_err(|e| EngineError::BadPlan {
+    let mut json = serde_json::to_vec_pretty(plan).map_err(|e| EngineError::Encode {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })?;
@@ -66,11 +67,10 @@ pub fn read_plan(target: &str, path: &Path) -> Result<Plan, EngineError> {
 /// Reads a plan from `text`, the contents of `path` (named in errors), the plan of `target`
 /// unless the text names another.
 pub fn parse_plan(target: &str, path: &Path, text: &str) -> Result<Plan, EngineError> {
-    let value: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| EngineError::BadPlan {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+    let located = |field: &str, e: &serde_json::Error| {
+        EngineError::config(Diagnostic::from_json(path, text, field, e))
+    };
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| located(".", &e))?;
     let reason = match value.get("schema").and_then(serde_json::Value::as_u64) {
         Some(s) if s == u64::from(PLAN_SCHEMA) => None,
         Some(s) => {
@@ -95,8 +95,7 @@ pub fn parse_plan(target: &str, path: &Path, text: &str) -> Result<Plan, EngineE
             reason,
         });
     }
-    serde_json::from_value(value).map_err(|e| EngineError::BadPlan {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })
+    // Deserialised from the text (not the value) so that an error has its line and field.
+    let mut de = serde_json::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| located(&e.path().to_string(), e.inner()))
 }

@@ -268,6 +268,11 @@ micro_batch = [1]
             "GiB of activations",
         ),
         (
+            "retyped.json",
+            edit(&[("\"micro_batch\": 1,", "\"micro_batch\": \"one\",")]),
+            "field `estimate.layout.micro_batch`: expected u64, found string \"one\"",
+        ),
+        (
             "skewed.json",
             edit(&[("\"global_batch\": 8,", "\"global_batch\": 9,")]),
             "inconsistent",

@@ -345,6 +345,26 @@ fn bad_solver_inputs_are_located() {
     assert!(r.stderr.contains("costs.json:"), "{}", r.stderr);
     assert!(r.stderr.contains("max_n_succ_stages"), "{}", r.stderr);
 
+    // A value of the wrong type is named by its path, with its line and column.
+    let mut v = instance(3, 1, 2, 1, 7);
+    v["compute_cost"][0][1][0][0] = json!("slow");
+    let text = serde_json::to_string_pretty(&v).expect("json");
+    ws.write("costs.json", &text);
+    let r = ws.run(&["solve", "stages", "--input", "costs.json"]);
+    assert_eq!(r.code, 2, "{}", r.stdout);
+    let line = text
+        .lines()
+        .position(|l| l.contains("\"slow\""))
+        .expect("line")
+        + 1;
+    assert!(
+        r.stderr.contains(&format!("costs.json:{line}:"))
+            && r.stderr
+                .contains("field `compute_cost[0][1][0][0]`: expected f64, found string \"slow\""),
+        "{}",
+        r.stderr
+    );
+
     let r = ws.run(&["solve", "stages", "--input", "missing.json"]);
     assert_eq!(r.code, 2, "{}", r.stdout);
     assert!(r.stderr.contains("missing.json"), "{}", r.stderr);
