@@ -42,18 +42,23 @@ pub fn solve_stages(file: &Path) -> Result<StagesReport, EngineError> {
         path: file.to_path_buf(),
         source,
     })?;
+    solve_text(file, &text)
+}
+
+/// Solves the instance `text`, the contents of `file` (named in errors).
+pub fn solve_text(file: &Path, text: &str) -> Result<StagesReport, EngineError> {
     let raw: RawStages = serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(
-        &text,
+        text,
     ))
     .map_err(|e| {
         let field = e.path().to_string();
-        EngineError::config(Diagnostic::from_json(file, &text, &field, e.inner()))
+        EngineError::config(Diagnostic::from_json(file, text, &field, e.inner()))
     })?;
     let err = |path: &[PathSeg<'_>], field: String, expected: String, found: String| {
         EngineError::config(Diagnostic::at(
             file,
-            &text,
-            locate(&text, path),
+            text,
+            locate(text, path),
             field,
             expected,
             found,

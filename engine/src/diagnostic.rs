@@ -140,7 +140,8 @@ impl Diagnostic {
 fn at_path(path: &str, msg: &str, syntax: &str) -> (String, String, String) {
     // A path may already end at the named field (an unknown key is part of its path).
     let join = |f: &str| match (path.is_empty(), f.is_empty()) {
-        (true, _) => f.to_string(),
+        (true, true) => "(document)".to_string(),
+        (true, false) => f.to_string(),
         (false, true) => path.to_string(),
         (false, false) if path == f || path.ends_with(&format!(".{f}")) => path.to_string(),
         (false, false) => format!("{path}.{f}"),
@@ -152,15 +153,7 @@ fn at_path(path: &str, msg: &str, syntax: &str) -> (String, String, String) {
             found,
         } => (join(&field), expected, found),
         Classified::Value { expected, found } => (join(""), expected, found),
-        Classified::Other(m) => (
-            if path.is_empty() {
-                "(document)".into()
-            } else {
-                path.to_string()
-            },
-            syntax.to_string(),
-            m,
-        ),
+        Classified::Other(m) => (join(""), syntax.to_string(), m),
     }
 }
 
