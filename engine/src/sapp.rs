@@ -280,17 +280,21 @@ pub fn parse(file: &Path, text: &str) -> Result<SappInput, EngineError> {
         runs,
         &all,
     )?;
-    let ids = per_run_lists(
+    let ids = per_run_values(
         &r,
         "memory_usage.body_memories.stage_id",
         &body.stage_id,
         runs,
+        "integer stage ids",
+        Value::as_i64,
     )?;
-    let mems = per_run_floats(
+    let mems = per_run_values(
         &r,
         "memory_usage.body_memories.memories",
         &body.memories,
         runs,
+        "memories in MB",
+        |x| x.as_f64().filter(|m| m.is_finite() && *m >= 0.0),
     )?;
     let mut memory_runs = Vec::with_capacity(runs);
     for run in 0..runs {
@@ -343,42 +347,21 @@ pub fn parse(file: &Path, text: &str) -> Result<SappInput, EngineError> {
     })
 }
 
-fn per_run_lists(
+/// A list of values, or a list of `runs` lists, each value read by `read` (`expected` says
+/// what it accepts).
+fn per_run_values<T>(
     r: &Reader<'_>,
     field: &str,
     v: &Value,
     runs: usize,
-) -> Result<Vec<Vec<i64>>, EngineError> {
-    let lists = per_run(r, field, v, runs)?;
-    lists
+    expected: &str,
+    read: impl Fn(&Value) -> Option<T>,
+) -> Result<Vec<Vec<T>>, EngineError> {
+    per_run(r, field, v, runs)?
         .iter()
         .map(|l| {
             l.iter()
-                .map(|x| {
-                    x.as_i64()
-                        .ok_or_else(|| r.err(field, "integer stage ids", format!("{x:?}")))
-                })
-                .collect()
-        })
-        .collect()
-}
-
-fn per_run_floats(
-    r: &Reader<'_>,
-    field: &str,
-    v: &Value,
-    runs: usize,
-) -> Result<Vec<Vec<f64>>, EngineError> {
-    let lists = per_run(r, field, v, runs)?;
-    lists
-        .iter()
-        .map(|l| {
-            l.iter()
-                .map(|x| {
-                    x.as_f64()
-                        .filter(|m| m.is_finite() && *m >= 0.0)
-                        .ok_or_else(|| r.err(field, "memories in MB", format!("{x:?}")))
-                })
+                .map(|x| read(x).ok_or_else(|| r.err(field, expected, format!("{x:?}"))))
                 .collect()
         })
         .collect()
