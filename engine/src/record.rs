@@ -191,25 +191,16 @@ pub fn plan_reasons(old: Option<&PlanRecord>, new: &PlanRecord) -> Vec<String> {
                 ));
             }
             "profile" => {
-                let old_reads: Vec<ProfileRead> = old
-                    .profile
-                    .iter()
-                    .map(|(e, t)| ProfileRead {
-                        entry: e.clone(),
-                        time_us: *t,
-                    })
-                    .collect();
-                let new_reads: Vec<ProfileRead> = new
-                    .profile
-                    .iter()
-                    .map(|(e, t)| ProfileRead {
-                        entry: e.clone(),
-                        time_us: *t,
-                    })
-                    .collect();
-                for line in read_changes(&old_reads, &new_reads) {
-                    out.push(line);
-                }
+                let reads = |r: &PlanRecord| -> Vec<ProfileRead> {
+                    r.profile
+                        .iter()
+                        .map(|(e, t)| ProfileRead {
+                            entry: e.clone(),
+                            time_us: *t,
+                        })
+                        .collect()
+                };
+                out.extend(read_changes(&reads(old), &reads(new)));
             }
             "rules" => out.push("autopar's planning rules changed (new version)".to_string()),
             "cluster" => out.push("cluster edit (shape or device numbers)".to_string()),
