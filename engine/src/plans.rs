@@ -22,9 +22,15 @@ pub fn write_text(path: &Path, text: &str) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// Whether [`write_text`] could write `path` (see [`autopar_store::check_writable`]).
+pub fn check_writable(path: &Path) -> Result<(), EngineError> {
+    autopar_store::check_writable(path)?;
+    Ok(())
+}
+
 /// Writes a Chrome trace (`chrome://tracing`, Perfetto) to `path`, atomically.
 pub fn write_trace(path: &Path, trace: &serde_json::Value) -> Result<(), EngineError> {
-    let json = serde_json::to_vec(trace).map_err(|e| EngineError::BadPlan {
+    let json = serde_json::to_vec(trace).map_err(|e| EngineError::Encode {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })?;

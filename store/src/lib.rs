@@ -40,19 +40,7 @@ fn err<'p>(action: &'static str, path: &'p Path) -> impl FnOnce(std::io::Error) 
 /// same directory, is flushed to disk, then renamed over `path`; the directory is synced so the
 /// rename itself survives a crash. Missing parent directories are created.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    std::fs::create_dir_all(dir).map_err(err("creating directory", dir))?;
-    let mut builder = tempfile::Builder::new();
-    // Temporary files are private (0600) by default; outputs are ordinary files, readable as
-    // the umask allows.
-    #[cfg(unix)]
-    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
-    let mut tmp = builder
-        .tempfile_in(dir)
-        .map_err(err("creating a temporary file in", dir))?;
+    let (dir, mut tmp) = temporary_beside(path)?;
     tmp.write_all(bytes).map_err(err("writing", tmp.path()))?;
     tmp.as_file().sync_all().map_err(err("syncing", path))?;
     tmp.persist(path).map_err(|e| StoreError {
@@ -65,6 +53,38 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// Whether [`write_atomic`] could write `path`, checked before long work whose result would
+/// otherwise be lost: creates the missing parent directories and a temporary file beside it
+/// (removed again), and refuses a path that is a directory.
+pub fn check_writable(path: &Path) -> Result<(), StoreError> {
+    if path.is_dir() {
+        return Err(StoreError {
+            action: "writing a file over the directory",
+            path: path.to_path_buf(),
+            source: std::io::Error::from(std::io::ErrorKind::IsADirectory),
+        });
+    }
+    temporary_beside(path).map(|_| ())
+}
+
+/// The directory of `path` (created when missing) and a new temporary file in it.
+fn temporary_beside(path: &Path) -> Result<(&Path, tempfile::NamedTempFile), StoreError> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::create_dir_all(dir).map_err(err("creating directory", dir))?;
+    let mut builder = tempfile::Builder::new();
+    // Temporary files are private (0600) by default; outputs are ordinary files, readable as
+    // the umask allows.
+    #[cfg(unix)]
+    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+    let tmp = builder
+        .tempfile_in(dir)
+        .map_err(err("creating a temporary file in", dir))?;
+    Ok((dir, tmp))
 }
 
 #[cfg(test)]
@@ -82,6 +102,20 @@ mod tests {
             .expect("list")
             .collect();
         assert_eq!(leftovers.len(), 1, "no temporary files left behind");
+    }
+
+    #[test]
+    fn writability_is_checked_without_leaving_anything() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("a/profile.json");
+        check_writable(&p).expect("writable");
+        let parent = p.parent().expect("parent");
+        assert!(parent.is_dir(), "the directory is created");
+        assert_eq!(std::fs::read_dir(parent).expect("list").count(), 0);
+        assert!(check_writable(parent).is_err(), "a directory is not a file");
+        let blocked = dir.path().join("file");
+        std::fs::write(&blocked, b"").expect("write");
+        assert!(check_writable(&blocked.join("under-a-file.json")).is_err());
     }
 
     #[cfg(unix)]

@@ -407,4 +407,12 @@ micro_batch = [1]
     );
     let cuda = profile_run("tiny-llama", &["--backend", "cuda"]);
     assert_eq!(cuda.code, 2, "{}", cuda.stderr);
+    // An output that cannot be written is refused before anything is measured.
+    let onto_dir = profile_run("tiny-llama", &["-o", "profiles"]);
+    assert_eq!(onto_dir.code, 2, "{}", onto_dir.stderr);
+    assert!(
+        onto_dir.stderr.contains("profiles: is a directory") && onto_dir.stdout.is_empty(),
+        "{}",
+        onto_dir.stderr
+    );
 }

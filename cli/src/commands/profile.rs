@@ -186,6 +186,10 @@ pub fn template(session: &Session, target: &str, output: Option<&Path>) -> Resul
 pub fn run(session: &Session, a: &ProfileRunArgs) -> Result<(), Failure> {
     let ws = session.workspace()?;
     let backend = Backend::from(a.backend);
+    // Found out now, not after the measurements.
+    if let Some(path) = &a.output {
+        autopar_engine::plans::check_writable(path).map_err(|e| Failure::Input(e.into()))?;
+    }
     let bar = crate::progress::bar("{spinner} measuring [{bar:30}] {pos}/{len} {msg}");
     let mut progress = |i: usize, n: usize, e: &EntryId| {
         if let Some(bar) = &bar {
