@@ -434,18 +434,32 @@ pub fn dry_run(
             out.search_cached =
                 out.layers_to_solve == 0 && cache.contains(search_parts(&parts, digest).key());
             let previous = read_record(&ws.root, &t.name);
-            let record = PlanRecord {
-                parts,
-                model: model.def.canonical_json(),
-                profile: profile_entries(t),
-                source: Source::Solved,
-                reused_after_change: false,
-                reasons: Vec::new(),
-            };
-            out.reasons = plan_reasons(previous.as_ref().map(|p| &p.plan), &record);
+            out.reasons = plan_reasons(previous.as_ref().map(|p| &p.plan), &current(ws, t, parts));
             out
         })
         .collect())
+}
+
+/// The record a build of `t` (whose key has `parts`) would keep for its plan, before it knows
+/// where the plan comes from.
+fn current(ws: &Workspace, t: &Target, parts: KeyParts) -> PlanRecord {
+    PlanRecord {
+        parts,
+        model: ws.models[t.model].def.canonical_json(),
+        profile: profile_entries(t),
+        source: Source::Solved,
+        reused_after_change: false,
+        reasons: Vec::new(),
+    }
+}
+
+/// Why the stored plan of `t` no longer matches the workspace (the model, cluster, training
+/// options, search space, profiles or planning rules changed since the build that wrote it);
+/// `None` when it matches, or when no build record says what it was built from.
+pub fn stale(ws: &Workspace, t: &Target) -> Option<Vec<String>> {
+    let previous = read_record(&ws.root, &t.name)?;
+    let now = current(ws, t, target_parts(ws, t));
+    (previous.plan.parts.key() != now.parts.key()).then(|| plan_reasons(Some(&previous.plan), &now))
 }
 
 fn plan_from(

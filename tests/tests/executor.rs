@@ -284,6 +284,23 @@ micro_batch = [1]
         assert_eq!(r.code, 2, "{file}: {}", r.stderr);
         assert!(r.stderr.contains(says), "{file}: {}", r.stderr);
     }
+    // A plan the workspace has moved on from is not run against its old prediction.
+    let toml = ws.read("workspace.toml");
+    let edited = toml.replacen("global_batch = 8\n", "global_batch = 16\n", 1);
+    assert_ne!(edited, toml, "tiny-test has a global batch of 8");
+    ws.write("workspace.toml", &edited);
+    let r = ws.run(&["run", "tiny-test", "--steps", "1"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr.contains(
+            "the plan of `tiny-test` is out of date (search space or global batch changed): \
+             run `autopar build tiny-test` first"
+        ),
+        "{}",
+        r.stderr
+    );
+    ws.write("workspace.toml", &toml);
+    assert_eq!(ws.run(&["run", "tiny-test", "--steps", "1"]).code, 0);
     let unbuilt = ws.run(&["run", "llama3-8b"]);
     assert_eq!(unbuilt.code, 1);
     assert!(

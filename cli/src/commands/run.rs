@@ -5,6 +5,7 @@ use crate::Failure;
 use crate::args::RunArgs;
 use crate::output::out;
 use crate::render;
+use autopar_engine::build::stale;
 use autopar_engine::cache::{Cache, cache_dir};
 use autopar_engine::executor::RunOptions;
 use autopar_engine::plans::read_plan;
@@ -25,7 +26,7 @@ pub fn run(session: &Session, a: &RunArgs, dir: Option<&Path>) -> Result<(), Fai
             read_plan(&file.display().to_string(), file)?
         }
         (Some(t), None) => {
-            if ws.target(t).is_none() {
+            let Some(target) = ws.target(t) else {
                 return Err(Failure::Input(anyhow::anyhow!(
                     "target `{t}` is not known: expected one of {}",
                     ws.targets
@@ -34,8 +35,17 @@ pub fn run(session: &Session, a: &RunArgs, dir: Option<&Path>) -> Result<(), Fai
                         .collect::<Vec<_>>()
                         .join(", ")
                 )));
+            };
+            let plan = read_plan(t, &ws.plan_path(t))?;
+            // Running a plan of other inputs would measure one thing against the prediction
+            // for another.
+            if let Some(reasons) = stale(&ws, target) {
+                return Err(Failure::Failed(anyhow::anyhow!(
+                    "the plan of `{t}` is out of date ({}): run `autopar build {t}` first",
+                    reasons.join("; ")
+                )));
             }
-            read_plan(t, &ws.plan_path(t))?
+            plan
         }
         (None, None) => {
             return Err(Failure::Input(anyhow::anyhow!(
