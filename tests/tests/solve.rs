@@ -304,6 +304,14 @@ fn solve_balance_says_why_a_cap_is_infeasible() {
     );
 }
 
+/// The 1-based line of the first occurrence of `needle` in `text`.
+fn line_of(text: &str, needle: &str) -> usize {
+    text.lines()
+        .position(|l| l.contains(needle))
+        .expect("the text has it")
+        + 1
+}
+
 #[test]
 fn bad_solver_inputs_are_located() {
     let ws = TempWorkspace::default_copy();
@@ -322,11 +330,7 @@ fn bad_solver_inputs_are_located() {
         "56000",
     ]);
     assert_eq!(r.code, 2, "{}", r.stdout);
-    let line = yaml
-        .lines()
-        .position(|l| l.contains("body: fast"))
-        .expect("line")
-        + 1;
+    let line = line_of(&yaml, "body: fast");
     assert!(
         r.stderr.contains(&format!("sapp.yaml:{line}:")),
         "line {line} expected in:\n{}",
@@ -352,11 +356,7 @@ fn bad_solver_inputs_are_located() {
     ws.write("costs.json", &text);
     let r = ws.run(&["solve", "stages", "--input", "costs.json"]);
     assert_eq!(r.code, 2, "{}", r.stdout);
-    let line = text
-        .lines()
-        .position(|l| l.contains("\"slow\""))
-        .expect("line")
-        + 1;
+    let line = line_of(&text, "\"slow\"");
     assert!(
         r.stderr.contains(&format!("costs.json:{line}:"))
             && r.stderr
