@@ -299,8 +299,20 @@ micro_batch = [1]
         "{}",
         r.stderr
     );
+    // `plan show` still shows it, with a warning.
+    let shown = ws.run(&["plan", "show", "tiny-test"]);
+    assert_eq!(shown.code, 0, "{}", shown.stderr);
+    assert!(
+        shown
+            .stderr
+            .starts_with("warning: the plan of `tiny-test` is out of date")
+            && shown.stdout.starts_with("tiny-test: tiny-llama"),
+        "{}",
+        shown.stderr
+    );
     ws.write("workspace.toml", &toml);
     assert_eq!(ws.run(&["run", "tiny-test", "--steps", "1"]).code, 0);
+    assert!(ws.run(&["plan", "show", "tiny-test"]).stderr.is_empty());
     let unbuilt = ws.run(&["run", "llama3-8b"]);
     assert_eq!(unbuilt.code, 1);
     assert!(
