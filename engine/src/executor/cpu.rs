@@ -270,13 +270,8 @@ impl<'p> Device<'p> {
         let prog = self.prog;
         match action {
             Action::RecvActivations { chunk, microbatch } => {
-                let mut got = HashMap::new();
-                for &v in &prog.chunks[chunk].recv {
-                    let tag = self.tag(self.me, Payload::Activation, chunk, microbatch, v);
-                    got.insert(v, self.ep.fabric.recv(tag)?);
-                }
-                self.inbox
-                    .insert((chunk, microbatch, Payload::Activation), got);
+                let values = &prog.chunks[chunk].recv;
+                self.receive(values, Payload::Activation, chunk, microbatch)?;
             }
             Action::Forward { chunk, microbatch } => {
                 return self.forward(chunk, microbatch, step);
@@ -294,13 +289,9 @@ impl<'p> Device<'p> {
                 }
             }
             Action::RecvGradients { chunk, microbatch } => {
-                let mut got = HashMap::new();
-                for &v in &prog.chunks[chunk].send {
-                    let tag = self.tag(self.me, Payload::Gradient, chunk, microbatch, v);
-                    got.insert(v, self.ep.fabric.recv(tag)?);
-                }
-                self.inbox
-                    .insert((chunk, microbatch, Payload::Gradient), got);
+                // The gradients of what this chunk sent forward.
+                let values = &prog.chunks[chunk].send;
+                self.receive(values, Payload::Gradient, chunk, microbatch)?;
             }
             Action::Backward { chunk, microbatch } => self.backward(chunk, microbatch)?,
             Action::SendGradients { chunk, microbatch } => {
@@ -321,6 +312,23 @@ impl<'p> Device<'p> {
             Action::OptimizerStep => self.optimizer_step()?,
         }
         Ok(0.0)
+    }
+
+    /// Receives `payload` of `values` for a micro-batch of a chunk into the inbox.
+    fn receive(
+        &mut self,
+        values: &[u32],
+        payload: Payload,
+        chunk: usize,
+        microbatch: usize,
+    ) -> Result<(), ExecError> {
+        let mut got = HashMap::new();
+        for &v in values {
+            let tag = self.tag(self.me, payload, chunk, microbatch, v);
+            got.insert(v, self.ep.fabric.recv(tag)?);
+        }
+        self.inbox.insert((chunk, microbatch, payload), got);
+        Ok(())
     }
 
     fn tag(&self, to: usize, payload: Payload, chunk: usize, microbatch: usize, value: u32) -> Tag {
