@@ -3,6 +3,21 @@
 //! tensor, pipeline and data parallelism on DGX A100 80GB nodes (Selene), sequence length 2048,
 //! vocabulary 51,200, full activation recomputation, mixed precision (fp16).
 
+/// `autopar estimate` arguments for how the 2021 Megatron-LM runs executed: fp16, unfused
+/// attention, weight gradients accumulated in a separate kernel, full recomputation, sequence
+/// 2048.
+pub const SOFTWARE_2021: [&str; 9] = [
+    "--precision",
+    "fp16",
+    "--attention",
+    "unfused",
+    "--no-grad-accumulation-fusion",
+    "--recompute",
+    "full",
+    "--seq",
+    "2048",
+];
+
 /// One row of the table.
 #[derive(Clone, Copy, Debug)]
 pub struct Row {
@@ -133,18 +148,10 @@ impl Row {
             &self.global_batch.to_string(),
             "--vp",
             &interleave.to_string(),
-            "--recompute",
-            "full",
-            "--precision",
-            "fp16",
-            "--attention",
-            "unfused",
-            "--no-grad-accumulation-fusion",
-            "--seq",
-            "2048",
-            "--json",
         ]
         .iter()
+        .chain(&SOFTWARE_2021)
+        .chain(&["--json"])
         .map(|s| s.to_string())
         .collect()
     }
