@@ -5,7 +5,7 @@ use crate::db::{Database, Db, target_keys, workspace};
 use crate::error::EngineError;
 use crate::workspace::{Workspace, parse_model_text};
 use autopar_rules::canonical::Digest;
-use autopar_rules::cluster::{Cluster, PRESET_NAMES, parse_cluster_shorthand};
+use autopar_rules::cluster::{Cluster, parse_cluster_shorthand};
 use autopar_rules::frontend::ModelDef;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -89,10 +89,8 @@ impl Session {
         if arg.contains(':') {
             return parse_cluster_shorthand(arg).map_err(|reason| EngineError::Argument {
                 flag: "--cluster",
-                expected: format!(
-                    "PRESET:NODESxGPUS with PRESET one of {}",
-                    PRESET_NAMES.join(", ")
-                ),
+                // The reason names the known presets when the preset is the problem.
+                expected: "PRESET:NODESxGPUS, e.g. a100-80g:4x8".to_string(),
                 found: format!("`{arg}` ({reason})"),
             });
         }

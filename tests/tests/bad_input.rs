@@ -350,7 +350,7 @@ fn bad_command_line_values() {
                 "--gbs",
                 "8",
             ],
-            "error: --cluster: expected PRESET:NODESxGPUS with PRESET one of a100-40g, a100-80g, h100-sxm, h200, cpu, found `a100-80g:0x8` (the number of nodes must be a positive integer, found `0`)",
+            "error: --cluster: expected PRESET:NODESxGPUS, e.g. a100-80g:4x8, found `a100-80g:0x8` (the number of nodes must be a positive integer, found `0`)",
         ),
         (
             &[
