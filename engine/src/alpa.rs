@@ -160,6 +160,26 @@ pub fn solve_text(file: &Path, text: &str) -> Result<StagesReport, EngineError> 
             "a well-formed instance".into(),
             why,
         ),
+        InterError::TooLarge {
+            layers,
+            devices,
+            entries,
+            limit,
+        } => {
+            let key = if raw.num_devices.is_some() {
+                "num_devices"
+            } else {
+                "num_hosts"
+            };
+            err(
+                &[PathSeg::Key(key)],
+                key.into(),
+                format!(
+                    "a device count whose DP table over {layers} layers has at most {limit} entries"
+                ),
+                format!("{devices} devices ({entries} entries)"),
+            )
+        }
         infeasible @ InterError::Infeasible { .. } => {
             EngineError::Infeasible(infeasible.to_string())
         }

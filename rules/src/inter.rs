@@ -24,6 +24,7 @@
 //! per (end, submesh); the argmins are re-derived along the optimal path only.
 
 use crate::bottleneck;
+use crate::limits::MAX_DP_ENTRIES;
 use serde::{Deserialize, Serialize};
 
 /// An instance in Alpa's layout (`compute_cost[L][L][S][C]`, `max_n_succ_stages[L][L][S][C]`).
@@ -91,6 +92,21 @@ pub enum InterError {
     /// The tables do not have the shape the sizes say.
     #[error("{0}")]
     Shape(String),
+    /// The DP's table for this many layers and devices would not fit in memory.
+    #[error(
+        "the stage DP for {layers} layers on {devices} devices needs {entries} table entries, \
+         more than the {limit} it allows: is the device count a typo?"
+    )]
+    TooLarge {
+        /// Layers.
+        layers: usize,
+        /// Devices.
+        devices: u64,
+        /// Entries the table would need (saturated).
+        entries: u64,
+        /// Most entries allowed.
+        limit: u64,
+    },
     /// No set of stages uses all devices within the memory limits.
     #[error(
         "no pipeline covers the {layers} layers with submeshes using exactly {devices} devices \
@@ -134,6 +150,15 @@ impl StageProblem {
                 "submesh shapes and the device count must be positive".into(),
             ));
         }
+        let entries = self.dp_entries();
+        if entries > MAX_DP_ENTRIES {
+            return Err(InterError::TooLarge {
+                layers: self.layers,
+                devices: self.devices,
+                entries,
+                limit: MAX_DP_ENTRIES,
+            });
+        }
         if self.microbatches == 0 {
             return Err(InterError::Shape(
                 "num_microbatches must be positive".into(),
@@ -159,9 +184,26 @@ impl StageProblem {
         Ok(self)
     }
 
+    /// Most stages a solution can have: every stage holds a layer and a smallest submesh.
+    fn max_stages(&self) -> u64 {
+        let smallest = (0..self.submeshes.len())
+            .map(|s| self.size(s))
+            .min()
+            .unwrap_or(1)
+            .max(1);
+        (self.layers as u64).min(self.devices / smallest)
+    }
+
+    /// Entries of the DP table, `(stages + 1) x (layers + 1) x (devices + 1)`, saturated.
+    fn dp_entries(&self) -> u64 {
+        (self.max_stages() + 1)
+            .saturating_mul(self.layers as u64 + 1)
+            .saturating_mul(self.devices.saturating_add(1))
+    }
+
     /// Devices of submesh `s`.
     pub fn size(&self, s: usize) -> u64 {
-        self.submeshes[s].0 * self.submeshes[s].1
+        self.submeshes[s].0.saturating_mul(self.submeshes[s].1)
     }
 }
 
@@ -184,8 +226,8 @@ impl<'a> Dp<'a> {
         let l = p.layers;
         let d = p.devices as usize;
         let sizes: Vec<usize> = (0..p.submeshes.len()).map(|s| p.size(s) as usize).collect();
-        let min_size = sizes.iter().copied().min().unwrap_or(1).max(1);
-        let s_max = l.min(d / min_size);
+        // Bounded by `validate`'s table-size check.
+        let s_max = p.max_stages() as usize;
         Dp {
             p,
             l,

@@ -16,3 +16,5 @@ pub const MAX_SEQ: u64 = 1 << 24;
 pub const MAX_BATCH: u64 = 1 << 30;
 /// Largest fixed dimension in a graph file.
 pub const MAX_DIM: u64 = 1 << 32;
+/// Most entries of the stage-construction DP's table (8 bytes each: 1 GiB).
+pub const MAX_DP_ENTRIES: u64 = 1 << 27;

@@ -365,6 +365,23 @@ fn bad_solver_inputs_are_located() {
         r.stderr
     );
 
+    // A device count far beyond any cluster is refused before the DP's table is allocated.
+    let mut v = instance(3, 1, 2, 1, 7);
+    v["num_hosts"] = json!(1_000_000_000u64);
+    ws.write(
+        "costs.json",
+        &serde_json::to_string_pretty(&v).expect("json"),
+    );
+    let r = ws.run(&["solve", "stages", "--input", "costs.json"]);
+    assert_eq!(r.code, 2, "{}", r.stdout);
+    assert!(
+        r.stderr
+            .contains("field `num_hosts`: expected a device count whose DP table")
+            && r.stderr.contains("found 2000000000 devices"),
+        "{}",
+        r.stderr
+    );
+
     let r = ws.run(&["solve", "stages", "--input", "missing.json"]);
     assert_eq!(r.code, 2, "{}", r.stdout);
     assert!(r.stderr.contains("missing.json"), "{}", r.stderr);
