@@ -125,13 +125,12 @@ impl Row {
         self.gpus / (self.tp * self.pp)
     }
 
-    /// The `autopar estimate` arguments for this row. The paper does not list micro-batch
+    /// The `autopar estimate` flags for this row. The paper does not list micro-batch
     /// sizes; 1 is the only size at which every row meets Megatron-LM's interleaving rule
     /// (micro-batches divisible by pp), and the software of the time ran unfused attention and
     /// accumulated weight gradients in a separate kernel.
     pub fn estimate_args(&self, interleave: u64) -> Vec<String> {
         [
-            "estimate",
             "--model",
             &format!("models/{}", self.model),
             "--cluster",
@@ -151,7 +150,6 @@ impl Row {
         ]
         .iter()
         .chain(&SOFTWARE_2021)
-        .chain(&["--json"])
         .map(|s| s.to_string())
         .collect()
     }

@@ -3,6 +3,23 @@
 use autopar_tests::TempWorkspace;
 use autopar_tests::megatron::{SOFTWARE_2021, TABLE1};
 
+/// `autopar estimate --json` with `args`, which must succeed.
+fn estimate(ws: &TempWorkspace, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["estimate"];
+    all.extend_from_slice(args);
+    all.push("--json");
+    let r = ws.run(&all);
+    assert_eq!(r.code, 0, "{args:?}: {}", r.stderr);
+    r.json()
+}
+
+/// Number `key` of the JSON object `j`, which must be there.
+fn number(j: &serde_json::Value, key: &str) -> f64 {
+    j[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} missing in {j}"))
+}
+
 /// Predicted TFLOP/s per GPU of every Megatron-LM 2021 Table 1 row, against the published
 /// value. Goal of the cost model: every row within ±20% with no per-row adjustment. Run with
 /// `--nocapture` to see the table.
@@ -43,10 +60,8 @@ fn megatron_2021_table1() {
         for (i, v) in [1, interleaved].into_iter().enumerate() {
             let args = row.estimate_args(v);
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            let r = ws.run(&args);
-            assert_eq!(r.code, 0, "{}: {}", row.model, r.stderr);
-            let j = r.json();
-            let predicted = j["tflops_per_gpu"].as_f64().expect("tflops");
+            let j = estimate(&ws, &args);
+            let predicted = number(&j, "tflops_per_gpu");
             let err = predicted / row.tflops - 1.0;
             line.push_str(&format!(" {predicted:>9.1} {:>+6.1}%", err * 100.0));
             assert!(
@@ -68,22 +83,6 @@ fn megatron_2021_table1() {
     // The goal is ±10%; the model, built from microbenchmark efficiencies only, sits at about
     // +11% (see README, "Accuracy"). This bound guards against regressions.
     assert!(median.abs() <= 0.12, "median error {median}");
-}
-
-/// `autopar estimate --json` with `args`, which must succeed.
-fn estimate(ws: &TempWorkspace, args: &[&str]) -> serde_json::Value {
-    let mut all = vec!["estimate"];
-    all.extend_from_slice(args);
-    all.push("--json");
-    let r = ws.run(&all);
-    assert_eq!(r.code, 0, "{args:?}: {}", r.stderr);
-    r.json()
-}
-
-fn number(j: &serde_json::Value, key: &str) -> f64 {
-    j[key]
-        .as_f64()
-        .unwrap_or_else(|| panic!("{key} missing in {j}"))
 }
 
 /// The other published results ALGORITHMS.md §7 asks a planner to reproduce: sanity checks of
@@ -204,31 +203,30 @@ fn megatron_published_facts() {
 #[test]
 fn estimate_json_contract_and_memory_failure() {
     let ws = TempWorkspace::default_copy();
-    let ok = ws.run(&[
-        "estimate",
-        "--model",
-        "llama2-70b",
-        "--cluster",
-        "dgx-h100-8",
-        "--tp",
-        "8",
-        "--pp",
-        "4",
-        "--mbs",
-        "1",
-        "--gbs",
-        "512",
-        "--seq",
-        "4096",
-        "--sp",
-        "--recompute",
-        "selective",
-        "--zero",
-        "1",
-        "--json",
-    ]);
-    assert_eq!(ok.code, 0, "{}", ok.stderr);
-    let j = ok.json();
+    let j = estimate(
+        &ws,
+        &[
+            "--model",
+            "llama2-70b",
+            "--cluster",
+            "dgx-h100-8",
+            "--tp",
+            "8",
+            "--pp",
+            "4",
+            "--mbs",
+            "1",
+            "--gbs",
+            "512",
+            "--seq",
+            "4096",
+            "--sp",
+            "--recompute",
+            "selective",
+            "--zero",
+            "1",
+        ],
+    );
     for key in [
         "step_time_s",
         "tflops_per_gpu",
@@ -245,7 +243,7 @@ fn estimate_json_contract_and_memory_failure() {
         .iter()
         .map(|k| m[k].as_f64().expect("part"))
         .sum();
-    assert!((parts - m["total"].as_f64().expect("total")).abs() < 1.0);
+    assert!((parts - number(m, "total")).abs() < 1.0);
     let t = &j["time"];
     let time: f64 = [
         "compute",
@@ -260,7 +258,7 @@ fn estimate_json_contract_and_memory_failure() {
     .iter()
     .map(|k| t[k].as_f64().expect("part"))
     .sum();
-    let step = j["step_time_s"].as_f64().expect("step");
+    let step = number(&j, "step_time_s");
     assert!(
         (time - step).abs() < 1e-9 * step,
         "the breakdown adds up to the step time"
@@ -334,29 +332,28 @@ fn estimate_text_output() {
 fn estimate_prices_graph_file_models_under_tensor_parallelism() {
     let ws = TempWorkspace::default_copy();
     let price = |tp: &str| {
-        let r = ws.run(&[
-            "estimate",
-            "--model",
-            "tiny-mlp",
-            "--cluster",
-            "h100-sxm:1x2",
-            "--tp",
-            tp,
-            "--gbs",
-            "8",
-            "--json",
-        ]);
-        assert_eq!(r.code, 0, "{}", r.stderr);
-        r.json()
+        estimate(
+            &ws,
+            &[
+                "--model",
+                "tiny-mlp",
+                "--cluster",
+                "h100-sxm:1x2",
+                "--tp",
+                tp,
+                "--gbs",
+                "8",
+            ],
+        )
     };
     let (one, two) = (price("1"), price("2"));
     // Column- and row-parallel MLPs: tensor parallelism halves the weights per device and adds
     // all-reduces.
-    let w1 = one["memory"]["weights"].as_f64().expect("weights");
-    let w2 = two["memory"]["weights"].as_f64().expect("weights");
+    let w1 = number(&one["memory"], "weights");
+    let w2 = number(&two["memory"], "weights");
     assert!((w2 / w1 - 0.5).abs() < 0.01, "{w1} {w2}");
     assert_eq!(one["time"]["tp_comm"], 0.0);
-    assert!(two["time"]["tp_comm"].as_f64().expect("tp comm") > 0.0);
+    assert!(number(&two["time"], "tp_comm") > 0.0);
 }
 
 /// A workspace cluster with `profiles` prices a hand-chosen layout with its measured times,
@@ -371,42 +368,41 @@ fn estimate_reads_the_clusters_profiles_as_build_does() {
         serde_json::from_str(&ws.read("plans/tiny-llama-cpu.json")).expect("plan");
     let l = &plan["estimate"]["layout"];
     let arg = |k: &str| l[k].as_u64().expect(k).to_string();
-    let estimate = |cluster: &str| {
+    let price = |cluster: &str| {
         let (tp, pp, mbs) = (arg("tp"), arg("pp"), arg("micro_batch"));
-        let r = ws.run(&[
-            "estimate",
-            "--model",
-            "tiny-llama",
-            "--cluster",
-            cluster,
-            "--tp",
-            &tp,
-            "--pp",
-            &pp,
-            "--mbs",
-            &mbs,
-            "--gbs",
-            "4",
-            "--seq",
-            "128",
-            "--precision",
-            "fp32",
-            "--json",
-        ]);
-        assert_eq!(r.code, 0, "{}", r.stderr);
-        r.json()
+        estimate(
+            &ws,
+            &[
+                "--model",
+                "tiny-llama",
+                "--cluster",
+                cluster,
+                "--tp",
+                &tp,
+                "--pp",
+                &pp,
+                "--mbs",
+                &mbs,
+                "--gbs",
+                "4",
+                "--seq",
+                "128",
+                "--precision",
+                "fp32",
+            ],
+        )
     };
     assert_eq!(
         l["recompute"], "none",
         "the layout estimate prices by default"
     );
-    let measured = estimate("host-cpu");
+    let measured = price("host-cpu");
     assert_eq!(measured["profiles"], serde_json::json!(["host-cpu"]));
     assert_eq!(
         measured["step_time_s"], plan["estimate"]["step_time_s"],
         "the same price as the build's"
     );
-    let modelled = estimate("cpu:1x1");
+    let modelled = price("cpu:1x1");
     assert_eq!(modelled["profiles"], serde_json::json!([]));
     assert_ne!(modelled["step_time_s"], measured["step_time_s"]);
 }
