@@ -39,33 +39,27 @@ pub fn model_template(
     model: &str,
     cluster: &str,
 ) -> Result<(Profile, Vec<String>), EngineError> {
-    let unknown = |what: &'static str, name: &str, names: Vec<&str>| EngineError::Unknown {
-        what,
-        name: name.to_string(),
-        expected: format!("one of the workspace's: {}", names.join(", ")),
+    // The position of `name` among the workspace's `names` of one kind.
+    let index = |what: &'static str, name: &str, names: Vec<&str>| {
+        names
+            .iter()
+            .position(|&n| n == name)
+            .ok_or_else(|| EngineError::Unknown {
+                what,
+                name: name.to_string(),
+                expected: format!("one of the workspace's: {}", names.join(", ")),
+            })
     };
-    let m = ws
-        .models
-        .iter()
-        .position(|m| m.name == model)
-        .ok_or_else(|| {
-            unknown(
-                "model",
-                model,
-                ws.models.iter().map(|m| m.name.as_str()).collect(),
-            )
-        })?;
-    let c = ws
-        .clusters
-        .iter()
-        .position(|c| c.name == cluster)
-        .ok_or_else(|| {
-            unknown(
-                "cluster",
-                cluster,
-                ws.clusters.iter().map(|c| c.name.as_str()).collect(),
-            )
-        })?;
+    let m = index(
+        "model",
+        model,
+        ws.models.iter().map(|m| m.name.as_str()).collect(),
+    )?;
+    let c = index(
+        "cluster",
+        cluster,
+        ws.clusters.iter().map(|c| c.name.as_str()).collect(),
+    )?;
     let targets: Vec<&Target> = ws
         .targets
         .iter()
