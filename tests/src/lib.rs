@@ -15,6 +15,40 @@ pub fn repo_root() -> PathBuf {
         .map_or_else(|| PathBuf::from(".."), Path::to_path_buf)
 }
 
+/// Two small models (an inline transformer and GPT-2 small) with one target each on a 2-GPU
+/// H100 node: quick to build, and enough to tell results two targets share from their own.
+pub const SMALL_WORKSPACE: &str = r#"
+[[model]]
+name = "tiny"
+transformer = { hidden = 512, layers = 4, heads = 8, ffn_hidden = 2048, vocab = 32000, max_seq = 1024 }
+
+[[model]]
+name = "gpt2"
+hf_config = "models/gpt2-small.json"
+
+[[cluster]]
+name = "one"
+preset = "h100-sxm"
+nodes = 1
+gpus_per_node = 2
+
+[[target]]
+name = "tiny"
+model = "tiny"
+cluster = "one"
+global_batch = 8
+[target.search]
+micro_batch = [1]
+
+[[target]]
+name = "gpt2"
+model = "gpt2"
+cluster = "one"
+global_batch = 8
+[target.search]
+micro_batch = [1, 2]
+"#;
+
 /// A private copy of the default workspace (workspace.toml and models/) in a temporary
 /// directory, so tests can build and edit without touching the repository.
 pub struct TempWorkspace {

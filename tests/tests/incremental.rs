@@ -2,7 +2,7 @@
 //! `explain`, profiles, a killed build, a corrupt entry, `--dry-run`, the cache commands and
 //! `watch`.
 
-use autopar_tests::{Run, TempWorkspace};
+use autopar_tests::{Run, SMALL_WORKSPACE, TempWorkspace};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
@@ -28,42 +28,9 @@ fn solved(r: &Run) -> u64 {
     counts(r).4
 }
 
-/// Two small models on small clusters: fast, and enough to tell shared results from others.
-const SMALL: &str = r#"
-[[model]]
-name = "tiny"
-transformer = { hidden = 512, layers = 4, heads = 8, ffn_hidden = 2048, vocab = 32000, max_seq = 1024 }
-
-[[model]]
-name = "gpt2"
-hf_config = "models/gpt2-small.json"
-
-[[cluster]]
-name = "one"
-preset = "h100-sxm"
-nodes = 1
-gpus_per_node = 2
-
-[[target]]
-name = "tiny"
-model = "tiny"
-cluster = "one"
-global_batch = 8
-[target.search]
-micro_batch = [1]
-
-[[target]]
-name = "gpt2"
-model = "gpt2"
-cluster = "one"
-global_batch = 8
-[target.search]
-micro_batch = [1, 2]
-"#;
-
 #[test]
 fn a_second_build_solves_nothing_nor_does_renaming_or_reordering() {
-    let ws = TempWorkspace::with_toml(SMALL);
+    let ws = TempWorkspace::with_toml(SMALL_WORKSPACE);
     let (total, memory, local, remote, solved_first) = counts(&ws.run(&["build", "--json"]));
     assert_eq!(local + remote, 0, "cold cache");
     assert_eq!(total, memory + solved_first);
@@ -72,7 +39,7 @@ fn a_second_build_solves_nothing_nor_does_renaming_or_reordering() {
     assert_eq!(counts(&ws.run(&["build", "--json"])), (2, 0, 2, 0, 0));
     let plan = ws.read("plans/tiny.json");
     // Rename a model (and the target's reference), reorder the file: same keys.
-    let renamed = SMALL
+    let renamed = SMALL_WORKSPACE
         .replace(
             "name = \"tiny\"\ntransformer",
             "name = \"small-llama\"\ntransformer",
@@ -314,7 +281,7 @@ fn a_killed_build_leaves_a_usable_cache() {
 
 #[test]
 fn a_flipped_byte_is_detected_and_re_solved() {
-    let ws = TempWorkspace::with_toml(SMALL);
+    let ws = TempWorkspace::with_toml(SMALL_WORKSPACE);
     assert_eq!(ws.run(&["build", "tiny"]).code, 0);
     let plan = ws.read("plans/tiny.json");
     {
@@ -348,7 +315,7 @@ fn a_flipped_byte_is_detected_and_re_solved() {
 
 #[test]
 fn dry_run_solves_and_writes_nothing() {
-    let ws = TempWorkspace::with_toml(SMALL);
+    let ws = TempWorkspace::with_toml(SMALL_WORKSPACE);
     let dry = ws.run(&["build", "--dry-run"]);
     assert_eq!(dry.code, 0, "{}", dry.stderr);
     assert!(
@@ -376,7 +343,7 @@ fn dry_run_solves_and_writes_nothing() {
 
 #[test]
 fn cache_commands_and_clean() {
-    let ws = TempWorkspace::with_toml(SMALL);
+    let ws = TempWorkspace::with_toml(SMALL_WORKSPACE);
     let first = solved(&ws.run(&["build", "--json"]));
     let stats = ws.run(&["cache", "stats", "--json"]).json();
     let kinds: Vec<&str> = stats["kinds"]
@@ -424,7 +391,7 @@ fn cache_commands_and_clean() {
 
 #[test]
 fn concurrent_builds_share_the_cache_safely() {
-    let ws = TempWorkspace::with_toml(SMALL);
+    let ws = TempWorkspace::with_toml(SMALL_WORKSPACE);
     let a = ws.spawn(&["build", "--json"]);
     let b = ws.spawn(&["build", "--json"]);
     for child in [a, b] {
@@ -442,7 +409,7 @@ fn concurrent_builds_share_the_cache_safely() {
 
 #[test]
 fn watch_rebuilds_what_an_edit_touches() {
-    let ws = TempWorkspace::with_toml(SMALL);
+    let ws = TempWorkspace::with_toml(SMALL_WORKSPACE);
     let mut child = ws.spawn(&["watch", "--interval-ms", "50"]);
     let stdout = child.stdout.take().expect("stdout");
     let (tx, rx) = std::sync::mpsc::channel::<String>();
@@ -472,7 +439,7 @@ fn watch_rebuilds_what_an_edit_touches() {
     // Only the tiny model changes: its target is re-searched, gpt2's plan comes from memory.
     ws.write(
         "workspace.toml",
-        &SMALL.replace("layers = 4, heads = 8", "layers = 6, heads = 8"),
+        &SMALL_WORKSPACE.replace("layers = 4, heads = 8", "layers = 6, heads = 8"),
     );
     let second = wait_for("watching for changes");
     let summary = second
@@ -490,7 +457,7 @@ fn watch_rebuilds_what_an_edit_touches() {
         "workspace.toml",
         &format!(
             "# a comment\n{}",
-            SMALL.replace("layers = 4, heads = 8", "layers = 6, heads = 8")
+            SMALL_WORKSPACE.replace("layers = 4, heads = 8", "layers = 6, heads = 8")
         ),
     );
     wait_for("nothing to rebuild");

@@ -2,46 +2,13 @@
 //! serve` and through nginx with WebDAV PUT; failures of every kind never fail a build; tokens;
 //! a corrupt blob on the server; rejected uploads; concurrent load; graceful shutdown.
 
-use autopar_tests::{Run, TempWorkspace, binary};
+use autopar_tests::{Run, SMALL_WORKSPACE, TempWorkspace, binary};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// Two small targets: quick to build, and enough to see shared and separate results.
-const SMALL: &str = r#"
-[[model]]
-name = "tiny"
-transformer = { hidden = 512, layers = 4, heads = 8, ffn_hidden = 2048, vocab = 32000, max_seq = 1024 }
-
-[[model]]
-name = "gpt2"
-hf_config = "models/gpt2-small.json"
-
-[[cluster]]
-name = "one"
-preset = "h100-sxm"
-nodes = 1
-gpus_per_node = 2
-
-[[target]]
-name = "tiny"
-model = "tiny"
-cluster = "one"
-global_batch = 8
-[target.search]
-micro_batch = [1]
-
-[[target]]
-name = "gpt2"
-model = "gpt2"
-cluster = "one"
-global_batch = 8
-[target.search]
-micro_batch = [1, 2]
-"#;
 
 /// A running `autopar cache serve`.
 struct Server {
@@ -180,8 +147,8 @@ fn warnings(r: &Run) -> Vec<&str> {
 
 /// Teammate A builds and uploads; teammate B, with an empty local cache, solves nothing.
 fn teammates_share(remote: &str) {
-    let a = TempWorkspace::with_toml(SMALL);
-    let b = TempWorkspace::with_toml(SMALL);
+    let a = TempWorkspace::with_toml(SMALL_WORKSPACE);
+    let b = TempWorkspace::with_toml(SMALL_WORKSPACE);
     let first = build(&a, remote, &[]);
     assert!(field(&first, "solved") > 2, "{}", first.stdout);
     assert_eq!(field(&first, "hits_remote"), 0);
@@ -289,7 +256,7 @@ fn an_unreachable_or_stopped_server_never_fails_a_build() {
         .and_then(|l| l.local_addr())
         .expect("port")
         .port();
-    let ws = TempWorkspace::with_toml(SMALL);
+    let ws = TempWorkspace::with_toml(SMALL_WORKSPACE);
     let r = build(&ws, &format!("http://127.0.0.1:{port}"), &[]);
     assert!(field(&r, "solved") > 2);
     assert_eq!(warnings(&r).len(), 1, "{}", r.stderr);
@@ -332,12 +299,12 @@ fn tokens_scope_reads_and_writes() {
     let tokens_path = tokens.path().display().to_string();
     let server = Server::start(&["--tokens", &tokens_path]);
     let url = server.url();
-    let a = TempWorkspace::with_toml(SMALL);
+    let a = TempWorkspace::with_toml(SMALL_WORKSPACE);
     let wrote = build(&a, &url, &[("AUTOPAR_REMOTE_TOKEN", "writer-token")]);
     assert!(field(&wrote, "solved") > 2);
     assert!(warnings(&wrote).is_empty(), "{}", wrote.stderr);
     // A reader reads everything, and cannot write what it solves.
-    let b = TempWorkspace::with_toml(&SMALL.replace(
+    let b = TempWorkspace::with_toml(&SMALL_WORKSPACE.replace(
         "global_batch = 8\n[target.search]\nmicro_batch = [1]\n",
         "global_batch = 16\n[target.search]\nmicro_batch = [1]\n",
     ));
@@ -352,7 +319,7 @@ fn tokens_scope_reads_and_writes() {
         read.stderr
     );
     // No token, no anonymous reads: refused, and the build goes on alone.
-    let c = TempWorkspace::with_toml(SMALL);
+    let c = TempWorkspace::with_toml(SMALL_WORKSPACE);
     let none = build(&c, &url, &[]);
     assert_eq!(field(&none, "hits_remote"), 0);
     assert!(
@@ -364,7 +331,7 @@ fn tokens_scope_reads_and_writes() {
     // With anonymous reads allowed, a stranger reads what the team wrote.
     let (_, dir) = server.stop();
     let open = Server::start_in(dir, &["--tokens", &tokens_path, "--allow-anonymous-read"]);
-    let d = TempWorkspace::with_toml(SMALL);
+    let d = TempWorkspace::with_toml(SMALL_WORKSPACE);
     let anon = build(&d, &open.url(), &[("AUTOPAR_REMOTE_TOKEN", "wrong")]);
     assert_eq!(field(&anon, "hits_remote"), 2, "{}", anon.stderr);
 }
@@ -372,7 +339,7 @@ fn tokens_scope_reads_and_writes() {
 #[test]
 fn a_corrupted_blob_on_the_server_is_detected_and_not_kept() {
     let server = Server::start(&[]);
-    let a = TempWorkspace::with_toml(SMALL);
+    let a = TempWorkspace::with_toml(SMALL_WORKSPACE);
     let first = field(&build(&a, &server.url(), &[]), "solved");
     // Damage every blob on the server's disk.
     let cas = server.dir.path().join("cas");
@@ -383,7 +350,7 @@ fn a_corrupted_blob_on_the_server_is_detected_and_not_kept() {
         }
         std::fs::write(e.path(), bytes).expect("write");
     }
-    let b = TempWorkspace::with_toml(SMALL);
+    let b = TempWorkspace::with_toml(SMALL_WORKSPACE);
     let r = build(&b, &server.url(), &[]);
     assert_eq!(field(&r, "hits_remote"), 0);
     assert_eq!(field(&r, "solved"), first, "everything recomputed");
@@ -507,15 +474,15 @@ fn instances_partition_the_remote() {
             .expect("autopar runs");
         Run::from(out)
     };
-    let a = TempWorkspace::with_toml(SMALL);
+    let a = TempWorkspace::with_toml(SMALL_WORKSPACE);
     assert!(field(&run(&a, "team-a"), "solved") > 2);
-    let other = TempWorkspace::with_toml(SMALL);
+    let other = TempWorkspace::with_toml(SMALL_WORKSPACE);
     assert_eq!(
         field(&run(&other, "team-b"), "hits_remote"),
         0,
         "another instance"
     );
-    let same = TempWorkspace::with_toml(SMALL);
+    let same = TempWorkspace::with_toml(SMALL_WORKSPACE);
     assert_eq!(field(&run(&same, "team-a"), "hits_remote"), 2);
     assert!(server.dir.path().join("team-a/ac").is_dir());
 }

@@ -1,11 +1,30 @@
 //! `autopar solve stages` (Alpa's stage-cost layout) and `autopar solve balance` (SAPP's yaml):
 //! answers checked against exhaustive search and SAPP's published example, bad inputs located.
 
-use autopar_tests::{TempWorkspace, repo_root};
+use autopar_tests::{Run, TempWorkspace, repo_root};
 use serde_json::{Value, json};
 
 fn example(name: &str) -> String {
     std::fs::read_to_string(repo_root().join("examples").join(name)).expect("shipped example")
+}
+
+/// `autopar solve balance` on SAPP's published example (`sapp.yaml`, 8 stages, 32
+/// micro-batches) with a memory cap of `mem` MB and `extra` arguments.
+fn balance(ws: &TempWorkspace, mem: &str, extra: &[&str]) -> Run {
+    let mut args = vec![
+        "solve",
+        "balance",
+        "--sapp",
+        "sapp.yaml",
+        "-s",
+        "8",
+        "-mb",
+        "32",
+        "-mem",
+        mem,
+    ];
+    args.extend(extra);
+    ws.run(&args)
 }
 
 /// A deterministic pseudo-random instance: `l` layers on `hosts x per_host` devices, submeshes
@@ -186,21 +205,7 @@ fn solve_stages_prints_stages_with_their_devices() {
 fn solve_balance_on_sapps_published_example() {
     let ws = TempWorkspace::default_copy();
     ws.write("sapp.yaml", &example("sapp-balance.yaml"));
-    let r = ws.run(&[
-        "solve",
-        "balance",
-        "--sapp",
-        "sapp.yaml",
-        "-s",
-        "8",
-        "-mb",
-        "32",
-        "-mem",
-        "56000",
-        "--json",
-        "--trace",
-        "balance.trace.json",
-    ]);
+    let r = balance(&ws, "56000", &["--json", "--trace", "balance.trace.json"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     let out = r.json();
     for key in [
@@ -256,18 +261,7 @@ fn solve_balance_on_sapps_published_example() {
         .count();
     assert_eq!(slices, 2 * 8 * 32);
     // The text form prints the lists ready to paste into SAPP's yaml.
-    let text = ws.run(&[
-        "solve",
-        "balance",
-        "--sapp",
-        "sapp.yaml",
-        "-s",
-        "8",
-        "-mb",
-        "32",
-        "-mem",
-        "56000",
-    ]);
+    let text = balance(&ws, "56000", &[]);
     assert_eq!(text.code, 0, "{}", text.stderr);
     assert!(text.stdout.contains("offset: [[-"), "{}", text.stdout);
     assert!(text.stdout.contains("0.2188"), "{}", text.stdout);
@@ -277,18 +271,7 @@ fn solve_balance_on_sapps_published_example() {
 fn solve_balance_says_why_a_cap_is_infeasible() {
     let ws = TempWorkspace::default_copy();
     ws.write("sapp.yaml", &example("sapp-balance.yaml"));
-    let r = ws.run(&[
-        "solve",
-        "balance",
-        "--sapp",
-        "sapp.yaml",
-        "-s",
-        "8",
-        "-mb",
-        "32",
-        "-mem",
-        "20000",
-    ]);
+    let r = balance(&ws, "20000", &[]);
     assert_eq!(r.code, 1, "{}", r.stdout);
     assert!(
         r.stderr.contains(
@@ -317,18 +300,7 @@ fn bad_solver_inputs_are_located() {
     let ws = TempWorkspace::default_copy();
     let yaml = example("sapp-balance.yaml").replace("body: 90", "body: fast");
     ws.write("sapp.yaml", &yaml);
-    let r = ws.run(&[
-        "solve",
-        "balance",
-        "--sapp",
-        "sapp.yaml",
-        "-s",
-        "8",
-        "-mb",
-        "32",
-        "-mem",
-        "56000",
-    ]);
+    let r = balance(&ws, "56000", &[]);
     assert_eq!(r.code, 2, "{}", r.stdout);
     let line = line_of(&yaml, "body: fast");
     assert!(
