@@ -2,6 +2,12 @@
 //! Model Training on GPU Clusters Using Megatron-LM", SC'21, Table 1): GPT models trained with
 //! tensor, pipeline and data parallelism on DGX A100 80GB nodes (Selene), sequence length 2048,
 //! vocabulary 51,200, full activation recomputation, mixed precision (fp16).
+//!
+//! The paper gives t, p, GPUs and global batch; NVIDIA's scripts that produced the table
+//! (`examples/sc21/run_table_1.sh` and `CONFIG.sh` in the Megatron-LM repository) give the rest:
+//! each row's micro-batch size and layers per virtual pipeline stage, `--fp16`,
+//! `--seq-length 2048`, `--recompute-method uniform` (every block recomputed), run in NGC's
+//! PyTorch 20.12 container.
 
 /// `autopar estimate` arguments for how the 2021 Megatron-LM runs executed: fp16, unfused
 /// attention, weight gradients accumulated in a separate kernel, full recomputation, sequence
@@ -31,6 +37,11 @@ pub struct Row {
     pub gpus: u64,
     /// Global batch size.
     pub global_batch: u64,
+    /// Micro-batch size (`MBS` in `run_table_1.sh`).
+    pub micro_batch: u64,
+    /// Model chunks per pipeline stage: layers / (pp x `--num-layers-per-virtual-pipeline-stage`),
+    /// 1 where the script does not interleave.
+    pub interleave: u64,
     /// Published achieved teraFLOP/s per GPU.
     pub tflops: f64,
 }
@@ -43,6 +54,8 @@ pub const TABLE1: [Row; 10] = [
         pp: 1,
         gpus: 32,
         global_batch: 512,
+        micro_batch: 16,
+        interleave: 1,
         tflops: 137.0,
     },
     Row {
@@ -51,6 +64,8 @@ pub const TABLE1: [Row; 10] = [
         pp: 1,
         gpus: 64,
         global_batch: 512,
+        micro_batch: 16,
+        interleave: 1,
         tflops: 138.0,
     },
     Row {
@@ -59,6 +74,8 @@ pub const TABLE1: [Row; 10] = [
         pp: 1,
         gpus: 128,
         global_batch: 512,
+        micro_batch: 16,
+        interleave: 1,
         tflops: 142.0,
     },
     Row {
@@ -67,6 +84,8 @@ pub const TABLE1: [Row; 10] = [
         pp: 1,
         gpus: 256,
         global_batch: 1024,
+        micro_batch: 8,
+        interleave: 1,
         tflops: 135.0,
     },
     Row {
@@ -75,6 +94,8 @@ pub const TABLE1: [Row; 10] = [
         pp: 2,
         gpus: 512,
         global_batch: 1536,
+        micro_batch: 4,
+        interleave: 1,
         tflops: 138.0,
     },
     Row {
@@ -83,6 +104,8 @@ pub const TABLE1: [Row; 10] = [
         pp: 4,
         gpus: 1024,
         global_batch: 1792,
+        micro_batch: 2,
+        interleave: 3,
         tflops: 140.0,
     },
     Row {
@@ -91,6 +114,8 @@ pub const TABLE1: [Row; 10] = [
         pp: 8,
         gpus: 1536,
         global_batch: 2304,
+        micro_batch: 2,
+        interleave: 2,
         tflops: 148.0,
     },
     Row {
@@ -99,6 +124,8 @@ pub const TABLE1: [Row; 10] = [
         pp: 16,
         gpus: 1920,
         global_batch: 2160,
+        micro_batch: 1,
+        interleave: 2,
         tflops: 155.0,
     },
     Row {
@@ -107,6 +134,8 @@ pub const TABLE1: [Row; 10] = [
         pp: 35,
         gpus: 2520,
         global_batch: 2520,
+        micro_batch: 1,
+        interleave: 3,
         tflops: 163.0,
     },
     Row {
@@ -115,6 +144,8 @@ pub const TABLE1: [Row; 10] = [
         pp: 64,
         gpus: 3072,
         global_batch: 3072,
+        micro_batch: 1,
+        interleave: 1,
         tflops: 163.0,
     },
 ];
@@ -125,11 +156,8 @@ impl Row {
         self.gpus / (self.tp * self.pp)
     }
 
-    /// The `autopar estimate` flags for this row. The paper does not list micro-batch
-    /// sizes; 1 is the only size at which every row meets Megatron-LM's interleaving rule
-    /// (micro-batches divisible by pp), and the software of the time ran unfused attention and
-    /// accumulated weight gradients in a separate kernel.
-    pub fn estimate_args(&self, interleave: u64) -> Vec<String> {
+    /// The `autopar estimate` flags for this row as NVIDIA ran it.
+    pub fn estimate_args(&self) -> Vec<String> {
         [
             "--model",
             &format!("models/{}", self.model),
@@ -142,11 +170,11 @@ impl Row {
             "--dp",
             &self.dp().to_string(),
             "--mbs",
-            "1",
+            &self.micro_batch.to_string(),
             "--gbs",
             &self.global_batch.to_string(),
             "--vp",
-            &interleave.to_string(),
+            &self.interleave.to_string(),
         ]
         .iter()
         .chain(&SOFTWARE_2021)
