@@ -54,6 +54,8 @@ const PUBLISHED: &[(&str, f64, f64)] = &[
     ("gpt-310.1b.json", 310.1e9, 0.05e9),
     ("gpt-529.6b.json", 529.6e9, 0.05e9),
     ("gpt-1t.json", 1008.0e9, 0.05e9),
+    // Megatron-LM 2021, Figure 13 and the README of its `examples/sc21` scripts.
+    ("gpt-162b.json", 162.2e9, 0.05e9),
     // Korthikanti et al. 2022, Table 3 (billions, no decimal).
     ("gpt-22b.json", 22.0e9, 0.5e9),
 ];
