@@ -339,7 +339,7 @@ fn graph_file_errors_point_into_the_graph_file() {
 #[test]
 fn bad_command_line_values() {
     let ws = TempWorkspace::with_toml(BASE);
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 6] = [
         (
             &[
                 "estimate",
@@ -369,6 +369,22 @@ fn bad_command_line_values() {
                 "8",
             ],
             "error: tp x pp x dp = 5 x 1 x 1 = 5, but the cluster has 8 GPUs",
+        ),
+        (
+            &[
+                "estimate",
+                "--model",
+                "gpt",
+                "--cluster",
+                "node",
+                "--tp",
+                "4",
+                "--pp",
+                "4",
+                "--gbs",
+                "8",
+            ],
+            "error: --tp 4 x --pp 4: expected a product that divides the 8 GPUs of `node`, found 16; pass --dp, or a tp and pp that fit",
         ),
         (
             &[

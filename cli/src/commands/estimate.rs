@@ -39,7 +39,22 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
         grad_accumulation_fusion: !a.no_grad_accumulation_fusion,
     };
     let gpus = cluster.gpus();
-    let dp = a.dp.unwrap_or_else(|| gpus / (a.tp * a.pp).max(1));
+    let dp = match a.dp {
+        Some(dp) => dp,
+        // The default must use the cluster exactly (clap bounds tp and pp, so the product
+        // cannot overflow); say so here rather than report a zero dp from the layout check.
+        None if gpus % (a.tp * a.pp) == 0 => gpus / (a.tp * a.pp),
+        None => {
+            return Err(Failure::Input(anyhow::anyhow!(
+                "--tp {} x --pp {}: expected a product that divides the {gpus} GPUs of `{}`, \
+                 found {}; pass --dp, or a tp and pp that fit",
+                a.tp,
+                a.pp,
+                a.cluster,
+                a.tp * a.pp
+            )));
+        }
+    };
     let layout = Layout {
         tp: a.tp,
         pp: a.pp,
