@@ -385,21 +385,7 @@ fn impossible_sizes_are_usage_errors() {
 fn interleaved_balancing_reports_how_far_from_proven_it_is() {
     let ws = TempWorkspace::default_copy();
     ws.write("sapp.yaml", &example("sapp-balance.yaml"));
-    let base = [
-        "solve",
-        "balance",
-        "--sapp",
-        "sapp.yaml",
-        "-s",
-        "8",
-        "-mb",
-        "32",
-        "-i",
-        "2",
-    ];
-    let mut args = base.to_vec();
-    args.extend(["-mem", "64000", "-t", "1", "--json"]);
-    let r = ws.run(&args);
+    let r = balance(&ws, "64000", &["-i", "2", "-t", "1", "--json"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     let out = r.json();
     assert_eq!(out["offset"].as_array().expect("chunks").len(), 2);
@@ -411,9 +397,7 @@ fn interleaved_balancing_reports_how_far_from_proven_it_is() {
     }
     // With less memory no split fits, even recomputing every layer's attention and
     // communication; the answer says so at once instead of running out the time limit.
-    let mut args = base.to_vec();
-    args.extend(["-mem", "60000", "-t", "30"]);
-    let r = ws.run(&args);
+    let r = balance(&ws, "60000", &["-i", "2", "-t", "30"]);
     assert_eq!(r.code, 1, "{}", r.stdout);
     assert!(r.stderr.contains("do not fit"), "{}", r.stderr);
     assert!(
