@@ -20,6 +20,24 @@ fn number(j: &serde_json::Value, key: &str) -> f64 {
         .unwrap_or_else(|| panic!("{key} missing in {j}"))
 }
 
+/// Predicted TFLOP/s per GPU of `model` on `cluster` with the 2021 software, micro-batch 1,
+/// global batch `gbs` and the layout flags `layout`.
+fn tflops_2021(ws: &TempWorkspace, model: &str, cluster: &str, gbs: &str, layout: &[&str]) -> f64 {
+    let mut args = vec![
+        "--model",
+        model,
+        "--cluster",
+        cluster,
+        "--mbs",
+        "1",
+        "--gbs",
+        gbs,
+    ];
+    args.extend_from_slice(layout);
+    args.extend_from_slice(&SOFTWARE_2021);
+    number(&estimate(ws, &args), "tflops_per_gpu")
+}
+
 /// Predicted TFLOP/s per GPU of every Megatron-LM 2021 Table 1 row, against the published
 /// value. Goal of the cost model: every row within ±20% with no per-row adjustment. Run with
 /// `--nocapture` to see the table.
@@ -118,19 +136,13 @@ fn megatron_published_facts() {
     // TFLOP/s per GPU with PTD-P and 44 with ZeRO-3 without model parallelism (one sequence
     // per GPU).
     let gpt3 = |layout: &[&str]| {
-        let mut args = vec![
-            "--model",
+        tflops_2021(
+            &ws,
             "models/gpt3-175b.json",
-            "--cluster",
             "a100-80g:192x8",
-            "--mbs",
-            "1",
-            "--gbs",
             "1536",
-        ];
-        args.extend_from_slice(layout);
-        args.extend_from_slice(&SOFTWARE_2021);
-        number(&estimate(&ws, &args), "tflops_per_gpu")
+            layout,
+        )
     };
     let zero3 = gpt3(&["--tp", "1", "--pp", "1", "--zero", "3"]);
     let ptd = gpt3(&["--tp", "8", "--pp", "12"]);
@@ -150,22 +162,8 @@ fn megatron_published_facts() {
     for gbs in ["32", "128"] {
         let at = |t: u64| {
             let (t, p) = (t.to_string(), (64 / t).to_string());
-            let mut args = vec![
-                "--model",
-                "models/gpt-162b.json",
-                "--cluster",
-                "a100-80g:8x8",
-                "--tp",
-                &t,
-                "--pp",
-                &p,
-                "--mbs",
-                "1",
-                "--gbs",
-                gbs,
-            ];
-            args.extend_from_slice(&SOFTWARE_2021);
-            number(&estimate(&ws, &args), "tflops_per_gpu")
+            let layout = ["--tp", &t, "--pp", &p];
+            tflops_2021(&ws, "models/gpt-162b.json", "a100-80g:8x8", gbs, &layout)
         };
         let by_t: Vec<(u64, f64)> = [2, 4, 8, 16, 32].iter().map(|&t| (t, at(t))).collect();
         let best = by_t[2].1;
@@ -187,24 +185,8 @@ fn megatron_published_facts() {
     let mut gains = Vec::new();
     for gbs in ["12", "24", "36", "48", "60"] {
         let at = |v: &str| {
-            let mut args = vec![
-                "--model",
-                "models/gpt3-175b.json",
-                "--cluster",
-                "a100-80g:12x8",
-                "--tp",
-                "8",
-                "--pp",
-                "12",
-                "--mbs",
-                "1",
-                "--gbs",
-                gbs,
-                "--vp",
-                v,
-            ];
-            args.extend_from_slice(&SOFTWARE_2021);
-            number(&estimate(&ws, &args), "tflops_per_gpu")
+            let layout = ["--tp", "8", "--pp", "12", "--vp", v];
+            tflops_2021(&ws, "models/gpt3-175b.json", "a100-80g:12x8", gbs, &layout)
         };
         let gain = at("4") / at("1") - 1.0;
         println!(
