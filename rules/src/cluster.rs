@@ -24,7 +24,7 @@ pub struct Device {
     pub hbm_bandwidth: f64,
     /// NVLink bandwidth per GPU and direction, bytes/s.
     pub nvlink_bandwidth: f64,
-    /// Network bandwidth between nodes per GPU and direction, bytes/s.
+    /// Network bandwidth between nodes of one GPU's adapter, per direction, bytes/s.
     pub internode_bandwidth: f64,
     /// Start-up latency of a collective inside a node, s.
     pub nvlink_latency: f64,
@@ -314,8 +314,11 @@ pub struct Cluster {
 pub struct Link {
     /// Start-up latency (alpha), s.
     pub latency: f64,
-    /// Achieved bandwidth per GPU and direction (1 / beta), bytes/s.
+    /// Achieved bus bandwidth per GPU and direction (1 / beta) of the ring and tree collectives
+    /// (all-reduce, all-gather, reduce-scatter), bytes/s.
     pub bandwidth: f64,
+    /// Achieved bandwidth of one GPU's own transfers (all-to-all, point-to-point), bytes/s.
+    pub pairwise_bandwidth: f64,
     /// Whether the group spans several nodes.
     pub internode: bool,
 }
@@ -343,18 +346,31 @@ impl Cluster {
     /// Link of a group of `size` ranks `stride` apart, ranks being numbered node by node (the
     /// Megatron-LM order: tensor-parallel ranks adjacent, then data-parallel, then pipeline). The
     /// group stays inside a node when it spans at most one node's worth of consecutive ranks.
+    ///
+    /// A group that spans nodes with `k` of its ranks on each node runs its ring and tree
+    /// collectives over the `k` network adapters of those GPUs at once (NCCL spreads its channels
+    /// over every adapter it finds; NCCL's maintainers measure 192 GB/s all-reduce bus bandwidth
+    /// between DGX A100 nodes of eight 25 GB/s adapters, NVIDIA/nccl#812), up to what NVLink
+    /// inside the node carries. All-to-all and point-to-point transfers cannot aggregate
+    /// adapters (NVIDIA/nccl-tests#267): each GPU's own traffic to another node goes through its
+    /// own adapter.
     pub fn group_link(&self, stride: u64, size: u64) -> Link {
         let d = &self.device;
+        let nvlink = d.nvlink_bandwidth * d.nvlink_efficiency;
         if stride.saturating_mul(size) <= self.gpus_per_node {
             Link {
                 latency: d.nvlink_latency,
-                bandwidth: d.nvlink_bandwidth * d.nvlink_efficiency,
+                bandwidth: nvlink,
+                pairwise_bandwidth: nvlink,
                 internode: false,
             }
         } else {
+            let nic = d.internode_bandwidth * d.internode_efficiency;
+            let per_node = (self.gpus_per_node / stride.max(1)).clamp(1, size);
             Link {
                 latency: d.internode_latency,
-                bandwidth: d.internode_bandwidth * d.internode_efficiency,
+                bandwidth: (nic * per_node as f64).min(nvlink.max(nic)),
+                pairwise_bandwidth: nic,
                 internode: true,
             }
         }
@@ -437,5 +453,32 @@ mod tests {
         assert!(c.group_link(1, 16).internode);
         assert!(!c.p2p_link(3, 4).internode);
         assert!(c.p2p_link(7, 8).internode);
+    }
+
+    #[test]
+    fn groups_across_nodes_aggregate_the_adapters_of_their_ranks_on_each_node() {
+        let c = parse_cluster_shorthand("a100-80g:4x8").expect("valid");
+        let nic = 25e9 * 0.9;
+        let nvlink = 300e9 * 0.77;
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-3 * b;
+        // One rank per node (data parallelism under tp 8): one adapter each.
+        let l = c.group_link(8, 4);
+        assert!(close(l.bandwidth, nic) && close(l.pairwise_bandwidth, nic));
+        // Two, four ranks per node: two, four adapters.
+        assert!(close(c.group_link(4, 8).bandwidth, 2.0 * nic));
+        assert!(close(c.group_link(2, 16).bandwidth, 4.0 * nic));
+        // Eight: eight adapters (180 GB/s), under NVLink's 231 GB/s.
+        let l = c.group_link(1, 32);
+        assert!(close(l.bandwidth, 8.0 * nic));
+        // All-to-all and point-to-point still go through one adapter per GPU.
+        assert!(close(l.pairwise_bandwidth, nic));
+        assert!(close(c.p2p_link(7, 8).pairwise_bandwidth, nic));
+        // NVLink caps the aggregate: 16 adapters of 25 GB/s would exceed it.
+        let mut wide = c.clone();
+        wide.gpus_per_node = 16;
+        assert!(close(wide.group_link(1, 32).bandwidth, nvlink));
+        // Inside a node both are NVLink.
+        let l = c.group_link(1, 8);
+        assert!(close(l.bandwidth, nvlink) && close(l.pairwise_bandwidth, nvlink));
     }
 }

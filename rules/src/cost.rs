@@ -28,26 +28,28 @@ pub enum Collective {
 /// reduce-scatter  alpha +   (n-1)/n   * bytes * beta
 /// all-to-all      alpha +   (n-1)/n^2 * bytes * beta
 /// ```
+///
+/// All-to-all runs at the link's pairwise bandwidth, the others at its bus bandwidth.
 pub fn collective_time(kind: Collective, n: u64, bytes: f64, link: Link) -> f64 {
     if n <= 1 || bytes <= 0.0 {
         return 0.0;
     }
     let n = n as f64;
     let f = (n - 1.0) / n;
-    let volume = match kind {
-        Collective::AllReduce => 2.0 * f,
-        Collective::AllGather | Collective::ReduceScatter => f,
-        Collective::AllToAll => f / n,
+    let (volume, bandwidth) = match kind {
+        Collective::AllReduce => (2.0 * f, link.bandwidth),
+        Collective::AllGather | Collective::ReduceScatter => (f, link.bandwidth),
+        Collective::AllToAll => (f / n, link.pairwise_bandwidth),
     };
-    link.latency + volume * bytes / link.bandwidth
+    link.latency + volume * bytes / bandwidth
 }
 
-/// Time to send `bytes` from one rank to another.
+/// Time to send `bytes` from one rank to another, at the link's pairwise bandwidth.
 pub fn p2p_time(bytes: f64, link: Link) -> f64 {
     if bytes <= 0.0 {
         return 0.0;
     }
-    link.latency + bytes / link.bandwidth
+    link.latency + bytes / link.pairwise_bandwidth
 }
 
 /// Bytes a kernel reads and writes, given the per-device size of each tensor it touches.
@@ -150,6 +152,7 @@ mod tests {
         Link {
             latency: 1e-5,
             bandwidth: 100e9,
+            pairwise_bandwidth: 100e9,
             internode: false,
         }
     }

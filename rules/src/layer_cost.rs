@@ -544,10 +544,7 @@ impl<'g> LayerCostContext<'g> {
             .with("subgraph", &self.canonical(li))
             .with("parallelism", &(p.tp.t, p.tp.sp))
             .with("device", p.device)
-            .with(
-                "link",
-                &(p.tp_link.latency, p.tp_link.bandwidth, p.tp_link.internode),
-            )
+            .with("link", &p.tp_link)
             .with("kernels", p.kernels)
             .with("profile", &self.profile_reads(li, p))
     }
@@ -668,6 +665,7 @@ mod tests {
             tp_link: crate::cluster::Link {
                 latency: 1e-5,
                 bandwidth: 1e11,
+                pairwise_bandwidth: 1e11,
                 internode: false,
             },
             profile: None,

@@ -308,6 +308,7 @@ mod tests {
         let link = Link {
             latency: 1e-5,
             bandwidth: 1e11,
+            pairwise_bandwidth: 1e11,
             internode: false,
         };
         Mesh {
