@@ -186,7 +186,7 @@ mod tests {
             DType::Bf16,
             None,
         );
-        let expect = f / (312e12 * 271.2 / 312.0) + d.kernel_overhead;
+        let expect = f / (312e12 * 0.71) + d.kernel_overhead;
         assert!((t - expect).abs() / expect < 1e-12);
         // An elementwise op over 1 GB is memory bound.
         let t = kernel_time(OpKind::Gelu, 4e8, 1e9, &d, DType::Bf16, None);

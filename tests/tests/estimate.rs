@@ -1,7 +1,7 @@
 //! `autopar estimate` against published results, and its output contract.
 
-use autopar_tests::TempWorkspace;
 use autopar_tests::megatron::{SOFTWARE_2021, TABLE1};
+use autopar_tests::{TempWorkspace, median};
 
 /// `autopar estimate --json` with `args`, which must succeed.
 fn estimate(ws: &TempWorkspace, args: &[&str]) -> serde_json::Value {
@@ -39,8 +39,8 @@ fn tflops_2021(ws: &TempWorkspace, model: &str, cluster: &str, gbs: &str, layout
 }
 
 /// Predicted TFLOP/s per GPU of every Megatron-LM 2021 Table 1 row, against the published
-/// value. Goal of the cost model: every row within ±20% with no per-row adjustment. Run with
-/// `--nocapture` to see the table.
+/// value. Goal of the cost model: every row within ±20% and the median within ±10%, with no
+/// per-row adjustment. Run with `--nocapture` to see the table.
 #[test]
 fn megatron_2021_table1() {
     let ws = TempWorkspace::default_copy();
@@ -70,17 +70,16 @@ fn megatron_2021_table1() {
         assert_eq!(j["fits"], true, "{}: the published layout fits", row.model);
         errors.push((row.model, err));
     }
-    // The goal is every row within ±20% and the median within ±10%. The model, built from
-    // microbenchmark efficiencies only, is optimistic on every row (see README, "Accuracy");
-    // these bounds guard against regressions and against the error changing sign.
+    // The issue's goal: every row within ±20%, the median within ±10%. No constant of the cost
+    // model was fitted to this table (the matmul efficiency is fitted to MosaicML's runs, see
+    // tests/calibration.rs), so it is an out-of-sample check.
     for (model, err) in &errors {
-        assert!((0.0..=0.30).contains(err), "{model}: {err:+}");
+        assert!(err.abs() <= 0.20, "{model}: {err:+}");
     }
-    let mut errors: Vec<f64> = errors.into_iter().map(|(_, e)| e).collect();
-    errors.sort_by(f64::total_cmp);
-    let median = (errors[4] + errors[5]) / 2.0;
+    let errors: Vec<f64> = errors.into_iter().map(|(_, e)| e).collect();
+    let median = median(&errors);
     println!("median error: {:+.1}%", median * 100.0);
-    assert!((0.0..=0.20).contains(&median), "median error {median}");
+    assert!(median.abs() <= 0.10, "median error {median}");
 }
 
 /// The other published results ALGORITHMS.md §7 asks a planner to reproduce: sanity checks of
@@ -179,70 +178,6 @@ fn megatron_published_facts() {
         assert!(by_t[4].1 < by_t[3].1 && by_t[3].1 < best, "{by_t:?}");
         assert!((1.2..=2.5).contains(&(best / by_t[4].1)), "{by_t:?}");
     }
-
-    // MosaicML's published A100 throughput of its MPT models under PyTorch FSDP (llm-foundry,
-    // `scripts/train/benchmarking/README.md`: bf16, full sharding, activation checkpointing,
-    // sequence 2048, learned positions, biases, tied embeddings, vocabulary 50,368). Sharded
-    // data parallelism across nodes is as efficient as inside one, because NCCL runs the
-    // gathers over every adapter of a node: autopar's error must not depend on the node count
-    // (a flat one-adapter ring made the 32-GPU run 51% slower than measured).
-    ws.write(
-        "mpt-30b.json",
-        r#"{"model_type":"gpt2","n_embd":7168,"n_layer":48,"n_head":64,"n_positions":2048,"vocab_size":50368,"attn_pdrop":0.0,"embd_pdrop":0.0,"resid_pdrop":0.0}"#,
-    );
-    ws.write(
-        "mpt-70b.json",
-        r#"{"model_type":"gpt2","n_embd":8192,"n_layer":80,"n_head":64,"n_positions":2048,"vocab_size":50368,"attn_pdrop":0.0,"embd_pdrop":0.0,"resid_pdrop":0.0}"#,
-    );
-    // (model, cluster, micro-batch, global batch, published tokens/s per GPU)
-    let fsdp = [
-        ("mpt-30b.json", "a100-80g:1x8", "3", "504", 916.0),
-        ("mpt-70b.json", "a100-80g:4x8", "2", "1024", 373.0),
-        ("mpt-70b.json", "a100-80g:8x8", "8", "2048", 410.0),
-    ];
-    let mut errors = Vec::new();
-    for (model, cluster, mbs, gbs, published) in fsdp {
-        let j = estimate(
-            &ws,
-            &[
-                "--model",
-                model,
-                "--cluster",
-                cluster,
-                "--mbs",
-                mbs,
-                "--gbs",
-                gbs,
-                "--zero",
-                "3",
-                "--recompute",
-                "full",
-                "--seq",
-                "2048",
-                "--memory-headroom",
-                "0",
-            ],
-        );
-        let gpus: f64 = ["tp", "pp", "dp"]
-            .iter()
-            .map(|k| number(&j["layout"], k))
-            .product();
-        let per_gpu = number(&j, "tokens_per_s") / gpus;
-        let err = per_gpu / published - 1.0;
-        println!(
-            "{model} FSDP on {cluster}: {per_gpu:.0} tokens/s per GPU (published {published}, \
-             {:+.1}%)",
-            err * 100.0
-        );
-        errors.push(err);
-    }
-    assert!(
-        errors.iter().all(|e| (0.0..=0.35).contains(e)),
-        "{errors:?}"
-    );
-    let spread = errors.iter().copied().fold(f64::MIN, f64::max)
-        - errors.iter().copied().fold(f64::MAX, f64::min);
-    assert!(spread <= 0.2, "{errors:?}");
 
     // Narayanan et al. 2021, Figure 12: GPT-3 175B on 96 A100 (t 8, p 12, micro-batch 1; two
     // layers per virtual stage, so 4 chunks per stage, in NVIDIA's `run_figure_12.sh`): the
