@@ -16,17 +16,6 @@ pub fn repo_root() -> PathBuf {
         .map_or_else(|| PathBuf::from(".."), Path::to_path_buf)
 }
 
-/// Median of `values` (the mean of the middle two for an even count); NaN for none.
-pub fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
 /// Two small models (an inline transformer and GPT-2 small) with one target each on a 2-GPU
 /// H100 node: quick to build, and enough to tell results two targets share from their own.
 pub const SMALL_WORKSPACE: &str = r#"

@@ -4,9 +4,10 @@
 //! are its result, then prints every published row's error with the shipped constants. Run
 //! with `--nocapture` to see the tables.
 
+use autopar_engine::executor::median;
 use autopar_rules::cluster::{AMPERE_MATMUL_EFFICIENCY, HOPPER_MATMUL_EFFICIENCY};
+use autopar_tests::TempWorkspace;
 use autopar_tests::mosaicml::{ROWS, Row};
-use autopar_tests::{TempWorkspace, median};
 
 /// The published runs on GPUs of one generation (the presets that share a matmul efficiency).
 fn rows_on(gpus: &[&str]) -> Vec<Row> {
@@ -72,7 +73,7 @@ fn fit(ws: &TempWorkspace, rows: &[Row]) -> f64 {
     let (mut lo, mut hi) = (0.3, 1.0);
     while hi - lo > 1e-3 {
         let mid = (lo + hi) / 2.0;
-        if median(&errors(ws, &rows, Some(mid))) > 0.0 {
+        if median(errors(ws, &rows, Some(mid))) > 0.0 {
             hi = mid;
         } else {
             lo = mid;
@@ -124,7 +125,7 @@ fn report(ws: &TempWorkspace, rows: &[Row]) -> f64 {
             .filter(|(r, _)| keep(r))
             .map(|(_, &e)| e)
             .collect();
-        (e.len(), median(&e))
+        (e.len(), median(e))
     };
     for (name, keep) in GROUPS {
         let (n, m) = group(keep);

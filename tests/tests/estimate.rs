@@ -1,7 +1,8 @@
 //! `autopar estimate` against published results, and its output contract.
 
+use autopar_engine::executor::median;
+use autopar_tests::TempWorkspace;
 use autopar_tests::megatron::{SOFTWARE_2021, TABLE1};
-use autopar_tests::{TempWorkspace, median};
 
 /// `autopar estimate --json` with `args`, which must succeed.
 fn estimate(ws: &TempWorkspace, args: &[&str]) -> serde_json::Value {
@@ -77,7 +78,7 @@ fn megatron_2021_table1() {
         assert!(err.abs() <= 0.20, "{model}: {err:+}");
     }
     let errors: Vec<f64> = errors.into_iter().map(|(_, e)| e).collect();
-    let median = median(&errors);
+    let median = median(errors);
     println!("median error: {:+.1}%", median * 100.0);
     assert!(median.abs() <= 0.10, "median error {median}");
 }

@@ -72,7 +72,7 @@ pub struct RunResult {
 }
 
 /// The median of `values` (the mean of the middle two of an even count; 0 when empty).
-fn median(mut values: Vec<f64>) -> f64 {
+pub fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     let n = values.len();
     match n {
