@@ -22,13 +22,21 @@ fn cluster_name(row: &Row) -> String {
     format!("{}-{}x8", row.gpu, row.nodes())
 }
 
+/// Writes the config of every model of `rows` into the workspace.
+fn write_models(ws: &TempWorkspace, rows: &[Row]) {
+    let mut models: Vec<_> = rows.iter().map(|r| r.model).collect();
+    models.dedup();
+    for model in models {
+        ws.write(&format!("{}.json", model.name), &model.hf_config());
+    }
+}
+
 /// Writes a workspace with a cluster for every (GPU, node count) of `rows`, with the matmul
-/// efficiency overridden when `efficiency` is given, and every model of `rows`.
+/// efficiency overridden when `efficiency` is given.
 fn write_workspace(ws: &TempWorkspace, rows: &[Row], efficiency: Option<f64>) {
     let mut toml = String::new();
     let mut seen = Vec::new();
     for row in rows {
-        ws.write(&format!("{}.json", row.model.name), &row.model.hf_config());
         let name = cluster_name(row);
         if seen.contains(&name) {
             continue;
@@ -139,6 +147,7 @@ fn report(ws: &TempWorkspace, rows: &[Row]) -> f64 {
 fn check(gpus: &[&str], shipped: f64) {
     let ws = TempWorkspace::default_copy();
     let rows = rows_on(gpus);
+    write_models(&ws, &rows);
     let fitted = fit(&ws, &rows);
     println!("{gpus:?}: fitted matmul efficiency {fitted:.3}, shipped {shipped}");
     assert!((fitted - shipped).abs() <= 0.01, "{fitted} vs {shipped}");
