@@ -41,12 +41,24 @@ pub struct Cli {
     /// File with the remote cache's bearer token (`AUTOPAR_REMOTE_TOKEN` takes precedence).
     #[arg(long, global = true, env = "AUTOPAR_REMOTE_TOKEN_FILE")]
     pub remote_token_file: Option<PathBuf>,
-    /// Remote request timeout in milliseconds (default 10000).
+    /// Remote read timeout in milliseconds: how long the server may take to start answering
+    /// (default 1000; transfers get 1 s per MiB more).
     #[arg(long, global = true, value_parser = clap::value_parser!(u64).range(1..=600_000))]
     pub remote_timeout_ms: Option<u64>,
+    /// Remote connect timeout in milliseconds (default 1000).
+    #[arg(long, global = true, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub remote_connect_timeout_ms: Option<u64>,
     /// Instance prefix on the remote (`{url}/{instance}/ac/...`).
     #[arg(long, global = true)]
     pub remote_instance: Option<String>,
+    /// PEM file of the certificates to trust for an https remote (a team's own CA; default:
+    /// the public roots).
+    #[arg(long, global = true, env = "AUTOPAR_REMOTE_CA_FILE")]
+    pub remote_ca_file: Option<PathBuf>,
+    /// Directory to write plans and traces to instead of `[workspace] plans` (any
+    /// directory; created when missing).
+    #[arg(long, global = true)]
+    pub plans_dir: Option<PathBuf>,
     /// The command.
     #[command(subcommand)]
     pub command: Command,

@@ -38,10 +38,7 @@ pub struct StagesReport {
 
 /// Reads an instance and solves it.
 pub fn solve_stages(file: &Path) -> Result<StagesReport, EngineError> {
-    let text = std::fs::read_to_string(file).map_err(|source| EngineError::Read {
-        path: file.to_path_buf(),
-        source,
-    })?;
+    let text = crate::input::read_text(file)?;
     solve_text(file, &text)
 }
 

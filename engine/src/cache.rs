@@ -4,15 +4,15 @@
 use autopar_rules::canonical::Digest;
 use autopar_store::remote::{Fetch, RemoteCache, Uploader};
 pub use autopar_store::remote::{Mode, RemoteConfig, RemoteStats};
-pub use autopar_store::{CacheStats, EntryMeta, GcReport, LocalCache, VerifyReport};
+pub use autopar_store::{CacheStats, EntryMeta, GcReport, LocalCache, Repair, VerifyReport};
 use autopar_store::{Key, Lookup};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Where a result came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -84,14 +84,15 @@ pub struct RemoteFlags {
     pub mode: Option<Mode>,
     /// File with the bearer token.
     pub token_file: Option<std::path::PathBuf>,
-    /// Request timeout, ms.
+    /// Read timeout, ms.
     pub timeout_ms: Option<u64>,
+    /// Connect timeout, ms.
+    pub connect_timeout_ms: Option<u64>,
     /// Instance prefix.
     pub instance: Option<String>,
+    /// PEM file of the certificates to trust for `https`.
+    pub ca_file: Option<std::path::PathBuf>,
 }
-
-/// Default remote request timeout.
-pub const REMOTE_TIMEOUT_MS: u64 = 10_000;
 
 /// The remote cache to use, if any: `flags` over `[cache]`; the token from
 /// `AUTOPAR_REMOTE_TOKEN`, else the token file.
@@ -110,29 +111,43 @@ pub fn remote_config(
     let token = match std::env::var("AUTOPAR_REMOTE_TOKEN") {
         Ok(t) if !t.trim().is_empty() => Some(t.trim().to_string()),
         _ => match flags.token_file.as_ref().or(c.token_file.as_ref()) {
-            Some(path) => Some(
-                std::fs::read_to_string(path)
-                    .map_err(|source| crate::EngineError::Read {
-                        path: path.clone(),
-                        source,
-                    })?
-                    .trim()
-                    .to_string(),
-            ),
+            Some(path) => Some(crate::input::read_text(path)?.trim().to_string()),
             None => None,
         },
+    };
+    let ca_pem = match flags.ca_file.as_ref().or(c.ca_file.as_ref()) {
+        Some(path) => {
+            let pem = crate::input::read_text(path)?.into_bytes();
+            autopar_store::remote::check_ca(&pem).map_err(|reason| {
+                crate::EngineError::Argument {
+                    flag: "--remote-ca-file",
+                    expected: "a PEM file of one or more certificates".into(),
+                    found: format!("{} ({reason})", path.display()),
+                }
+            })?;
+            Some(pem)
+        }
+        None => None,
+    };
+    let ms = |flag: Option<u64>, ws: Option<u64>, default: Duration| {
+        flag.or(ws).map_or(default, Duration::from_millis)
     };
     Ok(Some(RemoteConfig {
         url,
         mode,
         token,
-        timeout: Duration::from_millis(
-            flags
-                .timeout_ms
-                .or(c.timeout_ms)
-                .unwrap_or(REMOTE_TIMEOUT_MS),
+        connect_timeout: ms(
+            flags.connect_timeout_ms,
+            c.connect_timeout_ms,
+            autopar_store::remote::CONNECT_TIMEOUT,
+        ),
+        timeout: ms(
+            flags.timeout_ms,
+            c.timeout_ms,
+            autopar_store::remote::READ_TIMEOUT,
         ),
         instance: flags.instance.clone().or_else(|| c.instance.clone()),
+        ca_pem,
     }))
 }
 
@@ -145,11 +160,20 @@ pub type Memory = Arc<Mutex<HashMap<Digest, Arc<Vec<u8>>>>>;
 /// Results queued for upload at most; more are dropped (they stay in the local store).
 pub const UPLOAD_QUEUE: usize = 4096;
 
+/// How long a finished build waits for its uploads before it exits; what is left is dropped
+/// and counted (the results stay in the local store).
+pub const UPLOAD_DEADLINE: Duration = Duration::from_millis(1500);
+
 /// The memo of results: process memory over an optional local store over an optional remote.
 pub struct Cache {
     local: Option<LocalCache>,
+    /// Cleared by the first failed write: a full or read-only disk is reported once, and not
+    /// written to again in this process.
+    local_writable: AtomicBool,
+    /// Set by the first failed read, which is the only one reported.
+    local_read_failed: AtomicBool,
     memory: Memory,
-    remote: Option<(Arc<RemoteCache>, Uploader)>,
+    remote: Option<(RemoteCache, Uploader)>,
     counters: Counters,
 }
 
@@ -171,6 +195,8 @@ impl Cache {
     pub fn with_memory(memory: Memory) -> Self {
         Cache {
             local: None,
+            local_writable: AtomicBool::new(true),
+            local_read_failed: AtomicBool::new(false),
             memory,
             remote: None,
             counters: Counters::default(),
@@ -179,7 +205,7 @@ impl Cache {
 
     /// The same cache, also reading from and uploading to the remote `cfg` describes.
     pub fn with_remote(mut self, cfg: RemoteConfig) -> Self {
-        let remote = Arc::new(RemoteCache::new(cfg));
+        let remote = RemoteCache::new(cfg);
         let uploader = Uploader::start(remote.clone(), UPLOAD_QUEUE);
         self.remote = Some((remote, uploader));
         self
@@ -190,23 +216,20 @@ impl Cache {
         self.remote.as_ref().map(|(r, _)| r.stats())
     }
 
-    /// Waits up to `wait` for queued uploads (the build's results are written already); says
-    /// so when some did not finish.
+    /// Waits up to `wait` for queued uploads (the build's results are written already), and
+    /// not at all once the remote is out of use; says so when some did not finish. What was not
+    /// uploaded is counted in [`RemoteStats::uploads_dropped`].
     pub fn finish_uploads(&self, wait: Duration) {
-        if let Some((remote, uploader)) = &self.remote {
-            if !uploader.finish(wait) {
-                tracing::warn!(
-                    "uploads to {} did not finish within {} s; the results stay in the local cache",
-                    remote.url(),
-                    wait.as_secs()
-                );
-            }
-            if uploader.dropped() > 0 {
-                tracing::warn!(
-                    "{} results were not uploaded (upload queue full)",
-                    uploader.dropped()
-                );
-            }
+        if let Some((remote, uploader)) = &self.remote
+            && !uploader.finish(Instant::now() + wait)
+            && remote.healthy()
+        {
+            tracing::warn!(
+                "uploads to {} did not finish within {:.1} s; the rest are dropped (the results \
+                 stay in the local cache)",
+                remote.url(),
+                wait.as_secs_f64()
+            );
         }
     }
 
@@ -291,7 +314,14 @@ impl Cache {
                     }
                 },
                 Ok(Lookup::Miss) | Ok(Lookup::Corrupt) => {}
-                Err(e) => tracing::warn!(error = %e, "cache read failed; recomputing"),
+                Err(e) => {
+                    if !self.local_read_failed.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            "cannot read the local cache ({e}: {}); recomputing",
+                            e.source
+                        );
+                    }
+                }
             }
         }
         let (remote, _) = self.remote.as_ref()?;
@@ -306,16 +336,12 @@ impl Cache {
             }
         };
         // A verified remote hit is kept locally, so the next build finds it there.
-        if let Some(local) = &self.local {
-            let meta = EntryMeta {
-                kind: "remote".into(),
-                description: format!("copied from {}", remote.url()),
-                ..EntryMeta::default()
-            };
-            if let Err(e) = local.put(&key(k), &bytes, &meta) {
-                tracing::warn!(error = %e, "could not keep a remote hit locally");
-            }
-        }
+        let meta = EntryMeta {
+            kind: "remote".into(),
+            description: format!("copied from {}", remote.url()),
+            ..EntryMeta::default()
+        };
+        self.store_locally(k, &bytes, &meta);
         lock(&self.memory).insert(k, Arc::new(bytes));
         Some((v, Source::Remote))
     }
@@ -329,14 +355,28 @@ impl Cache {
                 .is_some_and(|l| l.contains(&key(k)).unwrap_or(false))
     }
 
+    /// Writes a result to the local store, unless an earlier write failed: the first failure
+    /// is the one warning, and the store is not written again in this process.
+    fn store_locally(&self, k: Digest, bytes: &[u8], meta: &EntryMeta) {
+        let Some(local) = &self.local else { return };
+        if !self.local_writable.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Err(e) = local.put(&key(k), bytes, meta)
+            && self.local_writable.swap(false, Ordering::Relaxed)
+        {
+            tracing::warn!(
+                "cannot write the local cache ({e}: {}); results of this run are kept in memory \
+                 only",
+                e.source
+            );
+        }
+    }
+
     /// Stores a value in memory and in the local store, and queues its upload.
     pub fn put<T: Serialize>(&self, k: Digest, value: &T, meta: &EntryMeta) {
         let bytes = autopar_rules::canonical::encode(value);
-        if let Some(local) = &self.local
-            && let Err(e) = local.put(&key(k), &bytes, meta)
-        {
-            tracing::warn!(error = %e, "cache write failed; the result is kept in memory only");
-        }
+        self.store_locally(k, &bytes, meta);
         if let Some((_, uploader)) = &self.remote {
             uploader.submit(key(k), &meta.kind, bytes.clone());
         }
@@ -400,9 +440,11 @@ impl Cache {
     /// Makes the store's writes durable.
     pub fn flush(&self) {
         if let Some(local) = &self.local
+            && self.local_writable.load(Ordering::Relaxed)
             && let Err(e) = local.flush()
+            && self.local_writable.swap(false, Ordering::Relaxed)
         {
-            tracing::warn!(error = %e, "cache flush failed");
+            tracing::warn!("cannot write the local cache ({e}: {})", e.source);
         }
     }
 }

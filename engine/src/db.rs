@@ -50,7 +50,7 @@ pub struct Database {
 impl salsa::Database for Database {}
 
 fn read(path: &Path) -> Result<String, String> {
-    std::fs::read_to_string(path).map_err(|e| e.to_string())
+    crate::input::read_capped(path).map_err(|e| e.to_string())
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

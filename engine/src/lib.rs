@@ -9,6 +9,7 @@ pub mod db;
 pub mod diagnostic;
 pub mod error;
 pub mod executor;
+pub mod input;
 pub mod layer_costs;
 pub mod plans;
 pub mod profiles;

@@ -52,7 +52,7 @@ pub fn remove_output(path: &Path) -> Result<(), EngineError> {
 
 /// Reads the plan of `target` from `path`.
 pub fn read_plan(target: &str, path: &Path) -> Result<Plan, EngineError> {
-    let text = match std::fs::read_to_string(path) {
+    let text = match crate::input::read_capped(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return Err(EngineError::NoPlan {

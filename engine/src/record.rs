@@ -64,7 +64,7 @@ pub fn record_path(root: &Path, target: &str) -> PathBuf {
 
 /// The last build's record of `target`, if any (an unreadable record counts as none).
 pub fn read_record(root: &Path, target: &str) -> Option<BuildRecord> {
-    let text = std::fs::read_to_string(record_path(root, target)).ok()?;
+    let text = crate::input::read_capped(&record_path(root, target)).ok()?;
     serde_json::from_str(&text).ok()
 }
 

@@ -397,10 +397,7 @@ fn per_run<'v>(
 
 /// Reads, decomposes, balances and simulates: what `autopar solve balance` does.
 pub fn solve_balance(file: &Path, opts: &BalanceOptions) -> Result<BalanceReport, EngineError> {
-    let text = std::fs::read_to_string(file).map_err(|source| EngineError::Read {
-        path: file.to_path_buf(),
-        source,
-    })?;
+    let text = crate::input::read_text(file)?;
     let input = parse(file, &text)?;
     let terms = decompose(&input.runs).map_err(|e| {
         EngineError::config(Diagnostic::at(

@@ -15,6 +15,7 @@ use std::sync::Arc;
 pub struct Session {
     path: PathBuf,
     db: Database,
+    plans_dir: Option<PathBuf>,
 }
 
 impl Session {
@@ -23,7 +24,15 @@ impl Session {
         Session {
             path,
             db: Database::default(),
+            plans_dir: None,
         }
+    }
+
+    /// The same session, writing plans to `dir` (a directory the user named on the command
+    /// line, which may lie outside the workspace) instead of `[workspace] plans`.
+    pub fn with_plans_dir(mut self, dir: Option<PathBuf>) -> Self {
+        self.plans_dir = dir;
+        self
     }
 
     /// Path of the workspace file.
@@ -34,9 +43,13 @@ impl Session {
     /// The workspace, loaded and validated (once per change of the files it reads).
     pub fn workspace(&self) -> Result<Arc<Workspace>, EngineError> {
         let file = self.db.file(&self.path);
-        match workspace(&self.db, file) {
-            Ok(ws) => Ok(ws.clone()),
-            Err(e) => Err(EngineError::Shared(e.clone())),
+        match (workspace(&self.db, file), &self.plans_dir) {
+            (Ok(ws), None) => Ok(ws.clone()),
+            (Ok(ws), Some(dir)) => Ok(Arc::new(Workspace {
+                plans_dir: dir.clone(),
+                ..(**ws).clone()
+            })),
+            (Err(e), _) => Err(EngineError::Shared(e.clone())),
         }
     }
 
@@ -56,10 +69,7 @@ impl Session {
     pub fn model(&self, arg: &str) -> Result<(String, ModelDef), EngineError> {
         let path = Path::new(arg);
         if path.is_file() {
-            let text = std::fs::read_to_string(path).map_err(|source| EngineError::Read {
-                path: path.to_path_buf(),
-                source,
-            })?;
+            let text = crate::input::read_text(path)?;
             let def = parse_model_text(path, &text, None)?;
             let name = path
                 .file_stem()

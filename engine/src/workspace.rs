@@ -65,10 +65,15 @@ pub struct CacheSettings {
     pub remote_mode: Option<String>,
     /// File holding the remote cache's bearer token (resolved against the workspace directory).
     pub token_file: Option<PathBuf>,
-    /// Remote request timeout, ms.
+    /// Remote read timeout, ms.
     pub timeout_ms: Option<u64>,
+    /// Remote connect timeout, ms.
+    pub connect_timeout_ms: Option<u64>,
     /// Instance prefix on the remote.
     pub instance: Option<String>,
+    /// PEM file of the certificates to trust for an `https` remote (resolved against the
+    /// workspace directory).
+    pub ca_file: Option<PathBuf>,
 }
 
 /// A profile of the workspace: measured costs from a file.
@@ -236,14 +241,18 @@ struct RawCache {
     #[serde(default)]
     timeout_ms: Option<Positive>,
     #[serde(default)]
+    connect_timeout_ms: Option<Positive>,
+    #[serde(default)]
     instance: Option<Spanned<String>>,
+    #[serde(default)]
+    ca_file: Option<String>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawSettings {
     #[serde(default)]
-    plans: Option<String>,
+    plans: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -827,6 +836,39 @@ pub fn parse_model_text(
     result.map_err(|e| EngineError::config(Diagnostic::from_field(path, text, e, "")))
 }
 
+/// Whether `rel`, a path from the workspace file, names a place inside the workspace directory
+/// `root`: relative, never climbing above it with `..`, and, where it already exists, not
+/// leading out through a symbolic link.
+fn within(root: &Path, rel: &Path) -> bool {
+    use std::path::Component;
+    let mut depth = 0i64;
+    for c in rel.components() {
+        match c {
+            Component::Normal(_) => depth += 1,
+            Component::CurDir => {}
+            Component::ParentDir => depth -= 1,
+            Component::RootDir | Component::Prefix(_) => return false,
+        }
+        if depth < 0 {
+            return false;
+        }
+    }
+    let base = if root.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        root
+    };
+    // The deepest part of the path that exists decides where the rest will be created.
+    let target = base.join(rel);
+    let Some(existing) = target.ancestors().find(|a| a.exists()) else {
+        return true;
+    };
+    match (base.canonicalize(), existing.canonicalize()) {
+        (Ok(b), Ok(p)) => p.starts_with(b),
+        _ => false,
+    }
+}
+
 /// A target name becomes a file name: keep it to letters, digits, `.`, `_` and `-`.
 fn valid_name(name: &str) -> bool {
     !name.is_empty()
@@ -848,16 +890,13 @@ fn overlay(profiles: &[NamedProfile], used: &[usize]) -> Option<Profile> {
 
 /// Reads and validates the workspace file at `path`.
 pub fn load(path: &Path) -> Result<Workspace, EngineError> {
-    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text = crate::input::read_text(path)?;
     load_str(path, &text)
 }
 
 /// Validates workspace text as if read from `path`, reading the files it refers to from disk.
 pub fn load_str(path: &Path, text: &str) -> Result<Workspace, EngineError> {
-    load_with(path, text, &|p| std::fs::read_to_string(p))
+    load_with(path, text, &crate::input::read_capped)
 }
 
 /// Validates workspace text as if read from `path`, reading the files it refers to with
@@ -949,7 +988,19 @@ pub fn load_with(path: &Path, text: &str, read: ReadFile<'_>) -> Result<Workspac
         .map(|t| l.target(t, &models, &clusters, &profiles, &cluster_profiles))
         .collect::<Result<Vec<_>, _>>()?;
     let settings = raw.workspace.unwrap_or(RawSettings { plans: None });
-    let plans = settings.plans.unwrap_or_else(|| "plans".to_string());
+    let plans = match settings.plans {
+        None => "plans".to_string(),
+        Some(p) if within(&root, Path::new(p.get_ref())) => p.into_inner(),
+        Some(p) => {
+            return Err(l.diag(
+                p.span().start,
+                "workspace.plans",
+                "a directory inside the workspace (a relative path without `..` leading out; \
+                 `--plans-dir` on the command line may name any directory)",
+                format!("\"{}\"", p.get_ref()),
+            ));
+        }
+    };
     let cache = match raw.cache {
         None => CacheSettings::default(),
         Some(c) => {
@@ -989,7 +1040,9 @@ pub fn load_with(path: &Path, text: &str, read: ReadFile<'_>) -> Result<Workspac
                 remote_mode: c.remote_mode.map(|m| m.into_inner()),
                 token_file: c.token_file.map(|f| root.join(f)),
                 timeout_ms: c.timeout_ms.map(|t| t.0),
+                connect_timeout_ms: c.connect_timeout_ms.map(|t| t.0),
                 instance: c.instance.map(|i| i.into_inner()),
+                ca_file: c.ca_file.map(|f| root.join(f)),
             }
         }
     };

@@ -1,32 +1,38 @@
 //! The local content-addressed cache: planning results keyed by the blake3 of exactly their
 //! inputs (the engine computes keys), in a sled database (by default `.autopar/cache`).
 //!
-//! Every value is stored in an envelope carrying the blake3 of its payload, checked on every
-//! read: a mismatch is reported as corrupt, the entry is removed and the caller recomputes.
-//! A value, its metadata and its last-use time are written in one transaction. sled's file lock
-//! lets one process use a cache at a time; another `autopar` waits for it (see
-//! [`LocalCache::open`]) rather than share it unsafely.
+//! Every value is a [`record`](crate::record) bound to its key and checked on every read:
+//! damaged bytes, or intact bytes of another key, are a miss with a warning naming the key,
+//! and the entry is removed. A value, its metadata and its last-use time are written in one
+//! transaction.
+//!
+//! The store is an accelerator and never a point of failure. Every call into sled goes through
+//! one boundary ([`LocalCache::call`]) that contains sled's panics and classifies its errors: a
+//! damaged database (sled reports corruption, fails to parse its own files, or panics) is moved
+//! aside to `<dir>.corrupt-<ms>` with one warning, and a new, empty one takes its place, at open
+//! or in the middle of a build. A database that cannot be used for other reasons (no permission,
+//! a full disk, another process holding it past the wait) is reported, and the caller works
+//! without it. sled's file lock lets one process use a cache at a time; another `autopar` waits
+//! for it (see [`LocalCache::open`]) rather than share it unsafely.
 
 use crate::StoreError;
+use crate::contain::contain;
+use crate::fault;
+use crate::record::{self, Key, RecordError};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// Marks an envelope of this layout.
-const MAGIC: &[u8; 4] = b"APV1";
-/// Magic, then the 32-byte blake3 of the payload.
-const HEADER: usize = 4 + 32;
+/// How long opening the database may take before the store gives up on it (a hung network
+/// file system, say); the build then goes on without the local cache.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// A cache key: the blake3 of a result's canonical inputs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Key(pub [u8; 32]);
-
-impl Key {
-    /// Lower-case hex.
-    pub fn hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
-    }
-}
+/// Writes are made durable at least this often while a build stores results, so a killed build
+/// keeps all but the last moments of its work (sled's own periodic flusher thread is off: its
+/// panics could not be contained).
+const FLUSH_EVERY: Duration = Duration::from_millis(500);
 
 /// What the cache knows about an entry besides its value.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -52,7 +58,8 @@ pub enum Lookup {
     Hit(Vec<u8>),
     /// No entry.
     Miss,
-    /// The stored bytes did not match their hash; the entry was removed.
+    /// The stored bytes were not the result of this key (damaged, or another key's); the entry
+    /// was removed.
     Corrupt,
 }
 
@@ -69,13 +76,32 @@ pub struct CacheStats {
     pub disk_bytes: u64,
 }
 
-/// What `verify` found.
+/// A damaged database that was moved aside and replaced by a new one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Repair {
+    /// Where the damaged database now is.
+    pub moved_to: PathBuf,
+    /// What was wrong with it.
+    pub reason: String,
+}
+
+/// What `verify` found and repaired.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct VerifyReport {
     /// Entries checked.
     pub checked: u64,
-    /// Corrupt entries, removed.
+    /// Entries removed, for any reason below.
     pub removed: u64,
+    /// Values whose bytes did not match their hash.
+    pub damaged: u64,
+    /// Intact values stored under a key that is not theirs.
+    pub other_key: u64,
+    /// Values of an earlier autopar's layout.
+    pub old_layout: u64,
+    /// Metadata or last-use records without a value, or values without metadata.
+    pub orphans: u64,
+    /// Damaged databases moved aside (while opening or while reading).
+    pub repairs: Vec<Repair>,
 }
 
 /// What `gc` did.
@@ -89,13 +115,47 @@ pub struct GcReport {
     pub remaining: u64,
 }
 
-/// The local cache.
-pub struct LocalCache {
-    path: PathBuf,
+/// An open database and its trees.
+struct Handle {
     db: sled::Db,
     values: sled::Tree,
     meta: sled::Tree,
     used: sled::Tree,
+    /// Tells handles apart, so a damaged one is replaced once however many callers saw it.
+    generation: u64,
+}
+
+/// The database, or why there is none.
+enum State {
+    Open(Arc<Handle>),
+    Closed(String),
+}
+
+/// Why a call into the database did not give a result.
+enum CallError {
+    /// The database was damaged; it has been replaced (or closed, if that failed too).
+    Damaged(String),
+    /// The environment refused (permissions, disk full, ...), or there is no database.
+    Io(std::io::Error),
+}
+
+/// Why an attempt to open the database failed.
+enum OpenError {
+    /// Another process holds it.
+    Locked(std::io::Error),
+    /// Its files are damaged.
+    Damaged(String),
+    /// It cannot be used here (permissions, disk full, timeout).
+    Unusable(std::io::Error),
+}
+
+/// The local cache.
+pub struct LocalCache {
+    path: PathBuf,
+    state: RwLock<State>,
+    generations: AtomicU64,
+    repairs: Mutex<Vec<Repair>>,
+    last_flush: Mutex<Instant>,
 }
 
 fn now_ms() -> u64 {
@@ -104,31 +164,131 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-fn envelope(payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER + payload.len());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(blake3::hash(payload).as_bytes());
-    out.extend_from_slice(payload);
-    out
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The payload of an envelope, if it is intact.
-fn open_envelope(bytes: &[u8]) -> Option<&[u8]> {
-    if bytes.len() < HEADER || &bytes[..4] != MAGIC {
-        return None;
+/// Whether a sled error means its files are damaged, rather than that the environment refused.
+fn is_damage(e: &sled::Error) -> bool {
+    use std::io::ErrorKind as K;
+    match e {
+        sled::Error::Io(io) => {
+            !matches!(
+                io.kind(),
+                K::PermissionDenied
+                    | K::ReadOnlyFilesystem
+                    | K::StorageFull
+                    | K::QuotaExceeded
+                    | K::OutOfMemory
+                    | K::TimedOut
+                    | K::Interrupted
+                    | K::WouldBlock
+            ) && !is_lock_error(io)
+        }
+        _ => true,
     }
-    let payload = &bytes[HEADER..];
-    (blake3::hash(payload).as_bytes() == &bytes[4..HEADER]).then_some(payload)
+}
+
+fn is_lock_error(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::WouldBlock || e.to_string().contains("acquire lock")
 }
 
 fn io(e: sled::Error) -> std::io::Error {
-    std::io::Error::other(e.to_string())
+    match e {
+        sled::Error::Io(e) => e,
+        other => std::io::Error::other(other.to_string()),
+    }
+}
+
+/// The files sled keeps in its directory: a directory holding anything else is not moved
+/// aside, whatever state it is in.
+fn is_sled_file(name: &str) -> bool {
+    matches!(name, "conf" | "db" | "blobs") || name.starts_with("snap.")
+}
+
+/// One attempt to open the database at `dir`, on a thread of its own: a panic is damage, and
+/// an open that hangs is given up on after [`OPEN_TIMEOUT`].
+fn open_handle(dir: &Path, generation: u64) -> Result<Handle, OpenError> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let path = dir.to_path_buf();
+    let spawned = std::thread::Builder::new()
+        .name("autopar-cache-open".into())
+        .spawn(move || {
+            let opened = contain(|| -> Result<Handle, sled::Error> {
+                let db = sled::Config::new()
+                    .path(&path)
+                    .flush_every_ms(None)
+                    .open()?;
+                Ok(Handle {
+                    values: db.open_tree("values")?,
+                    meta: db.open_tree("meta")?,
+                    used: db.open_tree("used")?,
+                    db,
+                    generation,
+                })
+            });
+            let _ = tx.send(opened);
+        });
+    if let Err(e) = spawned {
+        return Err(OpenError::Unusable(e));
+    }
+    match rx.recv_timeout(OPEN_TIMEOUT) {
+        Ok(Ok(Ok(h))) => Ok(h),
+        Ok(Ok(Err(sled::Error::Io(e)))) if is_lock_error(&e) => Err(OpenError::Locked(e)),
+        Ok(Ok(Err(e))) if is_damage(&e) => Err(OpenError::Damaged(e.to_string())),
+        Ok(Ok(Err(e))) => Err(OpenError::Unusable(io(e))),
+        Ok(Err(panic)) => Err(OpenError::Damaged(format!("sled panicked: {panic}"))),
+        Err(_) => Err(OpenError::Unusable(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("opening took more than {} s", OPEN_TIMEOUT.as_secs()),
+        ))),
+    }
+}
+
+/// Moves the damaged database at `dir` aside and makes `dir` an empty directory again.
+fn move_aside(dir: &Path, reason: &str) -> Result<Repair, StoreError> {
+    let err = |action: &'static str| {
+        let path = dir.to_path_buf();
+        move |source: std::io::Error| StoreError {
+            action,
+            path,
+            source,
+        }
+    };
+    // Only a directory of sled's own files is moved: `--cache-dir` pointed at a directory of
+    // other things must never lose them.
+    let foreign = std::fs::read_dir(dir)
+        .map_err(err("listing the cache directory"))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| !is_sled_file(n));
+    if let Some(name) = foreign {
+        return Err(err(
+            "not repairing the cache, as its directory holds other files",
+        )(std::io::Error::other(format!(
+            "`{name}` is not a file of the cache database"
+        ))));
+    }
+    let moved_to = PathBuf::from(format!("{}.corrupt-{}", dir.display(), now_ms()));
+    std::fs::rename(dir, &moved_to).map_err(err("moving a corrupt cache aside"))?;
+    std::fs::create_dir_all(dir).map_err(err("creating cache directory"))?;
+    tracing::warn!(
+        cache = %dir.display(),
+        moved_to = %moved_to.display(),
+        %reason,
+        "the cache database is corrupt; starting a new one"
+    );
+    Ok(Repair {
+        moved_to,
+        reason: reason.to_string(),
+    })
 }
 
 impl LocalCache {
     /// Opens (creating) the cache at `dir`. While another process holds it, retries for up
-    /// to `wait`; then fails with an error saying so. A database sled cannot read is moved
-    /// aside (`<dir>.corrupt-<ms>`) and a fresh one created.
+    /// to `wait`; then fails with an error saying so. A damaged database (one sled cannot read,
+    /// or panics on) is moved aside (`<dir>.corrupt-<ms>`) with a warning and a new one is
+    /// created. Fails when the directory cannot be used at all (no permission, full disk).
     pub fn open(dir: &Path, wait: Duration) -> Result<Self, StoreError> {
         let err = |action: &'static str| {
             let path = dir.to_path_buf();
@@ -140,35 +300,33 @@ impl LocalCache {
         };
         std::fs::create_dir_all(dir).map_err(err("creating cache directory"))?;
         let deadline = Instant::now() + wait;
-        let db = loop {
-            match sled::Config::new().path(dir).open() {
-                Ok(db) => break db,
-                Err(sled::Error::Io(e)) if is_lock_error(&e) && Instant::now() < deadline => {
+        let mut repairs = Vec::new();
+        let handle = loop {
+            match open_handle(dir, 0) {
+                Ok(h) => break h,
+                Err(OpenError::Locked(_)) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(50));
                 }
-                Err(sled::Error::Io(e)) if is_lock_error(&e) => {
+                Err(OpenError::Locked(e)) => {
                     return Err(err("another autopar process holds the cache")(e));
                 }
-                Err(sled::Error::Corruption { .. }) => {
-                    let aside = PathBuf::from(format!("{}.corrupt-{}", dir.display(), now_ms()));
-                    tracing::warn!(
-                        cache = %dir.display(),
-                        moved_to = %aside.display(),
-                        "the cache database is corrupt; starting a new one"
-                    );
-                    std::fs::rename(dir, &aside).map_err(err("moving a corrupt cache aside"))?;
-                    std::fs::create_dir_all(dir).map_err(err("creating cache directory"))?;
+                // One repair: a database that is damaged again right after being created new
+                // is not a damaged file but a broken environment.
+                Err(OpenError::Damaged(why)) if repairs.is_empty() => {
+                    repairs.push(move_aside(dir, &why)?);
                 }
-                Err(e) => return Err(err("opening cache")(io(e))),
+                Err(OpenError::Damaged(why)) => {
+                    return Err(err("opening cache")(std::io::Error::other(why)));
+                }
+                Err(OpenError::Unusable(e)) => return Err(err("opening cache")(e)),
             }
         };
-        let tree = |name: &str| db.open_tree(name).map_err(|e| err("opening cache")(io(e)));
         Ok(LocalCache {
             path: dir.to_path_buf(),
-            values: tree("values")?,
-            meta: tree("meta")?,
-            used: tree("used")?,
-            db,
+            state: RwLock::new(State::Open(Arc::new(handle))),
+            generations: AtomicU64::new(1),
+            repairs: Mutex::new(repairs),
+            last_flush: Mutex::new(Instant::now()),
         })
     }
 
@@ -177,33 +335,124 @@ impl LocalCache {
         &self.path
     }
 
-    fn error(&self, action: &'static str) -> impl FnOnce(sled::Error) -> StoreError + '_ {
+    /// Damaged databases moved aside since the cache was opened.
+    pub fn repairs(&self) -> Vec<Repair> {
+        lock(&self.repairs).clone()
+    }
+
+    /// The store boundary: runs `f` on the current database. A panic or a damage error inside
+    /// it replaces the database (see [`LocalCache::replace`]); other errors are passed on.
+    fn call<R>(&self, f: impl FnOnce(&Handle) -> sled::Result<R>) -> Result<R, CallError> {
+        let handle = match &*self.state.read().unwrap_or_else(|e| e.into_inner()) {
+            State::Open(h) => h.clone(),
+            State::Closed(why) => {
+                return Err(CallError::Io(std::io::Error::other(why.clone())));
+            }
+        };
+        let why = match contain(|| f(&handle)) {
+            Ok(Ok(r)) => return Ok(r),
+            Ok(Err(e)) if !is_damage(&e) => return Err(CallError::Io(io(e))),
+            Ok(Err(e)) => e.to_string(),
+            Err(panic) => format!("sled panicked: {panic}"),
+        };
+        self.replace(handle, &why);
+        Err(CallError::Damaged(why))
+    }
+
+    /// Replaces the damaged database `handle` (unless another caller already did): moves its
+    /// files aside and opens a new, empty one; if that fails too, the store is closed for the
+    /// rest of the process and callers work without it.
+    fn replace(&self, handle: Arc<Handle>, why: &str) {
+        let mut state = self.state.write().unwrap_or_else(|e| e.into_inner());
+        match &*state {
+            State::Open(current) if current.generation == handle.generation => {}
+            _ => return,
+        }
+        // A damaged sled handle may panic again when dropped (its trees flush on drop), outside
+        // any containment; it is leaked instead. This happens at most once or twice a process.
+        drop(handle);
+        let old = std::mem::replace(&mut *state, State::Closed(why.to_string()));
+        if let State::Open(h) = old {
+            std::mem::forget(h);
+        }
+        let generation = self.generations.fetch_add(1, Ordering::Relaxed);
+        let replaced = move_aside(&self.path, why).and_then(|repair| {
+            lock(&self.repairs).push(repair);
+            open_handle(&self.path, generation).map_err(|e| {
+                let source = match e {
+                    OpenError::Locked(e) | OpenError::Unusable(e) => e,
+                    OpenError::Damaged(why) => std::io::Error::other(why),
+                };
+                StoreError {
+                    action: "opening a new cache",
+                    path: self.path.clone(),
+                    source,
+                }
+            })
+        });
+        match replaced {
+            Ok(h) => *state = State::Open(Arc::new(h)),
+            Err(e) => {
+                tracing::warn!("working without the local cache: {e}: {}", e.source);
+                *state = State::Closed(format!("{e}: {}", e.source));
+            }
+        }
+    }
+
+    fn error(&self, action: &'static str) -> impl FnOnce(CallError) -> StoreError + '_ {
         move |e| StoreError {
             action,
             path: self.path.clone(),
-            source: io(e),
+            source: match e {
+                CallError::Io(e) => e,
+                CallError::Damaged(why) => std::io::Error::other(format!(
+                    "the database was damaged ({why}) and has been replaced"
+                )),
+            },
+        }
+    }
+
+    /// Fails a write with the injected fault, if there is one.
+    fn check_fault(&self, action: &'static str) -> Result<(), StoreError> {
+        match fault::write_error() {
+            Some(source) => Err(StoreError {
+                action,
+                path: self.path.clone(),
+                source,
+            }),
+            None => Ok(()),
         }
     }
 
     /// The verified payload under `key`.
     pub fn get(&self, key: &Key) -> Result<Lookup, StoreError> {
         let Some(bytes) = self
-            .values
-            .get(key.0)
+            .call(|h| h.values.get(key.0))
             .map_err(self.error("reading cache"))?
         else {
             return Ok(Lookup::Miss);
         };
-        match open_envelope(&bytes) {
-            Some(payload) => {
+        match record::open(key, &bytes) {
+            Ok(payload) => {
                 let payload = payload.to_vec();
                 // Last use, for gc; losing it costs nothing but eviction order.
-                let _ = self.used.insert(key.0, &now_ms().to_be_bytes());
+                if fault::write_error().is_none() {
+                    let _ = self.call(|h| h.used.insert(key.0, &now_ms().to_be_bytes()));
+                }
                 Ok(Lookup::Hit(payload))
             }
-            None => {
-                tracing::warn!(key = %key.hex(), cache = %self.path.display(), "corrupt cache entry removed");
-                self.remove(key)?;
+            Err(RecordError::OldLayout) => {
+                tracing::debug!(key = %key.hex(), "cache entry of an earlier autopar removed");
+                let _ = self.remove(key);
+                Ok(Lookup::Miss)
+            }
+            Err(e) => {
+                tracing::warn!(
+                    key = %key.hex(),
+                    cache = %self.path.display(),
+                    "corrupt cache entry removed: {e}"
+                );
+                let _ = self.remove(key);
                 Ok(Lookup::Corrupt)
             }
         }
@@ -211,13 +460,13 @@ impl LocalCache {
 
     /// Whether an entry exists (without reading or verifying it).
     pub fn contains(&self, key: &Key) -> Result<bool, StoreError> {
-        self.values
-            .contains_key(key.0)
+        self.call(|h| h.values.contains_key(key.0))
             .map_err(self.error("reading cache"))
     }
 
     /// Stores `payload` under `key` with `meta` (its size and creation time are filled in).
     pub fn put(&self, key: &Key, payload: &[u8], meta: &EntryMeta) -> Result<(), StoreError> {
+        self.check_fault("writing cache")?;
         let meta = EntryMeta {
             size: payload.len() as u64,
             created_ms: now_ms(),
@@ -228,55 +477,74 @@ impl LocalCache {
             path: self.path.clone(),
             source: std::io::Error::other(e),
         })?;
-        let value = envelope(payload);
+        let value = record::seal(key, payload);
         let used = now_ms().to_be_bytes();
-        use sled::Transactional;
-        (&self.values, &self.meta, &self.used)
-            .transaction(|(v, m, u)| {
-                v.insert(&key.0, value.as_slice())?;
-                m.insert(&key.0, meta_bytes.as_slice())?;
-                u.insert(&key.0, &used)?;
-                Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
-            })
-            .map_err(|e| StoreError {
-                action: "writing cache",
-                path: self.path.clone(),
-                source: std::io::Error::other(format!("{e:?}")),
-            })
+        self.call(|h| {
+            use sled::Transactional;
+            (&h.values, &h.meta, &h.used)
+                .transaction(|(v, m, u)| {
+                    v.insert(&key.0, value.as_slice())?;
+                    m.insert(&key.0, meta_bytes.as_slice())?;
+                    u.insert(&key.0, &used)?;
+                    Ok::<(), sled::transaction::ConflictableTransactionError<()>>(())
+                })
+                .map_err(|e| match e {
+                    sled::transaction::TransactionError::Storage(e) => e,
+                    sled::transaction::TransactionError::Abort(()) => {
+                        sled::Error::ReportableBug("transaction aborted".into())
+                    }
+                })
+        })
+        .map_err(self.error("writing cache"))?;
+        let due = {
+            let mut last = lock(&self.last_flush);
+            let due = last.elapsed() >= FLUSH_EVERY;
+            if due {
+                *last = Instant::now();
+            }
+            due
+        };
+        if due {
+            self.flush()?;
+        }
+        Ok(())
     }
 
     /// Removes an entry.
     pub fn remove(&self, key: &Key) -> Result<(), StoreError> {
-        self.values
-            .remove(key.0)
-            .map_err(self.error("removing a cache entry"))?;
-        self.meta
-            .remove(key.0)
-            .map_err(self.error("removing a cache entry"))?;
-        self.used
-            .remove(key.0)
-            .map_err(self.error("removing a cache entry"))?;
-        Ok(())
+        self.check_fault("removing a cache entry")?;
+        self.call(|h| {
+            h.values.remove(key.0)?;
+            h.meta.remove(key.0)?;
+            h.used.remove(key.0)?;
+            Ok(())
+        })
+        .map_err(self.error("removing a cache entry"))
     }
 
     /// Makes every write so far durable.
     pub fn flush(&self) -> Result<(), StoreError> {
-        self.db.flush().map_err(self.error("flushing cache"))?;
+        self.check_fault("flushing cache")?;
+        self.call(|h| h.db.flush())
+            .map_err(self.error("flushing cache"))?;
         Ok(())
     }
 
     /// Every entry's metadata.
     pub fn entries(&self) -> Result<Vec<(Key, EntryMeta)>, StoreError> {
-        let mut out = Vec::new();
-        for item in self.meta.iter() {
-            let (k, v) = item.map_err(self.error("reading cache"))?;
-            let Ok(key) = <[u8; 32]>::try_from(k.as_ref()) else {
-                continue;
-            };
-            let meta: EntryMeta = serde_json::from_slice(&v).unwrap_or_default();
-            out.push((Key(key), meta));
-        }
-        Ok(out)
+        self.call(|h| {
+            let mut out = Vec::new();
+            for item in h.meta.iter() {
+                let (k, v) = item?;
+                let Ok(key) = <[u8; 32]>::try_from(k.as_ref()) else {
+                    continue;
+                };
+                let meta: EntryMeta = serde_json::from_slice(&v).unwrap_or_default();
+                out.push((Key(key), meta));
+            }
+            Ok(out)
+        })
+        .map_err(self.error("reading cache"))
     }
 
     /// Counts of entries and bytes.
@@ -292,41 +560,73 @@ impl LocalCache {
         }
         stats.kinds = kinds.into_iter().map(|(k, (n, b))| (k, n, b)).collect();
         stats.disk_bytes = self
-            .db
-            .size_on_disk()
+            .call(|h| h.db.size_on_disk())
             .map_err(self.error("reading cache"))?;
         Ok(stats)
     }
 
-    /// Reads and checks every value; removes the corrupt ones and metadata without a value.
+    /// Reads and checks every value against its key, removes what is damaged, bound to another
+    /// key, of an earlier layout or incomplete, and reports what it found, including damaged
+    /// databases moved aside (when opening, or when a read found the damage).
     pub fn verify(&self) -> Result<VerifyReport, StoreError> {
         let mut report = VerifyReport::default();
-        let mut bad = Vec::new();
-        for item in self.values.iter() {
-            let (k, v) = item.map_err(self.error("reading cache"))?;
-            report.checked += 1;
-            if open_envelope(&v).is_none() {
-                bad.push(k);
+        let scanned = self.call(|h| {
+            let mut bad = Vec::new();
+            let mut checked = 0;
+            for item in h.values.iter() {
+                let (k, v) = item?;
+                checked += 1;
+                let outcome = match <[u8; 32]>::try_from(k.as_ref()) {
+                    Ok(key) => record::open(&Key(key), &v).err(),
+                    Err(_) => Some(RecordError::Damaged),
+                };
+                if let Some(e) = outcome {
+                    bad.push((k.to_vec(), Some(e)));
+                } else if !h.meta.contains_key(&k)? {
+                    bad.push((k.to_vec(), None));
+                }
             }
-        }
-        for item in self.meta.iter() {
-            let (k, _) = item.map_err(self.error("reading cache"))?;
-            if !self
-                .values
-                .contains_key(&k)
-                .map_err(self.error("reading cache"))?
-            {
-                bad.push(k);
+            for tree in [&h.meta, &h.used] {
+                for item in tree.iter() {
+                    let (k, _) = item?;
+                    if !h.values.contains_key(&k)? {
+                        bad.push((k.to_vec(), None));
+                    }
+                }
             }
-        }
-        for k in bad {
-            if let Ok(key) = <[u8; 32]>::try_from(k.as_ref()) {
-                tracing::warn!(key = %Key(key).hex(), "corrupt cache entry removed");
-                self.remove(&Key(key))?;
-                report.removed += 1;
+            Ok((checked, bad))
+        });
+        let bad = match scanned {
+            Ok((checked, bad)) => {
+                report.checked = checked;
+                bad
             }
+            // The scan itself found the database damaged: it was moved aside and replaced.
+            Err(CallError::Damaged(_)) => Vec::new(),
+            Err(e) => return Err(self.error("verifying cache")(e)),
+        };
+        for (k, why) in bad {
+            match &why {
+                Some(RecordError::Damaged) => report.damaged += 1,
+                Some(RecordError::OtherKey(_)) => report.other_key += 1,
+                Some(RecordError::OldLayout) => report.old_layout += 1,
+                None => report.orphans += 1,
+            }
+            if let Some(e) = &why {
+                tracing::warn!(key = %hex(&k), "corrupt cache entry removed: {e}");
+            }
+            self.check_fault("removing a cache entry")?;
+            self.call(|h| {
+                h.values.remove(&k)?;
+                h.meta.remove(&k)?;
+                h.used.remove(&k)?;
+                Ok(())
+            })
+            .map_err(self.error("removing a cache entry"))?;
+            report.removed += 1;
         }
         self.flush()?;
+        report.repairs = self.repairs();
         Ok(report)
     }
 
@@ -336,8 +636,7 @@ impl LocalCache {
         let mut total = 0u64;
         for (key, meta) in self.entries()? {
             let used = self
-                .used
-                .get(key.0)
+                .call(|h| h.used.get(key.0))
                 .map_err(self.error("reading cache"))?
                 .and_then(|v| <[u8; 8]>::try_from(v.as_ref()).ok())
                 .map_or(0, u64::from_be_bytes);
@@ -362,26 +661,37 @@ impl LocalCache {
 
     /// Removes every entry.
     pub fn clear(&self) -> Result<u64, StoreError> {
-        let n = self.values.len() as u64;
-        for tree in [&self.values, &self.meta, &self.used] {
-            tree.clear().map_err(self.error("clearing cache"))?;
-        }
+        self.check_fault("clearing cache")?;
+        let n = self
+            .call(|h| {
+                let n = h.values.len() as u64;
+                for tree in [&h.values, &h.meta, &h.used] {
+                    tree.clear()?;
+                }
+                Ok(n)
+            })
+            .map_err(self.error("clearing cache"))?;
         self.flush()?;
         Ok(n)
     }
 
-    /// The raw stored bytes of an entry (envelope included), for tools that check integrity.
+    /// The raw stored bytes of an entry (record included), for tools that check integrity.
     pub fn raw(&self, key: &Key) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(self
-            .values
-            .get(key.0)
-            .map_err(self.error("reading cache"))?
-            .map(|v| v.to_vec()))
+        self.call(|h| Ok(h.values.get(key.0)?.map(|v| v.to_vec())))
+            .map_err(self.error("reading cache"))
+    }
+
+    /// Stores raw bytes under `key` as if the database had been damaged, for tests of what
+    /// every reader does with them.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn put_raw(&self, key: &Key, bytes: &[u8]) -> Result<(), StoreError> {
+        self.call(|h| h.values.insert(key.0, bytes).map(|_| ()))
+            .map_err(self.error("writing cache"))
     }
 }
 
-fn is_lock_error(e: &std::io::Error) -> bool {
-    e.kind() == std::io::ErrorKind::WouldBlock || e.to_string().contains("lock")
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]
@@ -411,6 +721,7 @@ mod tests {
         let s = c.stats().expect("stats");
         assert_eq!((s.entries, s.bytes), (1, 5));
         assert_eq!(s.kinds, vec![("plan".to_string(), 1, 5)]);
+        assert!(c.repairs().is_empty());
     }
 
     #[test]
@@ -423,25 +734,58 @@ mod tests {
         let mut raw = c.raw(&k).expect("raw").expect("present");
         let last = raw.len() - 1;
         raw[last] ^= 0x01;
-        c.values.insert(k.0, raw).expect("tamper");
+        c.put_raw(&k, &raw).expect("tamper");
         assert_eq!(c.get(&k).expect("get"), Lookup::Corrupt);
         assert_eq!(c.get(&k).expect("get"), Lookup::Miss, "removed");
         assert!(c.entries().expect("entries").is_empty());
     }
 
     #[test]
-    fn verify_removes_corrupt_entries() {
+    fn the_result_of_another_key_is_never_served() {
         let dir = tempfile::tempdir().expect("tempdir");
         let c = LocalCache::open(dir.path(), Duration::ZERO).expect("opens");
-        for i in 0..4u8 {
+        let (a, b) = (Key([1; 32]), Key([2; 32]));
+        c.put(&a, b"result of a", &meta("x")).expect("put");
+        c.put(&b, b"result of b", &meta("x")).expect("put");
+        // A's intact record under B's key.
+        let a_bytes = c.raw(&a).expect("raw").expect("present");
+        c.put_raw(&b, &a_bytes).expect("swap");
+        assert_eq!(c.get(&b).expect("get"), Lookup::Corrupt);
+        assert_eq!(
+            c.get(&a).expect("get"),
+            Lookup::Hit(b"result of a".to_vec())
+        );
+    }
+
+    #[test]
+    fn verify_removes_what_is_not_the_result_of_its_key() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let c = LocalCache::open(dir.path(), Duration::ZERO).expect("opens");
+        for i in 0..6u8 {
             c.put(&Key([i; 32]), &[i; 10], &meta("x")).expect("put");
         }
-        c.values
-            .insert([2u8; 32], &b"APV1 short"[..])
-            .expect("tamper");
+        c.put_raw(&Key([2; 32]), b"APV2 short").expect("tamper");
+        let other = c.raw(&Key([4; 32])).expect("raw").expect("present");
+        c.put_raw(&Key([3; 32]), &other).expect("swap");
+        c.put_raw(&Key([5; 32]), b"APV1 an old layout")
+            .expect("old");
+        // A value without metadata.
+        c.put_raw(&Key([9; 32]), &record::seal(&Key([9; 32]), b"x"))
+            .expect("orphan");
         let r = c.verify().expect("verify");
-        assert_eq!((r.checked, r.removed), (4, 1));
+        assert_eq!(
+            (
+                r.checked,
+                r.removed,
+                r.damaged,
+                r.other_key,
+                r.old_layout,
+                r.orphans
+            ),
+            (7, 4, 1, 1, 1, 1)
+        );
         assert_eq!(c.stats().expect("stats").entries, 3);
+        assert_eq!(c.verify().expect("again").removed, 0);
     }
 
     #[test]
@@ -465,15 +809,133 @@ mod tests {
         assert_eq!(left, vec![0, 4]);
     }
 
+    /// Entries [`reopen_after`] stores: about the size of a build's cache.
+    const ENTRIES: u16 = 400;
+
+    /// Fills a cache, then damages its files with `damage` and reopens it.
+    fn reopen_after(damage: impl Fn(&Path)) -> (tempfile::TempDir, LocalCache) {
+        let parent = tempfile::tempdir().expect("tempdir");
+        let dir = parent.path().join("cache");
+        {
+            let c = LocalCache::open(&dir, Duration::ZERO).expect("opens");
+            for i in 0..ENTRIES {
+                let mut k = [0u8; 32];
+                k[..2].copy_from_slice(&i.to_be_bytes());
+                c.put(&Key(k), &[7; 3000], &meta("x")).expect("put");
+                // Several flushes: a log of several batches, as a build writes it.
+                if i % 20 == 0 {
+                    c.flush().expect("flush");
+                }
+            }
+            c.flush().expect("flush");
+        }
+        damage(&dir);
+        let c = LocalCache::open(&dir, Duration::ZERO).expect("a damaged cache still opens");
+        (parent, c)
+    }
+
+    /// Every key [`reopen_after`] stored, and whether the cache serves each right or not at all.
+    fn serves_nothing_wrong(c: &LocalCache) -> usize {
+        let mut hits = 0;
+        for i in 0..ENTRIES {
+            let mut k = [0u8; 32];
+            k[..2].copy_from_slice(&i.to_be_bytes());
+            if let Ok(Lookup::Hit(v)) = c.get(&Key(k)) {
+                assert_eq!(v, vec![7; 3000]);
+                hits += 1;
+            }
+        }
+        hits
+    }
+
+    #[test]
+    fn flipped_bytes_in_the_database_never_panic_and_damage_is_moved_aside() {
+        let mut repaired = 0;
+        for seed in 0..12u64 {
+            let (parent, c) = reopen_after(|dir| {
+                let db = dir.join("db");
+                let mut bytes = std::fs::read(&db).expect("read");
+                let mut x = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                for _ in 0..10 {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let i = (x >> 33) as usize % bytes.len();
+                    bytes[i] ^= 0xff;
+                }
+                std::fs::write(&db, bytes).expect("write");
+            });
+            serves_nothing_wrong(&c);
+            for r in c.repairs() {
+                assert!(r.moved_to.exists() && r.moved_to.starts_with(parent.path()));
+                repaired += 1;
+            }
+            // The database in use works, whatever happened to the old one.
+            c.put(&Key([1; 32]), b"v", &meta("x")).expect("put");
+            assert_eq!(
+                c.get(&Key([1; 32])).expect("get"),
+                Lookup::Hit(b"v".to_vec())
+            );
+        }
+        eprintln!("repaired {repaired}");
+        assert!(
+            repaired > 0,
+            "some of the damage is the kind sled panics on"
+        );
+    }
+
+    #[test]
+    fn a_file_kind_replaced_by_a_directory_or_emptied_never_fails_the_open() {
+        for (what, damage) in [
+            ("db is a directory", "dir-db"),
+            ("conf is a directory", "dir-conf"),
+            ("conf is empty", "empty-conf"),
+            ("conf is garbage", "garbage-conf"),
+            ("db is empty", "empty-db"),
+            ("db is cut in half", "half-db"),
+        ] {
+            let (_parent, c) = reopen_after(|dir| {
+                let (file, how) = damage.split_once('-').map(|(h, f)| (f, h)).expect("pair");
+                let p = dir.join(file);
+                match how {
+                    "dir" => {
+                        std::fs::remove_file(&p).expect("remove");
+                        std::fs::create_dir(&p).expect("dir");
+                    }
+                    "empty" => std::fs::write(&p, b"").expect("empty"),
+                    "garbage" => std::fs::write(&p, [0xa5u8; 64]).expect("garbage"),
+                    _ => {
+                        let b = std::fs::read(&p).expect("read");
+                        std::fs::write(&p, &b[..b.len() / 2]).expect("cut");
+                    }
+                }
+            });
+            serves_nothing_wrong(&c);
+            c.put(&Key([1; 32]), b"v", &meta("x")).expect(what);
+        }
+    }
+
+    #[test]
+    fn a_directory_holding_other_files_is_never_moved() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("notes.txt"), b"mine").expect("write");
+        std::fs::write(dir.path().join("db"), [0x5au8; 4096]).expect("garbage db");
+        std::fs::write(dir.path().join("conf"), [0x5au8; 64]).expect("garbage conf");
+        let e = LocalCache::open(dir.path(), Duration::ZERO)
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("holds other files"), "{e}");
+        assert!(dir.path().join("notes.txt").exists());
+    }
+
     #[test]
     fn a_second_opener_waits_then_says_the_cache_is_busy() {
         let dir = tempfile::tempdir().expect("tempdir");
         let _first = LocalCache::open(dir.path(), Duration::ZERO).expect("opens");
-        // sled's lock is per process; in-process the second open shares the database, so this
-        // only checks the error path does not hang or panic when it triggers.
         let second = LocalCache::open(dir.path(), Duration::from_millis(100));
-        if let Err(e) = second {
-            assert!(e.to_string().contains("holds the cache"), "{e}");
-        }
+        let e = second.err().expect("the lock is held");
+        assert!(e.to_string().contains("holds the cache"), "{e}");
     }
 }

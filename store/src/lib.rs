@@ -6,11 +6,24 @@
 //! matches its hash.
 
 mod cache;
+mod contain;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod reapi;
+pub mod record;
 pub mod remote;
 pub mod server;
 
-pub use cache::{CacheStats, EntryMeta, GcReport, Key, LocalCache, Lookup, VerifyReport};
+pub use cache::{CacheStats, EntryMeta, GcReport, LocalCache, Lookup, Repair, VerifyReport};
+pub use record::Key;
+
+/// Without the `fault-injection` feature no fault is ever injected.
+#[cfg(not(feature = "fault-injection"))]
+mod fault {
+    pub(crate) fn write_error() -> Option<std::io::Error> {
+        None
+    }
+}
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

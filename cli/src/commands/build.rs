@@ -26,13 +26,8 @@ pub fn run(
         return dry(&ws, args, &cache);
     }
     let cache = open_cache(&ws, cache_dir, remote)?;
-    let result = run_with(&ws, &args.targets, args.json, &cache);
-    cache.finish_uploads(UPLOAD_WAIT);
-    result
+    run_with(&ws, &args.targets, args.json, &cache)
 }
-
-/// How long a finished build waits for its uploads before exiting.
-pub const UPLOAD_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The cache a build of `ws` uses: the local store, and the remote when one is configured.
 pub fn open_cache(
@@ -57,6 +52,8 @@ pub fn run_with(
     let reporter = Reporter::new(json_out);
     let report = build(ws, targets, cache, &|p| reporter.event(p));
     reporter.finish();
+    // The plans are written; what the summary counts includes the uploads dropped at exit.
+    cache.finish_uploads(cache::UPLOAD_DEADLINE);
     let report = report?;
     let c = report.counts;
     let planned = report.planned();
@@ -125,8 +122,13 @@ pub fn run_with(
             report.outcomes.len(),
             if report.outcomes.len() == 1 { "" } else { "s" },
         );
-        // With a remote, its misses and errors are counted on the same line.
+        // With a remote, its misses and errors are counted on the same line, and the uploads
+        // it did not get.
         let remote = match cache.remote_stats() {
+            Some(r) if r.uploads_dropped > 0 => format!(
+                "{} remote hits ({} misses, {} errors, {} uploads dropped)",
+                c.remote, r.misses, r.errors, r.uploads_dropped
+            ),
             Some(r) => format!(
                 "{} remote hits ({} misses, {} errors)",
                 c.remote, r.misses, r.errors

@@ -101,12 +101,7 @@ pub fn serve(a: &crate::args::ServeArgs) -> Result<(), Failure> {
     let max_blob = size("--max-blob", &a.max_blob)?;
     let tokens = match &a.tokens {
         Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|source| {
-                autopar_engine::EngineError::Read {
-                    path: path.clone(),
-                    source,
-                }
-            })?;
+            let text = autopar_engine::input::read_text(path)?;
             server::parse_tokens(&text).map_err(|(line, msg)| {
                 Failure::Input(anyhow::anyhow!("{}:{line}: {msg}", path.display()))
             })?

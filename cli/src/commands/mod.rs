@@ -21,7 +21,7 @@ use autopar_engine::session::Session;
 
 /// Runs the parsed command.
 pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
-    let mut session = Session::new(cli.workspace.clone());
+    let mut session = Session::new(cli.workspace.clone()).with_plans_dir(cli.plans_dir.clone());
     let dir = cli.cache_dir.as_deref();
     let remote = RemoteFlags {
         url: cli.remote_cache.clone(),
@@ -31,7 +31,9 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         }),
         token_file: cli.remote_token_file.clone(),
         timeout_ms: cli.remote_timeout_ms,
+        connect_timeout_ms: cli.remote_connect_timeout_ms,
         instance: cli.remote_instance.clone(),
+        ca_file: cli.remote_ca_file.clone(),
     };
     match &cli.command {
         Command::Build(a) => build::run(&session, a, dir, &remote),

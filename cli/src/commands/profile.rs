@@ -20,10 +20,7 @@ use std::path::Path;
 fn load(session: &Session, arg: &str) -> Result<(Profile, Option<String>), Failure> {
     let path = Path::new(arg);
     if path.is_file() {
-        let text = std::fs::read_to_string(path).map_err(|source| EngineError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = autopar_engine::input::read_text(path)?;
         let p = parse_profile(&text)
             .map_err(|e| EngineError::config(Diagnostic::from_field(path, &text, e, "")))?;
         // A file the workspace declares is that profile.
@@ -144,10 +141,7 @@ pub fn diff(
 }
 
 pub fn import(input: &Path, output: Option<&Path>, device: Option<&str>) -> Result<(), Failure> {
-    let text = std::fs::read_to_string(input).map_err(|source| EngineError::Read {
-        path: input.to_path_buf(),
-        source,
-    })?;
+    let text = autopar_engine::input::read_text(input)?;
     let p = import_profile(&text, device)
         .map_err(|e| EngineError::config(Diagnostic::from_field(input, &text, e, "")))?;
     let canonical = p.to_canonical_json();

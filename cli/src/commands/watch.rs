@@ -51,9 +51,7 @@ fn build_once(
         if let Some(cfg) = remote_config(remote, &ws)? {
             cache = cache.with_remote(cfg);
         }
-        let result = run_with(&ws, &args.targets, false, &cache);
-        cache.finish_uploads(super::build::UPLOAD_WAIT);
-        result
+        run_with(&ws, &args.targets, false, &cache)
     });
     match result {
         Ok(()) | Err(Failure::Partial) => {}
