@@ -23,7 +23,7 @@ use autopar_rules::frontend::LowerOptions;
 use autopar_rules::layer_cost::{LayerCost, LayerCostContext, Pricing};
 use autopar_rules::layout::LayoutError;
 use autopar_rules::plan::{Plan, PlanModel};
-use autopar_rules::schedule::{chrome_trace, simulate};
+use autopar_rules::schedule::{chrome_trace, simulate, trace_spec};
 use autopar_rules::search::{SearchResult, layer_cost_digest, search};
 use autopar_store::EntryMeta;
 use rayon::prelude::*;
@@ -326,9 +326,16 @@ fn write_outputs(
     }
     write_plan(path, plan)?;
     // The estimate was simulated when refined, so this cannot fail.
-    let sim = simulate(&plan.estimate.pipeline_spec())
-        .map_err(|e| EngineError::Layout(LayoutError::Schedule(e)))?;
-    let title = format!("{}: {}", t.name, plan.estimate.layout.describe());
+    let spec = plan.estimate.pipeline_spec();
+    let shown = trace_spec(&spec);
+    let sim = simulate(&shown).map_err(|e| EngineError::Layout(LayoutError::Schedule(e)))?;
+    let mut title = format!("{}: {}", t.name, plan.estimate.layout.describe());
+    if shown.microbatches < spec.microbatches {
+        title += &format!(
+            " (a step of {} of its {} micro-batches: the others repeat the steady state)",
+            shown.microbatches, spec.microbatches
+        );
+    }
     write_trace(trace, &chrome_trace(&sim, &title))
 }
 

@@ -10,7 +10,7 @@ use crate::layout::{Layout, LayoutError, Recompute, TrainingOptions};
 use crate::memory::model_states;
 use crate::profile::Profile;
 use crate::schedule::{
-    Bubble, PipelineSpec, Schedule, ideal_bubble, inflight_profiles, pipeline_time, simulate,
+    Bubble, PipelineSpec, Schedule, ideal_bubble, inflight_profiles, pipeline_time, simulate_times,
 };
 use crate::tensor_parallel::{TpConfig, indivisible_sequence, indivisible_split};
 use serde::{Deserialize, Serialize};
@@ -843,7 +843,7 @@ impl<'a> Estimator<'a> {
                 (pipeline, bubble)
             }
             Timing::Simulated => {
-                let sim = simulate(&spec).map_err(LayoutError::Schedule)?;
+                let sim = simulate_times(&spec).map_err(LayoutError::Schedule)?;
                 (sim.makespan, sim.bubble)
             }
         };

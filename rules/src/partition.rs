@@ -52,6 +52,12 @@ pub struct Refined {
 /// Solver time limit when balancing falls back to the MILP, s.
 const BALANCE_TIME_LIMIT_S: f64 = 2.0;
 
+/// Most layers Alpa's DP splits: its table has one entry per range of layers, and its work per
+/// bound on the stage time grows with the cube of the layers. Every published model has fewer
+/// (LLaMA-3.1 405B: 126 blocks, Megatron-LM's 1T GPT: 128); deeper ones are split evenly and by
+/// the balancer, which counts identical blocks instead of enumerating ranges of them.
+pub const MAX_DP_LAYERS: usize = 512;
+
 /// Relative tolerance under which block layers count as identical.
 const SAME: f64 = 1e-9;
 
@@ -159,43 +165,70 @@ impl Estimator<'_> {
         if p > n {
             return Err(format!("{p} stages for {n} layers"));
         }
+        if n > MAX_DP_LAYERS {
+            return Err(format!(
+                "skipped: the DP's work grows with the cube of the layers, and {n} is more than \
+                 the {MAX_DP_LAYERS} it is run on (the balancer splits identical blocks exactly)"
+            ));
+        }
         let (weight_bytes, _, _) = self.options().precision.state_bytes();
         let capacity = self.capacity();
         let reserved = self.cluster().device.reserved_bytes;
         let mut cost = vec![f64::INFINITY; n * n];
         let mut max_succ = vec![-1i64; n * n];
+        // Only layers that borrow parameters hold a different amount as their range grows.
+        let borrowers: Vec<usize> = (0..n)
+            .filter(|&b| !costs[b].borrowed_params.is_empty())
+            .collect();
         for k in 0..n {
-            // Running totals of the range k..=i as i grows. A layer that borrows parameters
-            // from one outside the range holds a copy; when the owner joins, the copy goes.
+            // Running totals of the range k..=i as i grows, kept in O(1) per layer (the range's
+            // sums are added in layer order, as a sum over the range would be). A layer that
+            // borrows parameters from one outside the range holds a copy; when the owner joins,
+            // the copy goes.
             let mut times = vec![0.0f64; n];
             let mut held = vec![0.0f64; n];
             let (mut act, mut transient) = (0.0, 0.0f64);
+            let (mut time_sum, mut held_sum, mut own_largest) = (0.0f64, 0.0f64, 0.0f64);
             for i in k..n {
                 let in_range = |x: usize| k <= x && x <= i;
-                for b in k..=i {
+                let kind_of = |b: usize| Self::stage_kind(l.recompute, costs[b].kind);
+                for &b in borrowers.iter().filter(|&&b| k <= b && b < i) {
                     let hb = Self::held_params(costs, b, &in_range);
-                    if b == i || hb != held[b] {
-                        let kind = Self::stage_kind(l.recompute, costs[b].kind);
-                        let lt = self.layer_time(&costs[b], kind, hb, l);
-                        times[b] = lt.forward() + lt.backward();
+                    if hb != held[b] {
+                        let lt = self.layer_time(&costs[b], kind_of(b), hb, l);
+                        let t = lt.forward() + lt.backward();
+                        time_sum += t - times[b];
+                        held_sum += hb - held[b];
+                        times[b] = t;
                         held[b] = hb;
-                        if b == i {
-                            act += lt.saved;
-                            transient = transient.max(lt.transient);
-                        }
                     }
                 }
-                let mut t: f64 = times[k..=i].iter().sum();
+                let hi = Self::held_params(costs, i, &in_range);
+                let lt = self.layer_time(&costs[i], kind_of(i), hi, l);
+                times[i] = lt.forward() + lt.backward();
+                held[i] = hi;
+                time_sum += times[i];
+                held_sum += hi;
+                if costs[i].borrowed_params.is_empty() {
+                    own_largest = own_largest.max(hi);
+                }
+                act += lt.saved;
+                transient = transient.max(lt.transient);
+                let mut t = time_sum;
                 if i + 1 < n {
                     t += self.p2p_time(costs[i + 1].input_bytes, 0, 1, l);
                 }
                 if k > 0 {
                     t += self.p2p_time(costs[k].input_bytes, 1, 0, l);
                 }
-                let params: f64 = held[k..=i].iter().sum();
-                let states = model_states(params, self.options().precision, l.zero, l.dp);
+                let states = model_states(held_sum, self.options().precision, l.zero, l.dp);
                 let gathered = if l.zero == 3 {
-                    2.0 * held[k..=i].iter().copied().fold(0.0, f64::max) * weight_bytes
+                    let largest = borrowers
+                        .iter()
+                        .filter(|&&b| k <= b && b <= i)
+                        .map(|&b| held[b])
+                        .fold(own_largest, f64::max);
+                    2.0 * largest * weight_bytes
                 } else {
                     0.0
                 };

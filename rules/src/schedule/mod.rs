@@ -7,9 +7,9 @@ mod trace;
 
 pub use simulate::{
     Block, BlockKind, Bubble, PipelineSpec, ScheduleError, Simulation, Step, inflight_profiles,
-    simulate, stage_program,
+    simulate, simulate_times, stage_program,
 };
-pub use trace::chrome_trace;
+pub use trace::{MAX_TRACE_BLOCKS, chrome_trace, trace_spec};
 
 use serde::{Deserialize, Serialize};
 

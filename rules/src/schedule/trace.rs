@@ -1,8 +1,34 @@
 //! The simulated timeline as a Chrome trace (`chrome://tracing`, Perfetto): one track per
 //! pipeline stage, one slice per forward or backward block.
 
-use super::simulate::{BlockKind, Simulation};
+use super::Schedule;
+use super::simulate::{BlockKind, PipelineSpec, Simulation};
 use serde_json::{Value, json};
+
+/// Most blocks a trace shows (about 5 MiB of JSON; more only slows a viewer down).
+pub const MAX_TRACE_BLOCKS: usize = 1 << 15;
+
+/// The step `spec` describes, with fewer micro-batches when its timeline would have more than
+/// [`MAX_TRACE_BLOCKS`] blocks: the same warm-up, steady state and drain, with as many
+/// micro-batches modulo the stages (at least one round), so interleaving stays valid.
+pub fn trace_spec(spec: &PipelineSpec) -> PipelineSpec {
+    let (v, p) = (spec.forward.len(), spec.forward.first().map_or(1, Vec::len));
+    let per_microbatch = 2 * p.max(1) * v.max(1);
+    let m = spec.microbatches;
+    if m.saturating_mul(per_microbatch) <= MAX_TRACE_BLOCKS {
+        return spec.clone();
+    }
+    let most = (MAX_TRACE_BLOCKS / per_microbatch).max(p);
+    let round = if spec.schedule == Schedule::OneFOneB && v > 1 {
+        p
+    } else {
+        1
+    };
+    PipelineSpec {
+        microbatches: (most - most % round).max(round),
+        ..spec.clone()
+    }
+}
 
 /// The timeline of `sim` in the Trace Event Format, times in microseconds.
 pub fn chrome_trace(sim: &Simulation, title: &str) -> Value {
