@@ -23,6 +23,10 @@ use std::time::Instant;
 /// 175B plan, or a plan edited to a huge micro-batch, on a laptop).
 pub const CPU_STATE_LIMIT: f64 = 8.0 * (1u64 << 30) as f64;
 
+/// Most floating-point operations one step may take on the CPU backend (a few minutes on a
+/// few cores): a plan edited to a billion-sequence batch is refused rather than run for years.
+pub const CPU_STEP_FLOPS: f64 = 5e13;
+
 /// Backends `autopar run` knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -141,6 +145,20 @@ pub fn plan_graph(ws: &Workspace, plan: &Plan) -> Result<Graph, EngineError> {
 /// budget: everything [`run_plan`] checks before lowering.
 pub fn prepare(ws: &Workspace, plan: &Plan) -> Result<(Graph, ExecLayout), EngineError> {
     let (l, m) = (&plan.estimate.layout, plan.estimate.num_microbatches);
+    let devices = l.tp.checked_mul(l.pp).and_then(|x| x.checked_mul(l.dp));
+    if devices != Some(plan.cluster.gpus()) {
+        return Err(ExecError::Lower(format!(
+            "the plan is inconsistent: tp {} x pp {} x dp {} is not the {} GPUs of its cluster \
+             `{}`; rebuild it with `autopar build {}`",
+            l.tp,
+            l.pp,
+            l.dp,
+            plan.cluster.gpus(),
+            plan.cluster.name,
+            plan.target
+        ))
+        .into());
+    }
     let batch = m
         .checked_mul(l.micro_batch)
         .and_then(|b| b.checked_mul(l.dp));
@@ -155,6 +173,17 @@ pub fn prepare(ws: &Workspace, plan: &Plan) -> Result<(Graph, ExecLayout), Engin
     let graph = plan_graph(ws, plan)?;
     let layout = exec_layout(plan);
     check_size(&graph, &layout, &plan.model.name)?;
+    let flops = (graph.forward_flops() + graph.backward_flops()) * (m as f64) * (l.dp as f64);
+    if flops > CPU_STEP_FLOPS {
+        return Err(ExecError::TooLarge(format!(
+            "a step of this plan computes {flops:.2e} floating-point operations ({m} \
+             micro-batch(es) of {} on dp{}), above the {CPU_STEP_FLOPS:.0e} the CPU backend runs \
+             per step (a few minutes); the CPU backend runs small models and batches (e.g. the \
+             default workspace's tiny-llama targets)",
+            l.micro_batch, l.dp
+        ))
+        .into());
+    }
     Ok((graph, layout))
 }
 

@@ -18,3 +18,5 @@ pub const MAX_BATCH: u64 = 1 << 30;
 pub const MAX_DIM: u64 = 1 << 32;
 /// Most entries of the stage-construction DP's table (8 bytes each: 1 GiB).
 pub const MAX_DP_ENTRIES: u64 = 1 << 27;
+/// Longest measured time of one kernel or collective, µs (one hour).
+pub const MAX_MEASURED_US: f64 = 3.6e9;

@@ -552,13 +552,7 @@ pub fn parse_profile(text: &str) -> Result<Profile, FieldError> {
                 format!("\"{}\"", o.dtype),
             )
         })?;
-        check_time(o.time_us).map_err(|found| {
-            bad(
-                "time_us",
-                "a time in microseconds, at least 0".into(),
-                found,
-            )
-        })?;
+        check_time(o.time_us).map_err(|found| bad("time_us", time_expected(), found))?;
         let sig = OpSignature {
             op: o.op.clone(),
             pass,
@@ -605,13 +599,7 @@ pub fn parse_profile(text: &str) -> Result<Profile, FieldError> {
         if c.ranks < 2 {
             return Err(bad("ranks", "at least 2".into(), c.ranks.to_string()));
         }
-        check_time(c.time_us).map_err(|found| {
-            bad(
-                "time_us",
-                "a time in microseconds, at least 0".into(),
-                found,
-            )
-        })?;
+        check_time(c.time_us).map_err(|found| bad("time_us", time_expected(), found))?;
         let sig = CollectiveSignature {
             collective,
             ranks: c.ranks,
@@ -633,13 +621,27 @@ pub fn parse_profile(text: &str) -> Result<Profile, FieldError> {
     Ok(profile)
 }
 
+/// Whether `t` µs is a plausible measured time: zero is a real measurement (a view, the forward
+/// of `slice`, runs no kernel); more than [`crate::limits::MAX_MEASURED_US`] is a typo or a unit
+/// mix-up, and would overflow the step-time arithmetic.
+fn plausible_time(t: f64) -> bool {
+    t.is_finite() && (0.0..=crate::limits::MAX_MEASURED_US).contains(&t)
+}
+
 fn check_time(t: f64) -> Result<(), String> {
-    // Zero is a real measurement: a view (the forward of `slice`) runs no kernel.
-    if t.is_finite() && t >= 0.0 {
+    if plausible_time(t) {
         Ok(())
     } else {
         Err(t.to_string())
     }
+}
+
+/// What a time field must hold.
+fn time_expected() -> String {
+    format!(
+        "a time in microseconds from 0 to {} (one hour)",
+        crate::limits::MAX_MEASURED_US
+    )
 }
 
 /// Reads a profile in a looser form and returns it canonical: times as `time_s`, `time_ms` or
@@ -748,16 +750,14 @@ pub fn import_profile(text: &str, device: Option<&str>) -> Result<Profile, Field
                 o.get("outputs").map_or("nothing".into(), |v| v.to_string()),
             )
         })?;
-        let t = time(o)
-            .filter(|t| t.is_finite() && *t >= 0.0)
-            .ok_or_else(|| {
-                err(
-                    &[PathSeg::Key("ops"), PathSeg::Index(i)],
-                    format!("ops[{i}]"),
-                    "exactly one time_s, time_ms or time_us, at least 0",
-                    o.to_string(),
-                )
-            })?;
+        let t = time(o).filter(|&t| plausible_time(t)).ok_or_else(|| {
+            err(
+                &[PathSeg::Key("ops"), PathSeg::Index(i)],
+                format!("ops[{i}]"),
+                "exactly one time_s, time_ms or time_us, from 0 to one hour",
+                o.to_string(),
+            )
+        })?;
         profile.insert_op(
             OpSignature {
                 op,
@@ -820,16 +820,14 @@ pub fn import_profile(text: &str, device: Option<&str>) -> Result<Profile, Field
                 c.get("bytes").map_or("nothing".into(), |v| v.to_string()),
             )
         })?;
-        let t = time(c)
-            .filter(|t| t.is_finite() && *t >= 0.0)
-            .ok_or_else(|| {
-                err(
-                    &[PathSeg::Key("collectives"), PathSeg::Index(i)],
-                    format!("collectives[{i}]"),
-                    "exactly one time_s, time_ms or time_us, at least 0",
-                    c.to_string(),
-                )
-            })?;
+        let t = time(c).filter(|&t| plausible_time(t)).ok_or_else(|| {
+            err(
+                &[PathSeg::Key("collectives"), PathSeg::Index(i)],
+                format!("collectives[{i}]"),
+                "exactly one time_s, time_ms or time_us, from 0 to one hour",
+                c.to_string(),
+            )
+        })?;
         profile.insert_collective(
             CollectiveSignature {
                 collective,
@@ -931,6 +929,11 @@ mod tests {
         assert_eq!(e.field, "ops[0].time_us");
         assert_eq!(e.found, "-1");
         assert!(e.offset.is_some());
+        // Finite, but no kernel takes 10^302 seconds.
+        let e = parse_profile(&text.replace("-1}", "1e308}")).expect_err("absurd time");
+        assert_eq!(e.field, "ops[0].time_us");
+        assert!(e.expected.contains("one hour"), "{}", e.expected);
+        assert!(import_profile(&text.replace("-1}", "1e308}"), None).is_err());
         let e = parse_profile(&text.replace("\"matmul\"", "\"matmull\"")).expect_err("op");
         assert_eq!(e.field, "ops[0].op");
         let e = parse_profile(&text.replace("autopar-profile/1", "v2")).expect_err("format");
