@@ -191,7 +191,7 @@ pub enum CacheCommand {
         max_size: String,
     },
     /// Run a remote cache server (Bazel HTTP cache layout) for a team.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
 }
 
 /// `autopar cache serve`.
@@ -203,13 +203,30 @@ pub struct ServeArgs {
     /// Address to listen on (port 0 picks a free port and prints it).
     #[arg(long, default_value = "127.0.0.1:9092")]
     pub listen: String,
-    /// Tokens file: one `read <token>` or `readwrite <token>` per line. Without it, anyone who
-    /// can connect may read and write.
+    /// Tokens file: one `read <token>` or `readwrite <token>` per line. Without it and without
+    /// --htpasswd, anyone who can connect may read and write.
     #[arg(long)]
     pub tokens: Option<PathBuf>,
-    /// Allow reads without a token even when tokens are configured.
+    /// htpasswd file of users who may read and write with HTTP basic auth (bcrypt, from
+    /// `htpasswd -B`, or SHA-1, from `htpasswd -s`).
+    #[arg(long)]
+    pub htpasswd: Option<PathBuf>,
+    /// Allow reads without credentials even when tokens or users are configured.
     #[arg(long)]
     pub allow_anonymous_read: bool,
+    /// Serve HTTPS with this PEM certificate chain (with --tls-key).
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Most bytes of uploads in progress at once, with a suffix K, M, G; more are answered 503.
+    #[arg(long, default_value = "1G")]
+    pub max_inflight: String,
+    /// Close a connection that sends or reads nothing for this long, or whose request headers
+    /// take longer, in milliseconds.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    pub idle_timeout_ms: u64,
     /// Total size kept, with a suffix K, M, G; least recently used entries are evicted past it.
     #[arg(long, default_value = "10G")]
     pub max_size: String,

@@ -341,7 +341,11 @@ impl RemoteCache {
                 Err(Trouble::Refused(s)) => me.drop_remote(&format!("HTTP {s}")),
                 Err(Trouble::Failed(again)) => {
                     me.shared.errors.fetch_add(1, Ordering::Relaxed);
-                    me.drop_remote(&format!("{why}; then {again}"));
+                    if again == why {
+                        me.drop_remote(&format!("twice: {why}"));
+                    } else {
+                        me.drop_remote(&format!("{why}; then {again}"));
+                    }
                 }
             });
         if spawned.is_err() {

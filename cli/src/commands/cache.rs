@@ -99,33 +99,35 @@ pub fn serve(a: &crate::args::ServeArgs) -> Result<(), Failure> {
     };
     let max_total = size("--max-size", &a.max_size)?;
     let max_blob = size("--max-blob", &a.max_blob)?;
-    let tokens = match &a.tokens {
-        Some(path) => {
-            let text = autopar_engine::input::read_text(path)?;
-            server::parse_tokens(&text).map_err(|(line, msg)| {
-                Failure::Input(anyhow::anyhow!("{}:{line}: {msg}", path.display()))
-            })?
-        }
-        None => Vec::new(),
+    let max_inflight = size("--max-inflight", &a.max_inflight)?;
+    let tokens = credentials(
+        a.tokens.as_deref(),
+        server::parse_tokens,
+        "`read <token>` or `readwrite <token>`",
+    )?;
+    let users = credentials(a.htpasswd.as_deref(), server::parse_htpasswd, "`user:hash`")?;
+    let tls = match (&a.tls_cert, &a.tls_key) {
+        (Some(cert), Some(key)) => Some(server::TlsPem {
+            cert: autopar_engine::input::read_text(cert)?.into_bytes(),
+            key: autopar_engine::input::read_text(key)?.into_bytes(),
+        }),
+        _ => None,
     };
-    if tokens.is_empty() && a.tokens.is_some() {
-        return Err(Failure::Input(anyhow::anyhow!(
-            "{}: expected at least one `read <token>` or `readwrite <token>` line, found none",
-            a.tokens
-                .as_ref()
-                .map_or(String::new(), |p| p.display().to_string())
-        )));
-    }
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let cfg = server::ServeConfig {
         dir: a.dir.clone(),
         listen: a.listen.clone(),
         tokens,
+        users,
         allow_anonymous_read: a.allow_anonymous_read,
         max_blob,
         max_total,
+        max_inflight,
+        idle_timeout: std::time::Duration::from_millis(a.idle_timeout_ms),
+        tls,
     };
     let status = server::serve(cfg, |addr| {
-        outln!("serving {} on http://{addr}", a.dir.display());
+        outln!("serving {} on {scheme}://{addr}", a.dir.display());
     })
     .map_err(|e| Failure::Failed(anyhow::Error::new(e)))?;
     outln!(
@@ -137,6 +139,27 @@ pub fn serve(a: &crate::args::ServeArgs) -> Result<(), Failure> {
         status.rejects
     );
     Ok(())
+}
+
+/// A credentials file's parser: its entries, or the line and message of the first bad one.
+type Parser<T> = fn(&str) -> Result<Vec<T>, (usize, String)>;
+
+/// The entries of a credentials file (`None`: no file, no entries), refused with the line of a
+/// malformed one, or when the file holds none.
+fn credentials<T>(path: Option<&Path>, parse: Parser<T>, line: &str) -> Result<Vec<T>, Failure> {
+    let Some(path) = path else {
+        return Ok(Vec::new());
+    };
+    let text = autopar_engine::input::read_text(path)?;
+    let entries = parse(&text)
+        .map_err(|(n, msg)| Failure::Input(anyhow::anyhow!("{}:{n}: {msg}", path.display())))?;
+    if entries.is_empty() {
+        return Err(Failure::Input(anyhow::anyhow!(
+            "{}: expected at least one {line} line, found none",
+            path.display()
+        )));
+    }
+    Ok(entries)
 }
 
 pub fn clean(session: &Session, dir: Option<&Path>, with_cache: bool) -> Result<(), Failure> {
