@@ -182,8 +182,14 @@ pub enum CacheCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Read every entry, check it against its hash, remove the corrupt ones.
-    Verify,
+    /// Check the database and every entry against its key and hash; remove what is damaged,
+    /// bound to another key or incomplete, and say what was found (a damaged database is moved
+    /// aside and replaced).
+    Verify {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Remove least recently used entries until the cache holds at most --max-size.
     Gc {
         /// Size to shrink to: bytes, or with a suffix K, M, G (powers of 1024).

@@ -11,7 +11,11 @@ pub fn init(verbose: u8) {
         2 => "debug",
         _ => "trace",
     };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    // The storage crate logs its own view of a damaged database; the store reports it in
+    // autopar's words (one warning), so sled speaks only at debug level and above.
+    let sled = if verbose >= 2 { level } else { "off" };
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new(format!("{level},sled={sled}")));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -19,6 +19,7 @@ use crate::StoreError;
 use crate::contain::contain;
 use crate::fault;
 use crate::record::{self, Key, RecordError};
+use crate::seal;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -102,6 +103,9 @@ pub struct VerifyReport {
     pub orphans: u64,
     /// Damaged databases moved aside (while opening or while reading).
     pub repairs: Vec<Repair>,
+    /// Damage the database absorbed without an error, found against its seal when it was
+    /// opened (lost entries, a rewritten settings file, a damaged snapshot).
+    pub damage: Vec<String>,
 }
 
 /// What `gc` did.
@@ -155,6 +159,8 @@ pub struct LocalCache {
     state: RwLock<State>,
     generations: AtomicU64,
     repairs: Mutex<Vec<Repair>>,
+    /// What the seal found when the cache was opened.
+    damage: Vec<String>,
     last_flush: Mutex<Instant>,
 }
 
@@ -193,6 +199,14 @@ fn is_lock_error(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::WouldBlock || e.to_string().contains("acquire lock")
 }
 
+/// A sled error in words (its corruption error prints a debugging backtrace placeholder).
+fn describe(e: &sled::Error) -> String {
+    match e {
+        sled::Error::Corruption { .. } => "sled found corrupted data".into(),
+        other => other.to_string(),
+    }
+}
+
 fn io(e: sled::Error) -> std::io::Error {
     match e {
         sled::Error::Io(e) => e,
@@ -200,10 +214,10 @@ fn io(e: sled::Error) -> std::io::Error {
     }
 }
 
-/// The files sled keeps in its directory: a directory holding anything else is not moved
-/// aside, whatever state it is in.
-fn is_sled_file(name: &str) -> bool {
-    matches!(name, "conf" | "db" | "blobs") || name.starts_with("snap.")
+/// The files a cache directory holds (sled's and the seal): a directory holding anything else
+/// is not moved aside, whatever state it is in.
+fn is_cache_file(name: &str) -> bool {
+    matches!(name, "conf" | "db" | "blobs" | seal::FILE) || name.starts_with("snap.")
 }
 
 /// One attempt to open the database at `dir`, on a thread of its own: a panic is damage, and
@@ -235,7 +249,7 @@ fn open_handle(dir: &Path, generation: u64) -> Result<Handle, OpenError> {
     match rx.recv_timeout(OPEN_TIMEOUT) {
         Ok(Ok(Ok(h))) => Ok(h),
         Ok(Ok(Err(sled::Error::Io(e)))) if is_lock_error(&e) => Err(OpenError::Locked(e)),
-        Ok(Ok(Err(e))) if is_damage(&e) => Err(OpenError::Damaged(e.to_string())),
+        Ok(Ok(Err(e))) if is_damage(&e) => Err(OpenError::Damaged(describe(&e))),
         Ok(Ok(Err(e))) => Err(OpenError::Unusable(io(e))),
         Ok(Err(panic)) => Err(OpenError::Damaged(format!("sled panicked: {panic}"))),
         Err(_) => Err(OpenError::Unusable(std::io::Error::new(
@@ -261,7 +275,7 @@ fn move_aside(dir: &Path, reason: &str) -> Result<Repair, StoreError> {
         .map_err(err("listing the cache directory"))?
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .find(|n| !is_sled_file(n));
+        .find(|n| !is_cache_file(n));
     if let Some(name) = foreign {
         return Err(err(
             "not repairing the cache, as its directory holds other files",
@@ -299,6 +313,8 @@ impl LocalCache {
             }
         };
         std::fs::create_dir_all(dir).map_err(err("creating cache directory"))?;
+        // Files sled rewrites while opening are compared with the seal before it opens them.
+        let sealed = seal::read(dir);
         let deadline = Instant::now() + wait;
         let mut repairs = Vec::new();
         let handle = loop {
@@ -321,11 +337,29 @@ impl LocalCache {
                 Err(OpenError::Unusable(e)) => return Err(err("opening cache")(e)),
             }
         };
+        // Damage sled absorbed without an error, against what the last flush sealed.
+        let damage = if repairs.is_empty() {
+            match contain(|| handle.values.len()) {
+                Ok(entries) => sealed.compare(entries as u64),
+                Err(panic) => vec![format!("sled panicked counting its entries: {panic}")],
+            }
+        } else {
+            // Moved aside and named already; the new database has no seal.
+            Vec::new()
+        };
+        if !damage.is_empty() {
+            tracing::warn!(
+                cache = %dir.display(),
+                "the cache database was damaged since it was last written: {}",
+                damage.join("; ")
+            );
+        }
         Ok(LocalCache {
             path: dir.to_path_buf(),
             state: RwLock::new(State::Open(Arc::new(handle))),
             generations: AtomicU64::new(1),
             repairs: Mutex::new(repairs),
+            damage,
             last_flush: Mutex::new(Instant::now()),
         })
     }
@@ -340,6 +374,11 @@ impl LocalCache {
         lock(&self.repairs).clone()
     }
 
+    /// Damage the database absorbed without an error, found against its seal at open.
+    pub fn damage(&self) -> &[String] {
+        &self.damage
+    }
+
     /// The store boundary: runs `f` on the current database. A panic or a damage error inside
     /// it replaces the database (see [`LocalCache::replace`]); other errors are passed on.
     fn call<R>(&self, f: impl FnOnce(&Handle) -> sled::Result<R>) -> Result<R, CallError> {
@@ -352,7 +391,7 @@ impl LocalCache {
         let why = match contain(|| f(&handle)) {
             Ok(Ok(r)) => return Ok(r),
             Ok(Err(e)) if !is_damage(&e) => return Err(CallError::Io(io(e))),
-            Ok(Err(e)) => e.to_string(),
+            Ok(Err(e)) => describe(&e),
             Err(panic) => format!("sled panicked: {panic}"),
         };
         self.replace(handle, &why);
@@ -505,7 +544,8 @@ impl LocalCache {
             due
         };
         if due {
-            self.flush()?;
+            self.call(|h| h.db.flush())
+                .map_err(self.error("flushing cache"))?;
         }
         Ok(())
     }
@@ -522,12 +562,16 @@ impl LocalCache {
         .map_err(self.error("removing a cache entry"))
     }
 
-    /// Makes every write so far durable.
+    /// Makes every write so far durable, and seals what the database now holds.
     pub fn flush(&self) -> Result<(), StoreError> {
         self.check_fault("flushing cache")?;
-        self.call(|h| h.db.flush())
+        let entries = self
+            .call(|h| {
+                h.db.flush()?;
+                Ok(h.values.len() as u64)
+            })
             .map_err(self.error("flushing cache"))?;
-        Ok(())
+        seal::write(&self.path, entries)
     }
 
     /// Every entry's metadata.
@@ -627,6 +671,7 @@ impl LocalCache {
         }
         self.flush()?;
         report.repairs = self.repairs();
+        report.damage = self.damage.clone();
         Ok(report)
     }
 
@@ -913,7 +958,61 @@ mod tests {
                 }
             });
             serves_nothing_wrong(&c);
+            assert!(
+                !c.repairs().is_empty() || !c.damage().is_empty(),
+                "{what}: the damage is named"
+            );
             c.put(&Key([1; 32]), b"v", &meta("x")).expect(what);
+        }
+    }
+
+    #[test]
+    fn damaged_blob_files_never_serve_a_wrong_value() {
+        // Values this large go to sled's `blobs` directory, one file each.
+        let big = |i: u8| vec![i; 200_000];
+        for damage in ["flip", "truncate", "empty", "remove", "directory"] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            {
+                let c = LocalCache::open(dir.path(), Duration::ZERO).expect("opens");
+                for i in 0..4u8 {
+                    c.put(&Key([i; 32]), &big(i), &meta("program"))
+                        .expect("put");
+                }
+                c.flush().expect("flush");
+            }
+            let blobs: Vec<_> = std::fs::read_dir(dir.path().join("blobs"))
+                .expect("blobs")
+                .flatten()
+                .map(|e| e.path())
+                .collect();
+            assert!(!blobs.is_empty(), "sled keeps large values as blob files");
+            for b in &blobs {
+                match damage {
+                    "flip" => {
+                        let mut bytes = std::fs::read(b).expect("read");
+                        let mid = bytes.len() / 2;
+                        bytes[mid] ^= 0x10;
+                        std::fs::write(b, bytes).expect("write");
+                    }
+                    "truncate" => {
+                        let bytes = std::fs::read(b).expect("read");
+                        std::fs::write(b, &bytes[..bytes.len() / 3]).expect("write");
+                    }
+                    "empty" => std::fs::write(b, b"").expect("write"),
+                    "remove" => std::fs::remove_file(b).expect("remove"),
+                    _ => {
+                        std::fs::remove_file(b).expect("remove");
+                        std::fs::create_dir(b).expect("directory");
+                    }
+                }
+            }
+            let c = LocalCache::open(dir.path(), Duration::ZERO).expect("opens");
+            for i in 0..4u8 {
+                if let Ok(Lookup::Hit(v)) = c.get(&Key([i; 32])) {
+                    assert_eq!(v, big(i), "{damage}");
+                }
+            }
+            c.put(&Key([9; 32]), b"v", &meta("x")).expect(damage);
         }
     }
 

@@ -12,6 +12,7 @@ pub mod fault;
 pub mod reapi;
 pub mod record;
 pub mod remote;
+mod seal;
 pub mod server;
 
 pub use cache::{CacheStats, EntryMeta, GcReport, LocalCache, Lookup, Repair, VerifyReport};

@@ -41,17 +41,35 @@ pub fn stats(session: &Session, dir: Option<&Path>, json: bool) -> Result<(), Fa
     Ok(())
 }
 
-pub fn verify(session: &Session, dir: Option<&Path>) -> Result<(), Failure> {
+pub fn verify(session: &Session, dir: Option<&Path>, json: bool) -> Result<(), Failure> {
     let cache = open(session, dir)?;
     let r = cache
         .verify()
         .map_err(|e| Failure::Failed(anyhow::Error::new(e)))?;
+    if json {
+        return print_json(&r);
+    }
     outln!(
-        "{}: {} entries checked, {} corrupt removed",
+        "{}: {} entries checked, {} corrupt removed ({} damaged, {} of another key, {} of an \
+         earlier autopar, {} incomplete)",
         cache.path().display(),
         r.checked,
-        r.removed
+        r.removed,
+        r.damaged,
+        r.other_key,
+        r.old_layout,
+        r.orphans
     );
+    for repair in &r.repairs {
+        outln!(
+            "  the database was damaged ({}); moved aside to {} and replaced by a new one",
+            repair.reason,
+            repair.moved_to.display()
+        );
+    }
+    for damage in &r.damage {
+        outln!("  since the last build, {damage}");
+    }
     Ok(())
 }
 

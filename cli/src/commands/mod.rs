@@ -40,7 +40,7 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Explain { target, json } => explain::run(&session, target, *json),
         Command::Cache { command } => match command {
             CacheCommand::Stats { json } => cache::stats(&session, dir, *json),
-            CacheCommand::Verify => cache::verify(&session, dir),
+            CacheCommand::Verify { json } => cache::verify(&session, dir, *json),
             CacheCommand::Gc { max_size } => cache::gc(&session, dir, max_size),
             CacheCommand::Serve(a) => cache::serve(a),
         },
