@@ -170,8 +170,8 @@ pub struct Cache {
     /// Cleared by the first failed write: a full or read-only disk is reported once, and not
     /// written to again in this process.
     local_writable: AtomicBool,
-    /// Set by the first failed read, which is the only one reported.
-    local_read_failed: AtomicBool,
+    /// Set by the first failure of the local store, read or write: the only one reported.
+    local_warned: AtomicBool,
     memory: Memory,
     remote: Option<(RemoteCache, Uploader)>,
     counters: Counters,
@@ -196,7 +196,7 @@ impl Cache {
         Cache {
             local: None,
             local_writable: AtomicBool::new(true),
-            local_read_failed: AtomicBool::new(false),
+            local_warned: AtomicBool::new(false),
             memory,
             remote: None,
             counters: Counters::default(),
@@ -315,7 +315,7 @@ impl Cache {
                 },
                 Ok(Lookup::Miss) | Ok(Lookup::Corrupt) => {}
                 Err(e) => {
-                    if !self.local_read_failed.swap(true, Ordering::Relaxed) {
+                    if !self.local_warned.swap(true, Ordering::Relaxed) {
                         tracing::warn!(
                             "cannot read the local cache ({e}: {}); recomputing",
                             e.source
@@ -364,6 +364,7 @@ impl Cache {
         }
         if let Err(e) = local.put(&key(k), bytes, meta)
             && self.local_writable.swap(false, Ordering::Relaxed)
+            && !self.local_warned.swap(true, Ordering::Relaxed)
         {
             tracing::warn!(
                 "cannot write the local cache ({e}: {}); results of this run are kept in memory \
@@ -443,6 +444,7 @@ impl Cache {
             && self.local_writable.load(Ordering::Relaxed)
             && let Err(e) = local.flush()
             && self.local_writable.swap(false, Ordering::Relaxed)
+            && !self.local_warned.swap(true, Ordering::Relaxed)
         {
             tracing::warn!("cannot write the local cache ({e}: {})", e.source);
         }

@@ -220,6 +220,15 @@ fn is_cache_file(name: &str) -> bool {
     matches!(name, "conf" | "db" | "blobs" | seal::FILE) || name.starts_with("snap.")
 }
 
+/// The name of a file in `dir` that is not one of the cache's, if there is one.
+fn foreign_file(dir: &Path) -> Option<String> {
+    std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| !is_cache_file(n))
+}
+
 /// One attempt to open the database at `dir`, on a thread of its own: a panic is damage, and
 /// an open that hangs is given up on after [`OPEN_TIMEOUT`].
 fn open_handle(dir: &Path, generation: u64) -> Result<Handle, OpenError> {
@@ -269,14 +278,9 @@ fn move_aside(dir: &Path, reason: &str) -> Result<Repair, StoreError> {
             source,
         }
     };
-    // Only a directory of sled's own files is moved: `--cache-dir` pointed at a directory of
-    // other things must never lose them.
-    let foreign = std::fs::read_dir(dir)
-        .map_err(err("listing the cache directory"))?
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .find(|n| !is_cache_file(n));
-    if let Some(name) = foreign {
+    // Only a directory of the cache's own files is moved: a directory of other things must
+    // never lose them.
+    if let Some(name) = foreign_file(dir) {
         return Err(err(
             "not repairing the cache, as its directory holds other files",
         )(std::io::Error::other(format!(
@@ -313,6 +317,15 @@ impl LocalCache {
             }
         };
         std::fs::create_dir_all(dir).map_err(err("creating cache directory"))?;
+        // A directory of other things (`--cache-dir ~` by mistake) is never made a cache: sled
+        // would write its files among them, and a repair would move them all aside.
+        if let Some(name) = foreign_file(dir) {
+            return Err(err("not using as a cache directory")(
+                std::io::Error::other(format!(
+                    "it holds `{name}`, which is not a file of autopar's cache"
+                )),
+            ));
+        }
         // Files sled rewrites while opening are compared with the seal before it opens them.
         let sealed = seal::read(dir);
         let deadline = Instant::now() + wait;
@@ -1017,7 +1030,7 @@ mod tests {
     }
 
     #[test]
-    fn a_directory_holding_other_files_is_never_moved() {
+    fn a_directory_holding_other_files_is_never_used_nor_moved() {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join("notes.txt"), b"mine").expect("write");
         std::fs::write(dir.path().join("db"), [0x5au8; 4096]).expect("garbage db");
@@ -1025,8 +1038,13 @@ mod tests {
         let e = LocalCache::open(dir.path(), Duration::ZERO)
             .err()
             .expect("refused");
-        assert!(e.to_string().contains("holds other files"), "{e}");
+        assert!(e.to_string().contains("not using as a cache"), "{e}");
+        assert!(e.source.to_string().contains("notes.txt"), "{}", e.source);
         assert!(dir.path().join("notes.txt").exists());
+        assert_eq!(
+            std::fs::read(dir.path().join("db")).expect("untouched"),
+            [0x5a; 4096]
+        );
     }
 
     #[test]

@@ -1,11 +1,14 @@
 //! Helpers for autopar's end-to-end tests, and published reference data they compare against.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::OnceLock;
 
 pub mod executor;
 pub mod load;
 pub mod megatron;
+pub mod misbehave;
 pub mod mosaicml;
 pub mod sharding;
 
@@ -190,4 +193,65 @@ pub fn run_in(dir: &Path, args: &[&str]) -> Run {
         .output()
         .expect("autopar runs");
     Run::from(out)
+}
+
+/// The plans and traces under `dir/plans`, by file name.
+pub fn plans_of(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir.join("plans"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name, std::fs::read(e.path()).expect("read a plan"))
+        })
+        .collect()
+}
+
+/// What a clean build of the default workspace writes (plans and traces), and how long that
+/// cold build took: the reference every failure test compares with.
+pub fn reference() -> &'static (BTreeMap<String, Vec<u8>>, std::time::Duration) {
+    static REFERENCE: OnceLock<(BTreeMap<String, Vec<u8>>, std::time::Duration)> = OnceLock::new();
+    REFERENCE.get_or_init(|| {
+        let ws = TempWorkspace::default_copy();
+        let start = std::time::Instant::now();
+        let r = ws.run(&["build"]);
+        let took = start.elapsed();
+        assert_eq!(r.code, 0, "the reference build: {}", r.stderr);
+        let plans = plans_of(ws.path());
+        assert_eq!(plans.len(), 14, "7 plans and their traces");
+        (plans, took)
+    })
+}
+
+/// Asserts that `dir` holds exactly the reference build's plans and traces, byte for byte.
+pub fn assert_reference_plans(dir: &Path, case: &str) {
+    let (expected, _) = reference();
+    let found = plans_of(dir);
+    assert_eq!(
+        found.keys().collect::<Vec<_>>(),
+        expected.keys().collect::<Vec<_>>(),
+        "{case}: the same plan files"
+    );
+    for (name, bytes) in expected {
+        assert!(
+            found.get(name) == Some(bytes),
+            "{case}: {name} differs from a clean build's"
+        );
+    }
+}
+
+/// Asserts that a run ended without a panic (exit 101, or the panic message).
+pub fn assert_no_panic(r: &Run, case: &str) {
+    assert_ne!(r.code, 101, "{case}: panicked:\n{}", r.stderr);
+    assert!(
+        !r.stderr.contains("panicked"),
+        "{case}: panicked:\n{}",
+        r.stderr
+    );
+}
+
+/// The warning lines of a run's standard error.
+pub fn warnings(r: &Run) -> Vec<&str> {
+    r.stderr.lines().filter(|l| l.contains("WARN")).collect()
 }
