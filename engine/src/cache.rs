@@ -220,16 +220,16 @@ impl Cache {
     /// not at all once the remote is out of use; says so when some did not finish. What was not
     /// uploaded is counted in [`RemoteStats::uploads_dropped`].
     pub fn finish_uploads(&self, wait: Duration) {
-        if let Some((remote, uploader)) = &self.remote
-            && !uploader.finish(Instant::now() + wait)
-            && remote.healthy()
-        {
-            tracing::warn!(
-                "uploads to {} did not finish within {:.1} s; the rest are dropped (the results \
-                 stay in the local cache)",
-                remote.url(),
-                wait.as_secs_f64()
-            );
+        if let Some((remote, uploader)) = &self.remote {
+            if !uploader.finish(Instant::now() + wait) && remote.healthy() {
+                tracing::warn!(
+                    "uploads to {} did not finish within {:.1} s; the rest are dropped (the \
+                     results stay in the local cache)",
+                    remote.url(),
+                    wait.as_secs_f64()
+                );
+            }
+            remote.settle();
         }
     }
 

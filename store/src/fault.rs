@@ -21,8 +21,7 @@ pub fn inject(fault: Fault) {
 
 /// The error an injected fault makes a write fail with, if any.
 pub(crate) fn write_error() -> Option<std::io::Error> {
-    match FAULT.get() {
-        Some(Fault::WritesFail(kind)) => Some(std::io::Error::from(*kind)),
-        None => None,
-    }
+    FAULT
+        .get()
+        .map(|Fault::WritesFail(kind)| std::io::Error::from(*kind))
 }

@@ -45,6 +45,10 @@ const MAX_BLOB_BYTES: u64 = 1 << 30;
 /// How often a caller waiting for an answer checks whether the remote was suspended meanwhile.
 const POLL: Duration = Duration::from_millis(10);
 
+/// Entries refused for their content (damaged, or another key's) that are each named in a
+/// warning; the rest are counted in [`RemoteStats::rejected`].
+const NAMED_REJECTIONS: u64 = 10;
+
 /// Threads that upload in the background.
 const UPLOAD_THREADS: usize = 4;
 
@@ -89,6 +93,8 @@ pub struct RemoteStats {
     pub misses: u64,
     /// Requests that failed (network, server errors, refusals).
     pub errors: u64,
+    /// Entries refused for their content: damaged, or intact but another key's.
+    pub rejected: u64,
     /// Results uploaded.
     pub uploads: u64,
     /// Results not uploaded: the queue was full, the remote was dropped, or the deadline at
@@ -134,12 +140,15 @@ struct Shared {
     /// probe succeeded does not count against it.
     epoch: AtomicU64,
     probed: AtomicBool,
+    /// Why the remote was suspended, for the warning if the run ends before the probe does.
+    suspended_because: Mutex<String>,
     read_only: AtomicBool,
     /// Warned once that the remote holds records of an earlier autopar.
     warned_old: AtomicBool,
     hits: AtomicU64,
     misses: AtomicU64,
     errors: AtomicU64,
+    rejected: AtomicU64,
     uploads: AtomicU64,
     uploads_dropped: AtomicU64,
 }
@@ -213,10 +222,12 @@ impl RemoteCache {
                 health: AtomicU8::new(HEALTHY),
                 epoch: AtomicU64::new(0),
                 probed: AtomicBool::new(false),
+                suspended_because: Mutex::new(String::new()),
                 warned_old: AtomicBool::new(false),
                 hits: AtomicU64::new(0),
                 misses: AtomicU64::new(0),
                 errors: AtomicU64::new(0),
+                rejected: AtomicU64::new(0),
                 uploads: AtomicU64::new(0),
                 uploads_dropped: AtomicU64::new(0),
             }),
@@ -235,6 +246,7 @@ impl RemoteCache {
             hits: s.hits.load(Ordering::Relaxed),
             misses: s.misses.load(Ordering::Relaxed),
             errors: s.errors.load(Ordering::Relaxed),
+            rejected: s.rejected.load(Ordering::Relaxed),
             uploads: s.uploads.load(Ordering::Relaxed),
             uploads_dropped: s.uploads_dropped.load(Ordering::Relaxed),
         }
@@ -268,7 +280,19 @@ impl RemoteCache {
             }
             Err(Trouble::NotFound) => self.miss(),
             Err(Trouble::Unusable(why)) => {
-                tracing::warn!(key = %key.hex(), remote = %self.url(), "remote cache entry ignored: {why}");
+                let n = self.shared.rejected.fetch_add(1, Ordering::Relaxed) + 1;
+                if n <= NAMED_REJECTIONS {
+                    tracing::warn!(
+                        key = %key.hex(),
+                        remote = %self.url(),
+                        "remote cache entry ignored: {why}{}",
+                        if n == NAMED_REJECTIONS {
+                            "; further ones are counted in the summary"
+                        } else {
+                            ""
+                        }
+                    );
+                }
                 self.miss()
             }
             Err(Trouble::Refused(status)) => {
@@ -324,6 +348,9 @@ impl RemoteCache {
         {
             return;
         }
+        *s.suspended_because
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = why.to_string();
         if s.probed.swap(true, Ordering::AcqRel) {
             self.drop_remote(why);
             return;
@@ -350,6 +377,20 @@ impl RemoteCache {
             });
         if spawned.is_err() {
             self.drop_remote("no thread for the probe");
+        }
+    }
+
+    /// Ends the run's use of the remote: one still suspended (its probe has not answered) is
+    /// reported as dropped, so every failing remote is named once.
+    pub fn settle(&self) {
+        if self.shared.health.load(Ordering::Acquire) == SUSPENDED {
+            let why = self
+                .shared
+                .suspended_because
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            self.drop_remote(&why);
         }
     }
 

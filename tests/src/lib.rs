@@ -10,6 +10,7 @@ pub mod load;
 pub mod megatron;
 pub mod misbehave;
 pub mod mosaicml;
+pub mod serve;
 pub mod sharding;
 
 /// Root of the repository.

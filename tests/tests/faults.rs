@@ -348,3 +348,78 @@ fn a_busy_cache_is_waited_for_and_then_worked_around() {
     assert!(first.status.success());
     assert!(warnings(&second).is_empty(), "{}", second.stderr);
 }
+
+#[test]
+fn a_poisoned_remote_never_serves_a_plan() {
+    use autopar_tests::serve::{Server, http};
+    let tokens = tempfile::NamedTempFile::new().expect("tokens file");
+    std::fs::write(tokens.path(), "readwrite team-token\n").expect("write tokens");
+    let tokens_path = tokens.path().display().to_string();
+    let server = Server::start(&["--tokens", &tokens_path]);
+    let remote_build = |ws: &TempWorkspace| -> Run {
+        let out = std::process::Command::new(autopar_tests::binary())
+            .args(["--remote-cache", &server.url(), "build", "--json"])
+            .current_dir(ws.path())
+            .env("AUTOPAR_REMOTE_TOKEN", "team-token")
+            .env_remove("AUTOPAR_CACHE_DIR")
+            .env_remove("RUST_LOG")
+            .output()
+            .expect("autopar runs");
+        Run::from(out)
+    };
+    let teammate = TempWorkspace::default_copy();
+    let first = remote_build(&teammate);
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    // Anyone with a read-write token re-uploads every action-cache entry under the next key:
+    // each is a valid ActionResult pointing at an intact blob, of another result.
+    let ac = server.dir.path().join("ac");
+    let mut keys: Vec<String> = std::fs::read_dir(&ac)
+        .expect("ac entries")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    keys.sort();
+    assert!(keys.len() > 300, "{} entries uploaded", keys.len());
+    let bodies: Vec<Vec<u8>> = keys
+        .iter()
+        .map(|k| std::fs::read(ac.join(k)).expect("entry"))
+        .collect();
+    let auth = [("Authorization", "Bearer team-token")];
+    for (i, k) in keys.iter().enumerate() {
+        let body = &bodies[(i + 1) % keys.len()];
+        let (code, _) = http(&server.addr, "PUT", &format!("/ac/{k}"), &auth, body);
+        assert_eq!(
+            code, 200,
+            "the server takes any valid ActionResult under any key"
+        );
+    }
+    // A new teammate builds against the poisoned remote: nothing from it is used.
+    let ws = TempWorkspace::default_copy();
+    let r = remote_build(&ws);
+    assert_no_panic(&r, "poisoned remote");
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_reference_plans(ws.path(), "poisoned remote");
+    let report = r.json();
+    assert_eq!(report["hits_remote"], 0, "{report}");
+    assert!(
+        report["remote"]["rejected"].as_u64().unwrap_or(0) > 300,
+        "{report}"
+    );
+    let w = warnings(&r);
+    assert!(
+        !w.is_empty() && w.len() <= 10,
+        "a warning per key, ten at most: {w:?}"
+    );
+    assert!(
+        w.iter()
+            .all(|l| l.contains("not the result of this key") && l.contains("key=")),
+        "{w:?}"
+    );
+    assert!(r.stdout.contains("\"rejected\""), "{}", r.stdout);
+    // Nothing wrong was kept locally: offline, the plans are right and nothing is damaged.
+    let offline = build_ok(&ws, "offline after the poisoned build", &[]);
+    assert_eq!(solved(&offline), 0);
+    let v = ws.run(&["cache", "verify", "--json"]);
+    assert_eq!(v.json()["removed"], 0, "{}", v.stdout);
+}

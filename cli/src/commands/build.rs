@@ -125,14 +125,16 @@ pub fn run_with(
         // With a remote, its misses and errors are counted on the same line, and the uploads
         // it did not get.
         let remote = match cache.remote_stats() {
-            Some(r) if r.uploads_dropped > 0 => format!(
-                "{} remote hits ({} misses, {} errors, {} uploads dropped)",
-                c.remote, r.misses, r.errors, r.uploads_dropped
-            ),
-            Some(r) => format!(
-                "{} remote hits ({} misses, {} errors)",
-                c.remote, r.misses, r.errors
-            ),
+            Some(r) => {
+                let mut counts = format!("{} misses, {} errors", r.misses, r.errors);
+                if r.rejected > 0 {
+                    counts += &format!(", {} rejected", r.rejected);
+                }
+                if r.uploads_dropped > 0 {
+                    counts += &format!(", {} uploads dropped", r.uploads_dropped);
+                }
+                format!("{} remote hits ({counts})", c.remote)
+            }
             None => format!("{} remote hits", c.remote),
         };
         outln!(

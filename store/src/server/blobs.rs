@@ -361,6 +361,16 @@ async fn upload(
             }
             Ok(None) => break,
             Ok(Some(Err(e))) => {
+                // The connection's own idle timeout may be the one that fired.
+                let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+                while let Some(c) = cause {
+                    if c.downcast_ref::<std::io::Error>()
+                        .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+                    {
+                        return Err((StatusCode::REQUEST_TIMEOUT, "the upload stalled".into()));
+                    }
+                    cause = c.source();
+                }
                 return Err((StatusCode::BAD_REQUEST, format!("reading the body: {e}")));
             }
             Ok(Some(Ok(frame))) => frame,
