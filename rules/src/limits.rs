@@ -16,6 +16,13 @@ pub const MAX_SEQ: u64 = 1 << 24;
 pub const MAX_BATCH: u64 = 1 << 30;
 /// Largest fixed dimension in a graph file.
 pub const MAX_DIM: u64 = 1 << 32;
+/// Most ops in a graph file (eight per layer of the deepest model).
+pub const MAX_GRAPH_OPS: usize = 1 << 15;
+/// Most ops of a flat `ops` list that autopar clusters into layers: the clustering DP holds
+/// a table of every pair of ops and its work grows with their square times the layers.
+pub const MAX_CLUSTERED_OPS: usize = 4096;
+/// Most layers a flat `ops` list is clustered into.
+pub const MAX_CLUSTERED_LAYERS: u64 = 128;
 /// Most entries of the stage-construction DP's table (8 bytes each: 1 GiB).
 pub const MAX_DP_ENTRIES: u64 = 1 << 27;
 /// Longest measured time of one kernel or collective, µs (one hour).

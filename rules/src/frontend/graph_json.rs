@@ -5,7 +5,7 @@
 //! saved activations and tensor-parallel communication itself. The format is documented in
 //! `docs/graph-format.md`.
 
-use super::locate::{PathSeg, locate, offset_of};
+use super::locate::{PathSeg, item_offsets, locate, offset_of};
 use crate::error::FieldError;
 use crate::graph::{DType, Graph, GraphBuilder, LayerKind, OpKind, Split, TensorKind};
 use crate::limits;
@@ -332,49 +332,98 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
             split,
         });
     }
-    let parse_op = |op: &FileOp, base: &[PathSeg<'_>]| -> Result<OpSpec, FieldError> {
-        let with = |k| {
-            let mut p = base.to_vec();
-            p.push(PathSeg::Key(k));
-            p
+    let parse_op =
+        |op: &FileOp, base: &[PathSeg<'_>], offset: Option<usize>| -> Result<OpSpec, FieldError> {
+            let with = |k| {
+                let mut p = base.to_vec();
+                p.push(PathSeg::Key(k));
+                p
+            };
+            let kind = parse_op_kind(&op.kind, op.transpose_b, op.causal.unwrap_or(true))
+                .ok_or_else(|| {
+                    cx.err(
+                        &with("kind"),
+                        format!("one of {OP_KINDS}"),
+                        format!("\"{}\"", op.kind),
+                    )
+                })?;
+            let resolve =
+                |names: &[String], field: &'static str| -> Result<Vec<usize>, FieldError> {
+                    names
+                        .iter()
+                        .enumerate()
+                        .map(|(j, n)| {
+                            by_name.get(n.as_str()).copied().ok_or_else(|| {
+                                let mut p = with(field);
+                                p.push(PathSeg::Index(j));
+                                cx.err(
+                                    &p,
+                                    "the name of a tensor listed in `tensors`",
+                                    format!("\"{n}\""),
+                                )
+                            })
+                        })
+                        .collect()
+                };
+            Ok(OpSpec {
+                name: op.name.clone(),
+                kind,
+                inputs: resolve(&op.inputs, "inputs")?,
+                outputs: resolve(&op.outputs, "outputs")?,
+                attention_core: op.attention_core,
+                offset,
+            })
         };
-        let kind = parse_op_kind(&op.kind, op.transpose_b, op.causal.unwrap_or(true)).ok_or_else(
-            || {
-                cx.err(
-                    &with("kind"),
-                    format!("one of {OP_KINDS}"),
-                    format!("\"{}\"", op.kind),
-                )
-            },
-        )?;
-        let resolve = |names: &[String], field: &'static str| -> Result<Vec<usize>, FieldError> {
-            names
-                .iter()
-                .enumerate()
-                .map(|(j, n)| {
-                    by_name.get(n.as_str()).copied().ok_or_else(|| {
-                        let mut p = with(field);
-                        p.push(PathSeg::Index(j));
-                        cx.err(
-                            &p,
-                            "the name of a tensor listed in `tensors`",
-                            format!("\"{n}\""),
-                        )
-                    })
-                })
-                .collect()
-        };
-        Ok(OpSpec {
-            name: op.name.clone(),
-            kind,
-            inputs: resolve(&op.inputs, "inputs")?,
-            outputs: resolve(&op.outputs, "outputs")?,
-            attention_core: op.attention_core,
-            offset: locate(text, base),
-        })
-    };
     let mut layers = Vec::new();
     let mut flat = None;
+    // Bounds that keep lowering and clustering within seconds and a few hundred MiB.
+    let op_count = match (&file.layers, &file.ops) {
+        (Some(ls), _) => ls.iter().map(|l| l.ops.len()).sum(),
+        (None, Some(ops)) => ops.len(),
+        (None, None) => 0,
+    };
+    if let Some(ls) = &file.layers
+        && ls.len() as u64 > limits::MAX_LAYERS
+    {
+        return Err(cx.err(
+            &[PathSeg::Key("layers")],
+            format!("at most {} layers", limits::MAX_LAYERS),
+            format!("{} layers", ls.len()),
+        ));
+    }
+    if op_count > limits::MAX_GRAPH_OPS {
+        return Err(cx.err(
+            &[PathSeg::Key(if file.layers.is_some() {
+                "layers"
+            } else {
+                "ops"
+            })],
+            format!("at most {} ops", limits::MAX_GRAPH_OPS),
+            format!("{op_count} ops"),
+        ));
+    }
+    if file.layers.is_none() && op_count > limits::MAX_CLUSTERED_OPS {
+        return Err(cx.err(
+            &[PathSeg::Key("ops")],
+            format!(
+                "at most {} ops in a flat list (group larger models into `layers`)",
+                limits::MAX_CLUSTERED_OPS
+            ),
+            format!("{op_count} ops"),
+        ));
+    }
+    if let Some(n) = file.layer_count
+        && n > limits::MAX_CLUSTERED_LAYERS
+    {
+        return Err(cx.err(
+            &[PathSeg::Key("layer_count")],
+            format!(
+                "at most {} layers (give `layers` to use more)",
+                limits::MAX_CLUSTERED_LAYERS
+            ),
+            n.to_string(),
+        ));
+    }
     match (&file.layers, &file.ops) {
         (Some(file_layers), None) => {
             if file.layer_count.is_some() {
@@ -384,7 +433,13 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
                     "a `layer_count`",
                 ));
             }
+            // Where each op is, for errors found later, in one pass over the text.
+            let layer_offsets = item_offsets(text, None, &[PathSeg::Key("layers")]);
             for (li, l) in file_layers.iter().enumerate() {
+                let op_offsets = layer_offsets
+                    .get(li)
+                    .map(|&at| item_offsets(text, Some(at), &[PathSeg::Key("ops")]))
+                    .unwrap_or_default();
                 let kind = match l.kind.as_deref() {
                     None | Some("block") => LayerKind::Block,
                     Some("embedding") => LayerKind::Embedding,
@@ -409,7 +464,7 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
                         PathSeg::Key("ops"),
                         PathSeg::Index(oi),
                     ];
-                    ops.push(parse_op(op, &base)?);
+                    ops.push(parse_op(op, &base, op_offsets.get(oi).copied())?);
                 }
                 layers.push(LayerSpec {
                     name: l.name.clone(),
@@ -420,8 +475,10 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
         }
         (None, Some(file_ops)) => {
             let mut ops = Vec::with_capacity(file_ops.len());
+            let op_offsets = item_offsets(text, None, &[PathSeg::Key("ops")]);
             for (oi, op) in file_ops.iter().enumerate() {
-                ops.push(parse_op(op, &[PathSeg::Key("ops"), PathSeg::Index(oi)])?);
+                let base = [PathSeg::Key("ops"), PathSeg::Index(oi)];
+                ops.push(parse_op(op, &base, op_offsets.get(oi).copied())?);
             }
             flat = Some(ops);
         }

@@ -17,7 +17,43 @@ pub enum PathSeg<'a> {
 /// Byte offset of the value at `path` (for a key: of the key itself) in `text`.
 pub fn locate(text: &str, path: &[PathSeg<'_>]) -> Option<usize> {
     let b = text.as_bytes();
-    let mut pos = skip_ws(b, 0);
+    let (pos, last_key_pos) = walk(b, skip_ws(b, 0), path)?;
+    match path.last() {
+        Some(PathSeg::Key(_)) => last_key_pos,
+        _ => Some(pos),
+    }
+}
+
+/// Byte offsets of the items of the array at `path`, followed from the value at `start` (the
+/// document when `None`), found in one pass: a file of many ops is located in linear time.
+/// Empty when there is no array there.
+pub fn item_offsets(text: &str, start: Option<usize>, path: &[PathSeg<'_>]) -> Vec<usize> {
+    let b = text.as_bytes();
+    let mut out = Vec::new();
+    let Some((mut pos, _)) = walk(b, start.unwrap_or_else(|| skip_ws(b, 0)), path) else {
+        return out;
+    };
+    if b.get(pos) != Some(&b'[') {
+        return out;
+    }
+    pos = skip_ws(b, pos + 1);
+    while b.get(pos).is_some_and(|&c| c != b']') {
+        out.push(pos);
+        let Some(end) = skip_value(b, pos) else {
+            break;
+        };
+        pos = skip_ws(b, end);
+        match b.get(pos) {
+            Some(b',') => pos = skip_ws(b, pos + 1),
+            _ => break,
+        }
+    }
+    out
+}
+
+/// Follows `path` from the value at `pos`: the offset of the value reached, and of its key
+/// when the last step was one.
+fn walk(b: &[u8], mut pos: usize, path: &[PathSeg<'_>]) -> Option<(usize, Option<usize>)> {
     let mut last_key_pos = None;
     for seg in path {
         match *seg {
@@ -70,10 +106,7 @@ pub fn locate(text: &str, path: &[PathSeg<'_>]) -> Option<usize> {
             }
         }
     }
-    match path.last() {
-        Some(PathSeg::Key(_)) => last_key_pos,
-        _ => Some(pos),
-    }
+    Some((pos, last_key_pos))
 }
 
 /// 1-based line and column of a byte offset.
@@ -179,6 +212,36 @@ mod tests {
     use proptest::prelude::*;
 
     const DOC: &str = "{\n  \"a\": 1,\n  \"list\": [ {\"x\": \"}\"}, {\"y\": [1, 2]} ],\n  \"b\": {\"c\": true}\n}";
+
+    #[test]
+    fn item_offsets_are_where_locate_finds_each_item() {
+        let list = [PathSeg::Key("list")];
+        let items = item_offsets(DOC, None, &list);
+        assert_eq!(items.len(), 2);
+        for (i, &at) in items.iter().enumerate() {
+            assert_eq!(
+                Some(at),
+                locate(DOC, &[PathSeg::Key("list"), PathSeg::Index(i)])
+            );
+        }
+        // From an item onwards: the array inside the second one.
+        let inner = item_offsets(DOC, Some(items[1]), &[PathSeg::Key("y")]);
+        assert_eq!(
+            inner.first().copied(),
+            locate(
+                DOC,
+                &[
+                    PathSeg::Key("list"),
+                    PathSeg::Index(1),
+                    PathSeg::Key("y"),
+                    PathSeg::Index(0)
+                ]
+            )
+        );
+        assert_eq!(inner.len(), 2);
+        assert!(item_offsets(DOC, None, &[PathSeg::Key("a")]).is_empty());
+        assert!(item_offsets("[", None, &[]).is_empty());
+    }
 
     #[test]
     fn finds_keys_and_indices() {
