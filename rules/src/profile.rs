@@ -978,5 +978,30 @@ mod tests {
             let _ = parse_profile(&text);
             let _ = import_profile(&text, None);
         }
+
+        #[test]
+        fn renumbered_profiles_never_panic(which in 0usize..64, number in prop_oneof![
+            "[0-9]{1,25}", "-[0-9]{1,5}", "[0-9]\\.[0-9]{1,5}e[0-9]{1,3}", Just("1e400".to_string())
+        ]) {
+            let mut p = Profile::new("h100-sxm");
+            p.insert_op(sig(128), 12.5);
+            p.insert_collective(coll(), 1 << 20, 20.0);
+            let text = p.to_canonical_json();
+            let starts: Vec<usize> = text
+                .char_indices()
+                .filter(|&(i, c)| c.is_ascii_digit() && !text[..i].ends_with(|q: char| q.is_ascii_digit() || q == '.'))
+                .map(|(i, _)| i)
+                .collect();
+            let at = starts[which % starts.len()];
+            let end = at + text[at..].find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(0);
+            let edited = format!("{}{number}{}", &text[..at], &text[end..]);
+            if let Ok(parsed) = parse_profile(&edited) {
+                // Whatever is accepted is a plausible measurement.
+                for (_, t) in parsed.entries() {
+                    prop_assert!(t.is_finite() && (0.0..=crate::limits::MAX_MEASURED_US).contains(&t), "{t}");
+                }
+            }
+            let _ = import_profile(&edited, None);
+        }
     }
 }

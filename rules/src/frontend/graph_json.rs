@@ -821,6 +821,19 @@ mod tests {
         );
     }
 
+    /// Parses `text`, and lowers what parses at a few batch sizes and sequence lengths, as a
+    /// build would: neither may panic.
+    fn parse_and_lower(text: &str) {
+        if let Ok(spec) = parse_graph_file(text) {
+            for (b, s) in [(1, 1), (2, 128), (8, 4096)] {
+                if let Ok(g) = spec.lower(b, s, DType::Bf16) {
+                    let _ = g.parameter_count();
+                    let _ = crate::layering::op_costs(&g);
+                }
+            }
+        }
+    }
+
     proptest! {
         #[test]
         fn mutated_files_never_panic(pos in 0usize..2000, ch in proptest::char::any()) {
@@ -828,7 +841,26 @@ mod tests {
             let p = pos % s.len();
             s[p] = ch;
             let text: String = s.into_iter().collect();
-            let _ = parse_graph_file(&text);
+            parse_and_lower(&text);
+        }
+
+        #[test]
+        fn renumbered_files_never_panic(pos in 0usize..2000, digits in "[0-9]{1,22}") {
+            // A number of the file replaced by another, up to far past every bound.
+            let starts: Vec<usize> = MLP
+                .char_indices()
+                .filter(|&(i, c)| c.is_ascii_digit() && !MLP[..i].ends_with(|p: char| p.is_ascii_digit()))
+                .map(|(i, _)| i)
+                .collect();
+            let at = starts[pos % starts.len()];
+            let end = at + MLP[at..].find(|c: char| !c.is_ascii_digit()).unwrap_or(0);
+            let text = format!("{}{digits}{}", &MLP[..at], &MLP[end..]);
+            parse_and_lower(&text);
+        }
+
+        #[test]
+        fn arbitrary_text_never_panics(text in "\\PC{0,300}") {
+            parse_and_lower(&text);
         }
     }
 }
