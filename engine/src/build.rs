@@ -322,6 +322,9 @@ fn write_outputs(
     json.push(b'\n');
     let unchanged = std::fs::read(path).is_ok_and(|old| old == json) && trace.exists();
     if unchanged {
+        // What a build killed while writing them left behind goes, even when they stay.
+        autopar_store::remove_partials(path);
+        autopar_store::remove_partials(trace);
         return Ok(());
     }
     write_plan(path, plan)?;

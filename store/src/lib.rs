@@ -51,9 +51,11 @@ fn err<'p>(action: &'static str, path: &'p Path) -> impl FnOnce(std::io::Error) 
 }
 
 /// Writes `bytes` to `path` atomically and durably: the data goes to a temporary file in the
-/// same directory, is flushed to disk, then renamed over `path`; the directory is synced so the
-/// rename itself survives a crash. Missing parent directories are created.
+/// same directory (`.<name>.partial-*`), is flushed to disk, then renamed over `path`; the
+/// directory is synced so the rename itself survives a crash. Missing parent directories are
+/// created, and partial files a killed writer of `path` left behind are removed.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+    remove_partials(path);
     let (dir, mut tmp) = temporary_beside(path)?;
     tmp.write_all(bytes).map_err(err("writing", tmp.path()))?;
     tmp.as_file().sync_all().map_err(err("syncing", path))?;
@@ -83,14 +85,42 @@ pub fn check_writable(path: &Path) -> Result<(), StoreError> {
     temporary_beside(path).map(|_| ())
 }
 
-/// The directory of `path` (created when missing) and a new temporary file in it.
-fn temporary_beside(path: &Path) -> Result<(&Path, tempfile::NamedTempFile), StoreError> {
-    let dir = match path.parent() {
+/// The directory `path` is in.
+fn parent_of(path: &Path) -> &Path {
+    match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
+    }
+}
+
+/// The prefix of the temporary files [`write_atomic`] writes `path` through.
+fn partial_prefix(path: &Path) -> String {
+    let name = path
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    format!(".{name}.partial-")
+}
+
+/// Removes the temporary files of `path` that an interrupted [`write_atomic`] left behind.
+pub fn remove_partials(path: &Path) {
+    let prefix = partial_prefix(path);
+    let Ok(entries) = std::fs::read_dir(parent_of(path)) else {
+        return;
     };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// The directory of `path` (created when missing) and a new temporary file in it.
+fn temporary_beside(path: &Path) -> Result<(&Path, tempfile::NamedTempFile), StoreError> {
+    let dir = parent_of(path);
     std::fs::create_dir_all(dir).map_err(err("creating directory", dir))?;
     let mut builder = tempfile::Builder::new();
+    let prefix = partial_prefix(path);
+    builder.prefix(&prefix);
     // Temporary files are private (0600) by default; outputs are ordinary files, readable as
     // the umask allows.
     #[cfg(unix)]
@@ -116,6 +146,23 @@ mod tests {
             .expect("list")
             .collect();
         assert_eq!(leftovers.len(), 1, "no temporary files left behind");
+    }
+
+    #[test]
+    fn what_a_killed_writer_left_is_removed_by_the_next() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("plan.json");
+        std::fs::write(dir.path().join(".plan.json.partial-abc123"), b"half a pl")
+            .expect("leftover");
+        std::fs::write(dir.path().join(".other.json.partial-x"), b"another file's").expect("other");
+        write_atomic(&p, b"whole").expect("write");
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .expect("list")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, [".other.json.partial-x", "plan.json"]);
     }
 
     #[test]

@@ -163,6 +163,12 @@ fn damage_to_any_file_of_the_cache_never_changes_a_plan() {
             assert_eq!(solved(&build_ok(&ws, &case, &[])), 0, "{case}: rebuilt");
         }
     }
+    eprintln!(
+        "{} kinds of damage to {} files: {named} named in a warning, the rest touched nothing \
+         the cache reads",
+        damages.len(),
+        names.len()
+    );
     assert!(
         named * 4 >= names.len() * damages.len() * 3,
         "most damage is named: {named} of {}",
@@ -422,4 +428,51 @@ fn a_poisoned_remote_never_serves_a_plan() {
     assert_eq!(solved(&offline), 0);
     let v = ws.run(&["cache", "verify", "--json"]);
     assert_eq!(v.json()["removed"], 0, "{}", v.stdout);
+}
+
+#[test]
+fn cache_verify_reports_and_repairs_the_same_damage() {
+    let source = TempWorkspace::default_copy();
+    build_ok(&source, "fill", &[]);
+    build_ok(&source, "seal", &[]);
+    let pristine = source.path().join(".autopar/cache");
+    let verify = |ws: &TempWorkspace| -> Value {
+        let r = ws.run(&["cache", "verify", "--json"]);
+        assert_no_panic(&r, "verify");
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        r.json()
+    };
+    // A truncated log: sled either notices (moved aside) or loses entries in silence, which
+    // the seal names.
+    let ws = TempWorkspace::default_copy();
+    let cache = ws.path().join(".autopar/cache");
+    copy_dir(&pristine, &cache);
+    damage(&cache.join("db"), Damage::Half);
+    let report = verify(&ws);
+    let lost = report["damage"].as_array().is_some_and(|d| {
+        d.iter()
+            .any(|d| d.as_str().is_some_and(|d| d.contains("lost")))
+    });
+    let moved = report["repairs"].as_array().is_some_and(|r| !r.is_empty());
+    assert!(lost || moved, "{report}");
+    // A settings file replaced by a directory: the database is moved aside and replaced.
+    let ws = TempWorkspace::default_copy();
+    let cache = ws.path().join(".autopar/cache");
+    copy_dir(&pristine, &cache);
+    damage(&cache.join("conf"), Damage::Directory);
+    let report = verify(&ws);
+    let repairs = report["repairs"].as_array().cloned().unwrap_or_default();
+    assert_eq!(repairs.len(), 1, "{report}");
+    let moved = repairs[0]["moved_to"].as_str().expect("where it went");
+    assert!(ws.path().join(moved).is_dir(), "{moved}");
+    // Repaired: a second verify finds nothing, and a build fills the new cache.
+    let again = verify(&ws);
+    assert_eq!(
+        again["repairs"].as_array().map(Vec::len),
+        Some(0),
+        "{again}"
+    );
+    assert_eq!(again["damage"].as_array().map(Vec::len), Some(0), "{again}");
+    build_ok(&ws, "after verify", &[]);
+    assert_eq!(solved(&build_ok(&ws, "cached again", &[])), 0);
 }

@@ -131,6 +131,19 @@ pub fn serve(a: &crate::args::ServeArgs) -> Result<(), Failure> {
         }),
         _ => None,
     };
+    if let Some(pem) = &tls {
+        server::check_tls(pem).map_err(|reason| {
+            Failure::Input(anyhow::anyhow!(
+                "--tls-cert {} --tls-key {}: {reason}",
+                a.tls_cert
+                    .as_deref()
+                    .map_or(String::new(), |p| p.display().to_string()),
+                a.tls_key
+                    .as_deref()
+                    .map_or(String::new(), |p| p.display().to_string())
+            ))
+        })?;
+    }
     let scheme = if tls.is_some() { "https" } else { "http" };
     let cfg = server::ServeConfig {
         dir: a.dir.clone(),

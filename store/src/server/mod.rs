@@ -188,6 +188,12 @@ async fn shutdown_signal() {
     }
 }
 
+/// Checks that `pem` makes a TLS identity (a certificate chain and its key), saying what is
+/// wrong otherwise.
+pub fn check_tls(pem: &TlsPem) -> Result<(), String> {
+    tls_acceptor(pem).map(|_| ())
+}
+
 /// The TLS acceptor for `pem`.
 fn tls_acceptor(pem: &TlsPem) -> Result<tokio_rustls::TlsAcceptor, String> {
     use tokio_rustls::rustls::pki_types::pem::PemObject;
