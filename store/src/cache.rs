@@ -270,14 +270,7 @@ fn open_handle(dir: &Path, generation: u64) -> Result<Handle, OpenError> {
 
 /// Moves the damaged database at `dir` aside and makes `dir` an empty directory again.
 fn move_aside(dir: &Path, reason: &str) -> Result<Repair, StoreError> {
-    let err = |action: &'static str| {
-        let path = dir.to_path_buf();
-        move |source: std::io::Error| StoreError {
-            action,
-            path,
-            source,
-        }
-    };
+    let err = |action| crate::err(action, dir);
     // Only a directory of the cache's own files is moved: a directory of other things must
     // never lose them.
     if let Some(name) = foreign_file(dir) {
@@ -308,14 +301,7 @@ impl LocalCache {
     /// or panics on) is moved aside (`<dir>.corrupt-<ms>`) with a warning and a new one is
     /// created. Fails when the directory cannot be used at all (no permission, full disk).
     pub fn open(dir: &Path, wait: Duration) -> Result<Self, StoreError> {
-        let err = |action: &'static str| {
-            let path = dir.to_path_buf();
-            move |source: std::io::Error| StoreError {
-                action,
-                path,
-                source,
-            }
-        };
+        let err = |action| crate::err(action, dir);
         std::fs::create_dir_all(dir).map_err(err("creating cache directory"))?;
         // A directory of other things (`--cache-dir ~` by mistake) is never made a cache: sled
         // would write its files among them, and a repair would move them all aside.

@@ -42,7 +42,11 @@ pub struct StoreError {
     pub source: std::io::Error,
 }
 
-fn err<'p>(action: &'static str, path: &'p Path) -> impl FnOnce(std::io::Error) -> StoreError + 'p {
+/// A `map_err` adapter: the I/O error of `action` on `path`.
+pub(crate) fn err<'p>(
+    action: &'static str,
+    path: &'p Path,
+) -> impl FnOnce(std::io::Error) -> StoreError + 'p {
     move |source| StoreError {
         action,
         path: path.to_path_buf(),

@@ -81,35 +81,24 @@ pub(crate) struct Reading {
 /// Reads the seal at `dir` and compares the files it records (before sled opens them).
 pub(crate) fn read(dir: &Path) -> Reading {
     let path = dir.join(FILE);
+    // No seal to compare with: nothing found, or what is wrong with the seal itself.
+    let unsealed = |found: Option<&str>| Reading {
+        seal: None,
+        found: found
+            .map(|what| format!("its seal {} {what}", path.display()))
+            .into_iter()
+            .collect(),
+    };
     let bytes = match std::fs::read(&path) {
         Ok(b) => b,
-        Err(_) if !path.exists() => {
-            return Reading {
-                seal: None,
-                found: Vec::new(),
-            };
-        }
-        Err(_) => {
-            return Reading {
-                seal: None,
-                found: vec![format!("its seal {} cannot be read", path.display())],
-            };
-        }
+        Err(_) if !path.exists() => return unsealed(None),
+        Err(_) => return unsealed(Some("cannot be read")),
     };
     let seal = match serde_json::from_slice::<Seal>(&bytes) {
         Ok(s) if s.format == FORMAT => s,
-        Ok(_) => {
-            return Reading {
-                seal: None,
-                found: Vec::new(),
-            };
-        }
-        Err(_) => {
-            return Reading {
-                seal: None,
-                found: vec![format!("its seal {} is damaged", path.display())],
-            };
-        }
+        // A later autopar's seal: not this one's to judge.
+        Ok(_) => return unsealed(None),
+        Err(_) => return unsealed(Some("is damaged")),
     };
     let mut found = Vec::new();
     if seal.conf.is_some() && hash_file(&dir.join("conf")) != seal.conf {

@@ -34,7 +34,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use serde::Serialize;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -250,14 +250,7 @@ async fn connection(
 /// Runs the server until SIGINT or SIGTERM; `ready` is called with the bound address once it
 /// accepts connections.
 pub fn serve(cfg: ServeConfig, ready: impl FnOnce(SocketAddr)) -> Result<ServerStatus, StoreError> {
-    let err = |action: &'static str, path: &Path| {
-        let path = path.to_path_buf();
-        move |source: std::io::Error| StoreError {
-            action,
-            path,
-            source,
-        }
-    };
+    use crate::err;
     std::fs::create_dir_all(&cfg.dir).map_err(err("creating cache directory", &cfg.dir))?;
     let tls = match &cfg.tls {
         Some(pem) => Some(
