@@ -219,6 +219,11 @@ pub(super) fn uniform_block(problem: &BalanceProblem) -> Option<BalancePlan> {
         (None, _) => return None,
     };
     let profiles: Vec<Vec<Vec<u32>>> = (0..p).map(|j| problem.profiles(j)).collect();
+    let mut extras: Vec<f64> = (0..v)
+        .flat_map(|c| (0..p).map(move |j| extra(problem, c, j)))
+        .collect();
+    extras.sort_by(f64::total_cmp);
+    extras.dedup();
     let kappa = (m * v - 1) as f64;
     let mut best: Option<(f64, usize, f64)> = None;
     for &n_full in &full_counts {
@@ -229,10 +234,13 @@ pub(super) fn uniform_block(problem: &BalanceProblem) -> Option<BalancePlan> {
             profiles: &profiles,
         };
         let lo = n_full.max(1);
+        // A chunk's time depends on its chunk only through the head's and tail's extra time:
+        // the candidates are the times of each distinct extra, not of each of the p v chunks.
+        let shape_ref = &shape;
         let bounds = bottleneck::candidates(
-            (0..v)
-                .flat_map(|c| (0..p).flat_map(move |j| (lo..=l).map(move |n| (c, j, n))))
-                .map(|(c, j, n)| shape.chunk_time(c, j, n)),
+            extras
+                .iter()
+                .flat_map(|&e| (lo..=l).map(move |n| shape_ref.time_with(e, n))),
         );
         let sum_t = match base {
             Some(b) => {
@@ -387,10 +395,15 @@ impl Uniform<'_> {
     }
 
     fn chunk_time(&self, c: usize, j: usize, n: usize) -> f64 {
+        self.time_with(extra(self.problem, c, j), n)
+    }
+
+    /// The time of a chunk of `n` layers whose head or tail adds `extra`.
+    fn time_with(&self, extra: f64, n: usize) -> f64 {
         let pr = self.problem;
         let tb = self.base.map_or(0.0, |b| pr.forward + pr.backward[b]);
         let tf = pr.forward + pr.backward[self.full()];
-        (n - self.n_full) as f64 * tb + self.n_full as f64 * tf + extra(pr, c, j)
+        (n - self.n_full) as f64 * tb + self.n_full as f64 * tf + extra
     }
 
     fn counts_of(&self, n: usize) -> [u32; KINDS] {
