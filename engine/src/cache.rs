@@ -358,11 +358,20 @@ impl Cache {
     /// Writes a result to the local store, unless an earlier write failed: the first failure
     /// is the one warning, and the store is not written again in this process.
     fn store_locally(&self, k: Digest, bytes: &[u8], meta: &EntryMeta) {
+        self.write_locally(|local| local.put(&key(k), bytes, meta));
+    }
+
+    /// Runs a write on the local store while it is writable; the first failure stops further
+    /// writes and, unless the store already failed otherwise, is the one warning.
+    fn write_locally(
+        &self,
+        write: impl FnOnce(&LocalCache) -> Result<(), autopar_store::StoreError>,
+    ) {
         let Some(local) = &self.local else { return };
         if !self.local_writable.load(Ordering::Relaxed) {
             return;
         }
-        if let Err(e) = local.put(&key(k), bytes, meta)
+        if let Err(e) = write(local)
             && self.local_writable.swap(false, Ordering::Relaxed)
             && !self.local_warned.swap(true, Ordering::Relaxed)
         {
@@ -440,14 +449,7 @@ impl Cache {
 
     /// Makes the store's writes durable.
     pub fn flush(&self) {
-        if let Some(local) = &self.local
-            && self.local_writable.load(Ordering::Relaxed)
-            && let Err(e) = local.flush()
-            && self.local_writable.swap(false, Ordering::Relaxed)
-            && !self.local_warned.swap(true, Ordering::Relaxed)
-        {
-            tracing::warn!("cannot write the local cache ({e}: {})", e.source);
-        }
+        self.write_locally(LocalCache::flush);
     }
 }
 

@@ -407,7 +407,8 @@ impl LocalCache {
             _ => return,
         }
         // A damaged sled handle may panic again when dropped (its trees flush on drop), outside
-        // any containment; it is leaked instead. This happens at most once or twice a process.
+        // any containment: the state's reference is leaked, so the caller's, dropped here, is
+        // never the last. This happens at most once or twice a process.
         drop(handle);
         let old = std::mem::replace(&mut *state, State::Closed(why.to_string()));
         if let State::Open(h) = old {
@@ -551,11 +552,17 @@ impl LocalCache {
 
     /// Removes an entry.
     pub fn remove(&self, key: &Key) -> Result<(), StoreError> {
+        self.remove_raw(&key.0)
+    }
+
+    /// Removes the value, metadata and last use stored under the raw key `k` (which `verify`
+    /// may find malformed).
+    fn remove_raw(&self, k: &[u8]) -> Result<(), StoreError> {
         self.check_fault("removing a cache entry")?;
         self.call(|h| {
-            h.values.remove(key.0)?;
-            h.meta.remove(key.0)?;
-            h.used.remove(key.0)?;
+            h.values.remove(k)?;
+            h.meta.remove(k)?;
+            h.used.remove(k)?;
             Ok(())
         })
         .map_err(self.error("removing a cache entry"))
@@ -656,16 +663,9 @@ impl LocalCache {
                 None => report.orphans += 1,
             }
             if let Some(e) = &why {
-                tracing::warn!(key = %hex(&k), "corrupt cache entry removed: {e}");
+                tracing::warn!(key = %crate::hex(&k), "corrupt cache entry removed: {e}");
             }
-            self.check_fault("removing a cache entry")?;
-            self.call(|h| {
-                h.values.remove(&k)?;
-                h.meta.remove(&k)?;
-                h.used.remove(&k)?;
-                Ok(())
-            })
-            .map_err(self.error("removing a cache entry"))?;
+            self.remove_raw(&k)?;
             report.removed += 1;
         }
         self.flush()?;
@@ -732,10 +732,6 @@ impl LocalCache {
         self.call(|h| h.values.insert(key.0, bytes).map(|_| ()))
             .map_err(self.error("writing cache"))
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -42,6 +42,11 @@ pub struct StoreError {
     pub source: std::io::Error,
 }
 
+/// Lower-case hex of `bytes` (keys, digests, CAS names).
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// A `map_err` adapter: the I/O error of `action` on `path`.
 pub(crate) fn err<'p>(
     action: &'static str,

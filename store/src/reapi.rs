@@ -44,10 +44,7 @@ pub struct ActionResult {
 
 /// Lower-case hex SHA-256 of `bytes`: the CAS name of a blob.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::hex(&Sha256::digest(bytes))
 }
 
 /// The action-cache entry for a result whose bytes are `blob` (stored in the CAS).

@@ -20,7 +20,7 @@ pub struct Key(pub [u8; 32]);
 impl Key {
     /// Lower-case hex.
     pub fn hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        crate::hex(&self.0)
     }
 }
 

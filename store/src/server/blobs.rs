@@ -397,11 +397,7 @@ async fn upload(
             ));
         }
     }
-    let digest: String = hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let digest = crate::hex(&hasher.finalize());
     if section == "cas" && digest != key {
         return Err((
             StatusCode::BAD_REQUEST,
