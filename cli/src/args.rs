@@ -1,9 +1,9 @@
 //! Command-line interface definition.
 
-use autopar_rules::frontend::Attention;
-use autopar_rules::layout::Recompute;
+use autopar_rules::cost::memory::Precision;
 use autopar_rules::limits;
-use autopar_rules::memory::Precision;
+use autopar_rules::model::frontend::Attention;
+use autopar_rules::plan::layout::Recompute;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
@@ -128,7 +128,7 @@ pub enum BackendArg {
     Cuda,
 }
 
-impl From<BackendArg> for autopar_engine::run::Backend {
+impl From<BackendArg> for autopar_engine::executor::Backend {
     fn from(b: BackendArg) -> Self {
         match b {
             BackendArg::Cpu => Self::Cpu,

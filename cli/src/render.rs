@@ -1,12 +1,12 @@
 //! Human-readable rendering of estimates, plans and graphs.
 
 use autopar_engine::sharding::ShardingResult;
-use autopar_rules::cluster::{Cluster, GIB};
-use autopar_rules::estimate::{Chunk, Estimate, MemoryBreakdown};
-use autopar_rules::graph::{GraphSummary, Pass};
-use autopar_rules::layout::{Layout, Recompute};
-use autopar_rules::partition::Attempt;
-use autopar_rules::plan::{Plan, shell_quote};
+use autopar_rules::cost::cluster::{Cluster, GIB};
+use autopar_rules::model::graph::{GraphSummary, Pass};
+use autopar_rules::plan::estimate::{Chunk, Estimate, MemoryBreakdown};
+use autopar_rules::plan::format::{Plan, shell_quote};
+use autopar_rules::plan::layout::{Layout, Recompute};
+use autopar_rules::plan::partition::Attempt;
 use std::fmt::Write;
 use std::path::Path;
 
@@ -636,9 +636,12 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
 }
 
 /// Peak FLOP/s of `device` for products computed in `dtype`.
-fn peak_for(device: &autopar_rules::cluster::Device, dtype: autopar_rules::graph::DType) -> f64 {
+fn peak_for(
+    device: &autopar_rules::cost::cluster::Device,
+    dtype: autopar_rules::model::graph::DType,
+) -> f64 {
     match dtype {
-        autopar_rules::graph::DType::F32 => device.peak_fp32_flops,
+        autopar_rules::model::graph::DType::F32 => device.peak_fp32_flops,
         _ => device.peak_bf16_flops,
     }
 }
@@ -667,9 +670,9 @@ fn measured_rows(m: &autopar_engine::profiles::Measured) -> Vec<(String, f64, Op
 /// `autopar profile run`'s summary.
 pub fn profile_run(
     m: &autopar_engine::profiles::Measured,
-    device: &autopar_rules::cluster::Device,
+    device: &autopar_rules::cost::cluster::Device,
     a: &crate::args::ProfileRunArgs,
-    backend: autopar_engine::run::Backend,
+    backend: autopar_engine::executor::Backend,
 ) -> String {
     let mut s = String::new();
     let (ops, colls) = m
@@ -677,8 +680,8 @@ pub fn profile_run(
         .entries()
         .iter()
         .fold((0, 0), |(o, c), (e, _)| match e {
-            autopar_rules::profile::EntryId::Op(_) => (o + 1, c),
-            autopar_rules::profile::EntryId::Collective(..) => (o, c + 1),
+            autopar_rules::cost::profile::EntryId::Op(_) => (o + 1, c),
+            autopar_rules::cost::profile::EntryId::Collective(..) => (o, c + 1),
         });
     let _ = writeln!(
         s,
@@ -751,9 +754,9 @@ pub fn profile_run(
 /// `autopar profile run`'s summary as JSON.
 pub fn profile_run_json(
     m: &autopar_engine::profiles::Measured,
-    device: &autopar_rules::cluster::Device,
+    device: &autopar_rules::cost::cluster::Device,
     a: &crate::args::ProfileRunArgs,
-    backend: autopar_engine::run::Backend,
+    backend: autopar_engine::executor::Backend,
 ) -> serde_json::Value {
     let fastest = m.fastest_product.as_ref().map(|(sig, rate)| {
         let peak = peak_for(device, sig.dtype);

@@ -5,8 +5,10 @@
 
 use crate::diagnostic::Diagnostic;
 use crate::error::EngineError;
-use autopar_rules::frontend::locate::{PathSeg, locate};
-use autopar_rules::inter::{InterError, StageOptions, StagePlan, StageProblem, place, solve};
+use autopar_rules::model::frontend::locate::{PathSeg, locate};
+use autopar_rules::solve::inter::{
+    InterError, StageOptions, StagePlan, StageProblem, place, solve,
+};
 use serde::Deserialize;
 use std::path::Path;
 

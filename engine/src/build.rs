@@ -17,14 +17,14 @@ use crate::record::{
 };
 use crate::workspace::{Target, Workspace};
 use autopar_rules::canonical::{Digest, KeyParts};
-use autopar_rules::cluster::GIB;
-use autopar_rules::estimate::{CostSource, Estimator};
-use autopar_rules::frontend::LowerOptions;
-use autopar_rules::layer_cost::{LayerCost, LayerCostContext, Pricing};
-use autopar_rules::layout::LayoutError;
-use autopar_rules::plan::{Plan, PlanModel};
-use autopar_rules::schedule::{chrome_trace, simulate, trace_spec};
-use autopar_rules::search::{SearchResult, layer_cost_digest, search};
+use autopar_rules::cost::cluster::GIB;
+use autopar_rules::cost::layer_cost::{LayerCost, LayerCostContext, Pricing};
+use autopar_rules::model::frontend::LowerOptions;
+use autopar_rules::plan::estimate::{CostSource, Estimator};
+use autopar_rules::plan::format::{Plan, PlanModel};
+use autopar_rules::plan::layout::LayoutError;
+use autopar_rules::plan::search::{SearchResult, layer_cost_digest, search};
+use autopar_rules::solve::schedule::{chrome_trace, simulate, trace_spec};
 use autopar_store::EntryMeta;
 use rayon::prelude::*;
 use std::path::PathBuf;
@@ -152,7 +152,7 @@ pub fn target_parts(ws: &Workspace, t: &Target) -> KeyParts {
         .with("profile", &profile_entries(t))
 }
 
-fn profile_entries(t: &Target) -> Vec<(autopar_rules::profile::EntryId, f64)> {
+fn profile_entries(t: &Target) -> Vec<(autopar_rules::cost::profile::EntryId, f64)> {
     t.profile.as_ref().map(|p| p.entries()).unwrap_or_default()
 }
 

@@ -1,7 +1,7 @@
 //! Input errors that point at a place in a file: path, line, column, field, expected, found.
 
 use autopar_rules::error::FieldError;
-use autopar_rules::frontend::locate::{line_col, offset_of};
+use autopar_rules::model::frontend::locate::{line_col, offset_of};
 use std::fmt;
 use std::path::{Path, PathBuf};
 

@@ -40,7 +40,7 @@ pub enum EngineError {
     },
     /// A layout given on the command line cannot run.
     #[error(transparent)]
-    Layout(#[from] autopar_rules::layout::LayoutError),
+    Layout(#[from] autopar_rules::plan::layout::LayoutError),
     /// The problem has no solution (memory cap, devices); the message says which constraint.
     #[error("{0}")]
     Infeasible(String),

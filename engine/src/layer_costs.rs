@@ -5,8 +5,8 @@
 use crate::cache::{Cache, Source};
 use crate::record::LayerRecord;
 use autopar_rules::canonical::{Digest, digest};
-use autopar_rules::estimate::CostSource;
-use autopar_rules::layer_cost::{LayerCost, LayerCostContext, Pricing};
+use autopar_rules::cost::layer_cost::{LayerCost, LayerCostContext, Pricing};
+use autopar_rules::plan::estimate::CostSource;
 use autopar_store::EntryMeta;
 use std::collections::HashSet;
 use std::sync::Mutex;

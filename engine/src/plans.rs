@@ -2,7 +2,7 @@
 
 use crate::diagnostic::Diagnostic;
 use crate::error::EngineError;
-use autopar_rules::plan::{PLAN_SCHEMA, Plan};
+use autopar_rules::plan::format::{PLAN_SCHEMA, Plan};
 use std::path::Path;
 
 /// Writes `plan` as pretty JSON to `path`, atomically.

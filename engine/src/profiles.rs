@@ -2,19 +2,14 @@
 //! (`autopar profile run`).
 
 use crate::EngineError;
-use crate::executor::ExecError;
 use crate::executor::cuda;
 use crate::executor::measure::{OpBench, time_collective};
-use crate::run::Backend;
+use crate::executor::{Backend, CPU_DEVICE, ExecError};
 use crate::workspace::{Target, Workspace};
-use autopar_rules::estimate::Estimator;
-use autopar_rules::profile::{EntryId, OpSignature, Profile};
-use autopar_rules::search::pricing_combinations;
+use autopar_rules::cost::profile::{EntryId, OpSignature, Profile};
+use autopar_rules::plan::estimate::Estimator;
+use autopar_rules::plan::search::pricing_combinations;
 use std::time::Instant;
-
-/// Device name of profiles measured by the CPU backend: they apply to clusters of
-/// `preset = "cpu"`.
-pub const CPU_DEVICE: &str = "cpu";
 
 /// Every kernel and tensor-parallel collective `t`'s search prices, with the times the
 /// analytic model gives them: measure these and put the results in a profile.

@@ -4,7 +4,7 @@
 use crate::cache::Source;
 use crate::error::EngineError;
 use autopar_rules::canonical::KeyParts;
-use autopar_rules::profile::{EntryId, ProfileRead};
+use autopar_rules::cost::profile::{EntryId, ProfileRead};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -4,16 +4,15 @@
 use crate::EngineError;
 use crate::cache::{Cache, Source};
 use crate::executor::{
-    CheckReport, ExecError, ExecLayout, Program, RunOptions, RunResult, check, cuda, lower,
-    run_program, summarize,
+    Backend, CPU_DEVICE, CheckReport, ExecError, ExecLayout, Program, RunOptions, RunResult, check,
+    cuda, lower, run_program, summarize,
 };
-use crate::profiles::CPU_DEVICE;
 use crate::workspace::Workspace;
 use autopar_rules::canonical::digest;
-use autopar_rules::estimate::TimeBreakdown;
-use autopar_rules::frontend::LowerOptions;
-use autopar_rules::graph::{DType, Graph, TensorKind};
-use autopar_rules::plan::Plan;
+use autopar_rules::model::frontend::LowerOptions;
+use autopar_rules::model::graph::{DType, Graph, TensorKind};
+use autopar_rules::plan::estimate::TimeBreakdown;
+use autopar_rules::plan::format::Plan;
 use autopar_store::EntryMeta;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -26,26 +25,6 @@ pub const CPU_STATE_LIMIT: f64 = 8.0 * (1u64 << 30) as f64;
 /// Most floating-point operations one step may take on the CPU backend (a few minutes on a
 /// few cores): a plan edited to a billion-sequence batch is refused rather than run for years.
 pub const CPU_STEP_FLOPS: f64 = 5e13;
-
-/// Backends `autopar run` knows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// Threads on the host, f32.
-    Cpu,
-    /// NVIDIA GPUs through CUDA, cuBLAS, NVRTC and NCCL.
-    Cuda,
-}
-
-impl Backend {
-    /// Name as written on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Cpu => "cpu",
-            Backend::Cuda => "cuda",
-        }
-    }
-}
 
 /// Where the lowered program came from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

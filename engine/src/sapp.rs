@@ -10,11 +10,11 @@
 
 use crate::diagnostic::Diagnostic;
 use crate::error::EngineError;
-use autopar_rules::balance::{
+use autopar_rules::solve::balance::{
     BalanceError, BalancePlan, BalanceProblem, Extra, KINDS, MemoryRun, MemoryTerms,
     SAPP_RECOMPUTE_COEF, SappLists, balance, counts_from_sapp, decompose, even_split, sapp_lists,
 };
-use autopar_rules::schedule::{Bubble, Schedule, Simulation, simulate};
+use autopar_rules::solve::schedule::{Bubble, Schedule, Simulation, simulate};
 use serde::Deserialize;
 use std::path::Path;
 use yaml_serde::Value;

@@ -5,8 +5,8 @@ use crate::db::{Database, Db, target_keys, workspace};
 use crate::error::EngineError;
 use crate::workspace::{Workspace, parse_model_text};
 use autopar_rules::canonical::Digest;
-use autopar_rules::cluster::{Cluster, parse_cluster_shorthand};
-use autopar_rules::frontend::ModelDef;
+use autopar_rules::cost::cluster::{Cluster, parse_cluster_shorthand};
+use autopar_rules::model::frontend::ModelDef;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

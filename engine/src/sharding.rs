@@ -4,13 +4,15 @@
 use crate::error::EngineError;
 use crate::session::Session;
 use crate::workspace::DEFAULT_VOCAB_MULTIPLE;
-use autopar_rules::cluster::{Cluster, PRESET_NAMES, preset};
-use autopar_rules::frontend::{Attention, LowerOptions};
-use autopar_rules::graph::{Graph, LayerKind};
-use autopar_rules::intra::stage::{IntraError, SolverChoice, StageModel, StageOptions, StagePlan};
-use autopar_rules::layout::LayoutError;
-use autopar_rules::memory::Precision;
-use autopar_rules::sharding::Mesh;
+use autopar_rules::cost::cluster::{Cluster, PRESET_NAMES, preset};
+use autopar_rules::cost::memory::Precision;
+use autopar_rules::cost::sharding::Mesh;
+use autopar_rules::model::frontend::{Attention, LowerOptions};
+use autopar_rules::model::graph::{Graph, LayerKind};
+use autopar_rules::plan::layout::LayoutError;
+use autopar_rules::solve::intra::stage::{
+    IntraError, SolverChoice, StageModel, StageOptions, StagePlan,
+};
 use std::ops::Range;
 
 /// Preset a mesh runs on when no cluster is named.

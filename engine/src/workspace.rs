@@ -2,16 +2,16 @@
 
 use crate::diagnostic::Diagnostic;
 use crate::error::EngineError;
-use autopar_rules::cluster::{Cluster, DEVICE_FIELDS, PRESET_NAMES, preset};
-use autopar_rules::frontend::{
+use autopar_rules::cost::cluster::{Cluster, DEVICE_FIELDS, PRESET_NAMES, preset};
+use autopar_rules::cost::memory::Precision;
+use autopar_rules::cost::profile::{Profile, parse_profile};
+use autopar_rules::limits;
+use autopar_rules::model::frontend::{
     Attention, Bias, GRAPH_FORMAT, Mlp, ModelDef, Norm, Position, TransformerConfig,
     canonical_field_name, parse_graph_file, parse_hf_config,
 };
-use autopar_rules::layout::{Recompute, TrainingOptions};
-use autopar_rules::limits;
-use autopar_rules::memory::Precision;
-use autopar_rules::profile::{Profile, parse_profile};
-use autopar_rules::search::SearchSpace;
+use autopar_rules::plan::layout::{Recompute, TrainingOptions};
+use autopar_rules::plan::search::SearchSpace;
 use serde::{Deserialize, Deserializer};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -459,7 +459,7 @@ impl Loader<'_> {
         t: &Spanned<RawTransformer>,
     ) -> Result<TransformerConfig, EngineError> {
         let r = t.get_ref();
-        let located = |e: autopar_rules::frontend::TransformerConfigError| {
+        let located = |e: autopar_rules::model::frontend::TransformerConfigError| {
             let key = canonical_field_name(e.field);
             self.diag(
                 self.key_in(t.span(), key),

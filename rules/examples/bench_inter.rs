@@ -4,7 +4,7 @@
 //!
 //! `cargo run --release -p autopar-rules --example bench_inter`
 
-use autopar_rules::inter::{StageOptions, StageProblem, solve, submesh_choices};
+use autopar_rules::solve::inter::{StageOptions, StageProblem, solve, submesh_choices};
 use std::time::Instant;
 
 /// A small deterministic generator (SplitMix64), so runs are reproducible.

@@ -2,13 +2,13 @@
 //! memory against Korthikanti et al. 2022 (ALGORITHMS.md §5), FLOPs against Megatron-LM's
 //! formula.
 
-use autopar_rules::cluster::preset;
-use autopar_rules::frontend::{
+use autopar_rules::cost::cluster::preset;
+use autopar_rules::cost::layer_cost::{KernelOptions, LayerCost, layer_costs};
+use autopar_rules::cost::tensor_parallel::TpConfig;
+use autopar_rules::model::frontend::{
     Attention, Bias, LowerOptions, Mlp, Norm, Position, TransformerConfig, parse_hf_config,
 };
-use autopar_rules::graph::{DType, Graph, LayerKind};
-use autopar_rules::layer_cost::{KernelOptions, LayerCost, layer_costs};
-use autopar_rules::tensor_parallel::TpConfig;
+use autopar_rules::model::graph::{DType, Graph, LayerKind};
 
 fn model(file: &str) -> TransformerConfig {
     let path = format!("{}/../models/{file}", env!("CARGO_MANIFEST_DIR"));
@@ -93,7 +93,7 @@ fn megatron_table_models_match_the_papers_formula() {
 
 fn costs(g: &Graph, t: u64, sp: bool) -> Vec<LayerCost> {
     let d = preset("a100-80g").expect("preset");
-    let c = autopar_rules::cluster::Cluster {
+    let c = autopar_rules::cost::cluster::Cluster {
         name: "c".into(),
         nodes: 1,
         gpus_per_node: 8,

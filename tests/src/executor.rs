@@ -2,10 +2,10 @@
 
 use autopar_engine::executor::ExecLayout;
 use autopar_engine::workspace;
-use autopar_rules::frontend::{
+use autopar_rules::model::frontend::{
     Attention, Bias, LowerOptions, Mlp, ModelDef, Norm, Position, TransformerConfig,
 };
-use autopar_rules::graph::{DType, Graph};
+use autopar_rules::model::graph::{DType, Graph};
 
 /// The shipped `tiny-llama` model of the default workspace (4 blocks, hidden 256, 8 heads over
 /// 2 key/value heads, SwiGLU, RMSNorm, rotary positions), lowered at micro-batch `mb` and

@@ -2,11 +2,11 @@
 //! micro-batch and sequence length, meshes on a preset cluster.
 
 use crate::repo_root;
-use autopar_rules::cluster::{Cluster, preset};
-use autopar_rules::frontend::{Attention, LowerOptions, ModelDef};
-use autopar_rules::frontend::{parse_graph_file, parse_hf_config};
-use autopar_rules::graph::{DType, Graph};
-use autopar_rules::sharding::Mesh;
+use autopar_rules::cost::cluster::{Cluster, preset};
+use autopar_rules::cost::sharding::Mesh;
+use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef};
+use autopar_rules::model::frontend::{parse_graph_file, parse_hf_config};
+use autopar_rules::model::graph::{DType, Graph};
 
 /// Every model file shipped under `models/` (HuggingFace configs and graph files), by file
 /// name, sorted.

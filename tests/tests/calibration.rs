@@ -1,11 +1,11 @@
 //! The GPU presets' matmul efficiencies are not microbenchmark numbers but a fit to published
-//! end-to-end runs by a fixed rule (`rules/src/cluster.rs`, `AMPERE_MATMUL_EFFICIENCY`): this
+//! end-to-end runs by a fixed rule (`rules/src/cost/cluster.rs`, `AMPERE_MATMUL_EFFICIENCY`): this
 //! repeats the fit on MosaicML's MPT throughput tables and checks that the shipped constants
 //! are its result, then prints every published row's error with the shipped constants. Run
 //! with `--nocapture` to see the tables.
 
 use autopar_engine::executor::median;
-use autopar_rules::cluster::{AMPERE_MATMUL_EFFICIENCY, HOPPER_MATMUL_EFFICIENCY};
+use autopar_rules::cost::cluster::{AMPERE_MATMUL_EFFICIENCY, HOPPER_MATMUL_EFFICIENCY};
 use autopar_tests::TempWorkspace;
 use autopar_tests::mosaicml::{ROWS, Row};
 

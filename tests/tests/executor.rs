@@ -3,7 +3,7 @@
 //! pipeline and interleaved-pipeline parallelism, ZeRO, and their combinations.
 
 use autopar_engine::executor::{ExecError, ExecLayout, RunOptions, check, lower, run_program};
-use autopar_rules::graph::Graph;
+use autopar_rules::model::graph::Graph;
 use autopar_tests::executor::{layout, tiny_gpt, tiny_llama};
 
 const OPTS: RunOptions = RunOptions {
@@ -374,10 +374,11 @@ micro_batch = [1]
     // Every kernel and collective the target's search prices (tp 1 and 2) has a positive time.
     let template = ws.run(&["profile", "template", "tiny-cpu"]);
     assert_eq!(template.code, 0, "{}", template.stderr);
-    let want = autopar_rules::profile::parse_profile(&template.stdout).expect("template");
-    let got = autopar_rules::profile::parse_profile(&ws.read("measured.json")).expect("profile");
+    let want = autopar_rules::cost::profile::parse_profile(&template.stdout).expect("template");
+    let got =
+        autopar_rules::cost::profile::parse_profile(&ws.read("measured.json")).expect("profile");
     assert_eq!(got.device, "cpu");
-    let keys = |p: &autopar_rules::profile::Profile| -> Vec<_> {
+    let keys = |p: &autopar_rules::cost::profile::Profile| -> Vec<_> {
         p.entries().into_iter().map(|(e, _)| e).collect()
     };
     assert_eq!(keys(&got), keys(&want));
@@ -385,7 +386,7 @@ micro_batch = [1]
     assert!(
         keys(&got)
             .iter()
-            .any(|e| matches!(e, autopar_rules::profile::EntryId::Collective(..))),
+            .any(|e| matches!(e, autopar_rules::cost::profile::EntryId::Collective(..))),
         "tensor parallelism over two threads measures collectives"
     );
 

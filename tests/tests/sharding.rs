@@ -3,11 +3,11 @@
 //! parallelism on one node, pure data parallelism across nodes, sharded optimizer states and
 //! weights under a tight budget), and `autopar solve sharding` reports them.
 
-use autopar_rules::graph::{Graph, LayerKind};
-use autopar_rules::intra::stage::{
+use autopar_rules::cost::sharding::Mesh;
+use autopar_rules::model::graph::{Graph, LayerKind};
+use autopar_rules::solve::intra::stage::{
     Phase, Reason, SolverChoice, StageModel, StageOptions, StagePlan,
 };
-use autopar_rules::sharding::Mesh;
 use autopar_tests::TempWorkspace;
 use autopar_tests::sharding::{cluster_for, lower, mesh, shipped_models};
 use std::ops::Range;
@@ -127,7 +127,10 @@ fn block(g: &Graph) -> Range<usize> {
     i..i + 1
 }
 
-fn param<'p>(plan: &'p StagePlan, suffix: &str) -> &'p autopar_rules::intra::stage::ParamSharding {
+fn param<'p>(
+    plan: &'p StagePlan,
+    suffix: &str,
+) -> &'p autopar_rules::solve::intra::stage::ParamSharding {
     plan.parameters
         .iter()
         .find(|p| p.name.ends_with(suffix))
@@ -164,9 +167,9 @@ fn one_node_gives_megatron_tensor_parallelism() {
             .collect();
         assert_eq!(per_microbatch.len(), 4, "{file}: {per_microbatch:?}");
         assert!(
-            per_microbatch
-                .iter()
-                .all(|c| c.kind == autopar_rules::cost::Collective::AllReduce && c.axis == 1),
+            per_microbatch.iter().all(|c| c.kind
+                == autopar_rules::cost::analytic::Collective::AllReduce
+                && c.axis == 1),
             "{file}: {per_microbatch:?}"
         );
         assert_eq!(plan.per_microbatch.resharding, 0.0, "{file}");

@@ -8,8 +8,8 @@ use crate::render;
 use autopar_engine::EngineError;
 use autopar_engine::session::Session;
 use autopar_engine::workspace::DEFAULT_VOCAB_MULTIPLE;
-use autopar_rules::estimate::Estimator;
-use autopar_rules::layout::{Layout, TrainingOptions};
+use autopar_rules::plan::estimate::Estimator;
+use autopar_rules::plan::layout::{Layout, TrainingOptions};
 use serde_json::json;
 
 pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
@@ -121,7 +121,7 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             "the layout needs {:.1} GiB per device but {} has {:.1} GiB usable",
             e.memory_per_device_gib,
             cluster.device.name,
-            e.memory_capacity / autopar_rules::cluster::GIB
+            e.memory_capacity / autopar_rules::cost::cluster::GIB
         )))
     }
 }

@@ -6,8 +6,8 @@ use crate::args::GraphArgs;
 use crate::output::out;
 use crate::render;
 use autopar_engine::session::Session;
-use autopar_rules::frontend::{Attention, LowerOptions};
-use autopar_rules::memory::Precision;
+use autopar_rules::cost::memory::Precision;
+use autopar_rules::model::frontend::{Attention, LowerOptions};
 
 /// Sequence length used for graph files that declare no `max_seq`.
 const FALLBACK_SEQ: u64 = 2048;

@@ -9,10 +9,10 @@ use autopar_engine::EngineError;
 use autopar_engine::cache::LocalCache;
 use autopar_engine::cache::cache_dir;
 use autopar_engine::diagnostic::Diagnostic;
-use autopar_engine::run::Backend;
+use autopar_engine::executor::Backend;
 use autopar_engine::session::Session;
 use autopar_rules::canonical::digest;
-use autopar_rules::profile::{EntryId, Profile, import_profile, parse_profile};
+use autopar_rules::cost::profile::{EntryId, Profile, import_profile, parse_profile};
 use serde_json::json;
 use std::path::Path;
 
@@ -203,7 +203,7 @@ pub fn run(session: &Session, a: &ProfileRunArgs) -> Result<(), Failure> {
         .cluster(&a.cluster)
         .map(|c| c.device.clone())
         .filter(|d| d.name == measured.profile.device)
-        .or_else(|| autopar_rules::cluster::preset(&measured.profile.device))
+        .or_else(|| autopar_rules::cost::cluster::preset(&measured.profile.device))
         .ok_or_else(|| {
             Failure::Failed(anyhow::anyhow!(
                 "no device model named `{}`",

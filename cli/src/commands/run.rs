@@ -7,9 +7,10 @@ use crate::output::out;
 use crate::render;
 use autopar_engine::build::stale;
 use autopar_engine::cache::{Cache, cache_dir};
+use autopar_engine::executor::Backend;
 use autopar_engine::executor::RunOptions;
 use autopar_engine::plans::read_plan;
-use autopar_engine::run::{Backend, RunOutcome, run_plan};
+use autopar_engine::run::{RunOutcome, run_plan};
 use autopar_engine::session::Session;
 use std::path::Path;
 

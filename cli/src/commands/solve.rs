@@ -10,9 +10,9 @@ use autopar_engine::plans::write_trace;
 use autopar_engine::sapp::{BalanceOptions, solve_balance};
 use autopar_engine::session::Session;
 use autopar_engine::sharding::{ShardingRequest, solve_sharding};
-use autopar_rules::balance::{KINDS, RecomputeKind};
-use autopar_rules::intra::stage::SolverChoice;
-use autopar_rules::schedule::chrome_trace;
+use autopar_rules::solve::balance::{KINDS, RecomputeKind};
+use autopar_rules::solve::intra::stage::SolverChoice;
+use autopar_rules::solve::schedule::chrome_trace;
 use serde_json::json;
 use std::path::Path;
 
@@ -121,14 +121,14 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
         a.microbatches,
         a.memory_mb,
         match (r.plan.status, r.plan.lower_bound) {
-            (autopar_rules::balance::SolveStatus::Optimal, _) => "optimal".to_string(),
-            (autopar_rules::balance::SolveStatus::TimeLimit, Some(bound)) if bound > 0.0 =>
+            (autopar_rules::solve::balance::SolveStatus::Optimal, _) => "optimal".to_string(),
+            (autopar_rules::solve::balance::SolveStatus::TimeLimit, Some(bound)) if bound > 0.0 =>
                 format!(
                     "time limit reached (best found, at most {:.1}% above the LP relaxation's \
                      lower bound)",
                     (r.plan.objective / bound - 1.0) * 100.0
                 ),
-            (autopar_rules::balance::SolveStatus::TimeLimit, _) =>
+            (autopar_rules::solve::balance::SolveStatus::TimeLimit, _) =>
                 "time limit reached (best found, not proven optimal)".to_string(),
         },
         r.solve_seconds

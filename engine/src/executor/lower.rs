@@ -12,8 +12,8 @@
 use super::ExecError;
 use super::kernels::Kernel;
 use super::placement::{Conversion, State, conversions, divides};
-use autopar_rules::graph::{Graph, OpKind, Split, TensorId, TensorKind};
-use autopar_rules::schedule::{BlockKind, Schedule, stage_program};
+use autopar_rules::model::graph::{Graph, OpKind, Split, TensorId, TensorKind};
+use autopar_rules::solve::schedule::{BlockKind, Schedule, stage_program};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -622,7 +622,7 @@ struct Rule {
 
 fn lower_op(
     graph: &Graph,
-    oid: autopar_rules::graph::OpId,
+    oid: autopar_rules::model::graph::OpId,
     values: &mut Vec<ValueInfo>,
 ) -> Result<Vec<Step>, ExecError> {
     let op = graph.op(oid);

@@ -19,8 +19,8 @@ use super::kernels::{Group, Kernel, backward, batch_matmul_grad_b, forward, matm
 use super::placement::State;
 use super::tensor::Tensor;
 use super::{ExecError, median};
-use autopar_rules::graph::Pass;
-use autopar_rules::profile::{CollectiveName, OpSignature};
+use autopar_rules::cost::profile::{CollectiveName, OpSignature};
+use autopar_rules::model::graph::Pass;
 use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
@@ -914,7 +914,7 @@ pub fn time_collective(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use autopar_rules::graph::DType;
+    use autopar_rules::model::graph::DType;
 
     fn sig(op: &str, pass: Pass, inputs: &[&[u64]], outputs: &[&[u64]]) -> OpSignature {
         OpSignature {

@@ -17,7 +17,7 @@ pub mod tensor;
 
 pub use lower::{ExecLayout, Program, lower};
 
-use autopar_rules::graph::Graph;
+use autopar_rules::model::graph::Graph;
 pub use cpu::Phases;
 use cpu::{Coord, Device, DeviceReport, rank_of};
 use placement::{State, gather};
@@ -25,6 +25,30 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tensor::Tensor;
+
+/// Device name of profiles measured by the CPU backend: they apply to clusters of
+/// `preset = "cpu"`.
+pub const CPU_DEVICE: &str = "cpu";
+
+/// Backends `autopar run` knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Threads on the host, f32.
+    Cpu,
+    /// NVIDIA GPUs through CUDA, cuBLAS, NVRTC and NCCL.
+    Cuda,
+}
+
+impl Backend {
+    /// Name as written on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+        }
+    }
+}
 
 /// Why a program cannot be lowered or run.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -7,7 +7,7 @@
 //!
 //! `cargo run --release -p autopar-tests --bin autopar-bench-sharding [-- REPEATS]`
 
-use autopar_rules::intra::stage::{SolverChoice, StageModel, StageOptions, StagePlan};
+use autopar_rules::solve::intra::stage::{SolverChoice, StageModel, StageOptions, StagePlan};
 use autopar_tests::sharding::{lower, mesh};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -49,7 +49,7 @@ fn measure(
     let first_block = graph
         .layers
         .iter()
-        .position(|l| l.kind == autopar_rules::graph::LayerKind::Block)
+        .position(|l| l.kind == autopar_rules::model::graph::LayerKind::Block)
         .ok_or("no transformer block")?;
     let layers = first_block..first_block + 1;
     let budget = if tight {

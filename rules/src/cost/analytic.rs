@@ -1,0 +1,216 @@
+//! The analytic cost model: a roofline for kernels and alpha-beta formulas for collectives
+//! (ALGORITHMS.md §3 and §6).
+
+use crate::cost::cluster::{Device, Link};
+use crate::model::graph::{DType, Op, OpKind, Pass, TensorId};
+
+/// A collective operation over a communication group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Collective {
+    /// Sum over the group, result on every rank.
+    AllReduce,
+    /// Concatenation of every rank's shard on every rank.
+    AllGather,
+    /// Sum over the group, each rank keeping one shard.
+    ReduceScatter,
+    /// Every rank sends a distinct shard to every other rank.
+    AllToAll,
+}
+
+/// Time of a collective over `n` ranks whose full payload (the reduced tensor, or the gathered
+/// result) is `bytes`, on links with start-up latency alpha and bandwidth 1/beta (ring
+/// algorithms):
+///
+/// ```text
+/// all-reduce      alpha + 2 (n-1)/n   * bytes * beta
+/// all-gather      alpha +   (n-1)/n   * bytes * beta
+/// reduce-scatter  alpha +   (n-1)/n   * bytes * beta
+/// all-to-all      alpha +   (n-1)/n^2 * bytes * beta
+/// ```
+///
+/// All-to-all runs at the link's pairwise bandwidth, the others at its bus bandwidth.
+pub fn collective_time(kind: Collective, n: u64, bytes: f64, link: Link) -> f64 {
+    if n <= 1 || bytes <= 0.0 {
+        return 0.0;
+    }
+    let n = n as f64;
+    let f = (n - 1.0) / n;
+    let (volume, bandwidth) = match kind {
+        Collective::AllReduce => (2.0 * f, link.bandwidth),
+        Collective::AllGather | Collective::ReduceScatter => (f, link.bandwidth),
+        Collective::AllToAll => (f / n, link.pairwise_bandwidth),
+    };
+    link.latency + volume * bytes / bandwidth
+}
+
+/// Time to send `bytes` from one rank to another, at the link's pairwise bandwidth.
+pub fn p2p_time(bytes: f64, link: Link) -> f64 {
+    if bytes <= 0.0 {
+        return 0.0;
+    }
+    link.latency + bytes / link.pairwise_bandwidth
+}
+
+/// Bytes a kernel reads and writes, given the per-device size of each tensor it touches.
+///
+/// Most kernels stream every operand once, including what they write besides their outputs (a
+/// dropout mask, the fp32 probabilities a loss keeps). The exceptions: a view (the forward of
+/// `slice`) moves nothing; an embedding lookup reads only the gathered rows of the table; its
+/// gradient clears the dense table gradient, then reads the output gradient and
+/// read-modify-writes as many table rows.
+pub fn op_traffic(op: &Op, size: impl Fn(TensorId) -> f64) -> f64 {
+    let sum = |ids: &[TensorId]| ids.iter().map(|&t| size(t)).sum::<f64>();
+    let implicit: f64 = op
+        .saves
+        .iter()
+        .filter(|t| !op.inputs.contains(t) && !op.outputs.contains(t))
+        .map(|&t| size(t))
+        .sum();
+    let streamed = match (op.kind, op.pass) {
+        (OpKind::Slice, Pass::Forward) => 0.0,
+        (OpKind::Embedding, _) => size(op.inputs[0]) + 2.0 * sum(&op.outputs),
+        (OpKind::EmbeddingGrad, _) => {
+            size(op.inputs[0]) + 3.0 * size(op.inputs[1]) + sum(&op.outputs)
+        }
+        _ => sum(&op.inputs) + sum(&op.outputs),
+    };
+    streamed + implicit
+}
+
+/// Dimensions of a matrix product as one device runs it: `batch` independent products of
+/// `[m, k] x [k, n]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmShape {
+    /// Independent products (heads of a batched product).
+    pub batch: f64,
+    /// Rows of the result.
+    pub m: f64,
+    /// Columns of the result.
+    pub n: f64,
+}
+
+/// Output tile shapes of the large-GEMM kernels cuBLAS/CUTLASS pick from on Ampere and Hopper.
+const GEMM_TILES: [(f64, f64); 3] = [(256.0, 128.0), (128.0, 256.0), (128.0, 128.0)];
+
+/// Fraction of the GPU a matrix product keeps busy given tile and wave quantisation (NVIDIA,
+/// *Matrix Multiplication Background User's Guide*): the result is cut into tiles, one per SM
+/// at a time, so partial tiles and a partial last wave of tiles waste the rest. The best of the
+/// usual tile shapes is taken, as the library's heuristics would.
+pub fn wave_efficiency(shape: GemmShape, sm_count: f64) -> f64 {
+    if shape.m <= 0.0 || shape.n <= 0.0 || sm_count <= 0.0 {
+        return 1.0;
+    }
+    GEMM_TILES
+        .iter()
+        .map(|&(tm, tn)| {
+            let tiles = shape.batch * (shape.m / tm).ceil() * (shape.n / tn).ceil();
+            let waves = (tiles / sm_count).ceil();
+            (shape.batch * shape.m * shape.n / (waves * sm_count * tm * tn)).min(1.0)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Roofline time of one kernel on one device: the larger of its compute time (FLOPs at the peak
+/// of the unit it runs on, times that unit's achievable efficiency, times the wave efficiency of
+/// a matrix product of shape `gemm`) and its memory time (bytes at the achievable memory
+/// bandwidth), plus a fixed launch overhead. A view (no FLOPs, no bytes) costs nothing.
+pub fn kernel_time(
+    kind: OpKind,
+    flops: f64,
+    bytes: f64,
+    device: &Device,
+    dtype: DType,
+    gemm: Option<GemmShape>,
+) -> f64 {
+    if flops <= 0.0 && bytes <= 0.0 {
+        return 0.0;
+    }
+    let tensor_peak = match dtype {
+        DType::F32 => device.peak_fp32_flops,
+        _ => device.peak_bf16_flops,
+    };
+    let rate = match kind {
+        OpKind::MatMul { .. } | OpKind::BatchMatMul { .. } => {
+            let waves = gemm.map_or(1.0, |g| wave_efficiency(g, device.sm_count));
+            tensor_peak * device.matmul_efficiency * waves
+        }
+        OpKind::FlashAttention { .. } => tensor_peak * device.attention_efficiency,
+        _ => device.peak_fp32_flops,
+    };
+    let compute = flops / rate;
+    let memory = bytes / (device.hbm_bandwidth * device.hbm_efficiency);
+    compute.max(memory) + device.kernel_overhead
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::cluster::preset;
+
+    fn link() -> Link {
+        Link {
+            latency: 1e-5,
+            bandwidth: 100e9,
+            pairwise_bandwidth: 100e9,
+            internode: false,
+        }
+    }
+
+    #[test]
+    fn ring_formulas() {
+        let b = 1e9;
+        let ar = collective_time(Collective::AllReduce, 8, b, link());
+        assert!((ar - (1e-5 + 2.0 * 7.0 / 8.0 * b / 100e9)).abs() < 1e-12);
+        let ag = collective_time(Collective::AllGather, 4, b, link());
+        assert!((ag - (1e-5 + 0.75 * b / 100e9)).abs() < 1e-12);
+        let a2a = collective_time(Collective::AllToAll, 4, b, link());
+        assert!((a2a - (1e-5 + 3.0 / 16.0 * b / 100e9)).abs() < 1e-12);
+        assert_eq!(collective_time(Collective::AllReduce, 1, b, link()), 0.0);
+        // An all-reduce moves as much as a reduce-scatter followed by an all-gather.
+        let rs = collective_time(Collective::ReduceScatter, 8, b, link());
+        let ag8 = collective_time(Collective::AllGather, 8, b, link());
+        assert!((rs + ag8 - 1e-5 - ar).abs() < 1e-12);
+    }
+
+    #[test]
+    fn roofline_picks_the_binding_resource() {
+        let d = preset("a100-80g").expect("preset");
+        // 8192^3 GEMM: compute bound at the matmul efficiency.
+        let f = 2.0 * 8192f64.powi(3);
+        let t = kernel_time(
+            OpKind::MatMul { transpose_b: false },
+            f,
+            3.0 * 8192.0 * 8192.0 * 2.0,
+            &d,
+            DType::Bf16,
+            None,
+        );
+        let expect = f / (312e12 * 0.71) + d.kernel_overhead;
+        assert!((t - expect).abs() / expect < 1e-12);
+        // An elementwise op over 1 GB is memory bound.
+        let t = kernel_time(OpKind::Gelu, 4e8, 1e9, &d, DType::Bf16, None);
+        let expect = 1e9 / (2.039e12 * 0.9) + d.kernel_overhead;
+        assert!((t - expect).abs() / expect < 1e-12);
+        assert_eq!(
+            kernel_time(OpKind::Slice, 0.0, 0.0, &d, DType::Bf16, None),
+            0.0
+        );
+    }
+
+    #[test]
+    fn wave_quantisation() {
+        let g = |m: f64, n: f64| GemmShape { batch: 1.0, m, n };
+        // 8 x 54 tiles of 256x128 = 432 = 4 full waves on 108 SMs.
+        assert_eq!(wave_efficiency(g(2048.0, 6912.0), 108.0), 1.0);
+        // [2048 x 2304]: best is 128x128, 288 tiles in 3 waves of 108.
+        let e = wave_efficiency(g(2048.0, 2304.0), 108.0);
+        assert!((e - 288.0 / 324.0).abs() < 1e-12, "{e}");
+        // A partial tile wastes its padding.
+        let e = wave_efficiency(g(100.0, 128.0), 108.0);
+        assert!(
+            (e - 100.0 * 128.0 / (108.0 * 128.0 * 128.0)).abs() < 1e-12,
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,720 @@
+//! What one layer costs on one device under a tensor-parallel configuration: kernel time and
+//! communication per micro-batch, activations kept for the backward pass under each
+//! recomputation mode, parameters held.
+
+use crate::canonical::KeyParts;
+use crate::cost::analytic::{Collective, collective_time, kernel_time, op_traffic};
+use crate::cost::cluster::{Device, Link};
+use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, ProfileRead};
+use crate::cost::tensor_parallel::{
+    Phase, TpConfig, collectives, device_shape_in_op, gemm_shape, op_device_flops, stored_bytes,
+    stored_elements, tensor_bytes_in_op,
+};
+use crate::model::graph::{
+    DType, Graph, LayerKind, OpId, OpKind, Pass, Split, TensorId, TensorKind,
+};
+use serde::{Deserialize, Serialize};
+
+/// How the framework runs kernels, beyond what the hardware determines.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KernelOptions {
+    /// Dtype of weights and activations.
+    pub dtype: DType,
+    /// Bytes per element of the gradient buffer weight gradients accumulate into across
+    /// micro-batches.
+    pub grad_buffer_bytes: f64,
+    /// Weight-gradient products accumulate straight into the gradient buffer
+    /// (Megatron-LM's `--gradient-accumulation-fusion`); otherwise every micro-batch adds
+    /// each fresh weight gradient to the buffer in a separate kernel.
+    pub grad_accumulation_fusion: bool,
+}
+use std::collections::HashMap;
+
+/// Costs of one layer per micro-batch on one device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerCost {
+    /// Role of the layer.
+    pub kind: LayerKind,
+    /// Forward kernel time, s.
+    pub fwd_compute: f64,
+    /// Forward tensor-parallel communication, s.
+    pub fwd_comm: f64,
+    /// Backward kernel time, s.
+    pub bwd_compute: f64,
+    /// Backward tensor-parallel communication not hidden behind compute, s.
+    pub bwd_comm: f64,
+    /// Forward kernel time of the attention-core ops (what selective recomputation re-runs), s.
+    pub attention_core_compute: f64,
+    /// Forward FLOPs of the whole layer (all ranks together).
+    pub fwd_flops: f64,
+    /// Backward FLOPs of the whole layer.
+    pub bwd_flops: f64,
+    /// Forward FLOPs of the attention core.
+    pub attention_core_flops: f64,
+    /// Activations kept for the backward pass without recomputation, bytes per device.
+    pub saved: f64,
+    /// Activations kept under selective recomputation (attention-core outputs dropped).
+    pub saved_selective: f64,
+    /// The layer's input, the only activation kept under full recomputation, bytes per device.
+    pub checkpoint: f64,
+    /// Largest activation gradient of the backward pass, bytes per device.
+    pub grad_working: f64,
+    /// Parameters the layer owns, elements per device.
+    pub params: f64,
+    /// Parameters the layer reads but another layer owns (a tied output embedding), as
+    /// (owning layer, elements per device).
+    pub borrowed_params: Vec<(usize, f64)>,
+    /// Size of the activation entering the layer, bytes (unsharded).
+    pub input_bytes: f64,
+}
+
+impl LayerCost {
+    /// A layer of `kind` that costs nothing (a starting point to add to).
+    pub fn empty(kind: LayerKind) -> Self {
+        LayerCost {
+            kind,
+            fwd_compute: 0.0,
+            fwd_comm: 0.0,
+            bwd_compute: 0.0,
+            bwd_comm: 0.0,
+            attention_core_compute: 0.0,
+            fwd_flops: 0.0,
+            bwd_flops: 0.0,
+            attention_core_flops: 0.0,
+            saved: 0.0,
+            saved_selective: 0.0,
+            checkpoint: 0.0,
+            grad_working: 0.0,
+            params: 0.0,
+            borrowed_params: Vec::new(),
+            input_bytes: 0.0,
+        }
+    }
+}
+
+/// What pricing a layer needs besides its graph.
+#[derive(Clone, Copy, Debug)]
+pub struct Pricing<'a> {
+    /// Tensor-parallel configuration.
+    pub tp: TpConfig,
+    /// The GPU.
+    pub device: &'a Device,
+    /// How kernels run.
+    pub kernels: &'a KernelOptions,
+    /// Links of the tensor-parallel group.
+    pub tp_link: Link,
+    /// Measured times that override the analytic model.
+    pub profile: Option<&'a Profile>,
+}
+
+/// Graph-wide facts a layer's cost depends on, computed once per graph: who produced and who
+/// saves each activation, which layer owns each parameter.
+pub struct LayerCostContext<'g> {
+    g: &'g Graph,
+    owned: Vec<Vec<TensorId>>,
+    producer: HashMap<TensorId, OpId>,
+    savers: HashMap<TensorId, Vec<OpId>>,
+}
+
+/// A layer as its cost sees it, with names, ids and its position in the model left out:
+/// tensors are numbered in order of first use, and the facts that come from outside the layer
+/// (which inputs were produced before it, which saved activations selective recomputation can
+/// drop, which parameters it owns or borrows) are recorded. Identical blocks are equal.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CanonicalLayer {
+    kind: LayerKind,
+    tensors: Vec<CanonicalTensor>,
+    forward: Vec<CanonicalOp>,
+    backward: Vec<CanonicalOp>,
+    /// Saved activations, each with whether selective recomputation can drop it.
+    saved: Vec<(u32, bool)>,
+    inputs: Vec<u32>,
+    owned: Vec<u32>,
+    borrowed: Vec<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+struct CanonicalTensor {
+    shape: Vec<u64>,
+    dtype: DType,
+    kind: TensorKind,
+    split: Split,
+    requires_grad: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+struct CanonicalOp {
+    kind: OpKind,
+    pass: Pass,
+    inputs: Vec<u32>,
+    outputs: Vec<u32>,
+    saves: Vec<u32>,
+    attention_core: bool,
+    flops: f64,
+}
+
+/// Name of an op in profiles: the kind with its variant.
+fn signature_name(kind: OpKind) -> String {
+    match kind {
+        OpKind::MatMul { transpose_b: true } => "matmul_tb".to_string(),
+        OpKind::BatchMatMul { transpose_b: true } => "batch_matmul_tb".to_string(),
+        OpKind::FlashAttention { causal: true } => "flash_attention_causal".to_string(),
+        other => other.name().to_string(),
+    }
+}
+
+impl<'g> LayerCostContext<'g> {
+    /// Collects the graph-wide facts of `g`.
+    pub fn new(g: &'g Graph) -> Self {
+        let owned = g.owned_parameters();
+        // Which op produced each activation, including the implicit ones (dropout masks).
+        let mut producer: HashMap<TensorId, OpId> = HashMap::new();
+        let mut savers: HashMap<TensorId, Vec<OpId>> = HashMap::new();
+        for layer in &g.layers {
+            for &o in &layer.forward {
+                let op = g.op(o);
+                for &t in op.outputs.iter().chain(&op.saves) {
+                    if !op.inputs.contains(&t) {
+                        producer.entry(t).or_insert(o);
+                    }
+                }
+                for &t in &op.saves {
+                    savers.entry(t).or_default().push(o);
+                }
+            }
+        }
+        LayerCostContext {
+            g,
+            owned,
+            producer,
+            savers,
+        }
+    }
+
+    /// The graph.
+    pub fn graph(&self) -> &'g Graph {
+        self.g
+    }
+
+    fn is_core(&self, o: OpId) -> bool {
+        self.g.op(o).attention_core
+    }
+
+    /// Whether selective recomputation can drop saved activation `t`: an attention-core op
+    /// produced it and only attention-core ops keep it.
+    fn recomputable(&self, t: TensorId) -> bool {
+        self.producer.get(&t).is_some_and(|&p| self.is_core(p))
+            && self
+                .savers
+                .get(&t)
+                .is_some_and(|s| s.iter().all(|&o| self.is_core(o)))
+    }
+
+    /// The kernel op `o` runs, as profiles name it.
+    pub fn op_signature(&self, o: OpId, p: &Pricing<'_>) -> OpSignature {
+        let g = self.g;
+        let op = g.op(o);
+        let shapes = |ts: &[TensorId]| -> Vec<Vec<u64>> {
+            ts.iter()
+                .map(|&t| device_shape_in_op(g, op, t, p.tp))
+                .collect()
+        };
+        OpSignature {
+            op: signature_name(op.kind),
+            pass: op.pass,
+            dtype: p.kernels.dtype,
+            inputs: shapes(&op.inputs),
+            outputs: shapes(&op.outputs),
+        }
+    }
+
+    fn collective_signature(kind: Collective, p: &Pricing<'_>) -> CollectiveSignature {
+        CollectiveSignature {
+            collective: kind.into(),
+            ranks: p.tp.t,
+            internode: p.tp_link.internode,
+        }
+    }
+
+    /// Time of op `o`'s kernel (plus the separate accumulation of a fresh weight gradient when
+    /// the product does not fuse it), measured when the profile has its signature.
+    fn op_time(&self, o: OpId, p: &Pricing<'_>, reads: &mut Vec<ProfileRead>) -> f64 {
+        let (modelled, accumulate) = self.kernel_and_accumulation(o, p);
+        let measured = p
+            .profile
+            .and_then(|prof| prof.op_time(&self.op_signature(o, p)));
+        let kernel = match measured {
+            Some((seconds, read)) => {
+                reads.push(read);
+                seconds
+            }
+            None => modelled,
+        };
+        kernel + accumulate
+    }
+
+    /// The analytic time of op `o`'s kernel, and of the separate accumulation of a fresh
+    /// weight gradient into the gradient buffer when the product does not fuse it.
+    fn kernel_and_accumulation(&self, o: OpId, p: &Pricing<'_>) -> (f64, f64) {
+        let g = self.g;
+        let op = g.op(o);
+        let kernels = p.kernels;
+        let dtype = kernels.dtype;
+        let tp = p.tp;
+        let mut bytes = op_traffic(op, |t| tensor_bytes_in_op(g, op, t, tp));
+        let mut accumulate = 0.0;
+        for &t in &op.outputs {
+            let tensor = g.tensor(t);
+            if tensor.kind != TensorKind::WeightGradient {
+                continue;
+            }
+            let elements = stored_elements(g, t, tp);
+            let fresh = tensor.dtype.bytes() as f64;
+            let buffer = 2.0 * kernels.grad_buffer_bytes;
+            if kernels.grad_accumulation_fusion && op.kind.is_matmul() {
+                // The product reads and writes the buffer instead of writing a fresh gradient.
+                bytes += elements * (buffer - fresh);
+            } else {
+                accumulate += kernel_time(
+                    OpKind::Add,
+                    elements,
+                    elements * (fresh + buffer),
+                    p.device,
+                    dtype,
+                    None,
+                );
+            }
+        }
+        let flops = op_device_flops(g, op, tp);
+        let kernel = kernel_time(
+            op.kind,
+            flops,
+            bytes,
+            p.device,
+            dtype,
+            gemm_shape(g, op, tp),
+        );
+        (kernel, accumulate)
+    }
+
+    /// Every kernel and tensor-parallel collective of layer `li` with the time the analytic
+    /// model gives it, in microseconds: what a profile measuring this layer would hold.
+    pub fn modelled_entries(&self, li: usize, p: &Pricing<'_>) -> Profile {
+        let g = self.g;
+        let layer = &g.layers[li];
+        let mut prof = Profile::new(p.device.name.clone());
+        for &o in layer.forward.iter().chain(&layer.backward) {
+            let (kernel, _) = self.kernel_and_accumulation(o, p);
+            prof.insert_op(self.op_signature(o, p), kernel * 1e6);
+        }
+        if p.tp.t > 1 {
+            for &o in &layer.forward {
+                for coll in collectives(g, g.op(o), p.tp) {
+                    if coll.bytes > 0.0 {
+                        prof.insert_collective(
+                            Self::collective_signature(coll.kind, p),
+                            coll.bytes as u64,
+                            collective_time(coll.kind, p.tp.t, coll.bytes, p.tp_link) * 1e6,
+                        );
+                    }
+                }
+            }
+        }
+        prof
+    }
+
+    /// Time of a tensor-parallel collective, interpolated from the profile when it measured
+    /// the collective on this group.
+    fn collective_time(
+        &self,
+        kind: Collective,
+        bytes: f64,
+        p: &Pricing<'_>,
+        reads: &mut Vec<ProfileRead>,
+    ) -> f64 {
+        if p.tp.t <= 1 || bytes <= 0.0 {
+            return 0.0;
+        }
+        let measured = p
+            .profile
+            .and_then(|prof| prof.collective_time(&Self::collective_signature(kind, p), bytes));
+        match measured {
+            Some((seconds, used)) => {
+                reads.extend(used);
+                seconds
+            }
+            None => collective_time(kind, p.tp.t, bytes, p.tp_link),
+        }
+    }
+
+    /// The cost of layer `li`, with the profile measurements it read.
+    pub fn cost_with_reads(&self, li: usize, p: &Pricing<'_>) -> (LayerCost, Vec<ProfileRead>) {
+        let g = self.g;
+        let tp = p.tp;
+        let layer = &g.layers[li];
+        let mut reads = Vec::new();
+        let mut c = LayerCost::empty(layer.kind);
+        for &o in &layer.forward {
+            let op = g.op(o);
+            let t = self.op_time(o, p, &mut reads);
+            c.fwd_compute += t;
+            c.fwd_flops += op.flops;
+            if op.attention_core {
+                c.attention_core_compute += t;
+                c.attention_core_flops += op.flops;
+            }
+            for coll in collectives(g, op, tp) {
+                let ct = self.collective_time(coll.kind, coll.bytes, p, &mut reads);
+                match coll.phase {
+                    Phase::Forward => c.fwd_comm += ct,
+                    Phase::Backward => c.bwd_comm += ct,
+                    // Overlapped with the input-gradient product, which costs about what the
+                    // forward product did.
+                    Phase::BackwardOverlapped => c.bwd_comm += (ct - t).max(0.0),
+                }
+            }
+        }
+        for &o in &layer.backward {
+            let op = g.op(o);
+            c.bwd_compute += self.op_time(o, p, &mut reads);
+            c.bwd_flops += op.flops;
+            for &t in &op.outputs {
+                if g.tensor(t).kind == TensorKind::Gradient {
+                    c.grad_working = c.grad_working.max(stored_bytes(g, t, tp));
+                }
+            }
+        }
+        for t in g.saved_activations(li) {
+            let b = stored_bytes(g, t, tp);
+            c.saved += b;
+            if !self.recomputable(t) {
+                c.saved_selective += b;
+            }
+        }
+        for t in g.layer_inputs(li) {
+            c.checkpoint += stored_bytes(g, t, tp);
+            c.input_bytes += g.tensor(t).bytes() as f64;
+        }
+        c.params = self.owned[li]
+            .iter()
+            .map(|&t| stored_elements(g, t, tp))
+            .sum();
+        c.borrowed_params = self.borrowed(li, tp);
+        (c, reads)
+    }
+
+    /// The cost of layer `li`.
+    pub fn cost(&self, li: usize, p: &Pricing<'_>) -> LayerCost {
+        self.cost_with_reads(li, p).0
+    }
+
+    /// Parameters layer `li` reads that another layer owns, as (owning layer, elements per
+    /// device): where the layer sits in the model, not part of its canonical form.
+    pub fn borrowed(&self, li: usize, tp: TpConfig) -> Vec<(usize, f64)> {
+        let g = self.g;
+        g.borrowed_parameters(li, &self.owned)
+            .iter()
+            .filter_map(|&t| {
+                let owner = self.owned.iter().position(|o| o.contains(&t))?;
+                Some((owner, stored_elements(g, t, tp)))
+            })
+            .collect()
+    }
+
+    /// The profile measurements pricing layer `li` reads, without pricing it.
+    pub fn profile_reads(&self, li: usize, p: &Pricing<'_>) -> Vec<ProfileRead> {
+        let Some(prof) = p.profile else {
+            return Vec::new();
+        };
+        let g = self.g;
+        let layer = &g.layers[li];
+        let mut reads = Vec::new();
+        for &o in layer.forward.iter().chain(&layer.backward) {
+            if let Some((_, read)) = prof.op_time(&self.op_signature(o, p)) {
+                reads.push(read);
+            }
+        }
+        if p.tp.t > 1 {
+            for &o in &layer.forward {
+                for coll in collectives(g, g.op(o), p.tp) {
+                    if coll.bytes > 0.0
+                        && let Some((_, used)) = prof
+                            .collective_time(&Self::collective_signature(coll.kind, p), coll.bytes)
+                    {
+                        reads.extend(used);
+                    }
+                }
+            }
+        }
+        reads
+    }
+
+    /// Every kernel and collective signature layer `li` runs: the profile entries that could
+    /// change its cost.
+    pub fn signatures(
+        &self,
+        li: usize,
+        p: &Pricing<'_>,
+    ) -> (Vec<OpSignature>, Vec<CollectiveSignature>) {
+        let g = self.g;
+        let layer = &g.layers[li];
+        let mut ops: Vec<OpSignature> = layer
+            .forward
+            .iter()
+            .chain(&layer.backward)
+            .map(|&o| self.op_signature(o, p))
+            .collect();
+        ops.sort();
+        ops.dedup();
+        let mut colls: Vec<CollectiveSignature> = Vec::new();
+        if p.tp.t > 1 {
+            for &o in &layer.forward {
+                for coll in collectives(g, g.op(o), p.tp) {
+                    colls.push(Self::collective_signature(coll.kind, p));
+                }
+            }
+        }
+        colls.sort();
+        colls.dedup();
+        (ops, colls)
+    }
+
+    /// The canonical form of layer `li`.
+    pub fn canonical(&self, li: usize) -> CanonicalLayer {
+        let g = self.g;
+        let layer = &g.layers[li];
+        let mut ids: HashMap<TensorId, u32> = HashMap::new();
+        let mut tensors = Vec::new();
+        let mut id = |t: TensorId| -> u32 {
+            *ids.entry(t).or_insert_with(|| {
+                let tensor = g.tensor(t);
+                tensors.push(CanonicalTensor {
+                    shape: tensor.shape.clone(),
+                    dtype: tensor.dtype,
+                    kind: tensor.kind,
+                    split: tensor.split,
+                    requires_grad: tensor.requires_grad,
+                });
+                (tensors.len() - 1) as u32
+            })
+        };
+        let ops = |list: &[OpId], id: &mut dyn FnMut(TensorId) -> u32| -> Vec<CanonicalOp> {
+            list.iter()
+                .map(|&o| {
+                    let op = g.op(o);
+                    CanonicalOp {
+                        kind: op.kind,
+                        pass: op.pass,
+                        inputs: op.inputs.iter().map(|&t| id(t)).collect(),
+                        outputs: op.outputs.iter().map(|&t| id(t)).collect(),
+                        saves: op.saves.iter().map(|&t| id(t)).collect(),
+                        attention_core: op.attention_core,
+                        flops: op.flops,
+                    }
+                })
+                .collect()
+        };
+        let forward = ops(&layer.forward, &mut id);
+        let backward = ops(&layer.backward, &mut id);
+        let saved = g
+            .saved_activations(li)
+            .into_iter()
+            .map(|t| (id(t), self.recomputable(t)))
+            .collect();
+        let inputs = g.layer_inputs(li).into_iter().map(&mut id).collect();
+        let owned = self.owned[li].iter().map(|&t| id(t)).collect();
+        let borrowed = g
+            .borrowed_parameters(li, &self.owned)
+            .into_iter()
+            .map(&mut id)
+            .collect();
+        CanonicalLayer {
+            kind: layer.kind,
+            tensors,
+            forward,
+            backward,
+            saved,
+            inputs,
+            owned,
+            borrowed,
+        }
+    }
+
+    /// The components of the key of layer `li`'s cost: exactly what the cost depends on.
+    pub fn key_parts(&self, li: usize, p: &Pricing<'_>) -> KeyParts {
+        KeyParts::new("layer-cost")
+            .with("subgraph", &self.canonical(li))
+            .with("parallelism", &(p.tp.t, p.tp.sp))
+            .with("device", p.device)
+            .with("link", &p.tp_link)
+            .with("kernels", p.kernels)
+            .with("profile", &self.profile_reads(li, p))
+    }
+}
+
+/// Costs of every layer of `g` on `device`, with tensor-parallel groups on `tp_link`, from the
+/// analytic model alone.
+pub fn layer_costs(
+    g: &Graph,
+    tp: TpConfig,
+    device: &Device,
+    kernels: &KernelOptions,
+    tp_link: Link,
+) -> Vec<LayerCost> {
+    let ctx = LayerCostContext::new(g);
+    let p = Pricing {
+        tp,
+        device,
+        kernels,
+        tp_link,
+        profile: None,
+    };
+    (0..g.layers.len()).map(|li| ctx.cost(li, &p)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::cluster::preset;
+    use crate::model::frontend::{
+        Attention, Bias, LowerOptions, Mlp, Norm, Position, TransformerConfig,
+    };
+
+    fn gpt(layers: u64) -> Graph {
+        TransformerConfig {
+            hidden: 256,
+            layers,
+            heads: 4,
+            kv_heads: 4,
+            head_dim: 64,
+            ffn_hidden: 1024,
+            vocab: 1000,
+            max_seq: 512,
+            mlp: Mlp::Gelu,
+            norm: Norm::LayerNorm,
+            position: Position::Learned,
+            tied_embeddings: true,
+            bias: Bias::All,
+            dropout: true,
+        }
+        .lower(
+            "m",
+            &LowerOptions {
+                micro_batch: 2,
+                seq: 128,
+                dtype: DType::Bf16,
+                attention: Attention::Flash,
+                vocab_multiple: 8,
+            },
+        )
+        .expect("lowers")
+    }
+
+    const KERNELS: KernelOptions = KernelOptions {
+        dtype: DType::Bf16,
+        grad_buffer_bytes: 4.0,
+        grad_accumulation_fusion: true,
+    };
+
+    #[test]
+    fn identical_blocks_share_a_key_wherever_they_sit() {
+        let device = preset("h100-sxm").expect("preset");
+        let link = crate::cost::cluster::Cluster {
+            name: "c".into(),
+            nodes: 1,
+            gpus_per_node: 8,
+            device: device.clone(),
+        }
+        .group_link(1, 2);
+        let p = Pricing {
+            tp: TpConfig { t: 2, sp: true },
+            device: &device,
+            kernels: &KERNELS,
+            tp_link: link,
+            profile: None,
+        };
+        let keys = |g: &Graph| -> Vec<_> {
+            let ctx = LayerCostContext::new(g);
+            (0..g.layers.len())
+                .map(|li| ctx.key_parts(li, &p).key())
+                .collect()
+        };
+        let four = gpt(4);
+        let k4 = keys(&four);
+        // Embedding, four blocks, head: three distinct keys.
+        assert_eq!(k4.len(), 6);
+        assert!(k4[1..5].iter().all(|k| *k == k4[1]));
+        assert_ne!(k4[0], k4[1]);
+        assert_ne!(k4[5], k4[1]);
+        assert_ne!(k4[0], k4[5]);
+        // More blocks change no layer's key.
+        let k7 = keys(&gpt(7));
+        assert_eq!(k7[0], k4[0]);
+        assert_eq!(k7[3], k4[1]);
+        assert_eq!(k7[8], k4[5]);
+        // The cost of each block is the same too (what makes sharing a key sound).
+        let ctx = LayerCostContext::new(&four);
+        assert_eq!(ctx.cost(1, &p), ctx.cost(4, &p));
+    }
+
+    #[test]
+    fn a_measured_kernel_replaces_the_model_only_where_its_signature_appears() {
+        let device = preset("h100-sxm").expect("preset");
+        let g = gpt(2);
+        let ctx = LayerCostContext::new(&g);
+        let base = Pricing {
+            tp: TpConfig { t: 1, sp: false },
+            device: &device,
+            kernels: &KERNELS,
+            tp_link: crate::cost::cluster::Link {
+                latency: 1e-5,
+                bandwidth: 1e11,
+                pairwise_bandwidth: 1e11,
+                internode: false,
+            },
+            profile: None,
+        };
+        // Measure the first forward matrix product of block 1 at ten times its modelled time.
+        let block = &g.layers[1];
+        let mm = *block
+            .forward
+            .iter()
+            .find(|&&o| g.op(o).kind.is_matmul())
+            .expect("a block has matrix products");
+        let sig = ctx.op_signature(mm, &base);
+        let before = ctx.cost(1, &base);
+        let mut reads = Vec::new();
+        let modelled = ctx.op_time(mm, &base, &mut reads);
+        assert!(reads.is_empty());
+        let mut prof = Profile::new("h100-sxm");
+        prof.insert_op(sig.clone(), modelled * 10.0 * 1e6);
+        let p = Pricing {
+            profile: Some(&prof),
+            ..base
+        };
+        let (after, reads) = ctx.cost_with_reads(1, &p);
+        // Every op of the block with that signature now costs ten times as much.
+        let same: usize = block
+            .forward
+            .iter()
+            .filter(|&&o| ctx.op_signature(o, &base) == sig)
+            .count();
+        let delta = after.fwd_compute - before.fwd_compute;
+        assert!(
+            (delta - same as f64 * 9.0 * modelled).abs() < 1e-12,
+            "{delta} vs {same} x 9 x {modelled}"
+        );
+        assert_eq!(reads.len(), same);
+        assert_eq!(
+            ctx.profile_reads(1, &p),
+            reads,
+            "reads are known without pricing"
+        );
+        // Keys change for the layers that run the kernel, and only for them.
+        for li in 0..g.layers.len() {
+            let runs = ctx.signatures(li, &base).0.contains(&sig);
+            let changed = ctx.key_parts(li, &p).key() != ctx.key_parts(li, &base).key();
+            assert_eq!(runs, changed, "layer {li}");
+        }
+    }
+}

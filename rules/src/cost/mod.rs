@@ -1,0 +1,11 @@
+//! The cost model: devices and clusters, measured profiles, the analytic kernel and collective
+//! costs, sharding specs and their resharding collectives, memory per device, and what a layer
+//! costs under Megatron-LM's tensor parallelism.
+
+pub mod analytic;
+pub mod cluster;
+pub mod layer_cost;
+pub mod memory;
+pub mod profile;
+pub mod sharding;
+pub mod tensor_parallel;

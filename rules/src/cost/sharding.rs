@@ -1,0 +1,371 @@
+//! Sharding specs on a 2D logical device mesh (ALGORITHMS.md §3): per tensor axis, replicated
+//! (`R`) or split over mesh axis 0, 1 or both (`S0`, `S1`, `S01`); the tiles a spec leaves on
+//! each device; and the cost of changing a tensor from one spec to another.
+
+use crate::cost::analytic::{Collective, collective_time};
+use crate::cost::cluster::{Cluster, Link};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// A logical mesh of `shape[0] x shape[1]` devices. As Alpa lays device meshes on a cluster,
+/// mesh `a x b` is `a` nodes of `b` GPUs each when `b` GPUs fit in a node (axis 0 runs across
+/// nodes, axis 1 inside one), else `a * b` consecutive GPUs numbered row-major.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Mesh {
+    /// Devices along each mesh axis.
+    pub shape: [u64; 2],
+    /// Collective costs along each axis.
+    pub links: [Link; 2],
+}
+
+impl Mesh {
+    /// The mesh `a x b` on `cluster`, or why it does not fit there.
+    pub fn on(cluster: &Cluster, a: u64, b: u64) -> Result<Mesh, String> {
+        let gpn = cluster.gpus_per_node;
+        if a == 0 || b == 0 {
+            return Err(format!(
+                "a mesh needs at least one device per axis, found {a}x{b}"
+            ));
+        }
+        let fits = if b <= gpn {
+            a <= cluster.nodes
+        } else {
+            b % gpn == 0 && a.saturating_mul(b) <= cluster.gpus()
+        };
+        if !fits {
+            return Err(format!(
+                "mesh {a}x{b} does not fit a cluster of {} nodes x {gpn} GPUs (expected {a} nodes \
+                 of at least {b} GPUs, or {b} a multiple of {gpn} and {a}x{b} GPUs in all)",
+                cluster.nodes
+            ));
+        }
+        let stride = if b <= gpn { gpn } else { b };
+        Ok(Mesh {
+            shape: [a, b],
+            links: [cluster.group_link(stride, a), cluster.group_link(1, b)],
+        })
+    }
+
+    /// Devices in the mesh.
+    pub fn devices(&self) -> u64 {
+        self.shape[0] * self.shape[1]
+    }
+
+    /// Devices along mesh axis `a`.
+    pub fn size(&self, a: usize) -> u64 {
+        self.shape[a]
+    }
+}
+
+/// How one tensor axis is distributed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum AxisSplit {
+    /// Every device holds the whole axis.
+    R,
+    /// Split over mesh axis 0.
+    S0,
+    /// Split over mesh axis 1.
+    S1,
+    /// Split over both mesh axes (0 major).
+    S01,
+}
+
+impl AxisSplit {
+    /// The split over a set of mesh axes (bit 0: axis 0, bit 1: axis 1).
+    pub fn from_axes(mask: u8) -> AxisSplit {
+        match mask & 3 {
+            0 => AxisSplit::R,
+            1 => AxisSplit::S0,
+            2 => AxisSplit::S1,
+            _ => AxisSplit::S01,
+        }
+    }
+
+    /// The mesh axes it uses, as a bit mask.
+    pub fn axes(self) -> u8 {
+        match self {
+            AxisSplit::R => 0,
+            AxisSplit::S0 => 1,
+            AxisSplit::S1 => 2,
+            AxisSplit::S01 => 3,
+        }
+    }
+
+    /// Devices the axis is divided over.
+    pub fn parts(self, mesh: &Mesh) -> u64 {
+        let m = self.axes();
+        (if m & 1 != 0 { mesh.shape[0] } else { 1 }) * (if m & 2 != 0 { mesh.shape[1] } else { 1 })
+    }
+}
+
+/// A tensor's distribution: one [`AxisSplit`] per axis, each mesh axis used at most once.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Spec(pub Vec<AxisSplit>);
+
+impl fmt::Display for Spec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for s in &self.0 {
+            f.write_str(match s {
+                AxisSplit::R => "R",
+                AxisSplit::S0 => "S0",
+                AxisSplit::S1 => "S1",
+                AxisSplit::S01 => "S01",
+            })?;
+        }
+        Ok(())
+    }
+}
+
+impl Spec {
+    /// Replicated on every axis.
+    pub fn replicated(rank: usize) -> Spec {
+        Spec(vec![AxisSplit::R; rank])
+    }
+
+    /// The mesh axes used, as a bit mask.
+    pub fn axes(&self) -> u8 {
+        self.0.iter().fold(0, |m, s| m | s.axes())
+    }
+
+    /// Whether each mesh axis is used at most once and every split divides its axis of
+    /// `shape` into parts of at least one element.
+    pub fn valid_for(&self, shape: &[u64], mesh: &Mesh) -> bool {
+        if self.0.len() != shape.len() {
+            return false;
+        }
+        let mut used = 0u8;
+        for (s, &n) in self.0.iter().zip(shape) {
+            if used & s.axes() != 0 {
+                return false;
+            }
+            used |= s.axes();
+            let parts = s.parts(mesh);
+            if parts > 1 && (n < parts || n % parts != 0) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Devices the tensor is divided over (a device holds `1/tiles` of it).
+    pub fn tiles(&self, mesh: &Mesh) -> u64 {
+        self.0.iter().map(|s| s.parts(mesh)).product()
+    }
+
+    /// The shape of one device's tile.
+    pub fn tile_shape(&self, shape: &[u64], mesh: &Mesh) -> Vec<u64> {
+        shape
+            .iter()
+            .zip(&self.0)
+            .map(|(&n, s)| n / s.parts(mesh).max(1))
+            .collect()
+    }
+
+    /// The tensor axis split over mesh axis `a`, if any.
+    pub fn axis_on(&self, a: usize) -> Option<usize> {
+        self.0.iter().position(|s| s.axes() & (1 << a) != 0)
+    }
+}
+
+/// Every valid spec of a tensor of `shape` on `mesh`, replicated first. Mesh axes of size 1 are
+/// never split on (it would change nothing).
+pub fn valid_specs(shape: &[u64], mesh: &Mesh) -> Vec<Spec> {
+    let usable: Vec<u8> = (0..2u8)
+        .filter(|&a| mesh.shape[a as usize] > 1)
+        .map(|a| 1 << a)
+        .collect();
+    let mut out = vec![Spec::replicated(shape.len())];
+    // Choices per mesh axis: unused or on one tensor axis; both axes on one tensor axis is S01.
+    let choices = shape.len() + 1;
+    let combos = choices.pow(usable.len() as u32);
+    for c in 1..combos {
+        let mut spec = Spec::replicated(shape.len());
+        let mut code = c;
+        for &bit in &usable {
+            let pick = code % choices;
+            code /= choices;
+            if pick > 0 {
+                let s = &mut spec.0[pick - 1];
+                *s = AxisSplit::from_axes(s.axes() | bit);
+            }
+        }
+        if spec.valid_for(shape, mesh) && !out.contains(&spec) {
+            out.push(spec);
+        }
+    }
+    out
+}
+
+/// One collective of a resharding or a reduction.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Step {
+    /// The collective.
+    pub kind: Collective,
+    /// The mesh axis it runs over.
+    pub axis: usize,
+    /// Its payload as [`collective_time`] takes it (the reduced tile, or the gathered result).
+    pub bytes: f64,
+    /// Its time, s.
+    pub seconds: f64,
+}
+
+impl Step {
+    /// The collective `kind` of `bytes` over mesh axis `axis`, timed.
+    pub fn on(kind: Collective, axis: usize, bytes: f64, mesh: &Mesh) -> Step {
+        Step {
+            kind,
+            axis,
+            bytes,
+            seconds: collective_time(kind, mesh.shape[axis], bytes, mesh.links[axis]),
+        }
+    }
+}
+
+/// Total time of `steps`.
+pub fn steps_time(steps: &[Step]) -> f64 {
+    steps.iter().map(|s| s.seconds).sum()
+}
+
+/// The collectives that change a tensor of `bytes` from spec `from` to spec `to`
+/// (ALGORITHMS.md §3): per mesh axis, a split that disappears is an all-gather over that axis,
+/// a split that moves to another tensor axis an all-to-all, a split that appears a local slice
+/// (free). Payloads are the tile sizes along the way.
+pub fn reshard_steps(bytes: f64, from: &Spec, to: &Spec, mesh: &Mesh) -> Vec<Step> {
+    let mut steps = Vec::new();
+    if from == to {
+        return steps;
+    }
+    // Current tile size, bytes, as collectives run.
+    let mut tile = bytes / from.tiles(mesh) as f64;
+    for a in 0..2 {
+        let n = mesh.shape[a];
+        if n <= 1 {
+            continue;
+        }
+        match (from.axis_on(a), to.axis_on(a)) {
+            (Some(_), None) => {
+                steps.push(Step::on(Collective::AllGather, a, tile * n as f64, mesh));
+                tile *= n as f64;
+            }
+            (Some(i), Some(j)) if i != j => {
+                steps.push(Step::on(Collective::AllToAll, a, tile * n as f64, mesh));
+            }
+            _ => {}
+        }
+    }
+    steps
+}
+
+/// What it costs to change a tensor of `bytes` from spec `from` to spec `to`: the time of
+/// [`reshard_steps`].
+pub fn reshard_time(bytes: f64, from: &Spec, to: &Spec, mesh: &Mesh) -> f64 {
+    steps_time(&reshard_steps(bytes, from, to, mesh))
+}
+
+/// The collectives that turn a partial sum (complete once added over the mesh axes in
+/// `partial`) of a tensor of `bytes`, held as `from`, into the complete tensor held as `to`:
+/// per partial axis a reduce-scatter when `to` splits the tensor over that axis, else an
+/// all-reduce; then any other change of spec.
+pub fn reduce_steps(
+    bytes: f64,
+    partial: u8,
+    from: &Spec,
+    to: &Spec,
+    shape: &[u64],
+    mesh: &Mesh,
+) -> Vec<Step> {
+    let mut steps = Vec::new();
+    let tile = bytes / from.tiles(mesh) as f64;
+    let mut after = from.clone();
+    for a in 0..2 {
+        let n = mesh.shape[a];
+        if partial & (1 << a) == 0 || n <= 1 {
+            continue;
+        }
+        match to.axis_on(a) {
+            Some(i) if from.axis_on(a).is_none() => {
+                steps.push(Step::on(Collective::ReduceScatter, a, tile, mesh));
+                let s = &mut after.0[i];
+                *s = AxisSplit::from_axes(s.axes() | (1 << a));
+            }
+            _ => steps.push(Step::on(Collective::AllReduce, a, tile, mesh)),
+        }
+    }
+    let base = if after.valid_for(shape, mesh) {
+        &after
+    } else {
+        from
+    };
+    steps.extend(reshard_steps(bytes, base, to, mesh));
+    steps
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mesh(a: u64, b: u64) -> Mesh {
+        let link = Link {
+            latency: 1e-5,
+            bandwidth: 1e11,
+            pairwise_bandwidth: 1e11,
+            internode: false,
+        };
+        Mesh {
+            shape: [a, b],
+            links: [link, link],
+        }
+    }
+
+    #[test]
+    fn specs_split_each_mesh_axis_once_and_only_where_it_divides() {
+        let m = mesh(2, 4);
+        let specs = valid_specs(&[8, 6], &m);
+        let names: Vec<String> = specs.iter().map(|s| s.to_string()).collect();
+        // 6 is not divisible by 4, nor by 8; 8 takes either or both axes.
+        assert_eq!(names, ["RR", "S0R", "RS0", "S1R", "S01R", "S1S0"]);
+        assert!(specs.iter().all(|s| s.valid_for(&[8, 6], &m)));
+        // Size-1 mesh axes are never used.
+        let flat = valid_specs(&[8, 8], &mesh(1, 8));
+        assert_eq!(flat.len(), 3);
+        assert!(flat.iter().all(|s| s.axes() & 1 == 0));
+    }
+
+    #[test]
+    fn tiles_and_reshards() {
+        let m = mesh(2, 4);
+        let s = Spec(vec![AxisSplit::S01, AxisSplit::R]);
+        assert_eq!(s.tiles(&m), 8);
+        assert_eq!(s.tile_shape(&[16, 3], &m), vec![2, 3]);
+        let r = Spec::replicated(2);
+        let bytes = 16.0 * 4.0 * 2.0;
+        // R -> S is a slice; S -> R gathers.
+        assert_eq!(reshard_time(bytes, &r, &s, &m), 0.0);
+        assert!(reshard_time(bytes, &s, &r, &m) > 0.0);
+        // Moving the split to another axis is an all-to-all, cheaper than gathering.
+        let moved = Spec(vec![AxisSplit::R, AxisSplit::S1]);
+        let on1 = Spec(vec![AxisSplit::S1, AxisSplit::R]);
+        let a2a = reshard_time(bytes, &on1, &moved, &m);
+        let gather = reshard_time(bytes, &on1, &r, &m);
+        assert!(a2a > 0.0 && a2a < gather);
+    }
+
+    #[test]
+    fn partial_sums_reduce_scatter_into_a_split_and_all_reduce_otherwise() {
+        let m = mesh(2, 4);
+        let bytes = 16.0 * 8.0 * 2.0;
+        let r = Spec::replicated(2);
+        let kinds = |to: &Spec| -> Vec<(Collective, usize)> {
+            reduce_steps(bytes, 0b10, &r, to, &[16, 8], &m)
+                .iter()
+                .map(|s| (s.kind, s.axis))
+                .collect()
+        };
+        assert_eq!(kinds(&r), [(Collective::AllReduce, 1)]);
+        let split = Spec(vec![AxisSplit::S1, AxisSplit::R]);
+        assert_eq!(kinds(&split), [(Collective::ReduceScatter, 1)]);
+        // A split on the other axis is a slice after the all-reduce: no further collective.
+        let other = Spec(vec![AxisSplit::S0, AxisSplit::R]);
+        assert_eq!(kinds(&other), [(Collective::AllReduce, 1)]);
+    }
+}

@@ -1,0 +1,244 @@
+//! Tensor and sequence parallelism on the op graph, Megatron-LM style.
+//!
+//! The splits recorded on tensors say which ops are column-parallel (weight split along its
+//! output features), row-parallel (split along its input features) or vocabulary-parallel, and
+//! this module derives what each rank computes and which collectives the forward and backward
+//! passes need (Shoeybi et al. 2019; Korthikanti et al. 2022 for sequence parallelism):
+//!
+//! | op                         | forward                 | backward                           |
+//! |----------------------------|-------------------------|------------------------------------|
+//! | column-parallel matmul     | SP: all-gather input    | all-reduce dX (SP: reduce-scatter dX, re-gather input for dW, overlapped with dX) |
+//! | row-parallel matmul        | all-reduce Y (SP: reduce-scatter Y) | SP: all-gather dY      |
+//! | vocab-parallel embedding   | all-reduce Y (SP: reduce-scatter Y) | SP: all-gather dY      |
+//! | vocab-parallel cross-entropy | all-reduce of max, sum and target logit per token | —     |
+//!
+//! Everything else is local: ops on model-split tensors work on their shard, ops on the residual
+//! stream are replicated (or work on a sequence shard under SP).
+
+use crate::cost::analytic::{Collective, GemmShape};
+use crate::model::graph::{Graph, Op, OpKind, Split, TensorId, TensorKind};
+
+/// Tensor-parallel configuration of a stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TpConfig {
+    /// Tensor-parallel degree.
+    pub t: u64,
+    /// Sequence parallelism on the replicated regions.
+    pub sp: bool,
+}
+
+/// When a collective runs relative to the op that needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// On the critical path of the forward pass.
+    Forward,
+    /// On the critical path of the backward pass.
+    Backward,
+    /// In the backward pass, overlapped with the op's input-gradient product (Megatron issues
+    /// the re-gather of a sequence-parallel input asynchronously).
+    BackwardOverlapped,
+}
+
+/// A collective an op implies.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TpCollective {
+    /// Which collective.
+    pub kind: Collective,
+    /// Full payload in bytes.
+    pub bytes: f64,
+    /// When it runs.
+    pub phase: Phase,
+}
+
+fn is_model(g: &Graph, t: TensorId) -> bool {
+    matches!(g.tensor(t).split, Split::Model(_))
+}
+
+fn is_seq(g: &Graph, t: TensorId) -> bool {
+    matches!(g.tensor(t).split, Split::Sequence(_))
+}
+
+/// Whether an op works on model-split tensors (and therefore on 1/t of the work).
+pub fn op_is_model_parallel(g: &Graph, op: &Op) -> bool {
+    op.inputs.iter().chain(&op.outputs).any(|&t| is_model(g, t))
+}
+
+/// The axis of tensor `t` that is divided by `cfg.t` as `op` sees it on one device, if any.
+///
+/// A model-split tensor is divided everywhere. A sequence-split tensor is divided under SP,
+/// except in an op that also touches model-split tensors: there it is consumed after an
+/// all-gather or produced before a reduce-scatter, i.e. whole.
+fn divided_axis_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> Option<usize> {
+    match g.tensor(t).split {
+        Split::Model(axis) => Some(axis as usize),
+        Split::Sequence(axis) if cfg.sp && !op_is_model_parallel(g, op) => Some(axis as usize),
+        _ => None,
+    }
+}
+
+/// Per-device size in bytes of tensor `t` as `op` reads or writes it.
+pub fn tensor_bytes_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> f64 {
+    let bytes = g.tensor(t).bytes() as f64;
+    match divided_axis_in_op(g, op, t, cfg) {
+        Some(_) => bytes / cfg.t as f64,
+        None => bytes,
+    }
+}
+
+/// Shape of tensor `t` as `op` sees it on one device.
+pub fn device_shape_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> Vec<u64> {
+    let mut shape = g.tensor(t).shape.clone();
+    if let Some(axis) = divided_axis_in_op(g, op, t, cfg)
+        && let Some(d) = shape.get_mut(axis)
+    {
+        *d /= cfg.t.max(1);
+    }
+    shape
+}
+
+/// Shape of a matrix product `op` as one device runs it (`None` for other ops).
+pub fn gemm_shape(g: &Graph, op: &Op, cfg: TpConfig) -> Option<GemmShape> {
+    let out = *op.outputs.first()?;
+    let mut shape: Vec<f64> = g.tensor(out).shape.iter().map(|&d| d as f64).collect();
+    if let Some(axis) = divided_axis_in_op(g, op, out, cfg)
+        && let Some(d) = shape.get_mut(axis)
+    {
+        *d /= cfg.t as f64;
+    }
+    let n = *shape.last()?;
+    match op.kind {
+        OpKind::MatMul { .. } => {
+            let total: f64 = shape.iter().product();
+            Some(GemmShape {
+                batch: 1.0,
+                m: total / n,
+                n,
+            })
+        }
+        OpKind::BatchMatMul { .. } if shape.len() >= 2 => Some(GemmShape {
+            batch: shape[..shape.len() - 2].iter().product(),
+            m: shape[shape.len() - 2],
+            n,
+        }),
+        _ => None,
+    }
+}
+
+/// Per-device size in bytes of a tensor stored between ops (activations kept for the backward
+/// pass, weights): model-split tensors are 1/t, sequence-split ones 1/t under SP.
+pub fn stored_bytes(g: &Graph, t: TensorId, cfg: TpConfig) -> f64 {
+    let tensor = g.tensor(t);
+    let bytes = tensor.bytes() as f64;
+    match tensor.split {
+        Split::Model(_) => bytes / cfg.t as f64,
+        Split::Sequence(_) if cfg.sp => bytes / cfg.t as f64,
+        _ => bytes,
+    }
+}
+
+/// Per-device stored elements of a tensor (for parameter counts).
+pub fn stored_elements(g: &Graph, t: TensorId, cfg: TpConfig) -> f64 {
+    stored_bytes(g, t, cfg) / g.tensor(t).dtype.bytes() as f64
+}
+
+/// FLOPs one device executes for `op`.
+pub fn op_device_flops(g: &Graph, op: &Op, cfg: TpConfig) -> f64 {
+    let sharded = op_is_model_parallel(g, op)
+        || (cfg.sp && op.inputs.iter().chain(&op.outputs).any(|&t| is_seq(g, t)));
+    if sharded {
+        op.flops / cfg.t as f64
+    } else {
+        op.flops
+    }
+}
+
+/// Collectives a forward op implies, in its forward and its backward pass. Empty for t = 1.
+pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
+    let mut out = Vec::new();
+    if cfg.t <= 1 {
+        return out;
+    }
+    let bytes = |t: TensorId| g.tensor(t).bytes() as f64;
+    let mut push = |kind, bytes, phase| out.push(TpCollective { kind, bytes, phase });
+    // Sum of partial results over the group: reduce-scatter into sequence shards under SP.
+    let reduce = |t: TensorId| {
+        if cfg.sp && is_seq(g, t) {
+            Collective::ReduceScatter
+        } else {
+            Collective::AllReduce
+        }
+    };
+    match op.kind {
+        OpKind::MatMul { .. } => {
+            let (x, w, y) = (op.inputs[0], op.inputs[1], op.outputs[0]);
+            let column = is_model(g, y) && !is_model(g, x);
+            let row = is_model(g, x) && !is_model(g, y);
+            if column {
+                let gathered = cfg.sp && is_seq(g, x);
+                if gathered {
+                    push(Collective::AllGather, bytes(x), Phase::Forward);
+                }
+                if g.tensor(x).requires_grad {
+                    push(reduce(x), bytes(x), Phase::Backward);
+                }
+                if gathered && g.tensor(w).requires_grad {
+                    push(Collective::AllGather, bytes(x), Phase::BackwardOverlapped);
+                }
+            } else if row {
+                push(reduce(y), bytes(y), Phase::Forward);
+                if cfg.sp && is_seq(g, y) {
+                    push(Collective::AllGather, bytes(y), Phase::Backward);
+                }
+            }
+        }
+        OpKind::Embedding => {
+            let (table, y) = (op.inputs[1], op.outputs[0]);
+            if is_model(g, table) {
+                push(reduce(y), bytes(y), Phase::Forward);
+                if cfg.sp && is_seq(g, y) {
+                    push(Collective::AllGather, bytes(y), Phase::Backward);
+                }
+            }
+        }
+        OpKind::CrossEntropy => {
+            let (logits, labels) = (op.inputs[0], op.inputs[1]);
+            if is_model(g, logits) {
+                // Max, sum of exponentials and target logit per token, in fp32.
+                let per_token = 4.0 * g.tensor(labels).elements() as f64;
+                for _ in 0..3 {
+                    push(Collective::AllReduce, per_token, Phase::Forward);
+                }
+            }
+        }
+        _ => {}
+    }
+    out
+}
+
+/// Checks that every model-split axis of the graph divides evenly by `t`; returns the first
+/// offending tensor as `(name, axis, size)`.
+pub fn indivisible_split(g: &Graph, t: u64) -> Option<(String, usize, u64)> {
+    g.tensors.iter().find_map(|tensor| match tensor.split {
+        Split::Model(axis)
+            if !matches!(
+                tensor.kind,
+                TensorKind::Gradient | TensorKind::WeightGradient
+            ) =>
+        {
+            let size = tensor.shape.get(axis as usize).copied().unwrap_or(0);
+            (size % t != 0).then(|| (tensor.name.clone(), axis as usize, size))
+        }
+        _ => None,
+    })
+}
+
+/// Checks that every sequence-split axis divides evenly by `t` (needed under SP).
+pub fn indivisible_sequence(g: &Graph, t: u64) -> Option<(String, usize, u64)> {
+    g.tensors.iter().find_map(|tensor| match tensor.split {
+        Split::Sequence(axis) if tensor.kind == TensorKind::Activation => {
+            let size = tensor.shape.get(axis as usize).copied().unwrap_or(0);
+            (size % t != 0).then(|| (tensor.name.clone(), axis as usize, size))
+        }
+        _ => None,
+    })
+}

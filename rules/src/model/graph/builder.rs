@@ -1,0 +1,520 @@
+//! Building the forward part of a graph, with the shape rules and FLOP counts of every op kind.
+
+use super::flops::flops_per_element;
+use super::{
+    DType, Graph, GraphError, Layer, LayerKind, Op, OpId, OpKind, Pass, Split, Tensor, TensorId,
+    TensorKind,
+};
+
+/// Builds a [`Graph`]: declare tensors, open layers, add forward ops; `finish` adds the backward.
+#[derive(Debug)]
+pub struct GraphBuilder {
+    graph: Graph,
+    produced: Vec<bool>,
+}
+
+impl GraphBuilder {
+    /// A new, empty graph for one micro-batch of `micro_batch` sequences of `seq` tokens.
+    pub fn new(name: impl Into<String>, micro_batch: u64, seq: u64) -> Self {
+        GraphBuilder {
+            graph: Graph {
+                name: name.into(),
+                micro_batch,
+                seq,
+                tensors: Vec::new(),
+                ops: Vec::new(),
+                layers: Vec::new(),
+            },
+            produced: Vec::new(),
+        }
+    }
+
+    /// Starts a new layer; ops added from now on belong to it.
+    pub fn begin_layer(&mut self, name: impl Into<String>, kind: LayerKind) {
+        self.graph.layers.push(Layer {
+            name: name.into(),
+            kind,
+            forward: Vec::new(),
+            backward: Vec::new(),
+        });
+    }
+
+    /// Declares a tensor. Inputs and parameters count as available at once; activations must be
+    /// produced by exactly one op before they are read.
+    pub fn tensor(
+        &mut self,
+        name: impl Into<String>,
+        shape: Vec<u64>,
+        dtype: DType,
+        kind: TensorKind,
+        split: Split,
+    ) -> TensorId {
+        let id = TensorId(self.graph.tensors.len() as u32);
+        let requires_grad = kind == TensorKind::Parameter;
+        let available = matches!(kind, TensorKind::Input | TensorKind::Parameter);
+        self.graph.tensors.push(Tensor {
+            name: name.into(),
+            shape,
+            dtype,
+            kind,
+            split,
+            requires_grad,
+        });
+        self.produced.push(available);
+        id
+    }
+
+    /// Shape of a declared tensor.
+    pub fn shape(&self, id: TensorId) -> &[u64] {
+        &self.graph.tensors[id.0 as usize].shape
+    }
+
+    /// Adds a forward op to the current layer after checking its operands against its kind.
+    pub fn op(
+        &mut self,
+        name: impl Into<String>,
+        kind: OpKind,
+        inputs: &[TensorId],
+        outputs: &[TensorId],
+    ) -> Result<OpId, GraphError> {
+        let name = name.into();
+        let Some(layer) = self.graph.layers.len().checked_sub(1) else {
+            return Err(GraphError::new(
+                name,
+                "op added before any layer was opened",
+            ));
+        };
+        for &t in inputs.iter().chain(outputs) {
+            if t.0 as usize >= self.graph.tensors.len() {
+                return Err(GraphError::new(&name, format!("unknown tensor id {}", t.0)));
+            }
+        }
+        for &t in inputs {
+            if !self.produced[t.0 as usize] {
+                let tn = &self.graph.tensors[t.0 as usize].name;
+                return Err(GraphError::new(
+                    &name,
+                    format!("reads `{tn}` before any op produces it"),
+                ));
+            }
+        }
+        for &t in outputs {
+            let tensor = &self.graph.tensors[t.0 as usize];
+            if tensor.kind != TensorKind::Activation {
+                return Err(GraphError::new(
+                    &name,
+                    format!(
+                        "writes `{}`, which is declared as {:?}, not an activation",
+                        tensor.name, tensor.kind
+                    ),
+                ));
+            }
+            if self.produced[t.0 as usize] {
+                return Err(GraphError::new(
+                    &name,
+                    format!(
+                        "writes `{}`, which another op already produced",
+                        tensor.name
+                    ),
+                ));
+            }
+        }
+        let (flops, saves) = self.forward_rules(&name, kind, inputs, outputs)?;
+        let requires_grad = inputs
+            .iter()
+            .any(|&t| self.graph.tensors[t.0 as usize].requires_grad);
+        for &t in outputs {
+            self.produced[t.0 as usize] = true;
+            self.graph.tensors[t.0 as usize].requires_grad = requires_grad;
+        }
+        let id = OpId(self.graph.ops.len() as u32);
+        self.graph.ops.push(Op {
+            name,
+            kind,
+            pass: Pass::Forward,
+            inputs: inputs.to_vec(),
+            outputs: outputs.to_vec(),
+            saves,
+            layer: layer as u32,
+            attention_core: false,
+            flops,
+            grad_of: None,
+        });
+        self.graph.layers[layer].forward.push(id);
+        Ok(id)
+    }
+
+    /// Marks an op as part of the attention core (re-run by selective recomputation).
+    pub fn set_attention_core(&mut self, op: OpId) {
+        self.graph.ops[op.0 as usize].attention_core = true;
+    }
+
+    /// Validates the whole graph and derives its backward pass.
+    pub fn finish(mut self) -> Result<Graph, GraphError> {
+        if self.graph.layers.is_empty() {
+            return Err(GraphError::new(&self.graph.name, "the graph has no layers"));
+        }
+        if let Some(l) = self.graph.layers.iter().find(|l| l.forward.is_empty()) {
+            return Err(GraphError::new(&l.name, "layer has no ops"));
+        }
+        for (i, t) in self.graph.tensors.iter().enumerate() {
+            if t.kind == TensorKind::Activation && !self.produced[i] {
+                return Err(GraphError::new(
+                    &t.name,
+                    "activation is declared but no op produces it",
+                ));
+            }
+        }
+        super::autodiff::differentiate(&mut self.graph)?;
+        Ok(self.graph)
+    }
+
+    fn t(&self, id: TensorId) -> &Tensor {
+        &self.graph.tensors[id.0 as usize]
+    }
+
+    fn numel(&self, id: TensorId) -> u64 {
+        self.t(id).elements()
+    }
+
+    /// Adds an implicit activation (dropout mask, softmax probabilities of a loss).
+    fn implicit(&mut self, name: String, like: TensorId, dtype: DType) -> TensorId {
+        let (shape, split) = {
+            let t = self.t(like);
+            (t.shape.clone(), t.split)
+        };
+        let id = self.tensor(name, shape, dtype, TensorKind::Activation, split);
+        self.produced[id.0 as usize] = true;
+        id
+    }
+
+    /// Checks operand shapes for `kind`; returns (forward FLOPs, tensors saved for backward).
+    fn forward_rules(
+        &mut self,
+        name: &str,
+        kind: OpKind,
+        inputs: &[TensorId],
+        outputs: &[TensorId],
+    ) -> Result<(f64, Vec<TensorId>), GraphError> {
+        use flops_per_element as fpe;
+        let arity = |n_in: &[usize], n_out: usize| -> Result<(), GraphError> {
+            if !n_in.contains(&inputs.len()) || outputs.len() != n_out {
+                return Err(GraphError::new(
+                    name,
+                    format!(
+                        "{} takes {} input(s) and {} output(s), found {} and {}",
+                        kind.name(),
+                        n_in.iter()
+                            .map(|n| n.to_string())
+                            .collect::<Vec<_>>()
+                            .join(" or "),
+                        n_out,
+                        inputs.len(),
+                        outputs.len()
+                    ),
+                ));
+            }
+            Ok(())
+        };
+        let same_shape = |a: TensorId, b: TensorId| -> Result<(), GraphError> {
+            if self.t(a).shape != self.t(b).shape {
+                return Err(GraphError::new(
+                    name,
+                    format!(
+                        "`{}` has shape {:?} but `{}` has shape {:?}; {} needs equal shapes",
+                        self.t(a).name,
+                        self.t(a).shape,
+                        self.t(b).name,
+                        self.t(b).shape,
+                        kind.name()
+                    ),
+                ));
+            }
+            Ok(())
+        };
+        let act = |id: TensorId| self.t(id).kind == TensorKind::Activation;
+        match kind {
+            OpKind::MatMul { transpose_b } => {
+                arity(&[2, 3], 1)?;
+                let (x, w, y) = (inputs[0], inputs[1], outputs[0]);
+                let ws = self.t(w).shape.clone();
+                if ws.len() != 2 {
+                    return Err(GraphError::new(
+                        name,
+                        format!("weight `{}` must be 2-D, found {:?}", self.t(w).name, ws),
+                    ));
+                }
+                let (k, n) = if transpose_b {
+                    (ws[1], ws[0])
+                } else {
+                    (ws[0], ws[1])
+                };
+                let xn = self.numel(x);
+                if k == 0 || xn % k != 0 {
+                    return Err(GraphError::new(
+                        name,
+                        format!(
+                            "input `{}` ({} elements) is not a whole number of rows of length {k}",
+                            self.t(x).name,
+                            xn
+                        ),
+                    ));
+                }
+                let rows = xn / k;
+                if self.numel(y) != rows.saturating_mul(n) {
+                    return Err(GraphError::new(
+                        name,
+                        format!(
+                            "output `{}` should have {} x {} = {} elements, found {}",
+                            self.t(y).name,
+                            rows,
+                            n,
+                            rows.saturating_mul(n),
+                            self.numel(y)
+                        ),
+                    ));
+                }
+                if let Some(&b) = inputs.get(2)
+                    && self.numel(b) != n
+                {
+                    return Err(GraphError::new(
+                        name,
+                        format!("bias `{}` should have {n} elements", self.t(b).name),
+                    ));
+                }
+                let mut flops = 2.0 * rows as f64 * k as f64 * n as f64;
+                if inputs.len() == 3 {
+                    flops += rows as f64 * n as f64;
+                }
+                let saves = if self.t(w).requires_grad && act(x) {
+                    vec![x]
+                } else {
+                    vec![]
+                };
+                Ok((flops, saves))
+            }
+            OpKind::BatchMatMul { transpose_b } => {
+                arity(&[2], 1)?;
+                let (a, b, c) = (inputs[0], inputs[1], outputs[0]);
+                let (sa, sb, sc) = (
+                    self.t(a).shape.clone(),
+                    self.t(b).shape.clone(),
+                    self.t(c).shape.clone(),
+                );
+                let r = sa.len();
+                if r < 2 || sb.len() != r || sc.len() != r {
+                    return Err(GraphError::new(
+                        name,
+                        format!("operands must have equal rank >= 2, found {sa:?}, {sb:?}, {sc:?}"),
+                    ));
+                }
+                let (m, k) = (sa[r - 2], sa[r - 1]);
+                let (kb, n) = if transpose_b {
+                    (sb[r - 1], sb[r - 2])
+                } else {
+                    (sb[r - 2], sb[r - 1])
+                };
+                let lead_ok = (0..r - 2).all(|i| sb[i] > 0 && sa[i] % sb[i] == 0 && sc[i] == sa[i]);
+                if kb != k || sc[r - 2] != m || sc[r - 1] != n || !lead_ok {
+                    return Err(GraphError::new(
+                        name,
+                        format!(
+                            "shapes {sa:?} x {sb:?}{} -> {sc:?} do not multiply",
+                            if transpose_b { "^T" } else { "" }
+                        ),
+                    ));
+                }
+                let flops = 2.0 * self.numel(c) as f64 * k as f64;
+                let mut saves = Vec::new();
+                if self.t(b).requires_grad && act(a) {
+                    saves.push(a);
+                }
+                if self.t(a).requires_grad && act(b) {
+                    saves.push(b);
+                }
+                Ok((flops, saves))
+            }
+            OpKind::Embedding => {
+                arity(&[2], 1)?;
+                let (ids, table, y) = (inputs[0], inputs[1], outputs[0]);
+                let ts = self.t(table).shape.clone();
+                if !matches!(self.t(ids).dtype, DType::I32) || ts.len() != 2 {
+                    return Err(GraphError::new(
+                        name,
+                        "embedding takes integer ids and a 2-D table [vocab, hidden]",
+                    ));
+                }
+                if self.numel(y) != self.numel(ids).saturating_mul(ts[1]) {
+                    return Err(GraphError::new(
+                        name,
+                        format!(
+                            "output `{}` should have {} x {} elements",
+                            self.t(y).name,
+                            self.numel(ids),
+                            ts[1]
+                        ),
+                    ));
+                }
+                Ok((0.0, vec![]))
+            }
+            OpKind::LayerNorm | OpKind::RmsNorm => {
+                let n_params = if kind == OpKind::LayerNorm { 2 } else { 1 };
+                arity(&[1 + n_params], 1)?;
+                let (x, y) = (inputs[0], outputs[0]);
+                same_shape(x, y)?;
+                let last = self.t(x).shape.last().copied().unwrap_or(0);
+                for &p in &inputs[1..] {
+                    if self.numel(p) != last {
+                        return Err(GraphError::new(
+                            name,
+                            format!(
+                                "`{}` should have {last} elements (the normalised axis)",
+                                self.t(p).name
+                            ),
+                        ));
+                    }
+                }
+                let per = if kind == OpKind::LayerNorm {
+                    fpe::LAYER_NORM
+                } else {
+                    fpe::RMS_NORM
+                };
+                Ok((per * self.numel(x) as f64, vec![x]))
+            }
+            OpKind::Softmax => {
+                arity(&[1], 1)?;
+                same_shape(inputs[0], outputs[0])?;
+                Ok((
+                    fpe::SOFTMAX * self.numel(inputs[0]) as f64,
+                    vec![outputs[0]],
+                ))
+            }
+            OpKind::Gelu | OpKind::Silu => {
+                arity(&[1], 1)?;
+                same_shape(inputs[0], outputs[0])?;
+                let per = if kind == OpKind::Gelu {
+                    fpe::GELU
+                } else {
+                    fpe::SILU
+                };
+                Ok((per * self.numel(inputs[0]) as f64, vec![inputs[0]]))
+            }
+            OpKind::SwiGlu => {
+                arity(&[1], 1)?;
+                let (x, y) = (inputs[0], outputs[0]);
+                if self.numel(x) != self.numel(y).saturating_mul(2) {
+                    return Err(GraphError::new(
+                        name,
+                        "swiglu input must be twice as wide as its output (gate and up halves)",
+                    ));
+                }
+                Ok((fpe::SWIGLU * self.numel(y) as f64, vec![x]))
+            }
+            OpKind::Add | OpKind::Mul => {
+                arity(&[2], 1)?;
+                same_shape(inputs[0], outputs[0])?;
+                same_shape(inputs[1], outputs[0])?;
+                let saves = if kind == OpKind::Mul {
+                    inputs.iter().copied().filter(|&t| act(t)).collect()
+                } else {
+                    vec![]
+                };
+                Ok((self.numel(outputs[0]) as f64, saves))
+            }
+            OpKind::Dropout | OpKind::DropoutAdd => {
+                let n_in = if kind == OpKind::Dropout { 1 } else { 2 };
+                arity(&[n_in], 1)?;
+                for &x in inputs {
+                    same_shape(x, outputs[0])?;
+                }
+                let mask = self.implicit(format!("{name}.mask"), outputs[0], DType::U8);
+                let per = fpe::DROPOUT + (n_in - 1) as f64;
+                Ok((per * self.numel(outputs[0]) as f64, vec![mask]))
+            }
+            OpKind::Rope => {
+                arity(&[1], 1)?;
+                same_shape(inputs[0], outputs[0])?;
+                Ok((fpe::ROPE * self.numel(inputs[0]) as f64, vec![]))
+            }
+            OpKind::FlashAttention { causal } => {
+                arity(&[3], 1)?;
+                let (q, k, v, o) = (inputs[0], inputs[1], inputs[2], outputs[0]);
+                let (sq, sk) = (self.t(q).shape.clone(), self.t(k).shape.clone());
+                let ok = sq.len() == 4
+                    && sk.len() == 4
+                    && self.t(v).shape == sk
+                    && sk[1] > 0
+                    && sq[0] == sk[0]
+                    && sq[1] % sk[1] == 0
+                    && sq[3] == sk[3];
+                if !ok {
+                    return Err(GraphError::new(
+                        name,
+                        format!(
+                            "flash_attention takes q [b, heads, s, d] and k, v [b, groups, s, d] \
+                             with groups dividing heads, found {sq:?} and {sk:?}"
+                        ),
+                    ));
+                }
+                same_shape(q, o)?;
+                let full = 4.0
+                    * [sq[0], sq[1], sq[2], sk[2], sq[3]]
+                        .iter()
+                        .map(|&d| d as f64)
+                        .product::<f64>();
+                let flops = if causal { full / 2.0 } else { full };
+                Ok((flops, vec![q, k, v, o]))
+            }
+            OpKind::CrossEntropy => {
+                arity(&[2], 1)?;
+                let (logits, labels) = (inputs[0], inputs[1]);
+                let vocab = self.t(logits).shape.last().copied().unwrap_or(0);
+                if vocab == 0
+                    || self.numel(labels).saturating_mul(vocab) != self.numel(logits)
+                    || !matches!(self.t(labels).dtype, DType::I32)
+                {
+                    return Err(GraphError::new(
+                        name,
+                        "cross_entropy takes logits [.., vocab] and integer labels [..]",
+                    ));
+                }
+                let probs = self.implicit(format!("{name}.probs"), logits, DType::F32);
+                Ok((fpe::CROSS_ENTROPY * self.numel(logits) as f64, vec![probs]))
+            }
+            OpKind::Transpose => {
+                arity(&[1], 1)?;
+                if self.numel(inputs[0]) != self.numel(outputs[0]) {
+                    return Err(GraphError::new(
+                        name,
+                        "transpose keeps the number of elements of its input",
+                    ));
+                }
+                Ok((0.0, vec![]))
+            }
+            OpKind::Slice => {
+                if inputs.len() != 1 || outputs.is_empty() {
+                    return Err(GraphError::new(
+                        name,
+                        "slice takes one input and at least one output",
+                    ));
+                }
+                let total: u64 = outputs.iter().map(|&t| self.numel(t)).sum();
+                if total != self.numel(inputs[0]) {
+                    return Err(GraphError::new(
+                        name,
+                        format!(
+                            "outputs hold {total} elements but the input `{}` has {}",
+                            self.t(inputs[0]).name,
+                            self.numel(inputs[0])
+                        ),
+                    ));
+                }
+                Ok((0.0, vec![]))
+            }
+            OpKind::EmbeddingGrad => Err(GraphError::new(
+                name,
+                "embedding_grad is a backward op and cannot be added to the forward graph",
+            )),
+        }
+    }
+}

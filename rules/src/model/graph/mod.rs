@@ -1,0 +1,432 @@
+//! The op graph: the one intermediate representation every model source lowers to.
+//!
+//! A [`Graph`] holds tensors (with shapes, dtypes and how tensor parallelism splits them) and ops
+//! (forward and backward, with FLOPs), grouped into [`Layer`]s. It is instantiated at a concrete
+//! micro-batch size and sequence length, so every number in it is exact for that shape.
+//! Frontends build the forward part with [`GraphBuilder`]; [`GraphBuilder::finish`] derives the
+//! backward ops (see `autodiff`) so that backward semantics live in one place.
+
+mod autodiff;
+mod builder;
+mod flops;
+mod summary;
+
+pub use builder::GraphBuilder;
+pub use summary::{GraphSummary, LayerGroup, LayerSummary, OpSummary};
+
+use serde::{Deserialize, Serialize};
+
+/// Element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// IEEE single precision.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half precision.
+    F16,
+    /// 32-bit integer (token ids, labels).
+    I32,
+    /// Bytes (dropout masks).
+    U8,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub fn bytes(self) -> u64 {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::Bf16 | DType::F16 => 2,
+            DType::U8 => 1,
+        }
+    }
+}
+
+/// Index of a tensor in [`Graph::tensors`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TensorId(pub u32);
+
+/// Index of an op in [`Graph::ops`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct OpId(pub u32);
+
+/// What a tensor is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TensorKind {
+    /// Data fed to the model (token ids, labels); never differentiated.
+    Input,
+    /// A trained weight.
+    Parameter,
+    /// An intermediate value of the forward pass.
+    Activation,
+    /// The gradient of an activation: transient, alive during the backward pass only.
+    Gradient,
+    /// The gradient of a parameter: accumulated in the gradient buffer over micro-batches.
+    WeightGradient,
+}
+
+/// How tensor parallelism (degree `t`) distributes a tensor over its group.
+///
+/// This is Megatron-LM's scheme expressed on tensors: a `Model` split divides a weight or
+/// activation along a feature axis (heads, FFN width, vocabulary) on every rank; a `Sequence`
+/// split applies only under sequence parallelism, where token-major activations outside the
+/// model-parallel regions are divided along the sequence axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "split", content = "axis", rename_all = "lowercase")]
+pub enum Split {
+    /// Replicated on every tensor-parallel rank.
+    None,
+    /// Divided along this axis under sequence parallelism, replicated otherwise.
+    Sequence(u8),
+    /// Divided along this axis by tensor parallelism.
+    Model(u8),
+}
+
+/// A tensor of the graph.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Tensor {
+    /// Name, unique in the graph (informational: never part of a cache key).
+    pub name: String,
+    /// Shape at the graph's micro-batch size and sequence length.
+    pub shape: Vec<u64>,
+    /// Element type.
+    pub dtype: DType,
+    /// Role of the tensor.
+    pub kind: TensorKind,
+    /// Tensor-parallel distribution.
+    pub split: Split,
+    /// Whether a gradient flows to this tensor.
+    pub requires_grad: bool,
+}
+
+impl Tensor {
+    /// Number of elements (saturating: shapes come from user files).
+    pub fn elements(&self) -> u64 {
+        self.shape.iter().fold(1u64, |n, &d| n.saturating_mul(d))
+    }
+
+    /// Size in bytes of the whole (unsharded) tensor.
+    pub fn bytes(&self) -> u64 {
+        self.elements().saturating_mul(self.dtype.bytes())
+    }
+}
+
+/// Operation kinds. Backward ops reuse these kinds; [`Op::grad_of`] links them to the forward op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "op")]
+pub enum OpKind {
+    /// Row gather `y[.., h] = table[ids]`; inputs `[ids, table]`.
+    Embedding,
+    /// Scatter-add of the output gradient into the embedding table (backward only).
+    EmbeddingGrad,
+    /// `y = x · w (+ bias)` with `w` of shape `[k, n]`, or `[n, k]` when `transpose_b`;
+    /// inputs `[x, w]` or `[x, w, bias]`.
+    MatMul {
+        /// The weight is stored transposed (`[n, k]`), as a tied output embedding is.
+        transpose_b: bool,
+    },
+    /// Batched product `c[.., m, n] = a[.., m, k] · b[.., k, n]` (`b[.., n, k]` when
+    /// `transpose_b`); leading axes of `b` may divide those of `a` (grouped-query attention).
+    BatchMatMul {
+        /// `b` is given as `[.., n, k]`.
+        transpose_b: bool,
+    },
+    /// Layer normalisation over the last axis; inputs `[x, gamma, beta]`.
+    LayerNorm,
+    /// RMS normalisation over the last axis; inputs `[x, gamma]`.
+    RmsNorm,
+    /// Fused scale + causal mask + softmax over the last axis.
+    Softmax,
+    /// GeLU (tanh approximation).
+    Gelu,
+    /// SiLU.
+    Silu,
+    /// Fused SwiGLU: `silu(x[.., :f]) * x[.., f:]`, output `[.., f]`.
+    SwiGlu,
+    /// Elementwise sum of two tensors.
+    Add,
+    /// Elementwise product of two tensors.
+    Mul,
+    /// Dropout; keeps a one-byte mask for the backward pass.
+    Dropout,
+    /// Fused dropout of `x` plus residual add: `y = dropout(x) + residual`; inputs `[x, residual]`.
+    DropoutAdd,
+    /// Rotary position embedding applied to queries or keys.
+    Rope,
+    /// Fused attention core (FlashAttention): inputs `[q, k, v]` shaped `[b, heads, s, d]`.
+    FlashAttention {
+        /// Causal masking: only the lower triangle of the score matrix is computed.
+        causal: bool,
+    },
+    /// Softmax cross-entropy of logits `[.., V]` against integer labels; output is the loss.
+    CrossEntropy,
+    /// One input viewed as several outputs whose sizes add up to it (the fused QKV projection
+    /// seen as q, k and v). A view in the forward pass; its backward assembles the gradients.
+    Slice,
+    /// A copy of the input into another axis order (`permute(..).contiguous()`).
+    Transpose,
+}
+
+impl OpKind {
+    /// Short lower-case name used in reports and in the graph file format.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::Embedding => "embedding",
+            OpKind::EmbeddingGrad => "embedding_grad",
+            OpKind::MatMul { .. } => "matmul",
+            OpKind::BatchMatMul { .. } => "batch_matmul",
+            OpKind::LayerNorm => "layernorm",
+            OpKind::RmsNorm => "rmsnorm",
+            OpKind::Softmax => "softmax",
+            OpKind::Gelu => "gelu",
+            OpKind::Silu => "silu",
+            OpKind::SwiGlu => "swiglu",
+            OpKind::Add => "add",
+            OpKind::Mul => "mul",
+            OpKind::Dropout => "dropout",
+            OpKind::DropoutAdd => "dropout_add",
+            OpKind::Rope => "rope",
+            OpKind::FlashAttention { .. } => "flash_attention",
+            OpKind::CrossEntropy => "cross_entropy",
+            OpKind::Slice => "slice",
+            OpKind::Transpose => "transpose",
+        }
+    }
+
+    /// Whether the op runs on tensor cores as a matrix product (roofline uses the matmul peak).
+    pub fn is_matmul(self) -> bool {
+        matches!(self, OpKind::MatMul { .. } | OpKind::BatchMatMul { .. })
+    }
+}
+
+/// Forward or backward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pass {
+    /// Forward pass.
+    Forward,
+    /// Backward pass.
+    Backward,
+}
+
+/// One operation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Op {
+    /// Name (informational).
+    pub name: String,
+    /// What the op computes.
+    pub kind: OpKind,
+    /// Forward or backward.
+    pub pass: Pass,
+    /// Operands, in the order the kind documents.
+    pub inputs: Vec<TensorId>,
+    /// Results.
+    pub outputs: Vec<TensorId>,
+    /// Forward ops: the activations kept alive for the backward pass.
+    pub saves: Vec<TensorId>,
+    /// Index of the layer the op belongs to.
+    pub layer: u32,
+    /// Part of the attention core (score/softmax/context ops): the ops that selective
+    /// activation recomputation re-runs instead of storing their outputs.
+    pub attention_core: bool,
+    /// Floating-point operations of the whole (unsharded) op.
+    pub flops: f64,
+    /// Backward ops: the forward op they differentiate.
+    pub grad_of: Option<OpId>,
+}
+
+/// Role of a layer in the model, used to place layers on pipeline stages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LayerKind {
+    /// Input embedding: placed on the first pipeline stage.
+    Embedding,
+    /// A repeated body layer: distributed evenly over pipeline stages.
+    Block,
+    /// Final norm, output projection and loss: placed on the last pipeline stage.
+    Head,
+}
+
+impl LayerKind {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerKind::Embedding => "embedding",
+            LayerKind::Block => "block",
+            LayerKind::Head => "head",
+        }
+    }
+}
+
+/// A contiguous group of ops: the unit that pipeline stages are made of.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Layer {
+    /// Name (informational).
+    pub name: String,
+    /// Role of the layer.
+    pub kind: LayerKind,
+    /// Forward ops in execution order.
+    pub forward: Vec<OpId>,
+    /// Backward ops in execution order.
+    pub backward: Vec<OpId>,
+}
+
+/// The op graph of a model at one micro-batch size and sequence length.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Graph {
+    /// Model name (informational).
+    pub name: String,
+    /// Micro-batch size the shapes were instantiated with.
+    pub micro_batch: u64,
+    /// Sequence length the shapes were instantiated with.
+    pub seq: u64,
+    /// All tensors.
+    pub tensors: Vec<Tensor>,
+    /// All ops: forward ops in execution order, then backward ops in execution order.
+    pub ops: Vec<Op>,
+    /// Layers in forward order.
+    pub layers: Vec<Layer>,
+}
+
+impl Graph {
+    /// The tensor with this id.
+    pub fn tensor(&self, id: TensorId) -> &Tensor {
+        &self.tensors[id.0 as usize]
+    }
+
+    /// The op with this id.
+    pub fn op(&self, id: OpId) -> &Op {
+        &self.ops[id.0 as usize]
+    }
+
+    /// Total number of trained parameters (a weight shared by two layers counts once;
+    /// saturating, as shapes are).
+    pub fn parameter_count(&self) -> u64 {
+        self.tensors
+            .iter()
+            .filter(|t| t.kind == TensorKind::Parameter)
+            .map(Tensor::elements)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Parameters owned by each layer: a weight belongs to the first layer that reads it.
+    /// Returns, per layer, the owned parameter tensors.
+    pub fn owned_parameters(&self) -> Vec<Vec<TensorId>> {
+        let mut owner: Vec<Option<u32>> = vec![None; self.tensors.len()];
+        let mut owned = vec![Vec::new(); self.layers.len()];
+        for (li, layer) in self.layers.iter().enumerate() {
+            for &op in &layer.forward {
+                for &t in &self.op(op).inputs {
+                    if self.tensor(t).kind == TensorKind::Parameter && owner[t.0 as usize].is_none()
+                    {
+                        owner[t.0 as usize] = Some(li as u32);
+                        owned[li].push(t);
+                    }
+                }
+            }
+        }
+        owned
+    }
+
+    /// Parameters a layer reads that another (earlier) layer owns: a tied output embedding.
+    /// A pipeline stage that holds this layer but not the owner keeps its own copy. `owned` is
+    /// [`Graph::owned_parameters`].
+    pub fn borrowed_parameters(&self, layer: usize, owned: &[Vec<TensorId>]) -> Vec<TensorId> {
+        let mut out = Vec::new();
+        for &op in &self.layers[layer].forward {
+            for &t in &self.op(op).inputs {
+                if self.tensor(t).kind == TensorKind::Parameter
+                    && !owned[layer].contains(&t)
+                    && !out.contains(&t)
+                {
+                    out.push(t);
+                }
+            }
+        }
+        out
+    }
+
+    /// Activations the forward ops of a layer keep for the backward pass, each listed once.
+    pub fn saved_activations(&self, layer: usize) -> Vec<TensorId> {
+        let mut out: Vec<TensorId> = Vec::new();
+        for &op in &self.layers[layer].forward {
+            for &t in &self.op(op).saves {
+                if !out.contains(&t) {
+                    out.push(t);
+                }
+            }
+        }
+        out
+    }
+
+    /// Activations a layer reads that were produced before it (its checkpoint under full
+    /// recomputation). Parameters and model inputs are excluded.
+    pub fn layer_inputs(&self, layer: usize) -> Vec<TensorId> {
+        let forward = &self.layers[layer].forward;
+        let produced_here: Vec<TensorId> = forward
+            .iter()
+            .flat_map(|&o| self.op(o).outputs.iter().copied())
+            .collect();
+        let mut out = Vec::new();
+        for &op in forward {
+            for &t in &self.op(op).inputs {
+                if self.tensor(t).kind == TensorKind::Activation
+                    && !produced_here.contains(&t)
+                    && !out.contains(&t)
+                {
+                    out.push(t);
+                }
+            }
+        }
+        out
+    }
+
+    /// Forward FLOPs of one micro-batch through the whole model.
+    pub fn forward_flops(&self) -> f64 {
+        self.pass_flops(Pass::Forward)
+    }
+
+    /// Backward FLOPs of one micro-batch through the whole model.
+    pub fn backward_flops(&self) -> f64 {
+        self.pass_flops(Pass::Backward)
+    }
+
+    fn pass_flops(&self, pass: Pass) -> f64 {
+        self.ops
+            .iter()
+            .filter(|o| o.pass == pass)
+            .map(|o| o.flops)
+            .sum()
+    }
+
+    /// Indices of layers of kind [`LayerKind::Block`].
+    pub fn block_layers(&self) -> Vec<usize> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.kind == LayerKind::Block)
+            .map(|(i, _)| i)
+            .collect()
+    }
+}
+
+/// A malformed graph: an op whose operands do not fit its kind, a dangling tensor reference, ...
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("op `{op}`: {message}")]
+pub struct GraphError {
+    /// Name of the offending op (or tensor).
+    pub op: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl GraphError {
+    pub(crate) fn new(op: impl Into<String>, message: impl Into<String>) -> Self {
+        GraphError {
+            op: op.into(),
+            message: message.into(),
+        }
+    }
+}

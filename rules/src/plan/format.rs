@@ -1,0 +1,382 @@
+//! The plan a build writes for a target (`plans/<target>.json`), and the Megatron-LM arguments
+//! that realise it.
+
+use crate::cost::cluster::{Cluster, GIB};
+use crate::cost::memory::Precision;
+use crate::model::frontend::{Attention, Bias, Mlp, ModelDef, Norm, Position};
+use crate::plan::estimate::{ChunkLayers, Estimate};
+use crate::plan::layout::{Layout, Recompute, TrainingOptions};
+use crate::plan::partition::Attempt;
+use crate::plan::search::SearchResult;
+use serde::{Deserialize, Serialize};
+
+/// Version of the plan file layout.
+pub const PLAN_SCHEMA: u32 = 2;
+
+/// The model a plan is for.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanModel {
+    /// Workspace name of the model.
+    pub name: String,
+    /// Trained parameters (unpadded vocabulary).
+    pub parameters: u64,
+    /// Repeated blocks.
+    pub blocks: u64,
+}
+
+/// A runner-up layout, for comparison.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Alternative {
+    /// The layout.
+    pub layout: Layout,
+    /// Predicted step time, s.
+    pub step_time_s: f64,
+    /// Model FLOPs utilisation.
+    pub mfu: f64,
+    /// Peak memory per device, GiB.
+    pub memory_per_device_gib: f64,
+}
+
+/// How much of the space the search covered.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SearchStats {
+    /// Layouts generated.
+    pub candidates: usize,
+    /// Layouts that can run.
+    pub valid: usize,
+    /// Valid layouts that fit in memory with their layers split evenly.
+    pub feasible: usize,
+    /// Layouts whose split was refined (DP, balancing, simulation).
+    pub refined: usize,
+    /// Whether refinement stopped at its cap rather than at its bound.
+    pub refine_capped: bool,
+}
+
+/// A parallel-training plan for one target.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// [`PLAN_SCHEMA`].
+    pub schema: u32,
+    /// [`crate::RULES_VERSION`] of the rules that made the plan.
+    pub rules_version: String,
+    /// Target name.
+    pub target: String,
+    /// The model.
+    pub model: PlanModel,
+    /// The cluster, with every device number the plan was priced with.
+    pub cluster: Cluster,
+    /// Training options.
+    pub training: TrainingOptions,
+    /// The chosen layout, priced.
+    pub estimate: Estimate,
+    /// The next best layouts.
+    pub alternatives: Vec<Alternative>,
+    /// Search coverage.
+    pub search: SearchStats,
+    /// How each way of splitting the layers did for the chosen layout.
+    pub partitions: Vec<Attempt>,
+    /// Megatron-LM `pretrain_gpt.py` arguments realising the layout.
+    pub megatron_args: Vec<String>,
+    /// A launch line with the process layout.
+    pub launch: String,
+}
+
+impl Plan {
+    /// Builds the plan from a search whose best layout exists.
+    pub fn from_search(
+        target: &str,
+        model: PlanModel,
+        def: &ModelDef,
+        cluster: &Cluster,
+        training: TrainingOptions,
+        result: &SearchResult,
+    ) -> Option<Plan> {
+        let best = result.best()?.clone();
+        let args = megatron_args(def, &best, &training);
+        let launch = format!(
+            "torchrun --nnodes {} --nproc-per-node {} pretrain_gpt.py {}",
+            cluster.nodes,
+            cluster.gpus_per_node,
+            args.iter()
+                .map(|a| shell_quote(a))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        Some(Plan {
+            schema: PLAN_SCHEMA,
+            rules_version: crate::RULES_VERSION.to_string(),
+            target: target.to_string(),
+            model,
+            cluster: cluster.clone(),
+            training,
+            alternatives: result
+                .ranked
+                .iter()
+                .skip(1)
+                .map(|e| Alternative {
+                    layout: e.layout,
+                    step_time_s: e.step_time_s,
+                    mfu: e.mfu,
+                    memory_per_device_gib: e.memory.total / GIB,
+                })
+                .collect(),
+            search: SearchStats {
+                candidates: result.candidates,
+                valid: result.valid,
+                feasible: result.feasible,
+                refined: result.refined,
+                refine_capped: result.refine_capped,
+            },
+            partitions: result.best_attempts.clone(),
+            estimate: best,
+            megatron_args: args,
+            launch,
+        })
+    }
+}
+
+/// `arg` as one shell word: unchanged when it holds only characters no shell interprets, else
+/// in single quotes.
+pub fn shell_quote(arg: &str) -> String {
+    let plain = !arg.is_empty()
+        && arg
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
+    if plain {
+        arg.to_string()
+    } else {
+        format!("'{}'", arg.replace('\'', "'\\''"))
+    }
+}
+
+/// Accumulates `--flag` and `--key value` arguments.
+#[derive(Default)]
+struct Args(Vec<String>);
+
+impl Args {
+    fn flag(&mut self, name: &str) {
+        self.0.push(format!("--{name}"));
+    }
+
+    fn kv(&mut self, name: &str, value: impl ToString) {
+        self.flag(name);
+        self.0.push(value.to_string());
+    }
+}
+
+/// Megatron-LM's `--pipeline-model-parallel-layout` for chunks that differ from its default
+/// even split (`None` when they do not): virtual stages in order, separated by `|`, each an
+/// `E` for the embedding, `t` per transformer block and `L` for the output layer and loss;
+/// runs of equal stages are written `(stage|)*k`.
+pub fn pipeline_layout(chunks: &[ChunkLayers], blocks: &[usize], layers: usize) -> Option<String> {
+    let total: usize = blocks.iter().sum();
+    let n = chunks.len();
+    if n > 0 && total % n == 0 && blocks.iter().all(|&b| b == total / n) {
+        return None;
+    }
+    let token = |k: usize| {
+        let mut t = String::new();
+        if chunks[k].first == 0 {
+            t.push('E');
+        }
+        match blocks[k] {
+            0 => {}
+            1 => t.push('t'),
+            b => t.push_str(&format!("t*{b}")),
+        }
+        if chunks[k].last + 1 == layers {
+            t.push('L');
+        }
+        t
+    };
+    let tokens: Vec<String> = (0..n).map(token).collect();
+    let mut out = String::new();
+    let mut k = 0;
+    // The last stage is written alone: a group ends with a separator.
+    while k + 1 < n {
+        let run = tokens[k..n - 1]
+            .iter()
+            .take_while(|t| **t == tokens[k])
+            .count();
+        if run >= 3 {
+            out.push_str(&format!("({}|)*{run},", tokens[k]));
+        } else {
+            for t in &tokens[k..k + run] {
+                out.push_str(t);
+                out.push('|');
+            }
+        }
+        k += run;
+    }
+    out.push_str(&tokens[n - 1]);
+    Some(out)
+}
+
+/// Megatron-LM command-line arguments for the estimate's layout and split. The parallel knobs
+/// are always given; the architecture flags, the custom pipeline layout and block-wise
+/// recomputation only for transformers (a graph file is not a Megatron-LM GPT model).
+pub fn megatron_args(def: &ModelDef, e: &Estimate, opts: &TrainingOptions) -> Vec<String> {
+    let l = &e.layout;
+    let chunks = e.assignment();
+    let blocks: Vec<usize> = {
+        let (p, v) = (e.stages.len(), l.interleave as usize);
+        (0..p * v)
+            .map(|k| e.stages[k % p].chunks[k / p].blocks)
+            .collect()
+    };
+    let layers = chunks.last().map_or(0, |c| c.last + 1);
+    let layout = pipeline_layout(&chunks, &blocks, layers);
+    let mut a = Args::default();
+    a.kv("tensor-model-parallel-size", l.tp);
+    a.kv("pipeline-model-parallel-size", l.pp);
+    a.kv("micro-batch-size", l.micro_batch);
+    a.kv("global-batch-size", l.global_batch);
+    a.kv("seq-length", opts.seq);
+    if let Some(c) = def.transformer() {
+        match &layout {
+            Some(s) => a.kv("pipeline-model-parallel-layout", s),
+            None if l.interleave > 1 => a.kv(
+                "num-layers-per-virtual-pipeline-stage",
+                c.layers / (l.pp * l.interleave),
+            ),
+            None => {}
+        }
+        a.kv("num-layers", c.layers);
+        a.kv("hidden-size", c.hidden);
+        a.kv("ffn-hidden-size", c.ffn_hidden);
+        a.kv("num-attention-heads", c.heads);
+        if c.head_dim * c.heads != c.hidden {
+            a.kv("kv-channels", c.head_dim);
+        }
+        if c.kv_heads != c.heads {
+            a.flag("group-query-attention");
+            a.kv("num-query-groups", c.kv_heads);
+        }
+        a.kv("max-position-embeddings", c.max_seq.max(opts.seq));
+        a.kv("make-vocab-size-divisible-by", opts.vocab_multiple);
+        if c.mlp == Mlp::SwiGlu {
+            a.flag("swiglu");
+        }
+        if c.norm == Norm::RmsNorm {
+            a.kv("normalization", "RMSNorm");
+        }
+        if c.position == Position::Rope {
+            a.kv("position-embedding-type", "rope");
+        }
+        if !c.tied_embeddings {
+            a.flag("untie-embeddings-and-output-weights");
+        }
+        match c.bias {
+            Bias::All => {}
+            Bias::Qkv => {
+                a.flag("disable-bias-linear");
+                a.flag("add-qkv-bias");
+            }
+            Bias::None => a.flag("disable-bias-linear"),
+        }
+        if !c.dropout {
+            a.kv("attention-dropout", "0.0");
+            a.kv("hidden-dropout", "0.0");
+        }
+        if opts.attention == Attention::Flash {
+            a.flag("use-flash-attn");
+        }
+    }
+    match opts.precision {
+        Precision::Bf16 => a.flag("bf16"),
+        Precision::Fp16 => a.flag("fp16"),
+        Precision::Fp32 => {}
+    }
+    if l.sequence_parallel {
+        a.flag("sequence-parallel");
+    }
+    match l.recompute {
+        Recompute::None => {}
+        Recompute::Selective => a.kv("recompute-granularity", "selective"),
+        Recompute::Full => {
+            a.kv("recompute-granularity", "full");
+            let all = e
+                .stages
+                .iter()
+                .flat_map(|s| &s.chunks)
+                .all(|c| c.full_recompute == c.blocks);
+            if all {
+                a.kv("recompute-method", "uniform");
+                a.kv("recompute-num-layers", 1);
+            } else {
+                // The first N blocks of every chunk (the split gives every chunk the same N).
+                let n = chunks.iter().map(|c| c.full_recompute).max().unwrap_or(0);
+                a.kv("recompute-method", "block");
+                a.kv("recompute-num-layers", n);
+            }
+        }
+    }
+    match l.zero {
+        0 => {}
+        // Megatron-LM's distributed optimizer shards optimizer states and gradients.
+        1 | 2 => a.flag("use-distributed-optimizer"),
+        // Megatron-Core's FSDP shards weights as well.
+        _ => {
+            a.flag("use-custom-fsdp");
+            a.kv("data-parallel-sharding-strategy", "optim_grads_params");
+        }
+    }
+    a.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunks(blocks: &[usize]) -> (Vec<ChunkLayers>, usize) {
+        // Embedding, the blocks, the output layer.
+        let mut out = Vec::new();
+        let mut next = 1;
+        for (k, &b) in blocks.iter().enumerate() {
+            let first = if k == 0 { 0 } else { next };
+            next += b;
+            let last = if k + 1 == blocks.len() {
+                next
+            } else {
+                next - 1
+            };
+            out.push(ChunkLayers {
+                first,
+                last,
+                full_recompute: 0,
+            });
+        }
+        (out, next + 1)
+    }
+
+    #[test]
+    fn pipeline_layout_is_megatron_syntax() {
+        let (c, layers) = chunks(&[4, 4, 4, 4]);
+        assert_eq!(pipeline_layout(&c, &[4, 4, 4, 4], layers), None);
+        let (c, layers) = chunks(&[17, 15]);
+        assert_eq!(
+            pipeline_layout(&c, &[17, 15], layers).as_deref(),
+            Some("Et*17|t*15L")
+        );
+        let b = [3, 2, 2, 2, 2, 2, 2, 3];
+        let (c, layers) = chunks(&b);
+        assert_eq!(
+            pipeline_layout(&c, &b, layers).as_deref(),
+            Some("Et*3|(t*2|)*6,t*3L")
+        );
+        let b = [1, 2, 2, 0];
+        let (c, layers) = chunks(&b);
+        assert_eq!(
+            pipeline_layout(&c, &b, layers).as_deref(),
+            Some("Et|t*2|t*2|L")
+        );
+    }
+
+    #[test]
+    fn shell_quoting() {
+        assert_eq!(shell_quote("--bf16"), "--bf16");
+        assert_eq!(shell_quote("Et*3|t*2L"), "'Et*3|t*2L'");
+        assert_eq!(shell_quote("it's"), "'it'\\''s'");
+        assert_eq!(shell_quote(""), "''");
+    }
+}

@@ -1,0 +1,193 @@
+//! A parallel layout (the knobs a Megatron-LM user sets by hand) and the options of a training
+//! run it is priced for.
+
+use crate::cost::memory::Precision;
+use crate::error::FieldError;
+use crate::model::frontend::Attention;
+use serde::{Deserialize, Serialize};
+
+/// Activation recomputation policy of the transformer blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every activation the backward pass needs.
+    None,
+    /// Re-run the attention core (Korthikanti et al. 2022) instead of storing its outputs.
+    Selective,
+    /// Keep only each block's input; re-run the whole block forward during backward.
+    Full,
+}
+
+impl Recompute {
+    /// Name as written on the command line and in files.
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        }
+    }
+
+    /// Parses `none`, `selective` or `full`.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "none" => Recompute::None,
+            "selective" => Recompute::Selective,
+            "full" => Recompute::Full,
+            _ => return None,
+        })
+    }
+}
+
+/// Degrees and knobs of data, tensor and pipeline parallelism for one training run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Layout {
+    /// Tensor-parallel degree.
+    pub tp: u64,
+    /// Pipeline-parallel degree (stages).
+    pub pp: u64,
+    /// Data-parallel degree.
+    pub dp: u64,
+    /// Sequences per micro-batch.
+    pub micro_batch: u64,
+    /// Sequences per optimizer step.
+    pub global_batch: u64,
+    /// Model chunks per pipeline stage (interleaved 1F1B when above 1).
+    pub interleave: u64,
+    /// Sequence parallelism in the tensor-parallel group.
+    pub sequence_parallel: bool,
+    /// Activation recomputation.
+    pub recompute: Recompute,
+    /// ZeRO stage (0 = plain data parallelism).
+    pub zero: u8,
+}
+
+impl Layout {
+    /// Micro-batches per pipeline per step.
+    pub fn num_microbatches(&self) -> u64 {
+        self.global_batch / self.micro_batch.saturating_mul(self.dp).max(1)
+    }
+
+    /// Compact one-line description, e.g. `tp8 pp16 dp8 mb1 v2 sp rc=selective zero1`.
+    pub fn describe(&self) -> String {
+        format!(
+            "tp{} pp{} dp{} mb{} v{}{} rc={} zero{}",
+            self.tp,
+            self.pp,
+            self.dp,
+            self.micro_batch,
+            self.interleave,
+            if self.sequence_parallel { " sp" } else { "" },
+            self.recompute.name(),
+            self.zero
+        )
+    }
+}
+
+/// Settings of a training run that are not layout knobs.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainingOptions {
+    /// Tokens per sequence.
+    pub seq: u64,
+    /// Numeric precision.
+    pub precision: Precision,
+    /// Attention-core implementation.
+    pub attention: Attention,
+    /// Fraction of device memory kept free for allocator fragmentation.
+    pub memory_headroom: f64,
+    /// Vocabulary padding multiple per tensor-parallel rank (Megatron-LM's
+    /// `--make-vocab-size-divisible-by`, default 128).
+    pub vocab_multiple: u64,
+    /// Weight gradients accumulate inside the weight-gradient products (Megatron-LM's
+    /// `--gradient-accumulation-fusion`, its default since 2022).
+    pub grad_accumulation_fusion: bool,
+}
+
+/// Why a layout cannot run a model on a cluster.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LayoutError {
+    /// A degree or size is zero.
+    #[error("{0} must be at least 1")]
+    ZeroDegree(&'static str),
+    /// The degrees do not use the cluster exactly.
+    #[error("tp x pp x dp = {tp} x {pp} x {dp} = {product}, but the cluster has {gpus} GPUs")]
+    DeviceCount {
+        /// Tensor-parallel degree.
+        tp: u64,
+        /// Pipeline-parallel degree.
+        pp: u64,
+        /// Data-parallel degree.
+        dp: u64,
+        /// Their product.
+        product: u64,
+        /// GPUs in the cluster.
+        gpus: u64,
+    },
+    /// The global batch does not split into micro-batches per replica.
+    #[error(
+        "global batch {global_batch} is not divisible by micro-batch x dp = {micro_batch} x {dp}"
+    )]
+    BatchSplit {
+        /// Sequences per step.
+        global_batch: u64,
+        /// Sequences per micro-batch.
+        micro_batch: u64,
+        /// Data-parallel degree.
+        dp: u64,
+    },
+    /// Fewer blocks than pipeline chunks.
+    #[error(
+        "{blocks} blocks cannot give each of the pp x interleave = {pp} x {interleave} chunks one"
+    )]
+    StageSplit {
+        /// Repeated blocks of the model.
+        blocks: u64,
+        /// Pipeline stages.
+        pp: u64,
+        /// Chunks per stage.
+        interleave: u64,
+    },
+    /// Interleaving constraints of Megatron-LM.
+    #[error(
+        "interleaving needs pp >= 2 and a number of micro-batches ({microbatches}) divisible by pp = {pp}"
+    )]
+    Interleave {
+        /// Micro-batches per step.
+        microbatches: u64,
+        /// Pipeline stages.
+        pp: u64,
+    },
+    /// Sequence parallelism without tensor parallelism.
+    #[error("sequence parallelism needs tp > 1")]
+    SequenceParallelWithoutTp,
+    /// A dimension tensor parallelism splits is not divisible by the degree.
+    #[error("tp = {tp} does not divide {what} ({count})")]
+    TensorParallel {
+        /// What is split.
+        what: String,
+        /// Its size.
+        count: u64,
+        /// The degree.
+        tp: u64,
+    },
+    /// ZeRO stage out of range.
+    #[error("ZeRO stage {0} does not exist (expected 0, 1, 2 or 3)")]
+    ZeroStage(u8),
+    /// The sequence is longer than the model's position table.
+    #[error("sequence length {seq} exceeds the model's maximum of {max}")]
+    Sequence {
+        /// Requested length.
+        seq: u64,
+        /// The model's limit.
+        max: u64,
+    },
+    /// The model failed to lower at this micro-batch size.
+    #[error("the model does not lower: {0}")]
+    Model(FieldError),
+    /// A split of the layers into chunks that does not cover them.
+    #[error("invalid split of the layers into chunks: {0}")]
+    Assignment(String),
+    /// The pipeline cannot be simulated.
+    #[error("the pipeline cannot be simulated: {0}")]
+    Schedule(crate::solve::schedule::ScheduleError),
+}

@@ -1,0 +1,713 @@
+//! Inter-operator stage construction: Alpa's dynamic program (ALGORITHMS.md §2).
+//!
+//! Layers `0..L` are cut into contiguous stages `[k, i]` (inclusive); each stage runs on a
+//! submesh (a shape `n x m` of devices) with one of `C` logical-mesh configurations, at the cost
+//! `T[k, i, s, c]` per micro-batch. The submeshes must use all `D` devices, and a stage with `s`
+//! stages from it to the end (itself included) keeps `s` micro-batches in flight under 1F1B,
+//! which it must fit in memory: `s - 1 <= max_n_succ_stages[k, i, s, c]`. The pipeline costs
+//! `sum of stage costs + (B - 1) * max stage cost`.
+//!
+//! For a bound `t_max` on stage costs the DP is
+//!
+//! ```text
+//! F(0, L, 0) = 0, every other F = +inf
+//! F(s, k, d) = min over i in [k, L-1], submesh σ with |σ| <= d, config c of
+//!              T[k, i, σ, c] + F(s - 1, i + 1, d - |σ|)
+//!              subject to T[k, i, σ, c] <= t_max and s - 1 <= max_n_succ_stages[k, i, σ, c]
+//! ```
+//!
+//! and the answer is the best `F(s, 0, D) + (B - 1) * (largest chosen stage cost)` over `s` and
+//! over `t_max` among the sorted distinct stage costs, searched without evaluating the bounds
+//! that cannot win (see [`crate::solve::bottleneck`]). The implementation is exact and fast: each `F(s, k, ·)` row
+//! is computed only over the device counts a solution can have there (at least what the layers
+//! after `k` need, at most what the layers before `k` leave), as one vectorised min-plus update
+//! per (end, submesh); the argmins are re-derived along the optimal path only.
+
+use crate::limits::MAX_DP_ENTRIES;
+use crate::solve::bottleneck;
+use serde::{Deserialize, Serialize};
+
+/// An instance in Alpa's layout (`compute_cost[L][L][S][C]`, `max_n_succ_stages[L][L][S][C]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageProblem {
+    /// Layers `L`.
+    pub layers: usize,
+    /// Submesh shapes `(hosts, devices per host)`.
+    pub submeshes: Vec<(u64, u64)>,
+    /// Logical-mesh configurations per submesh `C`.
+    pub configs: usize,
+    /// `cost[((k * L + i) * S + s) * C + c]`: seconds per micro-batch; `+inf` when infeasible.
+    pub cost: Vec<f64>,
+    /// Same layout: the most stages that may follow the stage; negative when infeasible.
+    pub max_succ: Vec<i64>,
+    /// Devices the stages must use in total.
+    pub devices: u64,
+    /// Micro-batches `B`.
+    pub microbatches: u64,
+}
+
+/// A stage of the solution.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StageChoice {
+    /// First layer.
+    pub start: usize,
+    /// Last layer (inclusive).
+    pub end: usize,
+    /// Index into the submesh choices.
+    pub submesh: usize,
+    /// Index of the logical-mesh configuration.
+    pub config: usize,
+    /// Its cost per micro-batch, s.
+    pub cost: f64,
+}
+
+/// The optimal pipeline.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StagePlan {
+    /// `sum of stage costs + (B - 1) * max stage cost`.
+    pub cost: f64,
+    /// Stages in order.
+    pub stages: Vec<StageChoice>,
+    /// `t_max` values the DP was run for.
+    pub bounds_evaluated: usize,
+}
+
+/// Options of the search.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StageOptions {
+    /// Skip a `t_max` candidate within this much of the last one evaluated (Alpa's
+    /// `max_stage_cost` gap). Zero keeps the search exact.
+    pub bound_gap: f64,
+}
+
+impl Default for StageOptions {
+    fn default() -> Self {
+        StageOptions { bound_gap: 0.0 }
+    }
+}
+
+/// Why an instance has no solution.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum InterError {
+    /// The tables do not have the shape the sizes say.
+    #[error("{0}")]
+    Shape(String),
+    /// The DP's table for this many layers and devices would not fit in memory.
+    #[error(
+        "the stage DP for {layers} layers on {devices} devices needs {entries} table entries, \
+         more than the {limit} it allows: is the device count a typo?"
+    )]
+    TooLarge {
+        /// Layers.
+        layers: usize,
+        /// Devices.
+        devices: u64,
+        /// Entries the table would need (saturated).
+        entries: u64,
+        /// Most entries allowed.
+        limit: u64,
+    },
+    /// No set of stages uses all devices within the memory limits.
+    #[error(
+        "no pipeline covers the {layers} layers with submeshes using exactly {devices} devices \
+         within the memory limits"
+    )]
+    Infeasible {
+        /// Layers.
+        layers: usize,
+        /// Devices.
+        devices: u64,
+    },
+}
+
+impl StageProblem {
+    fn idx(&self, k: usize, i: usize, s: usize, c: usize) -> usize {
+        ((k * self.layers + i) * self.submeshes.len() + s) * self.configs + c
+    }
+
+    /// Checks sizes and normalises infeasible entries (NaN, negative costs) to `+inf`.
+    pub fn validate(mut self) -> Result<Self, InterError> {
+        let want = self.layers * self.layers * self.submeshes.len() * self.configs;
+        if self.layers == 0 || self.submeshes.is_empty() || self.configs == 0 {
+            return Err(InterError::Shape(
+                "layers, submesh choices and configurations must be non-empty".into(),
+            ));
+        }
+        if self.cost.len() != want || self.max_succ.len() != want {
+            return Err(InterError::Shape(format!(
+                "compute_cost and max_n_succ_stages must hold {} x {} x {} x {} = {want} entries, \
+                 found {} and {}",
+                self.layers,
+                self.layers,
+                self.submeshes.len(),
+                self.configs,
+                self.cost.len(),
+                self.max_succ.len()
+            )));
+        }
+        if self.submeshes.iter().any(|&(n, m)| n == 0 || m == 0) || self.devices == 0 {
+            return Err(InterError::Shape(
+                "submesh shapes and the device count must be positive".into(),
+            ));
+        }
+        let entries = self.dp_entries();
+        if entries > MAX_DP_ENTRIES {
+            return Err(InterError::TooLarge {
+                layers: self.layers,
+                devices: self.devices,
+                entries,
+                limit: MAX_DP_ENTRIES,
+            });
+        }
+        if self.microbatches == 0 {
+            return Err(InterError::Shape(
+                "num_microbatches must be positive".into(),
+            ));
+        }
+        for k in 0..self.layers {
+            for i in 0..self.layers {
+                for s in 0..self.submeshes.len() {
+                    for c in 0..self.configs {
+                        let x = self.idx(k, i, s, c);
+                        let bad = i < k
+                            || !self.cost[x].is_finite()
+                            || self.cost[x] < 0.0
+                            || self.max_succ[x] < 0;
+                        if bad {
+                            self.cost[x] = f64::INFINITY;
+                            self.max_succ[x] = -1;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(self)
+    }
+
+    /// Most stages a solution can have: every stage holds a layer and a smallest submesh.
+    fn max_stages(&self) -> u64 {
+        let smallest = (0..self.submeshes.len())
+            .map(|s| self.size(s))
+            .min()
+            .unwrap_or(1)
+            .max(1);
+        (self.layers as u64).min(self.devices / smallest)
+    }
+
+    /// Entries of the DP table, `(stages + 1) x (layers + 1) x (devices + 1)`, saturated.
+    fn dp_entries(&self) -> u64 {
+        (self.max_stages() + 1)
+            .saturating_mul(self.layers as u64 + 1)
+            .saturating_mul(self.devices.saturating_add(1))
+    }
+
+    /// Devices of submesh `s`.
+    pub fn size(&self, s: usize) -> u64 {
+        self.submeshes[s].0.saturating_mul(self.submeshes[s].1)
+    }
+}
+
+/// Reusable buffers and per-instance tables of the DP.
+struct Dp<'a> {
+    p: &'a StageProblem,
+    l: usize,
+    d: usize,
+    sizes: Vec<usize>,
+    /// `F[(s * (L + 1) + k) * (D + 1) + d]`, valid inside `band[k]` only.
+    f: Vec<f64>,
+    /// Per `k`: the device counts a suffix starting at `k` can have, for the current bound.
+    band: Vec<(usize, usize)>,
+    /// Most stages any solution can have.
+    s_max: usize,
+}
+
+impl<'a> Dp<'a> {
+    fn new(p: &'a StageProblem) -> Self {
+        let l = p.layers;
+        let d = p.devices as usize;
+        let sizes: Vec<usize> = (0..p.submeshes.len()).map(|s| p.size(s) as usize).collect();
+        // Bounded by `validate`'s table-size check.
+        let s_max = p.max_stages() as usize;
+        Dp {
+            p,
+            l,
+            d,
+            sizes,
+            f: vec![f64::INFINITY; (s_max + 1) * (l + 1) * (d + 1)],
+            band: vec![(1, 0); l + 1],
+            s_max,
+        }
+    }
+
+    fn row(&self, s: usize, k: usize) -> usize {
+        (s * (self.l + 1) + k) * (self.d + 1)
+    }
+
+    /// Cheapest configuration of stage `[k, i]` on submesh `sm` within `t_max` that fits with
+    /// `s` stages from it to the end.
+    fn best(&self, k: usize, i: usize, sm: usize, s: usize, t_max: f64) -> Option<(f64, usize)> {
+        let mut best: Option<(f64, usize)> = None;
+        for c in 0..self.p.configs {
+            let x = self.p.idx(k, i, sm, c);
+            let cost = self.p.cost[x];
+            if cost <= t_max
+                && (s as i64 - 1) <= self.p.max_succ[x]
+                && best.is_none_or(|(b, _)| cost < b)
+            {
+                best = Some((cost, c));
+            }
+        }
+        best
+    }
+
+    /// Computes, for bound `t_max`, the device counts each suffix can have: at least the fewest
+    /// devices that cover it, at most what the fewest-device cover of the prefix leaves.
+    fn bands(&mut self, t_max: f64) {
+        let (l, d) = (self.l, self.d);
+        let usable = |k: usize, i: usize, sm: usize| {
+            (0..self.p.configs).any(|c| {
+                let x = self.p.idx(k, i, sm, c);
+                self.p.cost[x] <= t_max && self.p.max_succ[x] >= 0
+            })
+        };
+        const NONE: usize = usize::MAX;
+        let mut suffix = vec![NONE; l + 1];
+        suffix[l] = 0;
+        for k in (0..l).rev() {
+            for i in k..l {
+                if suffix[i + 1] == NONE {
+                    continue;
+                }
+                for sm in 0..self.sizes.len() {
+                    if usable(k, i, sm) {
+                        suffix[k] = suffix[k].min(suffix[i + 1] + self.sizes[sm]);
+                    }
+                }
+            }
+        }
+        let mut prefix = vec![NONE; l + 1];
+        prefix[0] = 0;
+        for i in 0..l {
+            for k in 0..=i {
+                if prefix[k] == NONE {
+                    continue;
+                }
+                for sm in 0..self.sizes.len() {
+                    if usable(k, i, sm) {
+                        prefix[i + 1] = prefix[i + 1].min(prefix[k] + self.sizes[sm]);
+                    }
+                }
+            }
+        }
+        for k in 0..=l {
+            self.band[k] = if suffix[k] == NONE || prefix[k] == NONE || prefix[k] > d {
+                (1, 0)
+            } else {
+                (suffix[k], d - prefix[k])
+            };
+        }
+    }
+
+    /// Fills `F` for bound `t_max`; returns the best `(sum, stages)` reaching `F(s, 0, D)`.
+    fn run(&mut self, t_max: f64) -> Option<(f64, usize)> {
+        self.bands(t_max);
+        let (l, d) = (self.l, self.d);
+        if self.band[0].0 > d || self.band[0].1 < d {
+            return None;
+        }
+        // Row (0, L) holds F(0, L, 0) = 0.
+        let r0 = self.row(0, l);
+        self.f[r0] = 0.0;
+        let mut best: Option<(f64, usize)> = None;
+        for s in 1..=self.s_max {
+            let mut any = false;
+            for k in (0..l).rev() {
+                let (lo, hi) = self.band[k];
+                let row = self.row(s, k);
+                if lo > hi || s > l - k {
+                    continue;
+                }
+                self.f[row + lo..=row + hi].fill(f64::INFINITY);
+                // The last stage (s = 1) must end at the last layer.
+                let first_end = if s == 1 { l - 1 } else { k };
+                for i in first_end..l {
+                    if s - 1 > l - i - 1 {
+                        break;
+                    }
+                    let (slo, shi) = self.band[i + 1];
+                    if slo > shi {
+                        continue;
+                    }
+                    let src = self.row(s - 1, i + 1);
+                    for sm in 0..self.sizes.len() {
+                        let n = self.sizes[sm];
+                        let Some((cost, _)) = self.best(k, i, sm, s, t_max) else {
+                            continue;
+                        };
+                        // d ranges over the band of row k whose source d - n lies in the band
+                        // of row i + 1.
+                        let from = lo.max(slo + n);
+                        let to = hi.min(shi + n);
+                        if from > to {
+                            continue;
+                        }
+                        // Rows of s - 1 stages precede rows of s stages (see `row`), so the
+                        // source lies entirely before the destination row.
+                        let (before, from_row) = self.f.split_at_mut(row);
+                        let dst = &mut from_row[from..=to];
+                        let srcs = &before[src + from - n..=src + to - n];
+                        for (x, &y) in dst.iter_mut().zip(srcs) {
+                            let cand = cost + y;
+                            if cand < *x {
+                                *x = cand;
+                            }
+                        }
+                        any = true;
+                    }
+                }
+            }
+            let total = self.f[self.row(s, 0) + d];
+            if total.is_finite() && best.is_none_or(|(b, _)| total < b) {
+                best = Some((total, s));
+            }
+            if !any {
+                break;
+            }
+        }
+        best
+    }
+
+    /// Walks the argmins from `F(s, 0, D)` back to `F(0, L, 0)`.
+    fn reconstruct(&self, s_total: usize, t_max: f64) -> Option<Vec<StageChoice>> {
+        let mut stages = Vec::with_capacity(s_total);
+        let (mut s, mut k, mut d) = (s_total, 0usize, self.d);
+        while s > 0 {
+            let here = self.f[self.row(s, k) + d];
+            let first_end = if s == 1 { self.l - 1 } else { k };
+            let mut found = None;
+            'search: for i in first_end..self.l {
+                for sm in 0..self.sizes.len() {
+                    let n = self.sizes[sm];
+                    if n > d {
+                        continue;
+                    }
+                    let (slo, shi) = self.band[i + 1];
+                    if d - n < slo || d - n > shi {
+                        continue;
+                    }
+                    if let Some((cost, c)) = self.best(k, i, sm, s, t_max) {
+                        let prev = self.f[self.row(s - 1, i + 1) + d - n];
+                        if cost + prev == here {
+                            found = Some((i, sm, c, cost, n));
+                            break 'search;
+                        }
+                    }
+                }
+            }
+            let (i, sm, c, cost, n) = found?;
+            stages.push(StageChoice {
+                start: k,
+                end: i,
+                submesh: sm,
+                config: c,
+                cost,
+            });
+            s -= 1;
+            k = i + 1;
+            d -= n;
+        }
+        // The walk ends exactly at F(0, L, 0).
+        (k == self.l && d == 0).then_some(stages)
+    }
+}
+
+/// Solves a stage-construction instance exactly: the DP for each `t_max` bound, searched with
+/// [`crate::solve::bottleneck::minimize`] (which evaluates only the bounds that can still win).
+pub fn solve(problem: StageProblem, options: StageOptions) -> Result<StagePlan, InterError> {
+    let p = problem.validate()?;
+    let infeasible = InterError::Infeasible {
+        layers: p.layers,
+        devices: p.devices,
+    };
+    let bounds = bottleneck::candidates(p.cost.iter().copied());
+    let mut dp = Dp::new(&p);
+    let best = bottleneck::minimize(
+        &bounds,
+        p.microbatches as f64 - 1.0,
+        options.bound_gap,
+        |t| {
+            let (sum, s) = dp.run(t)?;
+            let stages = dp.reconstruct(s, t)?;
+            let max = stages.iter().map(|st| st.cost).fold(0.0, f64::max);
+            Some(bottleneck::Bounded {
+                sum,
+                max,
+                solution: stages,
+            })
+        },
+    )
+    .ok_or(infeasible)?;
+    Ok(StagePlan {
+        cost: best.total,
+        stages: best.solution,
+        bounds_evaluated: best.evaluated,
+    })
+}
+
+/// Submesh shapes of an `N x M` cluster (ALGORITHMS.md §2): `(1, 1), (1, 2), (1, 4), ...` up to
+/// `(1, M)`, then `(n, M)` for `n = 2..N` (all `n`, or only powers of two).
+pub fn submesh_choices(hosts: u64, per_host: u64, powers_of_two_only: bool) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut w = 1;
+    while w < per_host {
+        out.push((1, w));
+        w *= 2;
+    }
+    out.push((1, per_host));
+    for n in 2..=hosts {
+        if !powers_of_two_only || n.is_power_of_two() {
+            out.push((n, per_host));
+        }
+    }
+    out
+}
+
+/// Places the chosen submeshes on an `N x M` cluster, largest first: whole-host shapes take
+/// consecutive hosts, smaller ones fill hosts first-fit. Returns `(first device, devices)` per
+/// stage, or `None` if they do not tile the cluster.
+pub fn place(stages: &[(u64, u64)], hosts: u64, per_host: u64) -> Option<Vec<(u64, u64)>> {
+    let mut order: Vec<usize> = (0..stages.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(stages[i].0 * stages[i].1));
+    let mut free_in_host = vec![per_host; hosts as usize];
+    let mut placement = vec![(0, 0); stages.len()];
+    for i in order {
+        let (n, m) = stages[i];
+        if n > 1 || m == per_host {
+            // Whole hosts: the first run of n completely free hosts.
+            let run = (0..hosts as usize)
+                .find(|&h| (h..h + n as usize).all(|x| free_in_host.get(x) == Some(&per_host)))?;
+            free_in_host[run..run + n as usize].fill(0);
+            placement[i] = (run as u64 * per_host, n * m);
+        } else {
+            let h = free_in_host.iter().position(|&f| f >= m)?;
+            let first = h as u64 * per_host + (per_host - free_in_host[h]);
+            free_in_host[h] -= m;
+            placement[i] = (first, m);
+        }
+    }
+    free_in_host.iter().all(|&f| f == 0).then_some(placement)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Exhaustive search: every contiguous partition, every submesh and config per stage.
+    fn brute_force(p: &StageProblem) -> Option<f64> {
+        let l = p.layers;
+        let b = p.microbatches as f64;
+        let mut best: Option<f64> = None;
+        // Bit i of `cuts` set: a stage ends after layer i.
+        for cuts in 0u32..(1 << (l - 1)) {
+            let mut ranges = Vec::new();
+            let mut start = 0;
+            for i in 0..l {
+                if i == l - 1 || cuts & (1 << i) != 0 {
+                    ranges.push((start, i));
+                    start = i + 1;
+                }
+            }
+            let n = ranges.len();
+            let choices = p.submeshes.len() * p.configs;
+            let combos = (choices as u64).pow(n as u32);
+            for mut code in 0..combos {
+                let (mut sum, mut max, mut devices, mut ok) = (0.0, 0.0f64, 0u64, true);
+                for (q, &(k, i)) in ranges.iter().enumerate() {
+                    let pick = (code % choices as u64) as usize;
+                    code /= choices as u64;
+                    let (sm, c) = (pick / p.configs, pick % p.configs);
+                    let x = p.idx(k, i, sm, c);
+                    let after = (n - q - 1) as i64;
+                    if !p.cost[x].is_finite() || after > p.max_succ[x] {
+                        ok = false;
+                        break;
+                    }
+                    sum += p.cost[x];
+                    max = max.max(p.cost[x]);
+                    devices += p.size(sm);
+                }
+                if ok && devices == p.devices {
+                    let total = sum + (b - 1.0) * max;
+                    if best.is_none_or(|bt| total < bt) {
+                        best = Some(total);
+                    }
+                }
+            }
+        }
+        best
+    }
+
+    fn instance() -> impl Strategy<Value = StageProblem> {
+        (1usize..=5, 1usize..=2, 1u64..=3, 1u64..=8)
+            .prop_flat_map(|(l, c, hosts, b)| {
+                let submeshes = submesh_choices(hosts, 2, false);
+                let s = submeshes.len();
+                let n = l * l * s * c;
+                (
+                    Just((l, c, hosts, b, submeshes)),
+                    proptest::collection::vec(
+                        prop_oneof![1 => Just(-1.0f64), 8 => 0.5f64..10.0],
+                        n,
+                    ),
+                    proptest::collection::vec(-1i64..5, n),
+                )
+            })
+            .prop_map(|((l, c, hosts, b, submeshes), cost, max_succ)| {
+                let cost = cost.into_iter().map(|x| (x * 4.0).round() / 4.0).collect();
+                StageProblem {
+                    layers: l,
+                    submeshes,
+                    configs: c,
+                    cost,
+                    max_succ,
+                    devices: hosts * 2,
+                    microbatches: b,
+                }
+            })
+    }
+
+    #[test]
+    fn the_random_instances_exercise_the_dp() {
+        use proptest::strategy::ValueTree;
+        use proptest::test_runner::TestRunner;
+        let mut runner = TestRunner::deterministic();
+        let (mut feasible, mut multi_stage, mut mixed_submeshes) = (0, 0, 0);
+        for _ in 0..400 {
+            let p = instance().new_tree(&mut runner).expect("tree").current();
+            if let Ok(plan) = solve(p, StageOptions::default()) {
+                feasible += 1;
+                multi_stage += (plan.stages.len() > 1) as usize;
+                let first = plan.stages[0].submesh;
+                mixed_submeshes += plan.stages.iter().any(|s| s.submesh != first) as usize;
+            }
+        }
+        println!("{feasible} feasible, {multi_stage} multi-stage, {mixed_submeshes} mixed");
+        assert!(feasible >= 200, "{feasible} feasible of 400");
+        assert!(multi_stage >= 100, "{multi_stage} multi-stage");
+        assert!(
+            mixed_submeshes >= 30,
+            "{mixed_submeshes} with mixed submeshes"
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(400))]
+
+        #[test]
+        fn dp_equals_exhaustive_search(p in instance()) {
+            let expect = brute_force(&p.clone().validate().expect("valid"));
+            let got = solve(p.clone(), StageOptions::default());
+            match (expect, got) {
+                (None, Err(InterError::Infeasible { .. })) => {}
+                (Some(e), Ok(plan)) => {
+                    prop_assert!((plan.cost - e).abs() < 1e-9, "dp {} vs exhaustive {e}", plan.cost);
+                    // The plan is what it claims: contiguous, covering, exact devices, fits.
+                    let mut next = 0;
+                    let mut devices = 0;
+                    let n = plan.stages.len();
+                    for (q, st) in plan.stages.iter().enumerate() {
+                        prop_assert_eq!(st.start, next);
+                        next = st.end + 1;
+                        devices += p.size(st.submesh);
+                        let x = p.idx(st.start, st.end, st.submesh, st.config);
+                        prop_assert!((n - q - 1) as i64 <= p.max_succ[x]);
+                    }
+                    prop_assert_eq!(next, p.layers);
+                    prop_assert_eq!(devices, p.devices);
+                }
+                (e, g) => prop_assert!(false, "exhaustive {e:?} vs dp {g:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_walk_uses_the_next_start_not_the_current_one() {
+        // Two layers, one device each, two stages: the only solution is [0,0] then [1,1]; the
+        // widely copied bug (looking up F(s - 1, k, ..)) finds nothing.
+        let p = StageProblem {
+            layers: 2,
+            submeshes: vec![(1, 1)],
+            configs: 1,
+            cost: vec![1.0, f64::INFINITY, f64::INFINITY, 2.0],
+            max_succ: vec![1, -1, -1, 0],
+            devices: 2,
+            microbatches: 4,
+        };
+        let plan = solve(p, StageOptions::default()).expect("feasible");
+        assert_eq!(plan.cost, 1.0 + 2.0 + 3.0 * 2.0);
+        assert_eq!(
+            plan.stages
+                .iter()
+                .map(|s| (s.start, s.end))
+                .collect::<Vec<_>>(),
+            vec![(0, 0), (1, 1)]
+        );
+    }
+
+    #[test]
+    fn memory_limits_restrict_early_stages() {
+        // Stage [0,0] cannot be followed by another stage (max_succ 0): one stage must hold
+        // both layers, although splitting would be cheaper.
+        let mut cost = vec![f64::INFINITY; 4];
+        let mut max_succ = vec![-1; 4];
+        let idx = |k: usize, i: usize| k * 2 + i;
+        cost[idx(0, 0)] = 1.0;
+        max_succ[idx(0, 0)] = 0;
+        cost[idx(1, 1)] = 1.0;
+        max_succ[idx(1, 1)] = 0;
+        cost[idx(0, 1)] = 5.0;
+        max_succ[idx(0, 1)] = 0;
+        let p = StageProblem {
+            layers: 2,
+            submeshes: vec![(1, 2)],
+            configs: 1,
+            cost,
+            max_succ,
+            devices: 2,
+            microbatches: 8,
+        };
+        let plan = solve(p, StageOptions::default()).expect("feasible");
+        assert_eq!(plan.stages.len(), 1);
+        assert_eq!(plan.cost, 5.0 + 7.0 * 5.0);
+    }
+
+    #[test]
+    fn infeasible_when_devices_cannot_be_used_exactly() {
+        let p = StageProblem {
+            layers: 1,
+            submeshes: vec![(1, 2)],
+            configs: 1,
+            cost: vec![1.0],
+            max_succ: vec![0],
+            devices: 3,
+            microbatches: 1,
+        };
+        assert!(matches!(
+            solve(p, StageOptions::default()),
+            Err(InterError::Infeasible { .. })
+        ));
+    }
+
+    #[test]
+    fn submeshes_tile_the_cluster() {
+        let shapes = submesh_choices(4, 8, false);
+        assert_eq!(shapes[..4], [(1, 1), (1, 2), (1, 4), (1, 8)]);
+        assert_eq!(shapes.len(), 4 + 3);
+        assert_eq!(submesh_choices(8, 8, true).len(), 4 + 3);
+        let placed = place(&[(1, 2), (2, 8), (1, 4), (1, 2), (1, 8)], 4, 8).expect("tiles");
+        assert_eq!(placed[1], (0, 16));
+        assert_eq!(placed[4], (16, 8));
+        assert!(place(&[(1, 4), (1, 4), (1, 4)], 2, 6).is_none());
+    }
+}

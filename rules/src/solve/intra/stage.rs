@@ -1,0 +1,1226 @@
+//! The intra-op problem of a range of layers on a mesh (ALGORITHMS.md §3): one variable per op
+//! that is not a follower, per parameter (where its weights and its optimizer states live) and
+//! per tensor entering the range; costs from the analytic model; and the plan read back from a
+//! solution.
+//!
+//! What the objective counts, per micro-batch:
+//! * every op's kernel on its tile, and the collectives its strategy implies: an all-reduce of
+//!   an activation that comes out as a partial sum, an all-reduce of row statistics when a
+//!   normalised dimension is split;
+//! * every resharding between the spec a tensor is produced in and the spec a consumer needs
+//!   (a working weight held more sharded than an op needs is gathered, as ZeRO-3 does);
+//! * once per step (so divided by the number of micro-batches): the reduction of each weight
+//!   gradient into the layout of its optimizer states (all-reduce or reduce-scatter), the
+//!   optimizer's update of its shard, and the all-gather of updated weights into their working
+//!   layout (ZeRO-1/2 when the states are more sharded than the weights).
+//!
+//! Memory is the per-device peak at the start of the last in-flight micro-batch's backward:
+//! activations saved for backward (times the micro-batches in flight), gradient buffers (kept
+//! in the layout the weight gradient is produced in), working weights and optimizer states.
+
+use super::einsum::{DimKind, Einsum, einsum};
+use super::problem::{Assignment, Edge, Problem, Var};
+use super::{exact, ilp};
+use crate::cost::analytic::{Collective, GemmShape, kernel_time, op_traffic};
+use crate::cost::cluster::{Device, GIB};
+use crate::cost::memory::Precision;
+use crate::cost::sharding::{
+    AxisSplit, Mesh, Spec, Step, reduce_steps, reshard_steps, steps_time, valid_specs,
+};
+use crate::model::graph::{Graph, OpId, OpKind, Pass, TensorId, TensorKind};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::time::Instant;
+
+/// Mesh axis -> dimension of an op's loop nest it splits.
+type Assign = [Option<usize>; 2];
+
+/// Which solver runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SolverChoice {
+    /// The exact solver when the graph's width allows, else the ILP.
+    Auto,
+    /// Only the exact solver.
+    Exact,
+    /// Only the ILP.
+    Ilp,
+}
+
+/// How the range is trained.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StageOptions {
+    /// Micro-batches per step (per-step costs are divided by this).
+    pub microbatches: u64,
+    /// Micro-batches whose saved activations are live at the peak.
+    pub inflight: u64,
+    /// Per-device memory budget, bytes.
+    pub memory_budget: Option<f64>,
+    /// Training precision (bytes of weights, gradients and optimizer states).
+    pub precision: Precision,
+    /// Solver.
+    pub solver: SolverChoice,
+    /// ILP time limit, s.
+    pub time_limit: f64,
+    /// Largest factor the exact solver may build before the ILP takes over.
+    pub max_exact_entries: f64,
+}
+
+impl Default for StageOptions {
+    fn default() -> Self {
+        StageOptions {
+            microbatches: 1,
+            inflight: 1,
+            memory_budget: None,
+            precision: Precision::Bf16,
+            solver: SolverChoice::Auto,
+            time_limit: 60.0,
+            max_exact_entries: 4e6,
+        }
+    }
+}
+
+/// Why the intra-op pass found no plan.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum IntraError {
+    /// The layer range is empty or outside the graph.
+    #[error("layers {first}..{end}: expected a non-empty range within the model's {layers} layers")]
+    Range {
+        /// First layer asked for.
+        first: usize,
+        /// One past the last.
+        end: usize,
+        /// Layers in the graph.
+        layers: usize,
+    },
+    /// No sharding fits the memory budget.
+    #[error(
+        "no sharding fits {budget_gib:.2} GiB per device: the leanest sharding of this range needs {least_gib:.2} GiB (raise the budget, or use a bigger mesh or fewer layers)"
+    )]
+    NoFit {
+        /// The budget, GiB.
+        budget_gib: f64,
+        /// What the leanest sharding needs, GiB.
+        least_gib: f64,
+    },
+    /// The exact solver was asked for but the graph is too wide for it.
+    #[error("the exact solver declined ({0}); use the ILP")]
+    TooWide(String),
+    /// The ILP failed.
+    #[error(transparent)]
+    Ilp(#[from] ilp::IlpError),
+}
+
+/// Why a collective runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// An op's result is a partial sum over a split reduced dimension.
+    PartialSum,
+    /// A normalised dimension is split: per-row statistics are summed.
+    Statistics,
+    /// A tensor is produced in one spec and consumed in another.
+    Reshard,
+    /// A working weight is held more sharded than an op uses it.
+    WeightGather,
+    /// A weight gradient is reduced into its optimizer states' layout (once per step).
+    GradientSync,
+    /// Updated weights are gathered from the optimizer's shards (once per step).
+    UpdatedWeights,
+}
+
+/// When a cost is paid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Every micro-batch, in the forward pass.
+    Forward,
+    /// Every micro-batch, in the backward pass.
+    Backward,
+    /// Once per step.
+    Step,
+}
+
+/// One collective of the plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CollectiveUse {
+    /// The collective.
+    pub kind: Collective,
+    /// Mesh axis.
+    pub axis: usize,
+    /// Payload, bytes.
+    pub bytes: f64,
+    /// Time, s.
+    pub seconds: f64,
+    /// The tensor it moves.
+    pub tensor: String,
+    /// Why.
+    pub reason: Reason,
+    /// When.
+    pub phase: Phase,
+}
+
+/// The sharding of one op.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OpSharding {
+    /// Op name.
+    pub name: String,
+    /// Op kind.
+    pub kind: String,
+    /// Pass.
+    pub pass: Pass,
+    /// Spec of each operand as the op reads it.
+    pub inputs: Vec<String>,
+    /// Spec of each result (after any reduction).
+    pub outputs: Vec<String>,
+    /// Kernel time on one device, s.
+    pub compute_seconds: f64,
+    /// Name of the op whose variable it follows, if merged.
+    pub follows: Option<String>,
+}
+
+/// Where one parameter lives.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParamSharding {
+    /// Parameter name.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Spec of the working weight.
+    pub weight: String,
+    /// Spec of the master weight and optimizer moments.
+    pub states: String,
+}
+
+/// Per-device memory at the peak, bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageMemory {
+    /// Saved activations of the micro-batches in flight.
+    pub activations: f64,
+    /// Working weights.
+    pub weights: f64,
+    /// Gradient buffers.
+    pub gradients: f64,
+    /// Master weights and optimizer moments.
+    pub optimizer: f64,
+    /// Everything.
+    pub total: f64,
+    /// The per-device budget the solve respected, if any.
+    pub budget: Option<f64>,
+}
+
+/// Time split by kind, s.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageTimes {
+    /// Kernels.
+    pub compute: f64,
+    /// Collectives ops imply (partial sums, statistics).
+    pub communication: f64,
+    /// Reshardings between ops and weight gathers.
+    pub resharding: f64,
+}
+
+/// How the problem was solved.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SolveInfo {
+    /// `exact` or `ilp`.
+    pub solver: String,
+    /// Whether the optimum is proven.
+    pub optimal: bool,
+    /// Relative gap to the best lower bound known (0 when proven).
+    pub gap: f64,
+    /// Wall time of the solve, s.
+    pub seconds: f64,
+    /// The objective the solver reached, s per micro-batch: the same number as
+    /// [`StagePlan::objective`], which is recomputed from the plan's parts.
+    pub cost: f64,
+    /// Variables (after follower merging).
+    pub variables: usize,
+    /// Strategies over all variables.
+    pub strategies: usize,
+    /// Strategies left after dropping dominated ones (what the solver saw).
+    pub undominated: usize,
+    /// Edges between variables.
+    pub edges: usize,
+    /// Largest factor the exact solver builds.
+    pub width: f64,
+}
+
+/// The intra-op plan of a layer range on a mesh: the stage cost the inter-op DP uses.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StagePlan {
+    /// Mesh shape.
+    pub mesh: [u64; 2],
+    /// Layers `first..end`.
+    pub layers: [usize; 2],
+    /// Micro-batches per step.
+    pub microbatches: u64,
+    /// The objective: forward + backward per micro-batch + per-step costs / micro-batches, s.
+    pub objective: f64,
+    /// Forward latency per micro-batch, s.
+    pub forward: f64,
+    /// Backward latency per micro-batch, s.
+    pub backward: f64,
+    /// Per-step costs (gradient synchronisation, optimizer, updated-weight gathers), s.
+    pub step: f64,
+    /// Per-micro-batch time by kind.
+    pub per_microbatch: StageTimes,
+    /// Memory per device.
+    pub memory: StageMemory,
+    /// Per op.
+    pub ops: Vec<OpSharding>,
+    /// Per parameter.
+    pub parameters: Vec<ParamSharding>,
+    /// Every collective.
+    pub collectives: Vec<CollectiveUse>,
+    /// Solver.
+    pub solve: SolveInfo,
+}
+
+impl StagePlan {
+    /// Collectives of `reason` in `phase`.
+    pub fn count(&self, reason: Reason, phase: Phase) -> usize {
+        self.collectives
+            .iter()
+            .filter(|c| c.reason == reason && c.phase == phase)
+            .count()
+    }
+}
+
+/// An op strategy priced.
+#[derive(Clone, Debug)]
+struct Realized {
+    /// Specs of the inputs as read.
+    inputs: Vec<Spec>,
+    /// Specs of the outputs (complete after reduction), then of implicit saved tensors.
+    outputs: Vec<Spec>,
+    /// Per output: mesh axes it is a partial sum over (weight gradients only; activations
+    /// are reduced by the op).
+    partial: Vec<u8>,
+    compute: f64,
+    comm: Vec<(Step, Reason, TensorId)>,
+    activations: f64,
+    gradients: f64,
+}
+
+struct OpNode {
+    op: OpId,
+    var: usize,
+    leader: Option<usize>,
+    realized: Vec<Realized>,
+}
+
+struct ParamNode {
+    tensor: TensorId,
+    var: usize,
+    /// (working weight, optimizer states).
+    choices: Vec<(Spec, Spec)>,
+}
+
+struct SourceNode {
+    tensor: TensorId,
+    var: usize,
+    specs: Vec<Spec>,
+}
+
+#[derive(Clone, Copy)]
+enum Producer {
+    /// Output (or implicit saved tensor) `j` of node `n`.
+    Op(usize, usize),
+    Source(usize),
+}
+
+struct Flow {
+    tensor: TensorId,
+    from: Producer,
+    to: usize,
+    input: usize,
+}
+
+struct WeightUse {
+    param: usize,
+    to: usize,
+    input: usize,
+}
+
+struct GradSync {
+    from: usize,
+    output: usize,
+    param: usize,
+}
+
+/// The intra-op problem of a layer range, ready to solve and to read solutions back.
+pub struct StageModel<'g> {
+    graph: &'g Graph,
+    mesh: Mesh,
+    device: Device,
+    layers: Range<usize>,
+    opts: StageOptions,
+    nodes: Vec<OpNode>,
+    params: Vec<ParamNode>,
+    sources: Vec<SourceNode>,
+    flows: Vec<Flow>,
+    uses: Vec<WeightUse>,
+    syncs: Vec<GradSync>,
+    var_sizes: Vec<usize>,
+    /// Where each tensor made inside the range comes from: (node, output index).
+    produced: HashMap<TensorId, (usize, usize)>,
+    problem: Problem,
+}
+
+/// Ops that take their operand's strategy (elementwise and views) instead of a variable.
+fn is_follower_kind(kind: OpKind) -> bool {
+    matches!(
+        kind,
+        OpKind::Gelu
+            | OpKind::Silu
+            | OpKind::SwiGlu
+            | OpKind::Add
+            | OpKind::Mul
+            | OpKind::Dropout
+            | OpKind::DropoutAdd
+            | OpKind::Rope
+            | OpKind::Slice
+            | OpKind::Transpose
+    )
+}
+
+/// The spec of a tensor whose axes carry `axes` under `assign`.
+fn spec_of(axes: &[Option<usize>], assign: &Assign) -> Spec {
+    Spec(
+        axes.iter()
+            .map(|d| {
+                let mut mask = 0u8;
+                for (a, on) in assign.iter().enumerate() {
+                    if d.is_some() && *on == *d {
+                        mask |= 1 << a;
+                    }
+                }
+                AxisSplit::from_axes(mask)
+            })
+            .collect(),
+    )
+}
+
+impl<'g> StageModel<'g> {
+    /// Builds the problem of layers `layers` of `graph` on `mesh` of `device`s.
+    pub fn build(
+        graph: &'g Graph,
+        layers: Range<usize>,
+        mesh: Mesh,
+        device: &Device,
+        opts: StageOptions,
+    ) -> Result<StageModel<'g>, IntraError> {
+        if layers.start >= layers.end || layers.end > graph.layers.len() {
+            return Err(IntraError::Range {
+                first: layers.start,
+                end: layers.end,
+                layers: graph.layers.len(),
+            });
+        }
+        let mut ops: Vec<OpId> = layers
+            .clone()
+            .flat_map(|l| {
+                let layer = &graph.layers[l];
+                layer.forward.iter().chain(&layer.backward).copied()
+            })
+            .collect();
+        // Op ids are in execution order (forward, then backward in reverse).
+        ops.sort_unstable();
+        let layer_of: HashMap<OpId, usize> = layers
+            .clone()
+            .flat_map(|l| {
+                let layer = &graph.layers[l];
+                layer
+                    .forward
+                    .iter()
+                    .chain(&layer.backward)
+                    .map(move |&o| (o, l))
+            })
+            .collect();
+        let mut model = StageModel {
+            graph,
+            mesh,
+            device: device.clone(),
+            layers,
+            opts,
+            nodes: Vec::new(),
+            params: Vec::new(),
+            sources: Vec::new(),
+            flows: Vec::new(),
+            uses: Vec::new(),
+            syncs: Vec::new(),
+            var_sizes: Vec::new(),
+            produced: HashMap::new(),
+            problem: Problem {
+                vars: Vec::new(),
+                edges: Vec::new(),
+                memory_budget: opts.memory_budget,
+            },
+        };
+        // The first forward op that saves each activation accounts for it.
+        let mut saver: HashMap<TensorId, usize> = HashMap::new();
+        for (n, &o) in ops.iter().enumerate() {
+            let op = graph.op(o);
+            if op.pass == Pass::Forward {
+                for &t in &op.saves {
+                    if matches!(
+                        graph.tensor(t).kind,
+                        TensorKind::Activation | TensorKind::Input
+                    ) {
+                        saver.entry(t).or_insert(n);
+                    }
+                }
+            }
+        }
+        let mut produced: HashMap<TensorId, (usize, usize)> = HashMap::new();
+        let mut param_of: HashMap<TensorId, usize> = HashMap::new();
+        let mut source_of: HashMap<TensorId, usize> = HashMap::new();
+        for (n, &o) in ops.iter().enumerate() {
+            let op = graph.op(o);
+            let e = einsum(graph, op);
+            // A follower takes the strategy of the op producing its first operand in the same
+            // layer. Across a layer boundary it chooses its own, so that the only terms joining
+            // two layers are the specs of the tensors crossing it, and a range's optimum is
+            // what its layers' boundary tables compose to (`chain`).
+            let leader = op
+                .inputs
+                .first()
+                .and_then(|t| produced.get(t))
+                .filter(|&&(p, _)| layer_of.get(&ops[p]) == layer_of.get(&o))
+                .filter(|_| is_follower_kind(op.kind) && e.is_some());
+            let (var, leader, realized) = match (leader, &e) {
+                (Some(&(p, j)), Some(e)) => {
+                    let var = model.nodes[p].var;
+                    let realized: Vec<Realized> = model.nodes[p]
+                        .realized
+                        .iter()
+                        .map(|r| {
+                            model.realize(n, o, &saver, Some(e), &model.derive(o, e, &r.outputs[j]))
+                        })
+                        .collect();
+                    (var, Some(p), realized)
+                }
+                _ => {
+                    let assigns = match &e {
+                        Some(e) => model.assignments(o, e),
+                        None => vec![[None, None]],
+                    };
+                    let realized: Vec<Realized> = assigns
+                        .iter()
+                        .map(|a| model.realize(n, o, &saver, e.as_ref(), a))
+                        .collect();
+                    let var = model.var_sizes.len();
+                    model.var_sizes.push(realized.len());
+                    (var, None, realized)
+                }
+            };
+            model.nodes.push(OpNode {
+                op: o,
+                var,
+                leader,
+                realized,
+            });
+            // Wire the operands.
+            for (i, &t) in op.inputs.iter().enumerate() {
+                let tensor = graph.tensor(t);
+                if tensor.kind == TensorKind::Parameter {
+                    let p = *param_of.entry(t).or_insert_with(|| {
+                        let var = model.var_sizes.len();
+                        let choices = param_choices(&tensor.shape, &mesh);
+                        model.var_sizes.push(choices.len());
+                        model.params.push(ParamNode {
+                            tensor: t,
+                            var,
+                            choices,
+                        });
+                        model.params.len() - 1
+                    });
+                    model.uses.push(WeightUse {
+                        param: p,
+                        to: n,
+                        input: i,
+                    });
+                } else if let Some(&(p, j)) = produced.get(&t) {
+                    model.flows.push(Flow {
+                        tensor: t,
+                        from: Producer::Op(p, j),
+                        to: n,
+                        input: i,
+                    });
+                } else {
+                    let s = *source_of.entry(t).or_insert_with(|| {
+                        let var = model.var_sizes.len();
+                        let specs = valid_specs(&tensor.shape, &mesh);
+                        model.var_sizes.push(specs.len());
+                        model.sources.push(SourceNode {
+                            tensor: t,
+                            var,
+                            specs,
+                        });
+                        model.sources.len() - 1
+                    });
+                    model.flows.push(Flow {
+                        tensor: t,
+                        from: Producer::Source(s),
+                        to: n,
+                        input: i,
+                    });
+                }
+            }
+            for (j, &t) in op
+                .outputs
+                .iter()
+                .chain(&implicit_saves(graph, o))
+                .enumerate()
+            {
+                produced.entry(t).or_insert((n, j));
+            }
+            // Weight gradients go to their parameter's optimizer states.
+            if let Some(fwd) = op.grad_of {
+                let params = graph
+                    .op(fwd)
+                    .inputs
+                    .iter()
+                    .filter(|&&t| graph.tensor(t).kind == TensorKind::Parameter);
+                let grads = op
+                    .outputs
+                    .iter()
+                    .enumerate()
+                    .filter(|&(_, &t)| graph.tensor(t).kind == TensorKind::WeightGradient);
+                for (&w, (j, _)) in params.zip(grads) {
+                    if let Some(&p) = param_of.get(&w) {
+                        model.syncs.push(GradSync {
+                            from: n,
+                            output: j,
+                            param: p,
+                        });
+                    }
+                }
+            }
+        }
+        model.produced = produced;
+        model.problem = model.assemble();
+        Ok(model)
+    }
+
+    /// The problem, for the solvers.
+    pub fn problem(&self) -> &Problem {
+        &self.problem
+    }
+
+    /// Whether an op of the range makes tensor `t`.
+    pub fn makes(&self, t: TensorId) -> bool {
+        self.produced.contains_key(&t)
+    }
+
+    /// The variable that decides the spec of tensor `t` as it crosses the range's edge, and
+    /// that spec under each of the variable's choices: its producer's strategy when the range
+    /// makes `t`, else the variable of `t` entering the range. `None` when no op of the range
+    /// reads or makes `t`.
+    pub fn spec_variable(&self, t: TensorId) -> Option<(usize, Vec<Spec>)> {
+        if let Some(&(n, j)) = self.produced.get(&t) {
+            let node = &self.nodes[n];
+            return Some((
+                node.var,
+                node.realized.iter().map(|r| r.outputs[j].clone()).collect(),
+            ));
+        }
+        self.sources
+            .iter()
+            .find(|s| s.tensor == t)
+            .map(|s| (s.var, s.specs.clone()))
+    }
+
+    /// Every valid assignment of mesh axes to the non-fixed dimensions of `e`.
+    fn assignments(&self, o: OpId, e: &Einsum) -> Vec<Assign> {
+        let mut per_axis: [Vec<Option<usize>>; 2] = [vec![None], vec![None]];
+        for (a, choices) in per_axis.iter_mut().enumerate() {
+            if self.mesh.shape[a] > 1 {
+                choices.extend(
+                    e.dims
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, k)| **k != DimKind::Fixed)
+                        .map(|(d, _)| Some(d)),
+                );
+            }
+        }
+        let mut out = Vec::new();
+        for &d0 in &per_axis[0] {
+            for &d1 in &per_axis[1] {
+                let a = [d0, d1];
+                if self.valid(o, e, &a) {
+                    out.push(a);
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether every tensor of op `o` divides evenly under `assign`.
+    fn valid(&self, o: OpId, e: &Einsum, assign: &Assign) -> bool {
+        let op = self.graph.op(o);
+        let tensors = op.inputs.iter().zip(&e.inputs);
+        let tensors = tensors.chain(op.outputs.iter().zip(&e.outputs));
+        for (&t, axes) in tensors {
+            let shape = &self.graph.tensor(t).shape;
+            if !spec_of(axes, assign).valid_for(shape, &self.mesh) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// The assignment of a follower whose first operand arrives as `spec`: each mesh axis
+    /// goes to the dimension the operand's split axis carries, as far as that divides.
+    fn derive(&self, o: OpId, e: &Einsum, spec: &Spec) -> Assign {
+        let mut a: Assign = [None, None];
+        for (axis, slot) in a.iter_mut().enumerate() {
+            if let Some(i) = spec.axis_on(axis) {
+                *slot = e.inputs[0]
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .filter(|&d| e.dims[d] != DimKind::Fixed);
+            }
+        }
+        // Drop splits that do not divide (the operand is then resharded on the way in).
+        [a, [a[0], None], [None, a[1]], [None, None]]
+            .into_iter()
+            .find(|c| self.valid(o, e, c))
+            .unwrap_or([None, None])
+    }
+
+    /// Prices op `o` (node `n`) under `assign`: specs, kernel time on its tile, the
+    /// collectives it implies, and the memory it holds at the peak.
+    fn realize(
+        &self,
+        n: usize,
+        o: OpId,
+        saver: &HashMap<TensorId, usize>,
+        e: Option<&Einsum>,
+        assign: &Assign,
+    ) -> Realized {
+        let g = self.graph;
+        let op = g.op(o);
+        let mesh = &self.mesh;
+        let (inputs, outputs): (Vec<Spec>, Vec<Spec>) = match e {
+            Some(e) => (
+                e.inputs.iter().map(|ax| spec_of(ax, assign)).collect(),
+                e.outputs.iter().map(|ax| spec_of(ax, assign)).collect(),
+            ),
+            None => (
+                op.inputs
+                    .iter()
+                    .map(|&t| Spec::replicated(g.tensor(t).shape.len()))
+                    .collect(),
+                op.outputs
+                    .iter()
+                    .map(|&t| Spec::replicated(g.tensor(t).shape.len()))
+                    .collect(),
+            ),
+        };
+        // Results summed over a split dimension are partial sums.
+        let partial: Vec<u8> = match e {
+            Some(e) => (0..op.outputs.len())
+                .map(|r| {
+                    let mut mask = 0u8;
+                    for (a, d) in assign.iter().enumerate() {
+                        if let Some(d) = *d
+                            && e.summed[r].contains(&d)
+                        {
+                            mask |= 1 << a;
+                        }
+                    }
+                    mask
+                })
+                .collect(),
+            None => vec![0; op.outputs.len()],
+        };
+        // Implicit saved tensors (masks, statistics) follow the operand they are shaped like.
+        let mut outputs = outputs;
+        for t in implicit_saves(g, o) {
+            let shape = &g.tensor(t).shape;
+            let like = op
+                .inputs
+                .iter()
+                .zip(&inputs)
+                .chain(op.outputs.iter().zip(outputs.iter()))
+                .find(|(u, _)| g.tensor(**u).shape.starts_with(shape))
+                .map(|(_, s)| Spec(s.0[..shape.len()].to_vec()));
+            outputs.push(like.unwrap_or_else(|| Spec::replicated(shape.len())));
+        }
+        let spec_of_tensor = |t: TensorId| -> &Spec {
+            op.inputs
+                .iter()
+                .position(|&u| u == t)
+                .map(|i| &inputs[i])
+                .or_else(|| {
+                    op.outputs
+                        .iter()
+                        .chain(&implicit_saves(g, o))
+                        .position(|&u| u == t)
+                        .map(|j| &outputs[j])
+                })
+                .unwrap_or(&inputs[0])
+        };
+        let tile_bytes = |t: TensorId| -> f64 {
+            g.tensor(t).bytes() as f64 / spec_of_tensor(t).tiles(mesh) as f64
+        };
+        let parts: u64 = assign
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.is_some())
+            .map(|(a, _)| mesh.shape[a])
+            .product();
+        let gemm = op.kind.is_matmul().then(|| {
+            let y = op.outputs[0];
+            let local = outputs[0].tile_shape(&g.tensor(y).shape, mesh);
+            let r = local.len();
+            let (batch, m) = match op.kind {
+                OpKind::BatchMatMul { .. } if r >= 2 => (
+                    local[..r - 2].iter().product::<u64>() as f64,
+                    local[r - 2] as f64,
+                ),
+                _ => (
+                    1.0,
+                    local[..r.saturating_sub(1)].iter().product::<u64>() as f64,
+                ),
+            };
+            GemmShape {
+                batch,
+                m,
+                n: local.last().copied().unwrap_or(1) as f64,
+            }
+        });
+        let compute = kernel_time(
+            op.kind,
+            op.flops / parts as f64,
+            op_traffic(op, tile_bytes),
+            &self.device,
+            self.opts.precision.dtype(),
+            gemm,
+        );
+        let mut comm = Vec::new();
+        for (j, &t) in op.outputs.iter().enumerate() {
+            if partial[j] != 0 && g.tensor(t).kind != TensorKind::WeightGradient {
+                let tile = tile_bytes(t);
+                for a in 0..2 {
+                    if partial[j] & (1 << a) != 0 {
+                        comm.push((
+                            Step::on(Collective::AllReduce, a, tile, mesh),
+                            Reason::PartialSum,
+                            t,
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(e) = e {
+            for (d, kind) in e.dims.iter().enumerate() {
+                let DimKind::Stats(per_row) = *kind else {
+                    continue;
+                };
+                let Some(axis) = e.inputs[0].iter().position(|&x| x == Some(d)) else {
+                    continue;
+                };
+                let x = op.inputs[0];
+                let local = inputs[0].tile_shape(&g.tensor(x).shape, mesh);
+                let rows = local.iter().product::<u64>() as f64 / local[axis].max(1) as f64;
+                for (a, on) in assign.iter().enumerate() {
+                    if *on == Some(d) {
+                        comm.push((
+                            Step::on(Collective::AllReduce, a, rows * per_row, mesh),
+                            Reason::Statistics,
+                            x,
+                        ));
+                    }
+                }
+            }
+        }
+        let inflight = self.opts.inflight.max(1) as f64;
+        let activations: f64 = op
+            .saves
+            .iter()
+            .filter(|t| saver.get(t) == Some(&n))
+            .map(|&t| tile_bytes(t) * inflight)
+            .sum();
+        let grad_bytes = self.opts.precision.state_bytes().1;
+        let gradients: f64 = op
+            .outputs
+            .iter()
+            .zip(&outputs)
+            .filter(|(t, _)| g.tensor(**t).kind == TensorKind::WeightGradient)
+            .map(|(&t, s)| g.tensor(t).elements() as f64 * grad_bytes / s.tiles(mesh) as f64)
+            .sum();
+        Realized {
+            inputs,
+            outputs,
+            partial,
+            compute,
+            comm,
+            activations,
+            gradients,
+        }
+    }
+
+    /// Sums every term into variable costs and edge tables.
+    fn assemble(&self) -> Problem {
+        let b = self.opts.microbatches.max(1) as f64;
+        let mut vars: Vec<Var> = self
+            .var_sizes
+            .iter()
+            .map(|&k| Var {
+                cost: vec![0.0; k],
+                memory: vec![0.0; k],
+            })
+            .collect();
+        let mut edges: Vec<Edge> = Vec::new();
+        for node in &self.nodes {
+            for (c, r) in node.realized.iter().enumerate() {
+                vars[node.var].cost[c] +=
+                    r.compute + r.comm.iter().map(|(s, _, _)| s.seconds).sum::<f64>();
+                vars[node.var].memory[c] += r.activations + r.gradients;
+            }
+        }
+        for p in &self.params {
+            for c in 0..p.choices.len() {
+                let (time, memory) = self.param_cost(p, c);
+                vars[p.var].cost[c] += time / b;
+                vars[p.var].memory[c] += memory.weights + memory.optimizer;
+            }
+        }
+        // Pairwise terms, each a table over the two variables' choices (or a diagonal when
+        // both sides share a variable).
+        let mut pairwise = |u: usize, v: usize, f: &dyn Fn(usize, usize) -> f64| {
+            if u == v {
+                for c in 0..self.var_sizes[u] {
+                    vars[u].cost[c] += f(c, c);
+                }
+            } else {
+                let (ku, kv) = (self.var_sizes[u], self.var_sizes[v]);
+                let mut cost = vec![0.0; ku * kv];
+                for cu in 0..ku {
+                    for cv in 0..kv {
+                        cost[cu * kv + cv] = f(cu, cv);
+                    }
+                }
+                edges.push(Edge { u, v, cost });
+            }
+        };
+        for f in &self.flows {
+            let v = self.nodes[f.to].var;
+            let u = self.producer_var(f.from);
+            pairwise(u, v, &|cu, cv| steps_time(&self.flow_steps(f, cu, cv)));
+        }
+        for w in &self.uses {
+            let (u, v) = (self.params[w.param].var, self.nodes[w.to].var);
+            pairwise(u, v, &|cu, cv| steps_time(&self.use_steps(w, cu, cv)));
+        }
+        for s in &self.syncs {
+            let (u, v) = (self.nodes[s.from].var, self.params[s.param].var);
+            pairwise(u, v, &|cu, cv| steps_time(&self.sync_steps(s, cu, cv)) / b);
+        }
+        Problem {
+            vars,
+            edges,
+            memory_budget: self.opts.memory_budget,
+        }
+        .merged_edges()
+    }
+
+    /// Solves the problem with the configured solver and reads the plan back.
+    pub fn solve(&self) -> Result<StagePlan, IntraError> {
+        let start = Instant::now();
+        // Dominated strategies never need to be considered; transformer layers have many
+        // (e.g. splits whose collectives cost more on the slower axis).
+        let (reduced, keep) = self.problem.without_dominated();
+        let p = &reduced;
+        let width = exact::width(p);
+        let ilp = || -> Result<(Assignment, &'static str, bool, f64), IntraError> {
+            match ilp::solve(p, self.opts.time_limit) {
+                Ok(sol) => {
+                    let cost = sol.assignment.cost;
+                    let gap = if cost > 0.0 {
+                        ((cost - sol.bound) / cost).max(0.0)
+                    } else {
+                        0.0
+                    };
+                    let optimal = sol.status == ilp::IlpStatus::Optimal;
+                    Ok((
+                        sol.assignment,
+                        "ilp",
+                        optimal,
+                        if optimal { 0.0 } else { gap },
+                    ))
+                }
+                Err(ilp::IlpError::Infeasible) => Err(self.no_fit()),
+                Err(e) => Err(e.into()),
+            }
+        };
+        let (assignment, solver, optimal, gap) = match self.opts.solver {
+            SolverChoice::Ilp => ilp()?,
+            choice => match exact::solve_checked(p, self.opts.max_exact_entries) {
+                Ok(Some(a)) => (a, "exact", true, 0.0),
+                Ok(None) => return Err(self.no_fit()),
+                Err(_) if choice == SolverChoice::Auto => ilp()?,
+                Err(declined) => return Err(IntraError::TooWide(format!("{declined:?}"))),
+            },
+        };
+        let info = SolveInfo {
+            solver: solver.to_string(),
+            optimal,
+            gap,
+            seconds: start.elapsed().as_secs_f64(),
+            cost: assignment.cost,
+            variables: p.vars.len(),
+            strategies: self.problem.vars.iter().map(|v| v.cost.len()).sum(),
+            undominated: p.vars.iter().map(|v| v.cost.len()).sum(),
+            edges: p.edges.len(),
+            width,
+        };
+        let choice: Vec<usize> = (assignment.choice.iter().zip(&keep))
+            .map(|(&c, kept)| kept[c])
+            .collect();
+        Ok(self.decode(&choice, info))
+    }
+
+    fn no_fit(&self) -> IntraError {
+        let least = self.problem.leanest().memory;
+        IntraError::NoFit {
+            budget_gib: self.opts.memory_budget.unwrap_or(f64::INFINITY) / GIB,
+            least_gib: least / GIB,
+        }
+    }
+
+    /// The plan of the solution `choice` (one strategy per variable).
+    pub fn decode(&self, choice: &[usize], solve: SolveInfo) -> StagePlan {
+        let g = self.graph;
+        let b = self.opts.microbatches.max(1) as f64;
+        let mut plan = StagePlan {
+            mesh: self.mesh.shape,
+            layers: [self.layers.start, self.layers.end],
+            microbatches: self.opts.microbatches.max(1),
+            objective: 0.0,
+            forward: 0.0,
+            backward: 0.0,
+            step: 0.0,
+            per_microbatch: StageTimes::default(),
+            memory: StageMemory::default(),
+            ops: Vec::new(),
+            parameters: Vec::new(),
+            collectives: Vec::new(),
+            solve,
+        };
+        let phase_of = |n: usize| match g.op(self.nodes[n].op).pass {
+            Pass::Forward => Phase::Forward,
+            Pass::Backward => Phase::Backward,
+        };
+        let add = |plan: &mut StagePlan, phase: Phase, seconds: f64| match phase {
+            Phase::Forward => plan.forward += seconds,
+            Phase::Backward => plan.backward += seconds,
+            Phase::Step => plan.step += seconds,
+        };
+        let record = |plan: &mut StagePlan, steps: &[Step], t: TensorId, reason, phase| {
+            for s in steps {
+                plan.collectives.push(CollectiveUse {
+                    kind: s.kind,
+                    axis: s.axis,
+                    bytes: s.bytes,
+                    seconds: s.seconds,
+                    tensor: g.tensor(t).name.clone(),
+                    reason,
+                    phase,
+                });
+            }
+        };
+        for (n, node) in self.nodes.iter().enumerate() {
+            let op = g.op(node.op);
+            let r = &node.realized[choice[node.var]];
+            let phase = phase_of(n);
+            let comm: f64 = r.comm.iter().map(|(s, _, _)| s.seconds).sum();
+            add(&mut plan, phase, r.compute + comm);
+            plan.per_microbatch.compute += r.compute;
+            plan.per_microbatch.communication += comm;
+            plan.memory.activations += r.activations;
+            plan.memory.gradients += r.gradients;
+            for (s, reason, t) in &r.comm {
+                record(&mut plan, std::slice::from_ref(s), *t, *reason, phase);
+            }
+            plan.ops.push(OpSharding {
+                name: op.name.clone(),
+                kind: op.kind.name().to_string(),
+                pass: op.pass,
+                inputs: r.inputs.iter().map(|s| s.to_string()).collect(),
+                outputs: r.outputs[..op.outputs.len()]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect(),
+                compute_seconds: r.compute,
+                follows: node.leader.map(|l| g.op(self.nodes[l].op).name.clone()),
+            });
+        }
+        for f in &self.flows {
+            let steps = self.flow_steps(
+                f,
+                choice[self.producer_var(f.from)],
+                choice[self.nodes[f.to].var],
+            );
+            let phase = phase_of(f.to);
+            let t = steps_time(&steps);
+            add(&mut plan, phase, t);
+            plan.per_microbatch.resharding += t;
+            record(&mut plan, &steps, f.tensor, Reason::Reshard, phase);
+        }
+        for w in &self.uses {
+            let p = &self.params[w.param];
+            let steps = self.use_steps(w, choice[p.var], choice[self.nodes[w.to].var]);
+            let phase = phase_of(w.to);
+            let t = steps_time(&steps);
+            add(&mut plan, phase, t);
+            plan.per_microbatch.resharding += t;
+            record(&mut plan, &steps, p.tensor, Reason::WeightGather, phase);
+        }
+        for s in &self.syncs {
+            let p = &self.params[s.param];
+            let steps = self.sync_steps(s, choice[self.nodes[s.from].var], choice[p.var]);
+            add(&mut plan, Phase::Step, steps_time(&steps));
+            record(
+                &mut plan,
+                &steps,
+                p.tensor,
+                Reason::GradientSync,
+                Phase::Step,
+            );
+        }
+        let wb = self.opts.precision.state_bytes().0;
+        for p in &self.params {
+            let c = choice[p.var];
+            let (time, memory) = self.param_cost(p, c);
+            add(&mut plan, Phase::Step, time);
+            plan.memory.weights += memory.weights;
+            plan.memory.optimizer += memory.optimizer;
+            let (w, o) = &p.choices[c];
+            let tensor = g.tensor(p.tensor);
+            let steps = reshard_steps(tensor.elements() as f64 * wb, o, w, &self.mesh);
+            record(
+                &mut plan,
+                &steps,
+                p.tensor,
+                Reason::UpdatedWeights,
+                Phase::Step,
+            );
+            plan.parameters.push(ParamSharding {
+                name: tensor.name.clone(),
+                shape: tensor.shape.clone(),
+                weight: w.to_string(),
+                states: o.to_string(),
+            });
+        }
+        let m = &mut plan.memory;
+        m.total = m.activations + m.weights + m.gradients + m.optimizer;
+        m.budget = self.opts.memory_budget;
+        plan.objective = plan.forward + plan.backward + plan.step / b;
+        plan
+    }
+
+    fn producer_var(&self, p: Producer) -> usize {
+        match p {
+            Producer::Op(n, _) => self.nodes[n].var,
+            Producer::Source(s) => self.sources[s].var,
+        }
+    }
+
+    fn producer_spec(&self, p: Producer, c: usize) -> &Spec {
+        match p {
+            Producer::Op(n, j) => &self.nodes[n].realized[c].outputs[j],
+            Producer::Source(s) => &self.sources[s].specs[c],
+        }
+    }
+
+    fn flow_steps(&self, f: &Flow, cu: usize, cv: usize) -> Vec<Step> {
+        let bytes = self.graph.tensor(f.tensor).bytes() as f64;
+        let from = self.producer_spec(f.from, cu);
+        let to = &self.nodes[f.to].realized[cv].inputs[f.input];
+        reshard_steps(bytes, from, to, &self.mesh)
+    }
+
+    fn use_steps(&self, w: &WeightUse, cu: usize, cv: usize) -> Vec<Step> {
+        let p = &self.params[w.param];
+        let bytes = self.graph.tensor(p.tensor).bytes() as f64;
+        let to = &self.nodes[w.to].realized[cv].inputs[w.input];
+        reshard_steps(bytes, &p.choices[cu].0, to, &self.mesh)
+    }
+
+    fn sync_steps(&self, s: &GradSync, cu: usize, cv: usize) -> Vec<Step> {
+        let p = &self.params[s.param];
+        let tensor = self.graph.tensor(p.tensor);
+        let bytes = tensor.elements() as f64 * self.opts.precision.state_bytes().1;
+        let r = &self.nodes[s.from].realized[cu];
+        reduce_steps(
+            bytes,
+            r.partial[s.output],
+            &r.outputs[s.output],
+            &p.choices[cv].1,
+            &tensor.shape,
+            &self.mesh,
+        )
+    }
+
+    /// Per-step time (optimizer update of the shard, gather of updated weights) and memory
+    /// of parameter choice `c`.
+    fn param_cost(&self, p: &ParamNode, c: usize) -> (f64, StageMemory) {
+        let (w, o) = &p.choices[c];
+        let tensor = self.graph.tensor(p.tensor);
+        let elements = tensor.elements() as f64;
+        let (wb, _, ob) = self.opts.precision.state_bytes();
+        let so = o.tiles(&self.mesh) as f64;
+        let sw = w.tiles(&self.mesh) as f64;
+        let update = elements * self.opts.precision.optimizer_traffic()
+            / so
+            / (self.device.hbm_bandwidth * self.device.hbm_efficiency);
+        let gather = steps_time(&reshard_steps(elements * wb, o, w, &self.mesh));
+        (
+            update + gather,
+            StageMemory {
+                weights: elements * wb / sw,
+                optimizer: elements * ob / so,
+                ..StageMemory::default()
+            },
+        )
+    }
+}
+
+/// Tensors op `o` saves that are neither operands nor results (dropout masks, statistics).
+fn implicit_saves(g: &Graph, o: OpId) -> Vec<TensorId> {
+    let op = g.op(o);
+    op.saves
+        .iter()
+        .copied()
+        .filter(|t| !op.inputs.contains(t) && !op.outputs.contains(t))
+        .collect()
+}
+
+/// Where a parameter's working weight and optimizer states may live: every valid spec for
+/// the states, with the weight split over any subset of the states' mesh axes (the states
+/// are at least as sharded as the weight, as in ZeRO).
+fn param_choices(shape: &[u64], mesh: &Mesh) -> Vec<(Spec, Spec)> {
+    let mut out = Vec::new();
+    for o in valid_specs(shape, mesh) {
+        let axes = o.axes();
+        for keep in 0..4u8 {
+            if keep & !axes != 0 {
+                continue;
+            }
+            let w = Spec(
+                o.0.iter()
+                    .map(|s| AxisSplit::from_axes(s.axes() & keep))
+                    .collect(),
+            );
+            out.push((w, o.clone()));
+        }
+    }
+    out
+}

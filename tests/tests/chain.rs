@@ -1,0 +1,121 @@
+//! Exact composition of layer ranges (ALGORITHMS.md §3): the shortest path through per-layer
+//! boundary tables equals the intra-op optimum of the whole range, which the property tests
+//! of `rules` check against exhaustive search.
+
+use autopar_rules::model::graph::Graph;
+use autopar_rules::solve::intra::chain::{ChainError, compose, layer_table, range_tables};
+use autopar_rules::solve::intra::stage::{StageModel, StageOptions};
+use autopar_tests::sharding::{lower, mesh};
+use std::ops::Range;
+
+fn opts() -> StageOptions {
+    StageOptions {
+        microbatches: 4,
+        inflight: 2,
+        ..StageOptions::default()
+    }
+}
+
+fn whole(g: &Graph, layers: Range<usize>, a: u64, b: u64) -> f64 {
+    let (m, c) = mesh(a, b);
+    let model = StageModel::build(g, layers.clone(), m, &c.device, opts())
+        .unwrap_or_else(|e| panic!("{layers:?}: {e}"));
+    model
+        .solve()
+        .unwrap_or_else(|e| panic!("{layers:?}: {e}"))
+        .objective
+}
+
+fn chained(g: &Graph, layers: Range<usize>, a: u64, b: u64) -> Result<f64, ChainError> {
+    let (m, c) = mesh(a, b);
+    let tables = range_tables(g, layers, m, &c.device, opts())?;
+    Ok(compose(&tables)?.cost)
+}
+
+/// A model file, its micro-batch, the layer ranges and the meshes to compare on.
+type Case = (&'static str, u64, Vec<Range<usize>>, Vec<(u64, u64)>);
+
+#[test]
+fn chained_layer_tables_equal_the_whole_range_optimum() {
+    let mut cases: Vec<Case> = vec![
+        (
+            "tiny-mlp.graph.json",
+            1,
+            vec![0..2, 1..3, 2..4, 0..4],
+            vec![(1, 2), (2, 1), (2, 2)],
+        ),
+        (
+            "tiny-mlp.graph.json",
+            2,
+            vec![1..3, 0..4],
+            vec![(1, 2), (2, 1)],
+        ),
+        (
+            "gpt2-small.json",
+            2,
+            vec![0..2, 1..3, 12..14],
+            vec![(1, 2), (2, 1)],
+        ),
+    ];
+    for mb in [1, 2] {
+        cases.push((
+            "llama2-7b.json",
+            mb,
+            vec![0..2, 1..4, 31..34, 0..34],
+            vec![(1, 2), (2, 1)],
+        ));
+    }
+    cases.push(("llama2-7b.json", 1, vec![31..33, 32..34], vec![(2, 2)]));
+    let mut worst = 0.0f64;
+    for (file, mb, ranges, meshes) in cases {
+        let g = lower(file, mb, Some(128), 4);
+        for (a, b) in meshes {
+            for layers in &ranges {
+                let w = whole(&g, layers.clone(), a, b);
+                let c = chained(&g, layers.clone(), a, b)
+                    .unwrap_or_else(|e| panic!("{file} mb {mb} {a}x{b} {layers:?}: {e}"));
+                let rel = (w - c).abs() / w;
+                worst = worst.max(rel);
+                assert!(
+                    rel < 1e-9,
+                    "{file} mb {mb} {a}x{b} {layers:?}: whole range {w:e}, chained {c:e}"
+                );
+            }
+        }
+    }
+    println!("worst relative difference: {worst:e}");
+}
+
+#[test]
+fn identical_blocks_have_identical_tables() {
+    let g = lower("llama2-7b.json", 1, Some(128), 4);
+    let (m, c) = mesh(1, 2);
+    let t1 = layer_table(&g, 1, m, &c.device, opts()).expect("block 1");
+    let t2 = layer_table(&g, 7, m, &c.device, opts()).expect("block 7");
+    assert_eq!(t1.before, t2.before);
+    assert_eq!(t1.after, t2.after);
+    assert_eq!(t1.cost, t2.cost);
+    assert_eq!(t1.memory, t2.memory);
+    // Two crossing tensors (the activation and its gradient) per boundary.
+    assert!(t1.before.iter().all(|s| s.len() == 2));
+    assert!(t1.before.len() > 1 && t1.after.len() > 1);
+}
+
+#[test]
+fn tied_weights_are_not_a_chain() {
+    let g = lower("gpt2-small.json", 1, Some(128), 4);
+    let n = g.layers.len();
+    match chained(&g, 0..n, 1, 2) {
+        Err(ChainError::NotAChain {
+            first,
+            second,
+            tensor,
+        }) => {
+            assert_eq!((first, second), (0, n - 1));
+            assert_eq!(tensor, "embedding.word");
+        }
+        other => panic!("expected NotAChain, got {other:?}"),
+    }
+    // Without both ends the range is a chain.
+    assert!(chained(&g, 0..n - 1, 1, 2).is_ok());
+}
