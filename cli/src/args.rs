@@ -380,6 +380,10 @@ pub struct ShardingArgs {
     /// ILP time limit in seconds (the incumbent and its gap are reported when it is hit).
     #[arg(long, default_value_t = 60.0)]
     pub time_limit: f64,
+    /// Also solve each layer once for every boundary state and chain the tables (the exact
+    /// composition the build will use), and print the chained cost next to the range's.
+    #[arg(long)]
+    pub chain: bool,
     /// Model options.
     #[command(flatten)]
     pub model_options: ModelOptions,

@@ -443,6 +443,32 @@ pub fn sharding(r: &ShardingResult, micro_batch: u64) -> String {
         s.edges,
         thousands(s.width)
     );
+    match &r.chain {
+        Some(Ok(c)) => {
+            let states: Vec<String> = c
+                .layers
+                .iter()
+                .map(|l| format!("{}x{}", l.states_before, l.states_after))
+                .collect();
+            let solves: usize = c.layers.iter().map(|l| l.solves).sum();
+            let _ = writeln!(
+                out,
+                "chained layer tables: objective {} per micro-batch (the range's: {}, difference {:.1e}), memory {:.2} GiB before the budget; {} tables (boundary states {}), {} eliminations in {}",
+                secs(c.objective),
+                secs(p.objective),
+                (c.objective - p.objective).abs() / p.objective.abs().max(f64::MIN_POSITIVE),
+                c.memory_gib,
+                c.layers.len(),
+                states.join(", "),
+                solves,
+                secs(c.seconds)
+            );
+        }
+        Some(Err(why)) => {
+            let _ = writeln!(out, "chained layer tables: not composed: {why}");
+        }
+        None => {}
+    }
     let t = &p.per_microbatch;
     let _ = writeln!(
         out,

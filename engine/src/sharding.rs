@@ -4,16 +4,19 @@
 use crate::error::EngineError;
 use crate::session::Session;
 use crate::workspace::DEFAULT_VOCAB_MULTIPLE;
-use autopar_rules::cost::cluster::{Cluster, PRESET_NAMES, preset};
+use autopar_rules::cost::cluster::{Cluster, GIB, PRESET_NAMES, preset};
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::{Attention, LowerOptions};
 use autopar_rules::model::graph::{Graph, LayerKind};
 use autopar_rules::plan::layout::LayoutError;
+use autopar_rules::solve::intra::chain::{compose, range_tables};
 use autopar_rules::solve::intra::stage::{
     IntraError, SolverChoice, StageModel, StageOptions, StagePlan,
 };
+use serde::Serialize;
 use std::ops::Range;
+use std::time::Instant;
 
 /// Preset a mesh runs on when no cluster is named.
 pub const DEFAULT_PRESET: &str = "h100-sxm";
@@ -48,6 +51,8 @@ pub struct ShardingRequest {
     pub solver: SolverChoice,
     /// ILP time limit, s.
     pub time_limit: f64,
+    /// Also compose the range from per-layer boundary tables.
+    pub chain: bool,
 }
 
 /// What `solve sharding` found.
@@ -63,6 +68,35 @@ pub struct ShardingResult {
     pub layer_names: Vec<String>,
     /// The plan.
     pub plan: StagePlan,
+    /// The range composed from per-layer tables, when asked for; why not, when it is not a
+    /// chain or a table is too wide.
+    pub chain: Option<Result<ChainReport, String>>,
+}
+
+/// The range's cost composed from per-layer boundary tables (`--chain`).
+#[derive(Clone, Debug, Serialize)]
+pub struct ChainReport {
+    /// Least objective of the range, s per micro-batch (the budget not applied).
+    pub objective: f64,
+    /// Memory per device of the plan reaching it, GiB.
+    pub memory_gib: f64,
+    /// Per layer: boundary states before and after it, and eliminations run.
+    pub layers: Vec<ChainLayer>,
+    /// Time to build and chain the tables, s.
+    pub seconds: f64,
+}
+
+/// One layer's table in a [`ChainReport`].
+#[derive(Clone, Debug, Serialize)]
+pub struct ChainLayer {
+    /// Layer index.
+    pub layer: usize,
+    /// Boundary states with the previous layer.
+    pub states_before: usize,
+    /// Boundary states with the next layer.
+    pub states_after: usize,
+    /// Eliminations run to fill the table.
+    pub solves: usize,
 }
 
 /// Parses `AxB` (also `A×B`).
@@ -219,6 +253,26 @@ pub fn solve_sharding(
     let model = StageModel::build(&graph, layers.clone(), mesh, &cluster.device, stage)
         .map_err(intra_error)?;
     let plan = model.solve().map_err(intra_error)?;
+    let chain = req.chain.then(|| {
+        let start = Instant::now();
+        let tables = range_tables(&graph, layers.clone(), mesh, &cluster.device, stage)
+            .map_err(|e| e.to_string())?;
+        let cost = compose(&tables).map_err(|e| e.to_string())?;
+        Ok(ChainReport {
+            objective: cost.cost,
+            memory_gib: cost.memory / GIB,
+            layers: tables
+                .iter()
+                .map(|t| ChainLayer {
+                    layer: t.layer,
+                    states_before: t.before.len(),
+                    states_after: t.after.len(),
+                    solves: t.solves,
+                })
+                .collect(),
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    });
     Ok(ShardingResult {
         model: name,
         cluster,
@@ -228,6 +282,7 @@ pub fn solve_sharding(
             .map(|l| l.name.clone())
             .collect(),
         plan,
+        chain,
     })
 }
 

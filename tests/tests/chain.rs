@@ -5,6 +5,7 @@
 use autopar_rules::model::graph::Graph;
 use autopar_rules::solve::intra::chain::{ChainError, compose, layer_table, range_tables};
 use autopar_rules::solve::intra::stage::{StageModel, StageOptions};
+use autopar_tests::TempWorkspace;
 use autopar_tests::sharding::{lower, mesh};
 use std::ops::Range;
 
@@ -94,8 +95,7 @@ fn identical_blocks_have_identical_tables() {
     let t2 = layer_table(&g, 7, m, &c.device, opts()).expect("block 7");
     assert_eq!(t1.before, t2.before);
     assert_eq!(t1.after, t2.after);
-    assert_eq!(t1.cost, t2.cost);
-    assert_eq!(t1.memory, t2.memory);
+    assert_eq!(t1.entries, t2.entries);
     // Two crossing tensors (the activation and its gradient) per boundary.
     assert!(t1.before.iter().all(|s| s.len() == 2));
     assert!(t1.before.len() > 1 && t1.after.len() > 1);
@@ -118,4 +118,69 @@ fn tied_weights_are_not_a_chain() {
     }
     // Without both ends the range is a chain.
     assert!(chained(&g, 0..n - 1, 1, 2).is_ok());
+}
+
+#[test]
+fn conditioning_on_the_entering_specs_gives_the_same_table() {
+    let g = lower("tiny-mlp.graph.json", 1, Some(128), 4);
+    let (m, c) = mesh(2, 2);
+    let reference = layer_table(&g, 1, m, &c.device, opts()).expect("layer 1");
+    assert_eq!(reference.solves, 1);
+    let mut conditioned = 0;
+    for cap in [1e6, 3e5, 1e5, 3e4] {
+        let small = StageOptions {
+            max_exact_entries: cap,
+            ..opts()
+        };
+        match layer_table(&g, 1, m, &c.device, small) {
+            Ok(t) => {
+                if t.solves > 1 {
+                    conditioned += 1;
+                }
+                assert_eq!(t.before, reference.before);
+                assert_eq!(t.after, reference.after);
+                for (a, b) in t.entries.iter().zip(&reference.entries) {
+                    assert!(
+                        (a.cost - b.cost).abs() <= 1e-12 * b.cost.abs(),
+                        "cap {cap}: {a:?} vs {b:?}"
+                    );
+                    assert_eq!(a.activations <= a.memory, b.activations <= b.memory);
+                }
+            }
+            Err(ChainError::TooWide(_)) => {}
+            Err(e) => panic!("cap {cap}: {e}"),
+        }
+    }
+    assert!(
+        conditioned > 0,
+        "no cap made the table condition on its entering specs"
+    );
+}
+
+#[test]
+fn solve_sharding_chain_reports_the_composed_cost() {
+    let ws = TempWorkspace::default_copy();
+    let args = |model: &'static str, layers: &'static str| {
+        [
+            "solve", "sharding", "--model", model, "--mesh", "1x2", "--layers", layers, "--seq",
+            "128", "--chain", "--json",
+        ]
+    };
+    let j = ws.run(&args("models/llama2-7b.json", "0..3")).json();
+    let objective = j["objective"].as_f64().expect("objective");
+    let chained = j["chain"]["objective"].as_f64().expect("chain.objective");
+    assert!((objective - chained).abs() <= 1e-9 * objective, "{j}");
+    let layers = j["chain"]["layers"].as_array().expect("chain.layers");
+    assert_eq!(layers.len(), 3);
+    assert_eq!(layers[0]["states_before"], 1, "{j}");
+    assert!(layers[1]["states_before"].as_u64() > Some(1), "{j}");
+    let text = ws.run(&args("models/gpt2-small.json", "0..14")[..11]);
+    assert_eq!(text.code, 0, "{}", text.stderr);
+    assert!(
+        text.stdout.contains(
+            "chained layer tables: not composed: layers 0 and 13 share tensor `embedding.word`"
+        ),
+        "{}",
+        text.stdout
+    );
 }

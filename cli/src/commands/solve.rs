@@ -210,6 +210,7 @@ pub fn sharding(session: &Session, a: &ShardingArgs) -> Result<(), Failure> {
             ShardingSolverArg::Ilp => SolverChoice::Ilp,
         },
         time_limit: a.time_limit,
+        chain: a.chain,
     };
     let r = solve_sharding(session, &req)?;
     if a.json {
@@ -220,6 +221,13 @@ pub fn sharding(session: &Session, a: &ShardingArgs) -> Result<(), Failure> {
             obj.insert("seq".into(), json!(r.seq));
             obj.insert("micro_batch".into(), json!(a.mbs));
             obj.insert("layer_names".into(), json!(r.layer_names));
+            if let Some(chain) = &r.chain {
+                let chain = match chain {
+                    Ok(c) => serde_json::to_value(c).map_err(|e| Failure::Failed(e.into()))?,
+                    Err(why) => json!({ "error": why }),
+                };
+                obj.insert("chain".into(), chain);
+            }
         }
         return print_json(&value);
     }

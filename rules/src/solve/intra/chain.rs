@@ -58,11 +58,63 @@ pub struct LayerTable {
     pub before: Vec<Vec<Spec>>,
     /// Boundary states with the next layer.
     pub after: Vec<Vec<Spec>>,
-    /// Least cost per (before, after) pair, row-major (`after` fastest); infinite when no
-    /// choice of the layer gives that pair.
-    pub cost: Vec<f64>,
-    /// Per pair: memory per device of the plan reaching the cost, bytes.
-    pub memory: Vec<f64>,
+    /// Per (before, after) pair, row-major (`after` fastest): the least cost and its plan's
+    /// memory; [`Entry::NONE`] when no choice of the layer gives that pair.
+    pub entries: Vec<Entry>,
+    /// Eliminations run to fill the table: one, or one per joint choice of the entering
+    /// specs when keeping them all through one elimination would be too wide.
+    pub solves: usize,
+}
+
+/// The least cost of a layer or range for one boundary state, and the memory of the plan
+/// reaching it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    /// Objective per micro-batch, s.
+    pub cost: f64,
+    /// Memory per device with the options' micro-batches in flight, bytes.
+    pub memory: f64,
+    /// Of that memory, the activations saved per micro-batch in flight, bytes.
+    pub activations: f64,
+}
+
+impl Entry {
+    /// No plan.
+    pub const NONE: Entry = Entry {
+        cost: f64::INFINITY,
+        memory: f64::INFINITY,
+        activations: f64::INFINITY,
+    };
+
+    /// Nothing: the start of a sum.
+    pub const ZERO: Entry = Entry {
+        cost: 0.0,
+        memory: 0.0,
+        activations: 0.0,
+    };
+
+    /// Both together (two parts of one plan).
+    pub fn plus(self, o: Entry) -> Entry {
+        Entry {
+            cost: self.cost + o.cost,
+            memory: self.memory + o.memory,
+            activations: self.activations + o.activations,
+        }
+    }
+
+    /// The cheaper, ties to less memory.
+    pub fn min(self, o: Entry) -> Entry {
+        if (o.cost, o.memory) < (self.cost, self.memory) {
+            o
+        } else {
+            self
+        }
+    }
+
+    /// Memory with `inflight` micro-batches in flight instead of the options' `built_with`.
+    pub fn memory_at(&self, inflight: u64, built_with: u64) -> f64 {
+        self.memory + (inflight as f64 - built_with as f64) * self.activations
+    }
 }
 
 impl LayerTable {
@@ -70,15 +122,6 @@ impl LayerTable {
     fn at(&self, b: usize, a: usize) -> usize {
         b * self.after.len() + a
     }
-}
-
-/// Cost of a range from its layer tables.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ChainCost {
-    /// Least objective of the range (per micro-batch, s).
-    pub cost: f64,
-    /// Memory per device of the plan reaching it, bytes.
-    pub memory: f64,
 }
 
 /// Which layer makes each tensor and which layers read it.
@@ -223,13 +266,35 @@ fn table(
         spec_of.push((slot, kept.1));
     }
     // Dropping dominated strategies of the other variables keeps every entry of the table.
-    let (p, _) = p.without_dominated_except(&keep);
-    let m = exact::marginal(&p, &keep, opts.max_exact_entries).map_err(ChainError::TooWide)?;
+    let (reduced, maps) = p.without_dominated_except(&keep);
+    let activations = model.activation_memory();
+    // Each entry's plan, read in the unreduced problem: cost, memory, activations.
+    let read = |choice: &[usize]| -> Entry {
+        let (cost, memory) = p.evaluate(choice);
+        let activations = activations.iter().zip(choice).map(|(per, &c)| per[c]).sum();
+        Entry {
+            cost,
+            memory,
+            activations,
+        }
+    };
+    let entering: Vec<bool> = keep
+        .iter()
+        .map(|&v| v < model.problem().vars.len())
+        .collect();
+    let (k, values, solves) = fill(
+        &reduced,
+        &maps,
+        &keep,
+        &entering,
+        opts.max_exact_entries,
+        read,
+    )?;
     let mut index_before: HashMap<Vec<Spec>, usize> = HashMap::new();
     let mut index_after: HashMap<Vec<Spec>, usize> = HashMap::new();
-    let mut entries: Vec<(usize, usize, f64, f64)> = Vec::new();
+    let mut entries: Vec<(usize, usize, Entry)> = Vec::new();
     let mut joint = vec![0usize; keep.len()];
-    for e in 0..m.cost.len() {
+    for value in values {
         let state = |range: Range<usize>| -> Vec<Spec> {
             spec_of[range]
                 .iter()
@@ -242,10 +307,10 @@ fn table(
         let b = *index_before.entry(sb).or_insert(n);
         let n = index_after.len();
         let a = *index_after.entry(sa).or_insert(n);
-        entries.push((b, a, m.cost[e], m.memory[e]));
+        entries.push((b, a, value));
         for i in (0..joint.len()).rev() {
             joint[i] += 1;
-            if joint[i] < m.k[i] {
+            if joint[i] < k[i] {
                 break;
             }
             joint[i] = 0;
@@ -260,20 +325,87 @@ fn table(
         layer,
         before: ordered(index_before),
         after: ordered(index_after),
-        cost: Vec::new(),
-        memory: Vec::new(),
+        entries: Vec::new(),
+        solves,
     };
-    let pairs = t.before.len() * t.after.len();
-    t.cost = vec![f64::INFINITY; pairs];
-    t.memory = vec![f64::INFINITY; pairs];
-    for (b, a, c, mem) in entries {
+    t.entries = vec![Entry::NONE; t.before.len() * t.after.len()];
+    for (b, a, e) in entries {
         let i = t.at(b, a);
-        if (c, mem) < (t.cost[i], t.memory[i]) {
-            t.cost[i] = c;
-            t.memory[i] = mem;
-        }
+        t.entries[i] = t.entries[i].min(e);
     }
     Ok(t)
+}
+
+/// The table of `p` (already reduced; `maps` takes its strategy indices back to the
+/// unreduced problem's) over `keep`, each entry's plan read by `read` in unreduced indices:
+/// one elimination, or, when that would be too wide, one per joint choice of the kept
+/// variables marked `entering` (keeping the entering specs through the whole elimination
+/// multiplies its factors by their domains, since the backward pass reads the layer's input
+/// again). Returns the kept domain sizes, the entries (row-major) and the eliminations run.
+fn fill<T>(
+    p: &Problem,
+    maps: &[Vec<usize>],
+    keep: &[usize],
+    entering: &[bool],
+    max_entries: f64,
+    mut read: impl FnMut(&[usize]) -> T,
+) -> Result<(Vec<usize>, Vec<T>, usize), ChainError> {
+    let mut unreduced = vec![0usize; p.vars.len()];
+    let mut back = |choice: &[usize], domains: Option<&[Vec<usize>]>| -> T {
+        for (v, &c) in choice.iter().enumerate() {
+            let c = domains.map_or(c, |d| d[v][c]);
+            unreduced[v] = maps[v][c];
+        }
+        read(&unreduced)
+    };
+    match exact::marginal_with(p, keep, max_entries, |c| back(c, None)) {
+        Ok((k, values)) => return Ok((k, values, 1)),
+        Err(Declined::TooWide(_)) => {}
+        Err(e) => return Err(ChainError::TooWide(e)),
+    }
+    let k: Vec<usize> = keep.iter().map(|&v| p.k(v)).collect();
+    let slots: Vec<usize> = (0..keep.len()).filter(|&i| entering[i]).collect();
+    let mut cells: Vec<Option<T>> = (0..k.iter().product()).map(|_| None).collect();
+    let mut fixed = vec![0usize; slots.len()];
+    let mut solves = 0;
+    loop {
+        let mut domains: Vec<Vec<usize>> =
+            (0..p.vars.len()).map(|v| (0..p.k(v)).collect()).collect();
+        for (&i, &c) in slots.iter().zip(&fixed) {
+            domains[keep[i]] = vec![c];
+        }
+        let (_, values) = exact::marginal_with(&p.restricted(&domains), keep, max_entries, |c| {
+            back(c, Some(&domains))
+        })
+        .map_err(ChainError::TooWide)?;
+        solves += 1;
+        // Entry `e` of this elimination sets the free slots; the pinned ones are `fixed`.
+        let mut joint = vec![0usize; keep.len()];
+        for (&i, &c) in slots.iter().zip(&fixed) {
+            joint[i] = c;
+        }
+        for value in values {
+            let at = joint.iter().zip(&k).fold(0, |idx, (&c, &kk)| idx * kk + c);
+            cells[at] = Some(value);
+            for i in (0..keep.len()).rev().filter(|&i| !entering[i]) {
+                joint[i] += 1;
+                if joint[i] < k[i] {
+                    break;
+                }
+                joint[i] = 0;
+            }
+        }
+        let Some(i) = (0..slots.len()).rev().find(|&i| fixed[i] + 1 < k[slots[i]]) else {
+            break;
+        };
+        fixed[i] += 1;
+        fixed[i + 1..].iter_mut().for_each(|c| *c = 0);
+    }
+    let values = cells
+        .into_iter()
+        .collect::<Option<Vec<T>>>()
+        .ok_or(ChainError::Mismatch(0, 0))?;
+    Ok((k, values, solves))
 }
 
 /// Tables of layers `first..end` of `graph` on `mesh`, one solve per layer.
@@ -293,52 +425,54 @@ pub fn range_tables(
 
 /// The least cost of the range whose layer tables are `tables`, in order: a shortest path
 /// over boundary states, free at both ends.
-pub fn compose(tables: &[LayerTable]) -> Result<ChainCost, ChainError> {
+pub fn compose(tables: &[LayerTable]) -> Result<Entry, ChainError> {
     let Some(first) = tables.first() else {
-        return Ok(ChainCost {
-            cost: 0.0,
-            memory: 0.0,
-        });
+        return Ok(Entry::ZERO);
     };
-    // Best (cost, memory) per state of the boundary after the current layer.
-    let mut best: Vec<(f64, f64)> = (0..first.after.len())
-        .map(|a| {
-            (0..first.before.len())
-                .map(|b| (first.cost[first.at(b, a)], first.memory[first.at(b, a)]))
-                .fold((f64::INFINITY, f64::INFINITY), min_pair)
-        })
-        .collect();
+    let mut best = start(first);
     for (i, pair) in tables.windows(2).enumerate() {
-        let (prev, next) = (&pair[0], &pair[1]);
-        let index: HashMap<&Vec<Spec>, usize> = next
-            .before
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s, i))
-            .collect();
-        if prev.after.len() != next.before.len() {
-            return Err(ChainError::Mismatch(i, i + 1));
-        }
-        let mut step = vec![(f64::INFINITY, f64::INFINITY); next.after.len()];
-        for (s, &(c, m)) in prev.after.iter().zip(&best) {
-            let b = *index.get(s).ok_or(ChainError::Mismatch(i, i + 1))?;
-            if !c.is_finite() {
-                continue;
-            }
-            for (a, slot) in step.iter_mut().enumerate() {
-                let j = next.at(b, a);
-                *slot = min_pair(*slot, (c + next.cost[j], m + next.memory[j]));
-            }
-        }
-        best = step;
+        best = extend(&best, &pair[0], &pair[1]).ok_or(ChainError::Mismatch(i, i + 1))?;
     }
-    let (cost, memory) = best
-        .into_iter()
-        .fold((f64::INFINITY, f64::INFINITY), min_pair);
-    Ok(ChainCost { cost, memory })
+    Ok(finish(&best))
 }
 
-/// The smaller cost, ties to less memory.
-fn min_pair(a: (f64, f64), b: (f64, f64)) -> (f64, f64) {
-    if b < a { b } else { a }
+/// Best entry per state after the range's first layer `t` (free before it).
+pub fn start(t: &LayerTable) -> Vec<Entry> {
+    (0..t.after.len())
+        .map(|a| {
+            (0..t.before.len())
+                .map(|b| t.entries[t.at(b, a)])
+                .fold(Entry::NONE, Entry::min)
+        })
+        .collect()
+}
+
+/// Best entry per state after `next`, given `best` per state after `prev`; `None` when
+/// the two tables do not meet on the same boundary.
+pub fn extend(best: &[Entry], prev: &LayerTable, next: &LayerTable) -> Option<Vec<Entry>> {
+    if prev.after.len() != next.before.len() {
+        return None;
+    }
+    let index: HashMap<&Vec<Spec>, usize> = next
+        .before
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s, i))
+        .collect();
+    let mut step = vec![Entry::NONE; next.after.len()];
+    for (s, e) in prev.after.iter().zip(best) {
+        let b = *index.get(s)?;
+        if !e.cost.is_finite() {
+            continue;
+        }
+        for (a, slot) in step.iter_mut().enumerate() {
+            *slot = slot.min(e.plus(next.entries[next.at(b, a)]));
+        }
+    }
+    Some(step)
+}
+
+/// The range's best entry (free after its last layer).
+pub fn finish(best: &[Entry]) -> Entry {
+    best.iter().copied().fold(Entry::NONE, Entry::min)
 }

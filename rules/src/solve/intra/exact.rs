@@ -526,6 +526,20 @@ pub struct Marginal {
 /// whose only shared variables are its boundary specs (ALGORITHMS.md §3). Exact; the memory
 /// budget is not applied (a caller adds memory along the chain).
 pub fn marginal(p: &Problem, keep: &[usize], max_entries: f64) -> Result<Marginal, Declined> {
+    let (k, values) = marginal_with(p, keep, max_entries, |choice| p.evaluate(choice))?;
+    let (cost, memory) = values.into_iter().unzip();
+    Ok(Marginal { k, cost, memory })
+}
+
+/// [`marginal`], reading each joint choice's best plan through `f` (the plan as one choice
+/// per variable of `p`): the kept variables' domain sizes, and `f` of each entry's plan,
+/// row-major over the kept variables.
+pub fn marginal_with<T>(
+    p: &Problem,
+    keep: &[usize],
+    max_entries: f64,
+    mut f: impl FnMut(&[usize]) -> T,
+) -> Result<(Vec<usize>, Vec<T>), Declined> {
     let (order, w) = order_and_width_keeping(p, keep);
     if w > max_entries {
         return Err(Declined::TooWide(w));
@@ -534,8 +548,7 @@ pub fn marginal(p: &Problem, keep: &[usize], max_entries: f64) -> Result<Margina
     let pass = Pass::run(p, &el, 0.0);
     let k: Vec<usize> = keep.iter().map(|&v| p.k(v)).collect();
     let entries: usize = k.iter().product();
-    let mut cost = Vec::with_capacity(entries);
-    let mut memory = Vec::with_capacity(entries);
+    let mut out = Vec::with_capacity(entries);
     let mut choice = vec![0usize; p.vars.len()];
     let mut joint = vec![0usize; keep.len()];
     for _ in 0..entries {
@@ -543,9 +556,7 @@ pub fn marginal(p: &Problem, keep: &[usize], max_entries: f64) -> Result<Margina
             choice[v] = c;
         }
         pass.complete(&el, &mut choice);
-        let (c, m) = p.evaluate(&choice);
-        cost.push(c);
-        memory.push(m);
+        out.push(f(&choice));
         for i in (0..joint.len()).rev() {
             joint[i] += 1;
             if joint[i] < k[i] {
@@ -554,7 +565,7 @@ pub fn marginal(p: &Problem, keep: &[usize], max_entries: f64) -> Result<Margina
             joint[i] = 0;
         }
     }
-    Ok(Marginal { k, cost, memory })
+    Ok((k, out))
 }
 
 /// Solves `p` exactly: `Ok(Some(..))` the optimum, `Ok(None)` nothing fits the budget,

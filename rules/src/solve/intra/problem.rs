@@ -198,10 +198,18 @@ impl Problem {
                 }
             }
         }
-        let vars = (0..n)
-            .map(|v| Var {
-                cost: keep[v].iter().map(|&i| self.vars[v].cost[i]).collect(),
-                memory: keep[v].iter().map(|&i| self.vars[v].memory[i]).collect(),
+        (self.restricted(&keep), keep)
+    }
+
+    /// The same problem with variable `v` limited to the strategies `keep[v]` (old indices, in
+    /// the order given).
+    pub fn restricted(&self, keep: &[Vec<usize>]) -> Problem {
+        let vars = keep
+            .iter()
+            .enumerate()
+            .map(|(v, kept)| Var {
+                cost: kept.iter().map(|&i| self.vars[v].cost[i]).collect(),
+                memory: kept.iter().map(|&i| self.vars[v].memory[i]).collect(),
             })
             .collect();
         let edges = self
@@ -222,14 +230,11 @@ impl Problem {
                 }
             })
             .collect();
-        (
-            Problem {
-                vars,
-                edges,
-                memory_budget: self.memory_budget,
-            },
-            keep,
-        )
+        Problem {
+            vars,
+            edges,
+            memory_budget: self.memory_budget,
+        }
     }
 
     /// The optimum by trying every choice (for tests and tiny problems); `None` if nothing

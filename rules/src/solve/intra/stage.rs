@@ -610,6 +610,19 @@ impl<'g> StageModel<'g> {
         &self.problem
     }
 
+    /// Per variable and choice: the activations saved for the backward pass per micro-batch
+    /// in flight, bytes (part of the variable's memory).
+    pub fn activation_memory(&self) -> Vec<Vec<f64>> {
+        let inflight = self.opts.inflight.max(1) as f64;
+        let mut out: Vec<Vec<f64>> = self.var_sizes.iter().map(|&k| vec![0.0; k]).collect();
+        for node in &self.nodes {
+            for (c, r) in node.realized.iter().enumerate() {
+                out[node.var][c] += r.activations / inflight;
+            }
+        }
+        out
+    }
+
     /// Whether an op of the range makes tensor `t`.
     pub fn makes(&self, t: TensorId) -> bool {
         self.produced.contains_key(&t)
