@@ -331,6 +331,38 @@ pub enum SolveCommand {
     Balance(BalanceArgs),
     /// Intra-operator auto-sharding (Alpa's ILP) of a layer range on a 2D device mesh.
     Sharding(ShardingArgs),
+    /// Alpa's two levels on a model and cluster: per-layer intra-op tables chained into stage
+    /// costs, then the stage DP over submeshes and logical meshes.
+    Pipeline(PipelineArgs),
+}
+
+/// `autopar solve pipeline`.
+#[derive(Debug, Args)]
+pub struct PipelineArgs {
+    /// Workspace model name, or a path to a HuggingFace config.json or a graph file.
+    #[arg(long)]
+    pub model: String,
+    /// Workspace cluster name or PRESET:NODESxGPUS.
+    #[arg(long)]
+    pub cluster: String,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
+    pub mbs: u64,
+    /// Sequences per step (a multiple of --mbs).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
+    pub gbs: u64,
+    /// Per-device memory budget, GiB (default: the device's memory less 10%).
+    #[arg(long)]
+    pub memory_gib: Option<f64>,
+    /// Multi-node submeshes only of a power-of-two number of nodes.
+    #[arg(long)]
+    pub powers_of_two: bool,
+    /// Model options.
+    #[command(flatten)]
+    pub model_options: ModelOptions,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Solver of `autopar solve sharding`.

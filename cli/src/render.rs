@@ -801,3 +801,54 @@ pub fn profile_run_json(
         "entries": measured_rows(m).into_iter().map(|(e, t, model)| serde_json::json!({"entry": e, "measured_us": t, "modelled_us": model})).collect::<Vec<_>>(),
     })
 }
+
+/// `autopar solve pipeline`'s report.
+pub fn pipeline(r: &autopar_engine::pipeline::PipelineResult, micro_batch: u64) -> String {
+    let p = &r.plan;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{} on {}, micro-batch {micro_batch} x {} tokens, {} micro-batches per step, {:.1} GiB per device",
+        r.model,
+        cluster(&r.cluster),
+        r.seq,
+        r.microbatches,
+        r.budget / GIB
+    );
+    let _ = writeln!(
+        out,
+        "step {} = stage costs + (B - 1) x the largest; {} stage(s)",
+        secs(p.step),
+        p.stages.len()
+    );
+    let _ = writeln!(
+        out,
+        "  stage  layers                                     submesh  logical  cost/mb  in flight     memory"
+    );
+    for (j, s) in p.stages.iter().enumerate() {
+        let first = r.layer_names.get(s.layers[0]).map_or("", String::as_str);
+        let last = r
+            .layer_names
+            .get(s.layers[1].saturating_sub(1))
+            .map_or("", String::as_str);
+        let names = format!("{}..{} ({first} .. {last})", s.layers[0], s.layers[1]);
+        let _ = writeln!(
+            out,
+            "  {j:>5}  {names:<42} {:>7}  {:>7}  {:>7}  {:>9}  {:>5.1} GiB",
+            format!("{}x{}", s.mesh.submesh.0, s.mesh.submesh.1),
+            format!("{}x{}", s.mesh.logical[0], s.mesh.logical[1]),
+            secs(s.cost),
+            s.inflight,
+            s.memory / GIB
+        );
+    }
+    let _ = write!(
+        out,
+        "{} layer tables ({} mesh choices x distinct layers), {} eliminations, in {}",
+        p.tables,
+        p.meshes,
+        p.solves,
+        secs(r.seconds)
+    );
+    out
+}

@@ -11,6 +11,7 @@ pub mod error;
 pub mod executor;
 pub mod input;
 pub mod layer_costs;
+pub mod pipeline;
 pub mod plans;
 pub mod profiles;
 pub mod record;

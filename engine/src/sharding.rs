@@ -7,7 +7,7 @@ use crate::workspace::DEFAULT_VOCAB_MULTIPLE;
 use autopar_rules::cost::cluster::{Cluster, GIB, PRESET_NAMES, preset};
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::cost::sharding::Mesh;
-use autopar_rules::model::frontend::{Attention, LowerOptions};
+use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef};
 use autopar_rules::model::graph::{Graph, LayerKind};
 use autopar_rules::plan::layout::LayoutError;
 use autopar_rules::solve::intra::chain::{compose, range_tables};
@@ -179,6 +179,36 @@ fn cluster_for(
     }
 }
 
+/// Lowers model `def` for micro-batches of `micro_batch` sequences of `seq` tokens (the
+/// model's maximum when `None`), its vocabulary padded for `devices`; returns the sequence
+/// length used and the graph.
+pub(crate) fn lower_model(
+    name: &str,
+    def: &ModelDef,
+    micro_batch: u64,
+    seq: Option<u64>,
+    precision: Precision,
+    attention: Attention,
+    devices: u64,
+) -> Result<(u64, Graph), EngineError> {
+    let seq = seq.or(def.max_seq()).ok_or_else(|| EngineError::Argument {
+        flag: "--seq",
+        expected: "a sequence length (the model does not declare max_seq)".into(),
+        found: "nothing".into(),
+    })?;
+    let opts = LowerOptions {
+        micro_batch,
+        seq,
+        dtype: precision.dtype(),
+        attention,
+        vocab_multiple: DEFAULT_VOCAB_MULTIPLE * devices,
+    };
+    let graph = def
+        .lower(name, &opts)
+        .map_err(|e| EngineError::Layout(LayoutError::Model(e)))?;
+    Ok((seq, graph))
+}
+
 /// Lowers the model, builds the problem of the layer range on the mesh and solves it.
 pub fn solve_sharding(
     session: &Session,
@@ -192,24 +222,15 @@ pub fn solve_sharding(
         expected: format!("a mesh that fits {}", cluster.name),
         found: why,
     })?;
-    let seq = req
-        .seq
-        .or(def.max_seq())
-        .ok_or_else(|| EngineError::Argument {
-            flag: "--seq",
-            expected: "a sequence length (the model does not declare max_seq)".into(),
-            found: "nothing".into(),
-        })?;
-    let opts = LowerOptions {
-        micro_batch: req.micro_batch,
-        seq,
-        dtype: req.precision.dtype(),
-        attention: req.attention,
-        vocab_multiple: DEFAULT_VOCAB_MULTIPLE * a * b,
-    };
-    let graph: Graph = def
-        .lower(&name, &opts)
-        .map_err(|e| EngineError::Layout(LayoutError::Model(e)))?;
+    let (seq, graph) = lower_model(
+        &name,
+        &def,
+        req.micro_batch,
+        req.seq,
+        req.precision,
+        req.attention,
+        a * b,
+    )?;
     let layers = match &req.layers {
         Some(s) => parse_layers(s, graph.layers.len())?,
         None => {

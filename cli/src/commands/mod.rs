@@ -75,6 +75,9 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Solve {
             command: SolveCommand::Sharding(a),
         } => solve::sharding(&session, a),
+        Command::Solve {
+            command: SolveCommand::Pipeline(a),
+        } => solve::pipeline(&session, a),
     }
 }
 

@@ -3,13 +3,15 @@
 
 use super::print_json;
 use crate::Failure;
-use crate::args::{BalanceArgs, ShardingArgs, ShardingSolverArg};
+use crate::args::{BalanceArgs, PipelineArgs, ShardingArgs, ShardingSolverArg};
 use crate::output::outln;
 use autopar_engine::alpa::solve_stages;
+use autopar_engine::pipeline::{PipelineRequest, solve_pipeline};
 use autopar_engine::plans::write_trace;
 use autopar_engine::sapp::{BalanceOptions, solve_balance};
 use autopar_engine::session::Session;
 use autopar_engine::sharding::{ShardingRequest, solve_sharding};
+use autopar_rules::cost::cluster::GIB;
 use autopar_rules::solve::balance::{KINDS, RecomputeKind};
 use autopar_rules::solve::intra::stage::SolverChoice;
 use autopar_rules::solve::schedule::chrome_trace;
@@ -232,5 +234,36 @@ pub fn sharding(session: &Session, a: &ShardingArgs) -> Result<(), Failure> {
         return print_json(&value);
     }
     outln!("{}", crate::render::sharding(&r, a.mbs));
+    Ok(())
+}
+
+/// `autopar solve pipeline`.
+pub fn pipeline(session: &Session, a: &PipelineArgs) -> Result<(), Failure> {
+    let req = PipelineRequest {
+        model: a.model.clone(),
+        cluster: a.cluster.clone(),
+        micro_batch: a.mbs,
+        global_batch: a.gbs,
+        seq: a.model_options.seq,
+        precision: a.model_options.precision.into(),
+        attention: a.model_options.attention.into(),
+        memory_gib: a.memory_gib,
+        powers_of_two: a.powers_of_two,
+    };
+    let r = solve_pipeline(session, &req)?;
+    if a.json {
+        let mut value = serde_json::to_value(&r.plan).map_err(|e| Failure::Failed(e.into()))?;
+        if let Some(obj) = value.as_object_mut() {
+            obj.insert("model".into(), json!(r.model));
+            obj.insert("cluster".into(), json!(r.cluster.name));
+            obj.insert("seq".into(), json!(r.seq));
+            obj.insert("micro_batch".into(), json!(a.mbs));
+            obj.insert("microbatches".into(), json!(r.microbatches));
+            obj.insert("memory_budget_gib".into(), json!(r.budget / GIB));
+            obj.insert("seconds".into(), json!(r.seconds));
+        }
+        return print_json(&value);
+    }
+    outln!("{}", crate::render::pipeline(&r, a.mbs));
     Ok(())
 }

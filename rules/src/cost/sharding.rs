@@ -46,6 +46,21 @@ impl Mesh {
         })
     }
 
+    /// Logical mesh `shape` over the devices of a submesh of `submesh.0` whole nodes (or part
+    /// of one node) of `submesh.1` GPUs, numbered node by node: axis 1 runs over consecutive
+    /// devices, axis 0 over blocks of `shape[1]` of them (Alpa's logical meshes of a
+    /// physical one). `shape` must multiply to the submesh's devices.
+    pub fn logical(cluster: &Cluster, submesh: (u64, u64), shape: [u64; 2]) -> Mesh {
+        debug_assert_eq!(shape[0] * shape[1], submesh.0 * submesh.1);
+        Mesh {
+            shape,
+            links: [
+                cluster.group_link(shape[1], shape[0]),
+                cluster.group_link(1, shape[1]),
+            ],
+        }
+    }
+
     /// Devices in the mesh.
     pub fn devices(&self) -> u64 {
         self.shape[0] * self.shape[1]

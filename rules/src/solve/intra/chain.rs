@@ -193,6 +193,28 @@ impl Crossings {
     }
 }
 
+/// Per layer: the shapes of the tensors crossing its edges (before, then after), which with
+/// its canonical form decide its tables.
+pub fn crossing_shapes(graph: &Graph) -> Vec<Vec<Vec<u64>>> {
+    let crossings = Crossings::of(graph);
+    let boundaries: Vec<Vec<TensorId>> = (0..graph.layers.len())
+        .map(|l| crossings.boundary(l))
+        .collect();
+    (0..graph.layers.len())
+        .map(|l| {
+            let before = l
+                .checked_sub(1)
+                .map(|p| boundaries[p].as_slice())
+                .unwrap_or(&[]);
+            before
+                .iter()
+                .chain(&boundaries[l])
+                .map(|&t| graph.tensor(t).shape.clone())
+                .collect()
+        })
+        .collect()
+}
+
 /// Solves layer `layer` of `graph` on `mesh` for every choice of its boundary specs.
 pub fn layer_table(
     graph: &Graph,

@@ -1,0 +1,120 @@
+//! `autopar solve pipeline`: Alpa's two levels on a model and a cluster (per-layer intra-op
+//! tables chained into stage costs, then the stage DP), for one micro-batch size.
+
+use crate::error::EngineError;
+use crate::session::Session;
+use crate::sharding::lower_model;
+use autopar_rules::cost::cluster::{Cluster, GIB};
+use autopar_rules::cost::memory::Precision;
+use autopar_rules::model::frontend::Attention;
+use autopar_rules::solve::pipeline::{PipelineOptions, PipelinePlan, plan_pipeline};
+use std::time::Instant;
+
+/// What `solve pipeline` is asked.
+#[derive(Clone, Debug)]
+pub struct PipelineRequest {
+    /// Workspace model name or model file.
+    pub model: String,
+    /// Workspace cluster name or `PRESET:NODESxGPUS`.
+    pub cluster: String,
+    /// Sequences per micro-batch.
+    pub micro_batch: u64,
+    /// Sequences per step.
+    pub global_batch: u64,
+    /// Tokens per sequence (`None`: the model's maximum).
+    pub seq: Option<u64>,
+    /// Precision.
+    pub precision: Precision,
+    /// Attention implementation.
+    pub attention: Attention,
+    /// Per-device memory budget, GiB (`None`: the device's memory less 10%).
+    pub memory_gib: Option<f64>,
+    /// Multi-node submeshes only of a power-of-two number of nodes.
+    pub powers_of_two: bool,
+}
+
+/// What `solve pipeline` found.
+#[derive(Clone, Debug)]
+pub struct PipelineResult {
+    /// Model name.
+    pub model: String,
+    /// The cluster.
+    pub cluster: Cluster,
+    /// Sequence length used.
+    pub seq: u64,
+    /// Micro-batches per step.
+    pub microbatches: u64,
+    /// Per-device budget, bytes.
+    pub budget: f64,
+    /// Every layer's name.
+    pub layer_names: Vec<String>,
+    /// The pipeline.
+    pub plan: PipelinePlan,
+    /// Time to find it, s.
+    pub seconds: f64,
+}
+
+/// Fraction of device memory kept free when no budget is given (the build's default
+/// `memory_headroom`).
+const DEFAULT_HEADROOM: f64 = 0.1;
+
+/// Lowers the model, solves every distinct layer on every submesh and logical mesh, and runs
+/// the stage DP.
+pub fn solve_pipeline(
+    session: &Session,
+    req: &PipelineRequest,
+) -> Result<PipelineResult, EngineError> {
+    let start = Instant::now();
+    let (name, def) = session.model(&req.model)?;
+    let cluster = session.cluster(&req.cluster)?;
+    if req.micro_batch == 0 || req.global_batch == 0 || req.global_batch % req.micro_batch != 0 {
+        return Err(EngineError::Argument {
+            flag: "--gbs",
+            expected: format!(
+                "a positive multiple of the micro-batch size {}",
+                req.micro_batch
+            ),
+            found: req.global_batch.to_string(),
+        });
+    }
+    let budget = match req.memory_gib {
+        Some(g) if g.is_finite() && g > 0.0 => g * GIB,
+        Some(g) => {
+            return Err(EngineError::Argument {
+                flag: "--memory-gib",
+                expected: "a positive number of GiB".into(),
+                found: g.to_string(),
+            });
+        }
+        None => cluster.device.hbm_bytes * (1.0 - DEFAULT_HEADROOM),
+    };
+    let (seq, graph) = lower_model(
+        &name,
+        &def,
+        req.micro_batch,
+        req.seq,
+        req.precision,
+        req.attention,
+        cluster.gpus_per_node,
+    )?;
+    let microbatches = req.global_batch / req.micro_batch;
+    let opts = PipelineOptions {
+        microbatches,
+        memory_budget: budget,
+        precision: req.precision,
+        max_exact_entries: 4e6,
+        powers_of_two: req.powers_of_two,
+    };
+    let plan = plan_pipeline(&graph, &cluster, opts)
+        .map_err(|e| EngineError::Infeasible(e.to_string()))?;
+    Ok(PipelineResult {
+        model: name,
+        cluster,
+        seq,
+        microbatches,
+        budget,
+        layer_names: graph.layers.iter().map(|l| l.name.clone()).collect(),
+        plan,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}

@@ -1,0 +1,233 @@
+//! Alpa's two levels together (ALGORITHMS.md §2 and §3): every distinct layer is solved once
+//! per submesh and logical mesh for every boundary state (`intra::chain`), every range of
+//! layers is priced by chaining those tables, and the stage DP (`inter`) chooses the stages,
+//! their submeshes and logical meshes.
+//!
+//! What a stage costs is the intra-op objective of its range per micro-batch (forward,
+//! backward, resharding, and the per-step gradient sync, optimizer and weight gathers spread
+//! over the micro-batches). Its memory is that of the unconstrained optimum of the range with
+//! the micro-batches 1F1B keeps in flight there: a stage whose optimum does not fit is not
+//! used, even where a leaner sharding of it would fit (the tables carry no budget yet).
+//!
+//! Tied weights (GPT-2's embedding and output layer) are not a chain: a stage holding both is
+//! priced with two copies, as Megatron-LM keeps them on different stages, without the sum of
+//! their gradients.
+
+use super::inter::{self, InterError, StageProblem, submesh_choices};
+use super::intra::chain::{self, ChainError, Entry, LayerTable};
+use super::intra::stage::StageOptions;
+use crate::canonical::digest;
+use crate::cost::cluster::Cluster;
+use crate::cost::layer_cost::LayerCostContext;
+use crate::cost::memory::Precision;
+use crate::cost::sharding::Mesh;
+use crate::model::graph::Graph;
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// How the pipeline is searched.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PipelineOptions {
+    /// Micro-batches per step `B`.
+    pub microbatches: u64,
+    /// Per-device memory budget, bytes.
+    pub memory_budget: f64,
+    /// Training precision.
+    pub precision: Precision,
+    /// Largest factor the exact solver may build.
+    pub max_exact_entries: f64,
+    /// Multi-node submeshes only of a power-of-two number of nodes.
+    pub powers_of_two: bool,
+}
+
+/// Why no pipeline was found.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PipelineError {
+    /// A layer table could not be built.
+    #[error(transparent)]
+    Chain(#[from] ChainError),
+    /// The stage DP found no solution.
+    #[error(transparent)]
+    Inter(#[from] InterError),
+}
+
+/// A submesh and one logical mesh of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MeshChoice {
+    /// Physical shape: hosts x devices per host.
+    pub submesh: (u64, u64),
+    /// Logical mesh over those devices.
+    pub logical: [u64; 2],
+}
+
+/// A stage of the pipeline.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PipelineStage {
+    /// Layers `start..end`.
+    pub layers: [usize; 2],
+    /// Where it runs.
+    pub mesh: MeshChoice,
+    /// Objective per micro-batch, s.
+    pub cost: f64,
+    /// Micro-batches in flight under 1F1B.
+    pub inflight: u64,
+    /// Memory per device with those in flight, bytes.
+    pub memory: f64,
+}
+
+/// The pipeline found.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PipelinePlan {
+    /// `sum of stage costs + (B - 1) * largest`, s per step.
+    pub step: f64,
+    /// The stages, in order.
+    pub stages: Vec<PipelineStage>,
+    /// Layer tables solved (distinct layers x mesh choices).
+    pub tables: usize,
+    /// Eliminations run to fill them.
+    pub solves: usize,
+    /// Mesh choices considered.
+    pub meshes: usize,
+}
+
+/// Every logical mesh `a x b` of `devices` devices (axis 1 over consecutive devices).
+pub fn logical_meshes(devices: u64) -> Vec<[u64; 2]> {
+    (1..=devices)
+        .filter(|a| devices % a == 0)
+        .map(|a| [a, devices / a])
+        .collect()
+}
+
+/// Layer `l`'s class: the first layer with the same canonical form and the same tensors
+/// crossing its edges. Layers of one class have the same tables.
+pub fn layer_classes(graph: &Graph) -> Vec<usize> {
+    let ctx = LayerCostContext::new(graph);
+    let crossing = chain::crossing_shapes(graph);
+    let mut first: HashMap<(crate::canonical::Digest, Vec<Vec<u64>>), usize> = HashMap::new();
+    (0..graph.layers.len())
+        .map(|l| {
+            let key = (digest(&ctx.canonical(l)), crossing[l].clone());
+            *first.entry(key).or_insert(l)
+        })
+        .collect()
+}
+
+/// The stage costs of every range on every mesh choice, and Alpa's DP over them.
+pub fn plan_pipeline(
+    graph: &Graph,
+    cluster: &Cluster,
+    opts: PipelineOptions,
+) -> Result<PipelinePlan, PipelineError> {
+    let layers = graph.layers.len();
+    let submeshes = submesh_choices(cluster.nodes, cluster.gpus_per_node, opts.powers_of_two);
+    let configs: Vec<Vec<[u64; 2]>> = submeshes
+        .iter()
+        .map(|&(n, m)| logical_meshes(n * m))
+        .collect();
+    let width = configs.iter().map(Vec::len).max().unwrap_or(0);
+    let classes = layer_classes(graph);
+    let distinct: Vec<usize> = (0..layers).filter(|&l| classes[l] == l).collect();
+    let stage_opts = StageOptions {
+        microbatches: opts.microbatches,
+        inflight: 1,
+        memory_budget: None,
+        precision: opts.precision,
+        max_exact_entries: opts.max_exact_entries,
+        ..StageOptions::default()
+    };
+    let jobs: Vec<(usize, usize, usize)> = (0..submeshes.len())
+        .flat_map(|s| (0..configs[s].len()).map(move |c| (s, c)))
+        .flat_map(|(s, c)| distinct.iter().map(move |&l| (s, c, l)))
+        .collect();
+    let solved: Vec<((usize, usize, usize), LayerTable)> = jobs
+        .par_iter()
+        .map(|&(s, c, l)| {
+            let mesh = Mesh::logical(cluster, submeshes[s], configs[s][c]);
+            chain::layer_table(graph, l, mesh, &cluster.device, stage_opts).map(|t| ((s, c, l), t))
+        })
+        .collect::<Result<_, _>>()?;
+    let solves = solved.iter().map(|(_, t)| t.solves).sum();
+    let tables: HashMap<(usize, usize, usize), LayerTable> = solved.into_iter().collect();
+    // Alpa's tables: cost[((k * L + i) * S + s) * C + c], inclusive ends.
+    let cells = layers * layers * submeshes.len() * width;
+    let mut cost = vec![f64::INFINITY; cells];
+    let mut max_succ = vec![-1i64; cells];
+    let mut entries = vec![Entry::NONE; cells];
+    for s in 0..submeshes.len() {
+        for c in 0..configs[s].len() {
+            let table = |l: usize| &tables[&(s, c, classes[l])];
+            for k in 0..layers {
+                let mut best = chain::start(table(k));
+                for i in k..layers {
+                    if i > k {
+                        best = chain::extend(&best, table(i - 1), table(i))
+                            .ok_or(ChainError::Mismatch(i - 1, i))?;
+                    }
+                    let e = chain::finish(&best);
+                    let at = ((k * layers + i) * submeshes.len() + s) * width + c;
+                    entries[at] = e;
+                    if let Some(succ) = most_following(&e, opts, layers) {
+                        cost[at] = e.cost;
+                        max_succ[at] = succ;
+                    }
+                }
+            }
+        }
+    }
+    let problem = StageProblem {
+        layers,
+        submeshes: submeshes.clone(),
+        configs: width,
+        cost,
+        max_succ,
+        devices: cluster.gpus(),
+        microbatches: opts.microbatches,
+    };
+    let plan = inter::solve(problem, inter::StageOptions::default())?;
+    let count = plan.stages.len();
+    let stages = plan
+        .stages
+        .iter()
+        .enumerate()
+        .map(|(j, st)| {
+            let at =
+                ((st.start * layers + st.end) * submeshes.len() + st.submesh) * width + st.config;
+            let inflight = ((count - j) as u64).min(opts.microbatches.max(1));
+            PipelineStage {
+                layers: [st.start, st.end + 1],
+                mesh: MeshChoice {
+                    submesh: submeshes[st.submesh],
+                    logical: configs[st.submesh][st.config],
+                },
+                cost: st.cost,
+                inflight,
+                memory: entries[at].memory_at(inflight, 1),
+            }
+        })
+        .collect();
+    Ok(PipelinePlan {
+        step: plan.cost,
+        stages,
+        tables: tables.len(),
+        solves,
+        meshes: configs.iter().map(Vec::len).sum(),
+    })
+}
+
+/// How many stages may follow a stage whose best plan is `e` (built with one micro-batch in
+/// flight): it keeps `min(following + 1, B)` in flight under 1F1B. `None` when not even one
+/// fits.
+fn most_following(e: &Entry, opts: PipelineOptions, layers: usize) -> Option<i64> {
+    if !(e.cost.is_finite() && e.memory <= opts.memory_budget) {
+        return None;
+    }
+    let b = opts.microbatches.max(1);
+    // No more than one stage per layer can follow.
+    let unbounded = layers as i64;
+    if e.activations <= 0.0 || e.memory_at(b, 1) <= opts.memory_budget {
+        return Some(unbounded);
+    }
+    let inflight = ((opts.memory_budget - (e.memory - e.activations)) / e.activations).floor();
+    Some(inflight as i64 - 1)
+}

@@ -1,0 +1,250 @@
+//! Alpa's two levels together: stage costs chained from per-layer tables feed the stage DP.
+//! The plan's step time must equal exhaustive search over every split into stages, every
+//! assignment of submeshes that tiles the cluster and every logical mesh, with each stage
+//! priced by the intra-op solve of its whole range.
+
+use autopar_rules::cost::cluster::{Cluster, preset};
+use autopar_rules::cost::memory::Precision;
+use autopar_rules::cost::sharding::Mesh;
+use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef, parse_hf_config};
+use autopar_rules::model::graph::{DType, Graph};
+use autopar_rules::solve::inter::{place, submesh_choices};
+use autopar_rules::solve::intra::stage::{StageModel, StageOptions};
+use autopar_rules::solve::pipeline::{
+    PipelineOptions, layer_classes, logical_meshes, plan_pipeline,
+};
+use autopar_tests::sharding::lower;
+use autopar_tests::{TempWorkspace, repo_root};
+use std::collections::HashMap;
+
+fn cluster(nodes: u64, gpus: u64) -> Cluster {
+    Cluster {
+        name: "test".into(),
+        nodes,
+        gpus_per_node: gpus,
+        device: preset("h100-sxm").expect("preset"),
+    }
+}
+
+/// LLaMA-2 7B's shapes with `blocks` blocks.
+fn llama(blocks: u64, micro_batch: u64) -> Graph {
+    let path = repo_root().join("models/llama2-7b.json");
+    let text = std::fs::read_to_string(path).expect("llama2-7b.json");
+    let mut cfg = parse_hf_config(&text).expect("config");
+    cfg.layers = blocks;
+    ModelDef::Transformer(cfg)
+        .lower(
+            "llama",
+            &LowerOptions {
+                micro_batch,
+                seq: 128,
+                dtype: DType::Bf16,
+                attention: Attention::Flash,
+                vocab_multiple: 128,
+            },
+        )
+        .expect("lowers")
+}
+
+fn options(microbatches: u64) -> PipelineOptions {
+    PipelineOptions {
+        microbatches,
+        memory_budget: 1e15,
+        precision: Precision::Bf16,
+        max_exact_entries: 4e6,
+        powers_of_two: false,
+    }
+}
+
+/// The best step by trying every pipeline.
+fn exhaustive(g: &Graph, c: &Cluster, b: u64) -> f64 {
+    let layers = g.layers.len();
+    let subs = submesh_choices(c.nodes, c.gpus_per_node, false);
+    let mut memo: HashMap<(usize, usize, usize, usize), f64> = HashMap::new();
+    let mut stage = |k: usize, i: usize, s: usize, cfg: usize| -> f64 {
+        *memo.entry((k, i, s, cfg)).or_insert_with(|| {
+            let (n, m) = subs[s];
+            let mesh = Mesh::logical(c, subs[s], logical_meshes(n * m)[cfg]);
+            let opts = StageOptions {
+                microbatches: b,
+                ..StageOptions::default()
+            };
+            StageModel::build(g, k..i + 1, mesh, &c.device, opts)
+                .and_then(|m| m.solve())
+                .map_or(f64::INFINITY, |p| p.objective)
+        })
+    };
+    let mut best = f64::INFINITY;
+    // Every split: stack of (start, end, submesh, config).
+    /// The fixed part of the search: submesh shapes, cluster, micro-batches.
+    type Ctx<'a> = (&'a [(u64, u64)], &'a Cluster, u64);
+    fn walk(
+        k: usize,
+        layers: usize,
+        chosen: &mut Vec<(usize, usize, usize, usize)>,
+        ctx: Ctx,
+        stage: &mut dyn FnMut(usize, usize, usize, usize) -> f64,
+        best: &mut f64,
+    ) {
+        let (subs, c, b) = ctx;
+        let used: u64 = chosen.iter().map(|x| subs[x.2].0 * subs[x.2].1).sum();
+        if k == layers {
+            let shapes: Vec<(u64, u64)> = chosen.iter().map(|x| subs[x.2]).collect();
+            if used != c.gpus() || place(&shapes, c.nodes, c.gpus_per_node).is_none() {
+                return;
+            }
+            let costs: Vec<f64> = chosen
+                .iter()
+                .map(|&(k, i, s, f)| stage(k, i, s, f))
+                .collect();
+            let total = costs.iter().sum::<f64>()
+                + (b as f64 - 1.0) * costs.iter().copied().fold(0.0, f64::max);
+            *best = best.min(total);
+            return;
+        }
+        for i in k..layers {
+            for (s, &(n, m)) in subs.iter().enumerate() {
+                if used + n * m > c.gpus() {
+                    continue;
+                }
+                for cfg in 0..logical_meshes(n * m).len() {
+                    chosen.push((k, i, s, cfg));
+                    walk(i + 1, layers, chosen, ctx, stage, best);
+                    chosen.pop();
+                }
+            }
+        }
+    }
+    walk(
+        0,
+        layers,
+        &mut Vec::new(),
+        (&subs, c, b),
+        &mut stage,
+        &mut best,
+    );
+    best
+}
+
+#[test]
+fn the_pipeline_is_the_exhaustive_optimum() {
+    let cases: Vec<(&str, Graph, Cluster, u64)> = vec![
+        (
+            "mlp on 1x4, B=4",
+            lower("tiny-mlp.graph.json", 2, Some(128), 1),
+            cluster(1, 4),
+            4,
+        ),
+        (
+            "mlp on 2x2, B=8",
+            lower("tiny-mlp.graph.json", 2, Some(128), 1),
+            cluster(2, 2),
+            8,
+        ),
+        ("llama 2 blocks on 1x2, B=4", llama(2, 2), cluster(1, 2), 4),
+        ("llama 2 blocks on 2x1, B=2", llama(2, 1), cluster(2, 1), 2),
+    ];
+    for (name, g, c, b) in cases {
+        let plan = plan_pipeline(&g, &c, options(b)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let want = exhaustive(&g, &c, b);
+        assert!(
+            (plan.step - want).abs() <= 1e-9 * want,
+            "{name}: pipeline {} vs exhaustive {want}: {:?}",
+            plan.step,
+            plan.stages
+        );
+        let devices: u64 = plan
+            .stages
+            .iter()
+            .map(|s| s.mesh.submesh.0 * s.mesh.submesh.1)
+            .sum();
+        assert_eq!(devices, c.gpus(), "{name}");
+        assert_eq!(plan.stages.first().map(|s| s.layers[0]), Some(0));
+        assert_eq!(
+            plan.stages.last().map(|s| s.layers[1]),
+            Some(g.layers.len())
+        );
+    }
+}
+
+#[test]
+fn identical_blocks_are_solved_once() {
+    let g = llama(6, 1);
+    let classes = layer_classes(&g);
+    // Embedding, the first block, the inner blocks, the last block and the head: the first and
+    // last blocks border other kinds of layer, but the tensors crossing are the same shape.
+    let distinct: Vec<usize> = (0..g.layers.len()).filter(|&l| classes[l] == l).collect();
+    assert_eq!(distinct, vec![0, 1, 7], "{classes:?}");
+    let c = cluster(1, 2);
+    let plan = plan_pipeline(&g, &c, options(4)).expect("plans");
+    // 3 distinct layers on (1,1) x 1 logical mesh and (1,2) x 2.
+    assert_eq!(plan.meshes, 3);
+    assert_eq!(plan.tables, 9);
+}
+
+#[test]
+fn a_tight_budget_limits_the_micro_batches_in_flight() {
+    let g = llama(2, 1);
+    let c = cluster(1, 2);
+    let loose = plan_pipeline(&g, &c, options(8)).expect("plans");
+    let most = loose.stages.iter().map(|s| s.memory).fold(0.0, f64::max);
+    // Every stage's memory is what its in-flight micro-batches need, within the budget.
+    for budget in [most * 0.999, most * 0.5] {
+        let opts = PipelineOptions {
+            memory_budget: budget,
+            ..options(8)
+        };
+        match plan_pipeline(&g, &c, opts) {
+            Ok(p) => {
+                assert!(p.stages.iter().all(|s| s.memory <= budget), "{p:?}");
+                assert!(p.step >= loose.step * (1.0 - 1e-12));
+            }
+            Err(e) => assert!(e.to_string().contains("no"), "{e}"),
+        }
+    }
+}
+
+#[test]
+fn solve_pipeline_prints_and_reports_the_stages() {
+    let ws = TempWorkspace::default_copy();
+    let base = [
+        "solve",
+        "pipeline",
+        "--model",
+        "llama2-7b",
+        "--cluster",
+        "h100-sxm:1x4",
+        "--seq",
+        "512",
+    ];
+    let j = ws
+        .run(&[&base[..], &["--gbs", "16", "--json"]].concat())
+        .json();
+    let stages = j["stages"].as_array().expect("stages");
+    let costs: Vec<f64> = stages.iter().filter_map(|s| s["cost"].as_f64()).collect();
+    assert_eq!(costs.len(), stages.len());
+    let b = j["microbatches"].as_f64().expect("microbatches");
+    assert_eq!(b, 16.0);
+    let want = costs.iter().sum::<f64>() + (b - 1.0) * costs.iter().copied().fold(0.0, f64::max);
+    let step = j["step"].as_f64().expect("step");
+    assert!((step - want).abs() <= 1e-9 * want, "{j}");
+    let devices: u64 = stages
+        .iter()
+        .map(|s| {
+            let m = &s["mesh"]["submesh"];
+            m[0].as_u64().unwrap_or(0) * m[1].as_u64().unwrap_or(0)
+        })
+        .sum();
+    assert_eq!(devices, 4, "{j}");
+    // 3 distinct layers (embedding, block, head) on 1x1, 1x2 (2 logical meshes), 1x4 (3).
+    assert_eq!(j["tables"], 18, "{j}");
+    let text = ws.run(&[&base[..], &["--gbs", "16"]].concat());
+    assert_eq!(text.code, 0, "{}", text.stderr);
+    assert!(text.stdout.contains("step "), "{}", text.stdout);
+    assert!(text.stdout.contains("layer tables"), "{}", text.stdout);
+    let bad = ws.run(&[&base[..], &["--gbs", "15", "--mbs", "2"]].concat());
+    assert_eq!(bad.code, 2, "{}", bad.stderr);
+    assert!(bad.stderr.contains("--gbs"), "{}", bad.stderr);
+    let tight = ws.run(&[&base[..], &["--gbs", "16", "--memory-gib", "0.5"]].concat());
+    assert_eq!(tight.code, 1, "{}", tight.stderr);
+}
