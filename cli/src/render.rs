@@ -842,12 +842,16 @@ pub fn pipeline(r: &autopar_engine::pipeline::PipelineResult, micro_batch: u64) 
             s.memory / GIB
         );
     }
+    let c = &r.tables;
     let _ = write!(
         out,
-        "{} layer tables ({} mesh choices x distinct layers), {} eliminations, in {}",
+        "layer tables: {} ({} mesh choices x distinct layers): {} memory hits, {} local hits, {} remote hits, {} solved, in {}",
         p.tables,
         p.meshes,
-        p.solves,
+        c.memory,
+        c.local,
+        c.remote,
+        c.solved,
         secs(r.seconds)
     );
     out

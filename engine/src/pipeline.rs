@@ -1,13 +1,23 @@
 //! `autopar solve pipeline`: Alpa's two levels on a model and a cluster (per-layer intra-op
 //! tables chained into stage costs, then the stage DP), for one micro-batch size.
 
+use crate::cache::{Cache, Counts, Source};
 use crate::error::EngineError;
 use crate::session::Session;
 use crate::sharding::lower_model;
+use autopar_rules::canonical::Digest;
+use autopar_rules::cost::cluster::Device;
 use autopar_rules::cost::cluster::{Cluster, GIB};
 use autopar_rules::cost::memory::Precision;
+use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::Attention;
-use autopar_rules::solve::pipeline::{PipelineOptions, PipelinePlan, plan_pipeline};
+use autopar_rules::model::graph::Graph;
+use autopar_rules::solve::intra::chain::{ChainError, LayerTable, layer_table};
+use autopar_rules::solve::intra::stage::StageOptions;
+use autopar_rules::solve::pipeline::{
+    PipelineOptions, PipelinePlan, TableSource, plan_pipeline_with, table_key,
+};
+use autopar_store::EntryMeta;
 use std::time::Instant;
 
 /// What `solve pipeline` is asked.
@@ -52,6 +62,61 @@ pub struct PipelineResult {
     pub plan: PipelinePlan,
     /// Time to find it, s.
     pub seconds: f64,
+    /// Layer tables asked of the cache: hits per level and solves.
+    pub tables: Counts,
+}
+
+/// Layer tables through a [`Cache`]: looked up in memory, the local store and the remote
+/// under [`table_key`], solved and stored on a miss.
+pub struct CachedTables<'c> {
+    cache: &'c Cache,
+    model: String,
+}
+
+impl<'c> CachedTables<'c> {
+    /// Tables of model `model` (named in descriptions) through `cache`.
+    pub fn new(cache: &'c Cache, model: &str) -> Self {
+        CachedTables {
+            cache,
+            model: model.to_string(),
+        }
+    }
+}
+
+impl TableSource for CachedTables<'_> {
+    fn table(
+        &self,
+        graph: &Graph,
+        layer: usize,
+        identity: Digest,
+        mesh: Mesh,
+        device: &Device,
+        opts: StageOptions,
+    ) -> Result<LayerTable, ChainError> {
+        let key = table_key(identity, &mesh, device, &opts).key();
+        if let Some((t, _)) = self.cache.lookup::<LayerTable>(key) {
+            return Ok(t);
+        }
+        let solved = layer_table(graph, layer, mesh, device, opts);
+        self.cache.record(Source::Solved);
+        if let Ok(t) = &solved {
+            let meta = EntryMeta {
+                kind: "layer-table".into(),
+                description: format!(
+                    "{} ({}) of {} on mesh {}x{} of {}",
+                    graph.layers[layer].name,
+                    graph.layers[layer].kind.name(),
+                    self.model,
+                    mesh.shape[0],
+                    mesh.shape[1],
+                    device.name
+                ),
+                ..EntryMeta::default()
+            };
+            self.cache.put(key, t, &meta);
+        }
+        solved
+    }
 }
 
 /// Fraction of device memory kept free when no budget is given (the build's default
@@ -62,9 +127,11 @@ const DEFAULT_HEADROOM: f64 = 0.1;
 /// the stage DP.
 pub fn solve_pipeline(
     session: &Session,
+    cache: &Cache,
     req: &PipelineRequest,
 ) -> Result<PipelineResult, EngineError> {
     let start = Instant::now();
+    let before = cache.counts();
     let (name, def) = session.model(&req.model)?;
     let cluster = session.cluster(&req.cluster)?;
     if req.micro_batch == 0 || req.global_batch == 0 || req.global_batch % req.micro_batch != 0 {
@@ -105,8 +172,10 @@ pub fn solve_pipeline(
         max_exact_entries: 4e6,
         powers_of_two: req.powers_of_two,
     };
-    let plan = plan_pipeline(&graph, &cluster, opts)
+    let source = CachedTables::new(cache, &name);
+    let plan = plan_pipeline_with(&graph, &cluster, opts, &source)
         .map_err(|e| EngineError::Infeasible(e.to_string()))?;
+    let after = cache.counts();
     Ok(PipelineResult {
         model: name,
         cluster,
@@ -116,5 +185,12 @@ pub fn solve_pipeline(
         layer_names: graph.layers.iter().map(|l| l.name.clone()).collect(),
         plan,
         seconds: start.elapsed().as_secs_f64(),
+        tables: Counts {
+            total: after.total - before.total,
+            memory: after.memory - before.memory,
+            local: after.local - before.local,
+            remote: after.remote - before.remote,
+            solved: after.solved - before.solved,
+        },
     })
 }

@@ -77,7 +77,7 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         } => solve::sharding(&session, a),
         Command::Solve {
             command: SolveCommand::Pipeline(a),
-        } => solve::pipeline(&session, a),
+        } => solve::pipeline(&session, a, dir, &remote),
     }
 }
 

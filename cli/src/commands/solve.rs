@@ -6,6 +6,7 @@ use crate::Failure;
 use crate::args::{BalanceArgs, PipelineArgs, ShardingArgs, ShardingSolverArg};
 use crate::output::outln;
 use autopar_engine::alpa::solve_stages;
+use autopar_engine::cache::{Cache, RemoteFlags, UPLOAD_DEADLINE};
 use autopar_engine::pipeline::{PipelineRequest, solve_pipeline};
 use autopar_engine::plans::write_trace;
 use autopar_engine::sapp::{BalanceOptions, solve_balance};
@@ -238,7 +239,12 @@ pub fn sharding(session: &Session, a: &ShardingArgs) -> Result<(), Failure> {
 }
 
 /// `autopar solve pipeline`.
-pub fn pipeline(session: &Session, a: &PipelineArgs) -> Result<(), Failure> {
+pub fn pipeline(
+    session: &Session,
+    a: &PipelineArgs,
+    cache_dir: Option<&Path>,
+    remote: &RemoteFlags,
+) -> Result<(), Failure> {
     let req = PipelineRequest {
         model: a.model.clone(),
         cluster: a.cluster.clone(),
@@ -250,7 +256,15 @@ pub fn pipeline(session: &Session, a: &PipelineArgs) -> Result<(), Failure> {
         memory_gib: a.memory_gib,
         powers_of_two: a.powers_of_two,
     };
-    let r = solve_pipeline(session, &req)?;
+    // The workspace's cache when there is a workspace; else `--cache-dir`, else memory only.
+    let cache = match session.workspace() {
+        Ok(ws) => super::build::open_cache(&ws, cache_dir, remote)?,
+        Err(_) => cache_dir.map_or_else(Cache::in_memory, Cache::open),
+    };
+    let r = solve_pipeline(session, &cache, &req);
+    cache.flush();
+    cache.finish_uploads(UPLOAD_DEADLINE);
+    let r = r?;
     if a.json {
         let mut value = serde_json::to_value(&r.plan).map_err(|e| Failure::Failed(e.into()))?;
         if let Some(obj) = value.as_object_mut() {
@@ -261,6 +275,7 @@ pub fn pipeline(session: &Session, a: &PipelineArgs) -> Result<(), Failure> {
             obj.insert("microbatches".into(), json!(r.microbatches));
             obj.insert("memory_budget_gib".into(), json!(r.budget / GIB));
             obj.insert("seconds".into(), json!(r.seconds));
+            obj.insert("cache".into(), json!(r.tables));
         }
         return print_json(&value);
     }

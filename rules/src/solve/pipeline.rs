@@ -16,8 +16,8 @@
 use super::inter::{self, InterError, StageProblem, submesh_choices};
 use super::intra::chain::{self, ChainError, Entry, LayerTable};
 use super::intra::stage::StageOptions;
-use crate::canonical::digest;
-use crate::cost::cluster::Cluster;
+use crate::canonical::{Digest, KeyParts, digest};
+use crate::cost::cluster::{Cluster, Device};
 use crate::cost::layer_cost::LayerCostContext;
 use crate::cost::memory::Precision;
 use crate::cost::sharding::Mesh;
@@ -85,7 +85,7 @@ pub struct PipelinePlan {
     pub stages: Vec<PipelineStage>,
     /// Layer tables solved (distinct layers x mesh choices).
     pub tables: usize,
-    /// Eliminations run to fill them.
+    /// Eliminations the tables took when they were solved.
     pub solves: usize,
     /// Mesh choices considered.
     pub meshes: usize,
@@ -99,25 +99,108 @@ pub fn logical_meshes(devices: u64) -> Vec<[u64; 2]> {
         .collect()
 }
 
-/// Layer `l`'s class: the first layer with the same canonical form and the same tensors
-/// crossing its edges. Layers of one class have the same tables.
-pub fn layer_classes(graph: &Graph) -> Vec<usize> {
+/// Per layer: the hash of what its tables depend on in the model (its canonical form and the
+/// shapes of the tensors crossing its edges). Layers with the same identity have the same
+/// tables, in this model or any other.
+pub fn layer_identities(graph: &Graph) -> Vec<Digest> {
     let ctx = LayerCostContext::new(graph);
     let crossing = chain::crossing_shapes(graph);
-    let mut first: HashMap<(crate::canonical::Digest, Vec<Vec<u64>>), usize> = HashMap::new();
     (0..graph.layers.len())
-        .map(|l| {
-            let key = (digest(&ctx.canonical(l)), crossing[l].clone());
-            *first.entry(key).or_insert(l)
-        })
+        .map(|l| digest(&(ctx.canonical(l), &crossing[l])))
         .collect()
 }
 
-/// The stage costs of every range on every mesh choice, and Alpa's DP over them.
+/// Layer `l`'s class: the first layer with the same identity.
+pub fn layer_classes(graph: &Graph) -> Vec<usize> {
+    classes_of(&layer_identities(graph))
+}
+
+fn classes_of(identities: &[Digest]) -> Vec<usize> {
+    let mut first: HashMap<Digest, usize> = HashMap::new();
+    identities
+        .iter()
+        .enumerate()
+        .map(|(l, id)| *first.entry(*id).or_insert(l))
+        .collect()
+}
+
+/// The components of a layer table's cache key: exactly what the table depends on.
+pub fn table_key(identity: Digest, mesh: &Mesh, device: &Device, opts: &StageOptions) -> KeyParts {
+    // The problem reads the links only through the mesh, so a change to the network leaves
+    // the tables of single-node meshes as they were.
+    let device = Device {
+        name: String::new(),
+        nvlink_bandwidth: 0.0,
+        internode_bandwidth: 0.0,
+        nvlink_latency: 0.0,
+        internode_latency: 0.0,
+        nvlink_efficiency: 0.0,
+        internode_efficiency: 0.0,
+        ..device.clone()
+    };
+    KeyParts::new("layer-table")
+        .with_digest("layer", identity)
+        .with("mesh", mesh)
+        .with("device", &device)
+        .with(
+            "options",
+            &(
+                opts.microbatches,
+                opts.inflight,
+                opts.memory_budget,
+                opts.precision,
+                opts.max_exact_entries,
+            ),
+        )
+}
+
+/// Where layer tables come from: solved here, or through a cache.
+pub trait TableSource: Sync {
+    /// The table of layer `layer` of `graph` (whose identity is `identity`) on `mesh`.
+    fn table(
+        &self,
+        graph: &Graph,
+        layer: usize,
+        identity: Digest,
+        mesh: Mesh,
+        device: &Device,
+        opts: StageOptions,
+    ) -> Result<LayerTable, ChainError>;
+}
+
+/// Solves every table.
+pub struct Solve;
+
+impl TableSource for Solve {
+    fn table(
+        &self,
+        graph: &Graph,
+        layer: usize,
+        _identity: Digest,
+        mesh: Mesh,
+        device: &Device,
+        opts: StageOptions,
+    ) -> Result<LayerTable, ChainError> {
+        chain::layer_table(graph, layer, mesh, device, opts)
+    }
+}
+
+/// The stage costs of every range on every mesh choice, and Alpa's DP over them, solving
+/// every table.
 pub fn plan_pipeline(
     graph: &Graph,
     cluster: &Cluster,
     opts: PipelineOptions,
+) -> Result<PipelinePlan, PipelineError> {
+    plan_pipeline_with(graph, cluster, opts, &Solve)
+}
+
+/// [`plan_pipeline`] with the tables from `source`.
+pub fn plan_pipeline_with(
+    graph: &Graph,
+    cluster: &Cluster,
+    opts: PipelineOptions,
+    source: &dyn TableSource,
 ) -> Result<PipelinePlan, PipelineError> {
     let layers = graph.layers.len();
     let submeshes = submesh_choices(cluster.nodes, cluster.gpus_per_node, opts.powers_of_two);
@@ -126,7 +209,8 @@ pub fn plan_pipeline(
         .map(|&(n, m)| logical_meshes(n * m))
         .collect();
     let width = configs.iter().map(Vec::len).max().unwrap_or(0);
-    let classes = layer_classes(graph);
+    let identities = layer_identities(graph);
+    let classes = classes_of(&identities);
     let distinct: Vec<usize> = (0..layers).filter(|&l| classes[l] == l).collect();
     let stage_opts = StageOptions {
         microbatches: opts.microbatches,
@@ -144,7 +228,9 @@ pub fn plan_pipeline(
         .par_iter()
         .map(|&(s, c, l)| {
             let mesh = Mesh::logical(cluster, submeshes[s], configs[s][c]);
-            chain::layer_table(graph, l, mesh, &cluster.device, stage_opts).map(|t| ((s, c, l), t))
+            source
+                .table(graph, l, identities[l], mesh, &cluster.device, stage_opts)
+                .map(|t| ((s, c, l), t))
         })
         .collect::<Result<_, _>>()?;
     let solves = solved.iter().map(|(_, t)| t.solves).sum();
