@@ -831,7 +831,11 @@ pub fn pipeline(r: &autopar_engine::pipeline::PipelineResult, micro_batch: u64) 
             .layer_names
             .get(s.layers[1].saturating_sub(1))
             .map_or("", String::as_str);
-        let names = format!("{}..{} ({first} .. {last})", s.layers[0], s.layers[1]);
+        let names = if s.layers[1] == s.layers[0] + 1 {
+            format!("{}..{} ({first})", s.layers[0], s.layers[1])
+        } else {
+            format!("{}..{} ({first} .. {last})", s.layers[0], s.layers[1])
+        };
         let _ = writeln!(
             out,
             "  {j:>5}  {names:<42} {:>7}  {:>7}  {:>7}  {:>9}  {:>5.1} GiB",
@@ -840,6 +844,18 @@ pub fn pipeline(r: &autopar_engine::pipeline::PipelineResult, micro_batch: u64) 
             secs(s.cost),
             s.inflight,
             s.memory / GIB
+        );
+    }
+    for k in &p.skipped {
+        let _ = writeln!(
+            out,
+            "not searched: {} on submesh {}x{} as logical mesh {}x{}: {}",
+            k.layer,
+            k.mesh.submesh.0,
+            k.mesh.submesh.1,
+            k.mesh.logical[0],
+            k.mesh.logical[1],
+            k.reason
         );
     }
     let c = &r.tables;

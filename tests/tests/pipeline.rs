@@ -279,3 +279,35 @@ fn a_network_change_invalidates_only_multi_node_tables() {
     // Every logical mesh of the two-node submesh whose axis 0 crosses nodes changes.
     assert!(changed.contains(&((2, 4), [2, 4])), "{changed:?}");
 }
+
+#[test]
+fn tables_too_wide_to_solve_are_named_not_dropped_silently() {
+    let g = lower("tiny-mlp.graph.json", 2, Some(128), 1);
+    let c = cluster(1, 4);
+    let full = plan_pipeline(&g, &c, options(4)).expect("plans");
+    assert!(full.skipped.is_empty());
+    let opts = PipelineOptions {
+        max_exact_entries: 2e3,
+        ..options(4)
+    };
+    let narrow = plan_pipeline(&g, &c, opts).expect("plans on the meshes left");
+    assert!(!narrow.skipped.is_empty());
+    for k in &narrow.skipped {
+        assert!(k.reason.contains("too large"), "{k:?}");
+        // No stage of the plan holds a skipped layer on its mesh choice.
+        let l = g
+            .layers
+            .iter()
+            .position(|x| x.name == k.layer)
+            .expect("layer");
+        assert!(
+            !narrow
+                .stages
+                .iter()
+                .any(|s| s.mesh == k.mesh && (s.layers[0]..s.layers[1]).contains(&l)),
+            "{k:?} in {:?}",
+            narrow.stages
+        );
+    }
+    assert!(narrow.step >= full.step * (1.0 - 1e-12));
+}

@@ -89,6 +89,20 @@ pub struct PipelinePlan {
     pub solves: usize,
     /// Mesh choices considered.
     pub meshes: usize,
+    /// Layers left off a mesh choice because their table was too large to solve exactly:
+    /// no stage on that mesh choice holds them.
+    pub skipped: Vec<Skipped>,
+}
+
+/// A layer whose table on a mesh choice could not be solved.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Skipped {
+    /// The mesh choice.
+    pub mesh: MeshChoice,
+    /// The layer's name (the first of its class).
+    pub layer: String,
+    /// Why.
+    pub reason: String,
 }
 
 /// Every logical mesh `a x b` of `devices` devices (axis 1 over consecutive devices).
@@ -185,6 +199,9 @@ impl TableSource for Solve {
     }
 }
 
+/// A table to solve: submesh, logical mesh of it, layer (indices).
+type Job = (usize, usize, usize);
+
 /// The stage costs of every range on every mesh choice, and Alpa's DP over them, solving
 /// every table.
 pub fn plan_pipeline(
@@ -220,34 +237,58 @@ pub fn plan_pipeline_with(
         max_exact_entries: opts.max_exact_entries,
         ..StageOptions::default()
     };
-    let jobs: Vec<(usize, usize, usize)> = (0..submeshes.len())
+    let jobs: Vec<Job> = (0..submeshes.len())
         .flat_map(|s| (0..configs[s].len()).map(move |c| (s, c)))
         .flat_map(|(s, c)| distinct.iter().map(move |&l| (s, c, l)))
         .collect();
-    let solved: Vec<((usize, usize, usize), LayerTable)> = jobs
+    let solved: Vec<(Job, Result<LayerTable, ChainError>)> = jobs
         .par_iter()
         .map(|&(s, c, l)| {
             let mesh = Mesh::logical(cluster, submeshes[s], configs[s][c]);
-            source
-                .table(graph, l, identities[l], mesh, &cluster.device, stage_opts)
-                .map(|t| ((s, c, l), t))
+            let t = source.table(graph, l, identities[l], mesh, &cluster.device, stage_opts);
+            ((s, c, l), t)
         })
-        .collect::<Result<_, _>>()?;
-    let solves = solved.iter().map(|(_, t)| t.solves).sum();
-    let tables: HashMap<(usize, usize, usize), LayerTable> = solved.into_iter().collect();
+        .collect();
+    // A table too wide for the exact solver takes its layer off that mesh choice (every
+    // range holding it), and the plan says so; any other failure is an error.
+    let mut skipped = Vec::new();
+    let mut tables: HashMap<Job, LayerTable> = HashMap::new();
+    for ((s, c, l), t) in solved {
+        match t {
+            Ok(t) => {
+                tables.insert((s, c, l), t);
+            }
+            Err(ChainError::TooWide(d)) => skipped.push(Skipped {
+                mesh: MeshChoice {
+                    submesh: submeshes[s],
+                    logical: configs[s][c],
+                },
+                layer: graph.layers[l].name.clone(),
+                reason: ChainError::TooWide(d).to_string(),
+            }),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let solves = tables.values().map(|t| t.solves).sum();
     // Alpa's tables: cost[((k * L + i) * S + s) * C + c], inclusive ends.
     let cells = layers * layers * submeshes.len() * width;
     let mut cost = vec![f64::INFINITY; cells];
     let mut max_succ = vec![-1i64; cells];
     let mut entries = vec![Entry::NONE; cells];
-    for s in 0..submeshes.len() {
-        for c in 0..configs[s].len() {
-            let table = |l: usize| &tables[&(s, c, classes[l])];
+    for (s, logical) in configs.iter().enumerate() {
+        for c in 0..logical.len() {
+            let table = |l: usize| tables.get(&(s, c, classes[l]));
             for k in 0..layers {
-                let mut best = chain::start(table(k));
+                let Some(first) = table(k) else {
+                    continue;
+                };
+                let mut best = chain::start(first);
                 for i in k..layers {
                     if i > k {
-                        best = chain::extend(&best, table(i - 1), table(i))
+                        let (Some(prev), Some(next)) = (table(i - 1), table(i)) else {
+                            break;
+                        };
+                        best = chain::extend(&best, prev, next)
                             .ok_or(ChainError::Mismatch(i - 1, i))?;
                     }
                     let e = chain::finish(&best);
@@ -298,6 +339,7 @@ pub fn plan_pipeline_with(
         tables: tables.len(),
         solves,
         meshes: configs.iter().map(Vec::len).sum(),
+        skipped,
     })
 }
 
