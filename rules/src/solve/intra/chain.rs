@@ -19,6 +19,7 @@ use super::stage::{IntraError, StageModel, StageOptions};
 use crate::cost::cluster::Device;
 use crate::cost::sharding::{Mesh, Spec};
 use crate::model::graph::{Graph, TensorId};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
@@ -364,20 +365,20 @@ fn table(
 /// variables marked `entering` (keeping the entering specs through the whole elimination
 /// multiplies its factors by their domains, since the backward pass reads the layer's input
 /// again). Returns the kept domain sizes, the entries (row-major) and the eliminations run.
-fn fill<T>(
+fn fill<T: Send>(
     p: &Problem,
     maps: &[Vec<usize>],
     keep: &[usize],
     entering: &[bool],
     max_entries: f64,
-    mut read: impl FnMut(&[usize]) -> T,
+    read: impl Fn(&[usize]) -> T + Sync,
 ) -> Result<(Vec<usize>, Vec<T>, usize), ChainError> {
-    let mut unreduced = vec![0usize; p.vars.len()];
-    let mut back = |choice: &[usize], domains: Option<&[Vec<usize>]>| -> T {
-        for (v, &c) in choice.iter().enumerate() {
-            let c = domains.map_or(c, |d| d[v][c]);
-            unreduced[v] = maps[v][c];
-        }
+    let back = |choice: &[usize], domains: Option<&[Vec<usize>]>| -> T {
+        let unreduced: Vec<usize> = choice
+            .iter()
+            .enumerate()
+            .map(|(v, &c)| maps[v][domains.map_or(c, |d| d[v][c])])
+            .collect();
         read(&unreduced)
     };
     match exact::marginal_with(p, keep, max_entries, |c| back(c, None)) {
@@ -387,20 +388,39 @@ fn fill<T>(
     }
     let k: Vec<usize> = keep.iter().map(|&v| p.k(v)).collect();
     let slots: Vec<usize> = (0..keep.len()).filter(|&i| entering[i]).collect();
-    let mut cells: Vec<Option<T>> = (0..k.iter().product()).map(|_| None).collect();
-    let mut fixed = vec![0usize; slots.len()];
-    let mut solves = 0;
-    loop {
-        let mut domains: Vec<Vec<usize>> =
-            (0..p.vars.len()).map(|v| (0..p.k(v)).collect()).collect();
-        for (&i, &c) in slots.iter().zip(&fixed) {
-            domains[keep[i]] = vec![c];
-        }
-        let (_, values) = exact::marginal_with(&p.restricted(&domains), keep, max_entries, |c| {
-            back(c, Some(&domains))
+    // Every joint choice of the entering specs, each its own elimination (in parallel).
+    let mut pins: Vec<Vec<usize>> = vec![Vec::new()];
+    for &i in &slots {
+        pins = pins
+            .into_iter()
+            .flat_map(|pin| {
+                (0..k[i]).map(move |c| {
+                    let mut next = pin.clone();
+                    next.push(c);
+                    next
+                })
+            })
+            .collect();
+    }
+    let solved: Vec<(Vec<usize>, Vec<T>)> = pins
+        .into_par_iter()
+        .map(|fixed| {
+            let mut domains: Vec<Vec<usize>> =
+                (0..p.vars.len()).map(|v| (0..p.k(v)).collect()).collect();
+            for (&i, &c) in slots.iter().zip(&fixed) {
+                domains[keep[i]] = vec![c];
+            }
+            let (_, values) =
+                exact::marginal_with(&p.restricted(&domains), keep, max_entries, |c| {
+                    back(c, Some(&domains))
+                })
+                .map_err(ChainError::TooWide)?;
+            Ok((fixed, values))
         })
-        .map_err(ChainError::TooWide)?;
-        solves += 1;
+        .collect::<Result<_, ChainError>>()?;
+    let solves = solved.len();
+    let mut cells: Vec<Option<T>> = (0..k.iter().product()).map(|_| None).collect();
+    for (fixed, values) in solved {
         // Entry `e` of this elimination sets the free slots; the pinned ones are `fixed`.
         let mut joint = vec![0usize; keep.len()];
         for (&i, &c) in slots.iter().zip(&fixed) {
@@ -417,11 +437,6 @@ fn fill<T>(
                 joint[i] = 0;
             }
         }
-        let Some(i) = (0..slots.len()).rev().find(|&i| fixed[i] + 1 < k[slots[i]]) else {
-            break;
-        };
-        fixed[i] += 1;
-        fixed[i + 1..].iter_mut().for_each(|c| *c = 0);
     }
     let values = cells
         .into_iter()
