@@ -217,12 +217,8 @@ pub fn sharding(session: &Session, a: &ShardingArgs) -> Result<(), Failure> {
     };
     let r = solve_sharding(session, &req)?;
     if a.json {
-        let mut value = serde_json::to_value(&r.plan).map_err(|e| Failure::Failed(e.into()))?;
+        let mut value = described(&r.plan, &r.model, &r.cluster.name, r.seq, a.mbs)?;
         if let Some(obj) = value.as_object_mut() {
-            obj.insert("model".into(), json!(r.model));
-            obj.insert("cluster".into(), json!(r.cluster.name));
-            obj.insert("seq".into(), json!(r.seq));
-            obj.insert("micro_batch".into(), json!(a.mbs));
             obj.insert("layer_names".into(), json!(r.layer_names));
             if let Some(chain) = &r.chain {
                 let chain = match chain {
@@ -266,12 +262,8 @@ pub fn pipeline(
     cache.finish_uploads(UPLOAD_DEADLINE);
     let r = r?;
     if a.json {
-        let mut value = serde_json::to_value(&r.plan).map_err(|e| Failure::Failed(e.into()))?;
+        let mut value = described(&r.plan, &r.model, &r.cluster.name, r.seq, a.mbs)?;
         if let Some(obj) = value.as_object_mut() {
-            obj.insert("model".into(), json!(r.model));
-            obj.insert("cluster".into(), json!(r.cluster.name));
-            obj.insert("seq".into(), json!(r.seq));
-            obj.insert("micro_batch".into(), json!(a.mbs));
             obj.insert("microbatches".into(), json!(r.microbatches));
             obj.insert("memory_budget_gib".into(), json!(r.budget / GIB));
             obj.insert("seconds".into(), json!(r.seconds));
@@ -281,4 +273,23 @@ pub fn pipeline(
     }
     outln!("{}", crate::render::pipeline(&r, a.mbs));
     Ok(())
+}
+
+/// `plan` as a JSON object with the model, cluster, sequence length and micro-batch size it
+/// was solved for.
+fn described(
+    plan: &impl serde::Serialize,
+    model: &str,
+    cluster: &str,
+    seq: u64,
+    micro_batch: u64,
+) -> Result<serde_json::Value, Failure> {
+    let mut value = serde_json::to_value(plan).map_err(|e| Failure::Failed(e.into()))?;
+    if let Some(obj) = value.as_object_mut() {
+        obj.insert("model".into(), json!(model));
+        obj.insert("cluster".into(), json!(cluster));
+        obj.insert("seq".into(), json!(seq));
+        obj.insert("micro_batch".into(), json!(micro_batch));
+    }
+    Ok(value)
 }
