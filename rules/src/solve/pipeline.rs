@@ -275,9 +275,27 @@ pub fn plan_pipeline_with(
     let mut cost = vec![f64::INFINITY; cells];
     let mut max_succ = vec![-1i64; cells];
     let mut entries = vec![Entry::NONE; cells];
-    for (s, logical) in configs.iter().enumerate() {
-        for c in 0..logical.len() {
+    // Every range on every mesh choice, one mesh choice per task.
+    let choices: Vec<(usize, usize)> = configs
+        .iter()
+        .enumerate()
+        .flat_map(|(s, logical)| (0..logical.len()).map(move |c| (s, c)))
+        .collect();
+    let priced: Vec<Vec<(usize, Entry)>> = choices
+        .par_iter()
+        .map(|&(s, c)| {
             let table = |l: usize| tables.get(&(s, c, classes[l]));
+            // Boundaries matched once per pair of neighbouring classes.
+            let mut links: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
+            for i in 1..layers {
+                if let (Some(prev), Some(next)) = (table(i - 1), table(i)) {
+                    let pair = (classes[i - 1], classes[i]);
+                    if let std::collections::hash_map::Entry::Vacant(slot) = links.entry(pair) {
+                        slot.insert(chain::link(prev, next).ok_or(ChainError::Mismatch(i - 1, i))?);
+                    }
+                }
+            }
+            let mut out = Vec::new();
             for k in 0..layers {
                 let Some(first) = table(k) else {
                     continue;
@@ -285,21 +303,25 @@ pub fn plan_pipeline_with(
                 let mut best = chain::start(first);
                 for i in k..layers {
                     if i > k {
-                        let (Some(prev), Some(next)) = (table(i - 1), table(i)) else {
+                        let (Some(link), Some(next)) =
+                            (links.get(&(classes[i - 1], classes[i])), table(i))
+                        else {
                             break;
                         };
-                        best = chain::extend(&best, prev, next)
-                            .ok_or(ChainError::Mismatch(i - 1, i))?;
+                        best = chain::extend_linked(&best, link, next);
                     }
-                    let e = chain::finish(&best);
                     let at = ((k * layers + i) * submeshes.len() + s) * width + c;
-                    entries[at] = e;
-                    if let Some(succ) = most_following(&e, opts, layers) {
-                        cost[at] = e.cost;
-                        max_succ[at] = succ;
-                    }
+                    out.push((at, chain::finish(&best)));
                 }
             }
+            Ok(out)
+        })
+        .collect::<Result<_, ChainError>>()?;
+    for (at, e) in priced.into_iter().flatten() {
+        entries[at] = e;
+        if let Some(succ) = most_following(&e, opts, layers) {
+            cost[at] = e.cost;
+            max_succ[at] = succ;
         }
     }
     let problem = StageProblem {

@@ -487,6 +487,12 @@ pub fn start(t: &LayerTable) -> Vec<Entry> {
 /// Best entry per state after `next`, given `best` per state after `prev`; `None` when
 /// the two tables do not meet on the same boundary.
 pub fn extend(best: &[Entry], prev: &LayerTable, next: &LayerTable) -> Option<Vec<Entry>> {
+    Some(extend_linked(best, &link(prev, next)?, next))
+}
+
+/// For each state after `prev`, its index among the states before `next`; `None` when the
+/// two tables do not meet on the same boundary.
+pub fn link(prev: &LayerTable, next: &LayerTable) -> Option<Vec<usize>> {
     if prev.after.len() != next.before.len() {
         return None;
     }
@@ -496,17 +502,23 @@ pub fn extend(best: &[Entry], prev: &LayerTable, next: &LayerTable) -> Option<Ve
         .enumerate()
         .map(|(i, s)| (s, i))
         .collect();
-    let mut step = vec![Entry::NONE; next.after.len()];
-    for (s, e) in prev.after.iter().zip(best) {
-        let b = *index.get(s)?;
+    prev.after.iter().map(|s| index.get(s).copied()).collect()
+}
+
+/// [`extend`] with the boundary matched once by [`link`].
+pub fn extend_linked(best: &[Entry], link: &[usize], next: &LayerTable) -> Vec<Entry> {
+    let width = next.after.len();
+    let mut step = vec![Entry::NONE; width];
+    for (&b, e) in link.iter().zip(best) {
         if !e.cost.is_finite() {
             continue;
         }
-        for (a, slot) in step.iter_mut().enumerate() {
-            *slot = slot.min(e.plus(next.entries[next.at(b, a)]));
+        let row = &next.entries[b * width..(b + 1) * width];
+        for (slot, n) in step.iter_mut().zip(row) {
+            *slot = slot.min(e.plus(*n));
         }
     }
-    Some(step)
+    step
 }
 
 /// The range's best entry (free after its last layer).
