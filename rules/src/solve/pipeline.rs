@@ -274,14 +274,15 @@ pub fn plan_pipeline_with(
     let cells = layers * layers * submeshes.len() * width;
     let mut cost = vec![f64::INFINITY; cells];
     let mut max_succ = vec![-1i64; cells];
-    let mut entries = vec![Entry::NONE; cells];
     // Every range on every mesh choice, one mesh choice per task.
     let choices: Vec<(usize, usize)> = configs
         .iter()
         .enumerate()
         .flat_map(|(s, logical)| (0..logical.len()).map(move |c| (s, c)))
         .collect();
-    let priced: Vec<Vec<(usize, Entry)>> = choices
+    // Per mesh choice, per range (k, i) row-major: the stage's cost and how many stages may
+    // follow it (what Alpa's tables hold; 16 bytes a range, the only per-range state kept).
+    let priced: Vec<Vec<(f64, i64)>> = choices
         .par_iter()
         .map(|&(s, c)| {
             let table = |l: usize| tables.get(&(s, c, classes[l]));
@@ -295,7 +296,7 @@ pub fn plan_pipeline_with(
                     }
                 }
             }
-            let mut out = Vec::new();
+            let mut out = vec![(f64::INFINITY, -1i64); layers * layers];
             for k in 0..layers {
                 let Some(first) = table(k) else {
                     continue;
@@ -310,17 +311,19 @@ pub fn plan_pipeline_with(
                         };
                         best = chain::extend_linked(&best, link, next);
                     }
-                    let at = ((k * layers + i) * submeshes.len() + s) * width + c;
-                    out.push((at, chain::finish(&best)));
+                    let e = chain::finish(&best);
+                    if let Some(succ) = most_following(&e, opts, layers) {
+                        out[k * layers + i] = (e.cost, succ);
+                    }
                 }
             }
             Ok(out)
         })
         .collect::<Result<_, ChainError>>()?;
-    for (at, e) in priced.into_iter().flatten() {
-        entries[at] = e;
-        if let Some(succ) = most_following(&e, opts, layers) {
-            cost[at] = e.cost;
+    for (&(s, c), ranges) in choices.iter().zip(priced) {
+        for (range, (t, succ)) in ranges.into_iter().enumerate() {
+            let at = (range * submeshes.len() + s) * width + c;
+            cost[at] = t;
             max_succ[at] = succ;
         }
     }
@@ -340,10 +343,20 @@ pub fn plan_pipeline_with(
         .iter()
         .enumerate()
         .map(|(j, st)| {
-            let at =
-                ((st.start * layers + st.end) * submeshes.len() + st.submesh) * width + st.config;
             let inflight = ((count - j) as u64).min(opts.microbatches.max(1));
-            PipelineStage {
+            // The chosen stage's range chained again for its memory.
+            let table = |l: usize| {
+                tables
+                    .get(&(st.submesh, st.config, classes[l]))
+                    .ok_or(ChainError::Mismatch(l, l))
+            };
+            let mut best = chain::start(table(st.start)?);
+            for i in st.start + 1..=st.end {
+                best = chain::extend(&best, table(i - 1)?, table(i)?)
+                    .ok_or(ChainError::Mismatch(i - 1, i))?;
+            }
+            let e = chain::finish(&best);
+            Ok(PipelineStage {
                 layers: [st.start, st.end + 1],
                 mesh: MeshChoice {
                     submesh: submeshes[st.submesh],
@@ -351,10 +364,10 @@ pub fn plan_pipeline_with(
                 },
                 cost: st.cost,
                 inflight,
-                memory: entries[at].memory_at(inflight, 1),
-            }
+                memory: e.memory_at(inflight, 1),
+            })
         })
-        .collect();
+        .collect::<Result<_, ChainError>>()?;
     Ok(PipelinePlan {
         step: plan.cost,
         stages,
