@@ -5,46 +5,14 @@
 //!
 //! `cargo run --release -p autopar-tests --bin autopar-bench-pipeline`
 
-use autopar_rules::canonical::Digest;
-use autopar_rules::cost::cluster::{Cluster, Device, preset};
+use autopar_engine::cache::Cache;
+use autopar_engine::pipeline::CachedTables;
+use autopar_rules::cost::cluster::{Cluster, preset};
 use autopar_rules::cost::memory::Precision;
-use autopar_rules::cost::sharding::Mesh;
-use autopar_rules::model::graph::Graph;
-use autopar_rules::solve::intra::chain::{ChainError, LayerTable, layer_table};
-use autopar_rules::solve::intra::stage::StageOptions;
-use autopar_rules::solve::pipeline::{PipelineOptions, TableSource, plan_pipeline_with, table_key};
+use autopar_rules::solve::pipeline::{PipelineOptions, plan_pipeline_with};
 use autopar_tests::sharding::lower;
-use std::collections::HashMap;
 use std::process::ExitCode;
-use std::sync::Mutex;
 use std::time::Instant;
-
-/// Tables kept in memory under their keys.
-#[derive(Default)]
-struct Memo(Mutex<HashMap<Digest, LayerTable>>);
-
-impl TableSource for Memo {
-    fn table(
-        &self,
-        graph: &Graph,
-        layer: usize,
-        identity: Digest,
-        mesh: Mesh,
-        device: &Device,
-        opts: StageOptions,
-    ) -> Result<LayerTable, ChainError> {
-        let key = table_key(identity, &mesh, device, &opts).key();
-        let known = self.0.lock().ok().and_then(|m| m.get(&key).cloned());
-        if let Some(t) = known {
-            return Ok(t);
-        }
-        let t = layer_table(graph, layer, mesh, device, opts)?;
-        if let Ok(mut m) = self.0.lock() {
-            m.insert(key, t.clone());
-        }
-        Ok(t)
-    }
-}
 
 fn peak_rss_mib() -> f64 {
     std::fs::read_to_string("/proc/self/status")
@@ -138,7 +106,9 @@ fn main() -> ExitCode {
             max_exact_entries: 4e6,
             powers_of_two: pow2,
         };
-        let memo = Memo::default();
+        // The engine's cached tables, in memory only: the second run finds every table.
+        let cache = Cache::in_memory();
+        let memo = CachedTables::new(&cache, name);
         let t = Instant::now();
         let cold = plan_pipeline_with(&graph, &cluster, opts, &memo);
         let cold_s = t.elapsed().as_secs_f64();
