@@ -6,7 +6,7 @@
 use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::graph::{Graph, LayerKind};
 use autopar_rules::solve::intra::stage::{
-    Phase, Reason, SolverChoice, StageModel, StageOptions, StagePlan,
+    MegatronSharding, Phase, Reason, SolverChoice, StageModel, StageOptions, StagePlan,
 };
 use autopar_tests::TempWorkspace;
 use autopar_tests::sharding::{cluster_for, lower, mesh, shipped_models};
@@ -144,7 +144,7 @@ fn one_node_gives_megatron_tensor_parallelism() {
         ("llama2-70b.json", 4096, "mlp.gate_up.weight"),
     ] {
         let g = lower(file, 1, Some(seq), 8);
-        let (m, _) = mesh(1, 8);
+        let (m, c) = mesh(1, 8);
         let plan = solve(&g, block(&g), &m, StageOptions::default());
         // Weights are (in, out): column-parallel splits out, row-parallel splits in, over the
         // 8 GPUs of the node (mesh axis 1).
@@ -156,23 +156,30 @@ fn one_node_gives_megatron_tensor_parallelism() {
         ] {
             assert_eq!(param(&plan, suffix).weight, spec, "{file} {suffix}");
         }
-        // Exactly Megatron's collectives per micro-batch: one all-reduce after attention and
-        // one after the MLP, forward and backward, and nothing else.
+        // Megatron-LM's partial sums, reduced into sequence shards (its sequence
+        // parallelism): after attention and after the MLP, forward and backward, all over
+        // the node's axis.
         assert_eq!(plan.count(Reason::PartialSum, Phase::Forward), 2, "{file}");
         assert_eq!(plan.count(Reason::PartialSum, Phase::Backward), 2, "{file}");
-        let per_microbatch: Vec<_> = plan
-            .collectives
-            .iter()
-            .filter(|c| c.phase != Phase::Step)
-            .collect();
-        assert_eq!(per_microbatch.len(), 4, "{file}: {per_microbatch:?}");
-        assert!(
-            per_microbatch.iter().all(|c| c.kind
-                == autopar_rules::cost::analytic::Collective::AllReduce
-                && c.axis == 1),
-            "{file}: {per_microbatch:?}"
-        );
-        assert_eq!(plan.per_microbatch.resharding, 0.0, "{file}");
+        assert!(plan.collectives.iter().all(|c| c.axis == 1), "{file}");
+        // Megatron-LM's layout, with and without sequence parallelism, is a point of the
+        // space: the optimum is never worse.
+        let model = StageModel::build(&g, block(&g), m, &c.device, StageOptions::default())
+            .unwrap_or_else(|e| panic!("{e}"));
+        for sp in [false, true] {
+            let pinned = model
+                .megatron_plan(MegatronSharding {
+                    sp,
+                    distributed_optimizer: false,
+                })
+                .unwrap_or_else(|e| panic!("{file} sp {sp}: {e}"));
+            assert!(
+                plan.objective <= pinned.objective * (1.0 + 1e-12),
+                "{file} sp {sp}: {} > {}",
+                plan.objective,
+                pinned.objective
+            );
+        }
     }
 }
 
@@ -247,9 +254,14 @@ fn a_tight_budget_shards_optimizer_states_then_weights() {
     for plan in [&exact, &ilp] {
         assert!(plan.memory.total <= tight * (1.0 + 1e-9));
         assert!(plan.objective > free.objective);
+        assert!(plan.memory.weights < free.memory.weights);
         for (name, weight, states) in matrices(plan) {
-            assert!(weight.contains("S0"), "{name}: weight {weight}");
             assert!(states.contains("S0"), "{name}: states {states}");
+            // The large matrices at least; the attention projection (a quarter of the MLP's)
+            // may stay whole when gathering it costs more than what sharding it saves.
+            if !name.ends_with("attention.proj.weight") {
+                assert!(weight.contains("S0"), "{name}: weight {weight}");
+            }
         }
     }
     assert!(close(exact.objective, ilp.objective));

@@ -143,6 +143,35 @@ pub fn kernel_time(
     compute.max(memory) + device.kernel_overhead
 }
 
+/// What accumulating a fresh weight gradient of `elements` elements (`fresh` bytes each)
+/// into a gradient buffer of `buffer` bytes per element costs: when the product `fused`s it
+/// (Megatron-LM's `--gradient-accumulation-fusion`, matrix products only) the extra traffic
+/// of reading and writing the buffer instead of writing the fresh gradient, bytes, and no
+/// separate kernel; otherwise no extra traffic and the time of the separate add kernel.
+pub fn gradient_accumulation(
+    elements: f64,
+    fresh: f64,
+    buffer: f64,
+    fused: bool,
+    device: &Device,
+    dtype: DType,
+) -> (f64, f64) {
+    let read_write = 2.0 * buffer;
+    if fused {
+        (elements * (read_write - fresh), 0.0)
+    } else {
+        let add = kernel_time(
+            OpKind::Add,
+            elements,
+            elements * (fresh + read_write),
+            device,
+            dtype,
+            None,
+        );
+        (0.0, add)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

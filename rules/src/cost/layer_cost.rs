@@ -3,7 +3,9 @@
 //! recomputation mode, parameters held.
 
 use crate::canonical::KeyParts;
-use crate::cost::analytic::{Collective, collective_time, kernel_time, op_traffic};
+use crate::cost::analytic::{
+    Collective, collective_time, gradient_accumulation, kernel_time, op_traffic,
+};
 use crate::cost::cluster::{Device, Link};
 use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, ProfileRead};
 use crate::cost::tensor_parallel::{
@@ -268,22 +270,16 @@ impl<'g> LayerCostContext<'g> {
             if tensor.kind != TensorKind::WeightGradient {
                 continue;
             }
-            let elements = stored_elements(g, t, tp);
-            let fresh = tensor.dtype.bytes() as f64;
-            let buffer = 2.0 * kernels.grad_buffer_bytes;
-            if kernels.grad_accumulation_fusion && op.kind.is_matmul() {
-                // The product reads and writes the buffer instead of writing a fresh gradient.
-                bytes += elements * (buffer - fresh);
-            } else {
-                accumulate += kernel_time(
-                    OpKind::Add,
-                    elements,
-                    elements * (fresh + buffer),
-                    p.device,
-                    dtype,
-                    None,
-                );
-            }
+            let (traffic, separate) = gradient_accumulation(
+                stored_elements(g, t, tp),
+                tensor.dtype.bytes() as f64,
+                kernels.grad_buffer_bytes,
+                kernels.grad_accumulation_fusion && op.kind.is_matmul(),
+                p.device,
+                dtype,
+            );
+            bytes += traffic;
+            accumulate += separate;
         }
         let flops = op_device_flops(g, op, tp);
         let kernel = kernel_time(
@@ -368,9 +364,13 @@ impl<'g> LayerCostContext<'g> {
                 match coll.phase {
                     Phase::Forward => c.fwd_comm += ct,
                     Phase::Backward => c.bwd_comm += ct,
-                    // Overlapped with the input-gradient product, which costs about what the
-                    // forward product did.
-                    Phase::BackwardOverlapped => c.bwd_comm += (ct - t).max(0.0),
+                    // Issued ahead of the input-gradient product and overlapped with it; that
+                    // product costs about what the weight-gradient product does (the same
+                    // FLOPs), which is what the intra-op model charges against too.
+                    Phase::BackwardOverlapped => {
+                        let hidden = self.weight_gradient_time(li, o, p).unwrap_or(t);
+                        c.bwd_comm += (ct - hidden).max(0.0)
+                    }
                 }
             }
         }
@@ -401,6 +401,21 @@ impl<'g> LayerCostContext<'g> {
             .sum();
         c.borrowed_params = self.borrowed(li, tp);
         (c, reads)
+    }
+
+    /// Time of the weight-gradient product of forward op `o` of layer `li`, if it has one.
+    fn weight_gradient_time(&self, li: usize, o: OpId, p: &Pricing<'_>) -> Option<f64> {
+        let g = self.g;
+        let wgrad = g.layers[li].backward.iter().copied().find(|&b| {
+            let op = g.op(b);
+            op.grad_of == Some(o)
+                && op
+                    .outputs
+                    .iter()
+                    .any(|&t| g.tensor(t).kind == TensorKind::WeightGradient)
+        })?;
+        // Its profile reads are recorded where the backward pass is priced.
+        Some(self.op_time(wgrad, p, &mut Vec::new()))
     }
 
     /// The cost of layer `li`.

@@ -68,7 +68,7 @@ pub fn op_is_model_parallel(g: &Graph, op: &Op) -> bool {
 /// A model-split tensor is divided everywhere. A sequence-split tensor is divided under SP,
 /// except in an op that also touches model-split tensors: there it is consumed after an
 /// all-gather or produced before a reduce-scatter, i.e. whole.
-fn divided_axis_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> Option<usize> {
+pub fn divided_axis_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> Option<usize> {
     match g.tensor(t).split {
         Split::Model(axis) => Some(axis as usize),
         Split::Sequence(axis) if cfg.sp && !op_is_model_parallel(g, op) => Some(axis as usize),

@@ -164,6 +164,7 @@ pub fn table_key(identity: Digest, mesh: &Mesh, device: &Device, opts: &StageOpt
                 opts.memory_budget,
                 opts.precision,
                 opts.max_exact_entries,
+                opts.grad_accumulation_fusion,
             ),
         )
 }

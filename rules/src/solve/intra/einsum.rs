@@ -19,8 +19,13 @@ pub enum DimKind {
     Parallel,
     /// Summed over.
     Reduce,
-    /// Normalised over: splitting costs an all-reduce of this many bytes per row.
-    Stats(f64),
+    /// Normalised over: splitting costs `reductions` all-reduces of `bytes` per row each.
+    Stats {
+        /// All-reduces, one after the other.
+        reductions: u8,
+        /// Bytes per row of each.
+        bytes: f64,
+    },
     /// Never split.
     Fixed,
 }
@@ -335,7 +340,10 @@ pub fn einsum(g: &Graph, op: &Op) -> Option<Einsum> {
             let r = xs.len();
             let rank = r;
             let mut dims: Vec<usize> = (0..r - 1).map(|_| b.dim(DimKind::Parallel)).collect();
-            dims.push(b.dim(DimKind::Stats(8.0)));
+            dims.push(b.dim(DimKind::Stats {
+                reductions: 1,
+                bytes: 8.0,
+            }));
             let map = |t: TensorId| -> Option<Vec<Option<usize>>> {
                 let s = shape(g, t);
                 if s.len() == r {
@@ -372,7 +380,12 @@ pub fn einsum(g: &Graph, op: &Op) -> Option<Einsum> {
                 return None;
             }
             let tokens: Vec<usize> = lab.iter().map(|_| b.dim(DimKind::Reduce)).collect();
-            let v = b.dim(DimKind::Stats(12.0));
+            // Megatron-LM's vocabulary-parallel cross-entropy all-reduces the maximum logit, the
+            // target logit and the sum of exponentials per token, in fp32, one after the other.
+            let v = b.dim(DimKind::Stats {
+                reductions: 3,
+                bytes: 4.0,
+            });
             let loss_rank = shape(g, op.outputs[0]).len();
             Some(finish(Raw {
                 dims: b.dims,
@@ -535,12 +548,23 @@ pub fn einsum(g: &Graph, op: &Op) -> Option<Einsum> {
             let r = ys.len();
             let dims: Vec<usize> = (0..r)
                 .map(|i| match stats_last {
-                    Some(c) if i + 1 == r => b.dim(DimKind::Stats(c)),
+                    Some(c) if i + 1 == r => b.dim(DimKind::Stats {
+                        reductions: 1,
+                        bytes: c,
+                    }),
                     _ => b.dim(DimKind::Parallel),
                 })
                 .collect();
+            // The loss's backward reads the labels, one per token: the leading axes.
+            let per_token = |t: TensorId| -> Option<Vec<Option<usize>>> {
+                let s = shape(g, t);
+                (op.kind == OpKind::CrossEntropy && s.len() + 1 == r && s == &ys[..r - 1])
+                    .then(|| dims[..r - 1].iter().map(|&d| Some(d)).collect())
+            };
             let map = |t: TensorId| -> Vec<Option<usize>> {
-                aligned(g, t, &ys, &dims).unwrap_or_else(|| vec![None; shape(g, t).len()])
+                aligned(g, t, &ys, &dims)
+                    .or_else(|| per_token(t))
+                    .unwrap_or_else(|| vec![None; shape(g, t).len()])
             };
             Some(finish(Raw {
                 inputs: op.inputs.iter().map(|&t| map(t)).collect(),

@@ -18,10 +18,16 @@
 //! activations saved for backward (times the micro-batches in flight), gradient buffers (kept
 //! in the layout the weight gradient is produced in), working weights and optimizer states.
 
+mod megatron;
+
+pub use megatron::{MegatronSharding, PinError};
+
 use super::einsum::{DimKind, Einsum, einsum};
 use super::problem::{Assignment, Edge, Problem, Var};
 use super::{exact, ilp};
-use crate::cost::analytic::{Collective, GemmShape, kernel_time, op_traffic};
+use crate::cost::analytic::{
+    Collective, GemmShape, gradient_accumulation, kernel_time, op_traffic,
+};
 use crate::cost::cluster::{Device, GIB};
 use crate::cost::memory::Precision;
 use crate::cost::sharding::{
@@ -29,7 +35,7 @@ use crate::cost::sharding::{
 };
 use crate::model::graph::{Graph, OpId, OpKind, Pass, TensorId, TensorKind};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::time::Instant;
 
@@ -65,6 +71,10 @@ pub struct StageOptions {
     pub time_limit: f64,
     /// Largest factor the exact solver may build before the ILP takes over.
     pub max_exact_entries: f64,
+    /// Weight-gradient products accumulate into the gradient buffer themselves
+    /// (Megatron-LM's `--gradient-accumulation-fusion`); otherwise a separate kernel adds
+    /// each fresh weight gradient to it.
+    pub grad_accumulation_fusion: bool,
 }
 
 impl Default for StageOptions {
@@ -77,6 +87,7 @@ impl Default for StageOptions {
             solver: SolverChoice::Auto,
             time_limit: 60.0,
             max_exact_entries: 4e6,
+            grad_accumulation_fusion: true,
         }
     }
 }
@@ -295,8 +306,10 @@ struct Realized {
     inputs: Vec<Spec>,
     /// Specs of the outputs (complete after reduction), then of implicit saved tensors.
     outputs: Vec<Spec>,
-    /// Per output: mesh axes it is a partial sum over (weight gradients only; activations
-    /// are reduced by the op).
+    /// Per output: mesh axes it is still a partial sum over. Weight gradients are reduced
+    /// once per step, activations whose reduction can wait for their consumer on the way
+    /// in (an all-reduce, or a reduce-scatter when the consumer wants them split, as
+    /// sequence parallelism does); any other activation is all-reduced by the op.
     partial: Vec<u8>,
     compute: f64,
     comm: Vec<(Step, Reason, TensorId)>,
@@ -329,6 +342,10 @@ enum Producer {
     /// Output (or implicit saved tensor) `j` of node `n`.
     Op(usize, usize),
     Source(usize),
+    /// The copy node `n` read as its operand `i`: a weight-gradient product reads the output
+    /// gradient the input-gradient product of the same op already resharded (Megatron-LM
+    /// gathers it once for both).
+    Read(usize, usize),
 }
 
 struct Flow {
@@ -366,6 +383,10 @@ pub struct StageModel<'g> {
     var_sizes: Vec<usize>,
     /// Where each tensor made inside the range comes from: (node, output index).
     produced: HashMap<TensorId, (usize, usize)>,
+    /// Activations and gradients whose partial sums are reduced on the way into their
+    /// consumer: one consumer, in the producer's layer, and never saved for the backward
+    /// pass.
+    deferred: HashSet<TensorId>,
     problem: Problem,
 }
 
@@ -453,6 +474,7 @@ impl<'g> StageModel<'g> {
             syncs: Vec::new(),
             var_sizes: Vec::new(),
             produced: HashMap::new(),
+            deferred: deferred_reductions(graph, &ops),
             problem: Problem {
                 vars: Vec::new(),
                 edges: Vec::new(),
@@ -489,6 +511,14 @@ impl<'g> StageModel<'g> {
                 .first()
                 .and_then(|t| produced.get(t))
                 .filter(|&&(p, _)| layer_of.get(&ops[p]) == layer_of.get(&o))
+                // An operand that may arrive as a partial sum is reduced into the spec its
+                // consumer chooses, so the consumer chooses.
+                .filter(|&&(p, j)| {
+                    !model.nodes[p]
+                        .realized
+                        .iter()
+                        .any(|r| r.partial.get(j).is_some_and(|&m| m != 0))
+                })
                 .filter(|_| is_follower_kind(op.kind) && e.is_some());
             let (var, leader, realized) = match (leader, &e) {
                 (Some(&(p, j)), Some(e)) => {
@@ -509,7 +539,14 @@ impl<'g> StageModel<'g> {
                     };
                     let realized: Vec<Realized> = assigns
                         .iter()
-                        .map(|a| model.realize(n, o, &saver, e.as_ref(), a))
+                        .flat_map(|a| {
+                            model.scattered(
+                                o,
+                                &saver,
+                                n,
+                                model.realize(n, o, &saver, e.as_ref(), a),
+                            )
+                        })
                         .collect();
                     let var = model.var_sizes.len();
                     model.var_sizes.push(realized.len());
@@ -543,9 +580,17 @@ impl<'g> StageModel<'g> {
                         input: i,
                     });
                 } else if let Some(&(p, j)) = produced.get(&t) {
+                    let from = model.sibling_read(n, o, t).unwrap_or(Producer::Op(p, j));
                     model.flows.push(Flow {
                         tensor: t,
-                        from: Producer::Op(p, j),
+                        from,
+                        to: n,
+                        input: i,
+                    });
+                } else if let Some(from) = model.sibling_read(n, o, t) {
+                    model.flows.push(Flow {
+                        tensor: t,
+                        from,
                         to: n,
                         input: i,
                     });
@@ -808,17 +853,38 @@ impl<'g> StageModel<'g> {
                 n: local.last().copied().unwrap_or(1) as f64,
             }
         });
+        // Weight gradients accumulate into the gradient buffer over the micro-batches.
+        let (mut traffic, mut accumulate) = (op_traffic(op, tile_bytes), 0.0);
+        for (&t, spec) in op.outputs.iter().zip(&outputs) {
+            let tensor = g.tensor(t);
+            if tensor.kind == TensorKind::WeightGradient {
+                let (extra, separate) = gradient_accumulation(
+                    tensor.elements() as f64 / spec.tiles(mesh) as f64,
+                    tensor.dtype.bytes() as f64,
+                    self.opts.precision.state_bytes().1,
+                    self.opts.grad_accumulation_fusion && op.kind.is_matmul(),
+                    &self.device,
+                    self.opts.precision.dtype(),
+                );
+                traffic += extra;
+                accumulate += separate;
+            }
+        }
         let compute = kernel_time(
             op.kind,
             op.flops / parts as f64,
-            op_traffic(op, tile_bytes),
+            traffic,
             &self.device,
             self.opts.precision.dtype(),
             gemm,
-        );
+        ) + accumulate;
         let mut comm = Vec::new();
+        let mut partial = partial;
         for (j, &t) in op.outputs.iter().enumerate() {
-            if partial[j] != 0 && g.tensor(t).kind != TensorKind::WeightGradient {
+            if partial[j] != 0
+                && g.tensor(t).kind != TensorKind::WeightGradient
+                && !self.deferred.contains(&t)
+            {
                 let tile = tile_bytes(t);
                 for a in 0..2 {
                     if partial[j] & (1 << a) != 0 {
@@ -829,11 +895,12 @@ impl<'g> StageModel<'g> {
                         ));
                     }
                 }
+                partial[j] = 0;
             }
         }
         if let Some(e) = e {
             for (d, kind) in e.dims.iter().enumerate() {
-                let DimKind::Stats(per_row) = *kind else {
+                let DimKind::Stats { reductions, bytes } = *kind else {
                     continue;
                 };
                 let Some(axis) = e.inputs[0].iter().position(|&x| x == Some(d)) else {
@@ -844,11 +911,13 @@ impl<'g> StageModel<'g> {
                 let rows = local.iter().product::<u64>() as f64 / local[axis].max(1) as f64;
                 for (a, on) in assign.iter().enumerate() {
                     if *on == Some(d) {
-                        comm.push((
-                            Step::on(Collective::AllReduce, a, rows * per_row, mesh),
-                            Reason::Statistics,
-                            x,
-                        ));
+                        for _ in 0..reductions {
+                            comm.push((
+                                Step::on(Collective::AllReduce, a, rows * bytes, mesh),
+                                Reason::Statistics,
+                                x,
+                            ));
+                        }
                     }
                 }
             }
@@ -877,6 +946,48 @@ impl<'g> StageModel<'g> {
             activations,
             gradients,
         }
+    }
+
+    /// `r`, and each way of reducing one of its all-reduced partial sums with a
+    /// reduce-scatter instead, leaving the result split over that mesh axis along one of its
+    /// dimensions (as Megatron-LM's sequence parallelism does with the vocabulary-parallel
+    /// embedding's output). Results the op saves stay as they are.
+    fn scattered(
+        &self,
+        o: OpId,
+        saver: &HashMap<TensorId, usize>,
+        n: usize,
+        r: Realized,
+    ) -> Vec<Realized> {
+        let g = self.graph;
+        let op = g.op(o);
+        let mut out = Vec::new();
+        for (k, (step, reason, t)) in r.comm.iter().enumerate() {
+            if *reason != Reason::PartialSum || saver.get(t) == Some(&n) {
+                continue;
+            }
+            let Some(j) = op.outputs.iter().position(|u| u == t) else {
+                continue;
+            };
+            let shape = &g.tensor(*t).shape;
+            for i in 0..shape.len() {
+                let mut spec = r.outputs[j].clone();
+                spec.0[i] = AxisSplit::from_axes(spec.0[i].axes() | (1 << step.axis));
+                if !spec.valid_for(shape, &self.mesh) {
+                    continue;
+                }
+                let mut v = r.clone();
+                v.outputs[j] = spec;
+                v.comm[k] = (
+                    Step::on(Collective::ReduceScatter, step.axis, step.bytes, &self.mesh),
+                    Reason::PartialSum,
+                    *t,
+                );
+                out.push(v);
+            }
+        }
+        out.insert(0, r);
+        out
     }
 
     /// Sums every term into variable costs and edge tables.
@@ -926,7 +1037,9 @@ impl<'g> StageModel<'g> {
         for f in &self.flows {
             let v = self.nodes[f.to].var;
             let u = self.producer_var(f.from);
-            pairwise(u, v, &|cu, cv| steps_time(&self.flow_steps(f, cu, cv)));
+            pairwise(u, v, &|cu, cv| {
+                self.flow_time(f, &self.flow_steps(f, cu, cv), cv)
+            });
         }
         for w in &self.uses {
             let (u, v) = (self.params[w.param].var, self.nodes[w.to].var);
@@ -1082,10 +1195,22 @@ impl<'g> StageModel<'g> {
                 choice[self.nodes[f.to].var],
             );
             let phase = phase_of(f.to);
-            let t = steps_time(&steps);
+            let t = self.flow_time(f, &steps, choice[self.nodes[f.to].var]);
             add(&mut plan, phase, t);
-            plan.per_microbatch.resharding += t;
-            record(&mut plan, &steps, f.tensor, Reason::Reshard, phase);
+            let reduced = match f.from {
+                Producer::Op(n, j) => self.nodes[n].realized[choice[self.nodes[n].var]]
+                    .partial
+                    .get(j)
+                    .is_some_and(|&m| m != 0),
+                Producer::Source(_) | Producer::Read(..) => false,
+            };
+            if reduced {
+                plan.per_microbatch.communication += t;
+                record(&mut plan, &steps, f.tensor, Reason::PartialSum, phase);
+            } else {
+                plan.per_microbatch.resharding += t;
+                record(&mut plan, &steps, f.tensor, Reason::Reshard, phase);
+            }
         }
         for w in &self.uses {
             let p = &self.params[w.param];
@@ -1141,7 +1266,7 @@ impl<'g> StageModel<'g> {
 
     fn producer_var(&self, p: Producer) -> usize {
         match p {
-            Producer::Op(n, _) => self.nodes[n].var,
+            Producer::Op(n, _) | Producer::Read(n, _) => self.nodes[n].var,
             Producer::Source(s) => self.sources[s].var,
         }
     }
@@ -1150,14 +1275,71 @@ impl<'g> StageModel<'g> {
         match p {
             Producer::Op(n, j) => &self.nodes[n].realized[c].outputs[j],
             Producer::Source(s) => &self.sources[s].specs[c],
+            Producer::Read(n, i) => &self.nodes[n].realized[c].inputs[i],
         }
     }
 
+    /// Node `n` (op `o`) reads `t`: when `o` is a weight-gradient product and the
+    /// input-gradient product of the same forward op read `t` before it, that copy.
+    fn sibling_read(&self, n: usize, o: OpId, t: TensorId) -> Option<Producer> {
+        let g = self.graph;
+        let op = g.op(o);
+        let fwd = op.grad_of?;
+        let makes_weight_gradient = |op: &crate::model::graph::Op| {
+            op.outputs
+                .iter()
+                .any(|&u| g.tensor(u).kind == TensorKind::WeightGradient)
+        };
+        if !makes_weight_gradient(op) {
+            return None;
+        }
+        (0..n).rev().find_map(|m| {
+            let other = g.op(self.nodes[m].op);
+            if other.grad_of != Some(fwd) || makes_weight_gradient(other) {
+                return None;
+            }
+            let i = other.inputs.iter().position(|&u| u == t)?;
+            Some(Producer::Read(m, i))
+        })
+    }
+
+    /// The collectives that bring a flow's tensor from its producer into its consumer's spec.
     fn flow_steps(&self, f: &Flow, cu: usize, cv: usize) -> Vec<Step> {
-        let bytes = self.graph.tensor(f.tensor).bytes() as f64;
+        let tensor = self.graph.tensor(f.tensor);
+        let bytes = tensor.bytes() as f64;
         let from = self.producer_spec(f.from, cu);
         let to = &self.nodes[f.to].realized[cv].inputs[f.input];
-        reshard_steps(bytes, from, to, &self.mesh)
+        match f.from {
+            Producer::Op(n, j) => match self.nodes[n].realized[cu].partial.get(j) {
+                Some(&partial) if partial != 0 => {
+                    reduce_steps(bytes, partial, from, to, &tensor.shape, &self.mesh)
+                }
+                _ => reshard_steps(bytes, from, to, &self.mesh),
+            },
+            Producer::Source(_) | Producer::Read(..) => reshard_steps(bytes, from, to, &self.mesh),
+        }
+    }
+
+    /// What a flow's collectives cost on the critical path: all of them, except that the
+    /// gather of a saved activation into a weight-gradient product is issued ahead and runs
+    /// while the input-gradient product of the same op computes (Megatron-LM does so under
+    /// sequence parallelism, Korthikanti et al. 2022 §4.2.2); that product costs what the
+    /// weight-gradient product does (the same FLOPs), so only the excess is exposed.
+    fn flow_time(&self, f: &Flow, steps: &[Step], cv: usize) -> f64 {
+        let t = steps_time(steps);
+        let g = self.graph;
+        let consumer = g.op(self.nodes[f.to].op);
+        let saved = g.tensor(f.tensor).kind == TensorKind::Activation;
+        let weight_gradient = consumer.grad_of.is_some()
+            && consumer
+                .outputs
+                .iter()
+                .any(|&u| g.tensor(u).kind == TensorKind::WeightGradient);
+        if saved && weight_gradient && matches!(f.from, Producer::Op(..)) {
+            (t - self.nodes[f.to].realized[cv].compute).max(0.0)
+        } else {
+            t
+        }
     }
 
     fn use_steps(&self, w: &WeightUse, cu: usize, cv: usize) -> Vec<Step> {
@@ -1204,6 +1386,46 @@ impl<'g> StageModel<'g> {
             },
         )
     }
+}
+
+/// The activations and gradients made by `ops` whose partial sums can be reduced on the way
+/// into their consumer: read by at most one op of the graph, in the producer's layer, and
+/// saved by none (what is saved or read twice is reduced once, by its producer).
+fn deferred_reductions(g: &Graph, ops: &[OpId]) -> HashSet<TensorId> {
+    let made: HashMap<TensorId, OpId> = ops
+        .iter()
+        .flat_map(|&o| g.op(o).outputs.iter().map(move |&t| (t, o)))
+        .filter(|(t, _)| {
+            matches!(
+                g.tensor(*t).kind,
+                TensorKind::Activation | TensorKind::Gradient
+            )
+        })
+        .collect();
+    let mut readers: HashMap<TensorId, Vec<OpId>> = HashMap::new();
+    let mut saved: HashSet<TensorId> = HashSet::new();
+    for o in 0..g.ops.len() {
+        let op = g.op(OpId(o as u32));
+        for &t in &op.inputs {
+            if made.contains_key(&t) {
+                readers.entry(t).or_default().push(OpId(o as u32));
+            }
+        }
+        saved.extend(op.saves.iter().copied());
+    }
+    // What no op reads (the loss) is never reduced: the backward pass starts from each
+    // rank's part of it.
+    made.into_iter()
+        .filter(|(t, producer)| {
+            !saved.contains(t)
+                && match readers.get(t).map(Vec::as_slice) {
+                    None | Some([]) => true,
+                    Some([reader]) => g.op(*reader).layer == g.op(*producer).layer,
+                    Some(_) => false,
+                }
+        })
+        .map(|(t, _)| t)
+        .collect()
 }
 
 /// Tensors op `o` saves that are neither operands nor results (dropout masks, statistics).

@@ -1,0 +1,120 @@
+//! One cost model (issue 19, item 4): a Megatron-LM layout priced by the layer-cost model the
+//! layout search uses agrees with the intra-op problem pinned to Megatron-LM's specs, layer by
+//! layer (embedding, blocks, head), forward and backward, with and without sequence
+//! parallelism, over tensor- and data-parallel meshes.
+
+use autopar_rules::cost::layer_cost::{KernelOptions, LayerCostContext, Pricing};
+use autopar_rules::cost::tensor_parallel::TpConfig;
+use autopar_rules::solve::intra::stage::{MegatronSharding, StageModel, StageOptions};
+use autopar_tests::sharding::{lower, mesh};
+
+/// Worst relative difference allowed.
+const TOLERANCE: f64 = 0.01;
+
+#[test]
+fn pinned_layers_agree_with_the_layer_costs() {
+    let opts = StageOptions::default();
+    let kernels = KernelOptions {
+        dtype: opts.precision.dtype(),
+        grad_buffer_bytes: opts.precision.state_bytes().1,
+        grad_accumulation_fusion: opts.grad_accumulation_fusion,
+    };
+    // (model, tensor-parallel degrees its heads divide).
+    let models = [
+        ("llama2-7b.json", vec![1u64, 2, 4, 8]),
+        ("gpt2-small.json", vec![1, 2, 4]),
+    ];
+    let mut worst = (0.0f64, String::new());
+    let mut compared = 0;
+    for (file, tps) in models {
+        for &tp in &tps {
+            for dp in [1u64, 2] {
+                if dp * tp > 8 {
+                    continue;
+                }
+                // Megatron-LM's micro-batch is per data-parallel rank; the mesh's is the
+                // micro-batch of the whole data-parallel group.
+                let per_rank = lower(file, 1, Some(2048), tp);
+                let group = lower(file, dp, Some(2048), tp);
+                let (m, c) = mesh(dp, tp);
+                let last = per_rank.layers.len() - 1;
+                for sp in [false, true] {
+                    if sp && tp == 1 {
+                        continue;
+                    }
+                    let pricing = Pricing {
+                        tp: TpConfig { t: tp, sp },
+                        device: &c.device,
+                        kernels: &kernels,
+                        tp_link: m.links[1],
+                        profile: None,
+                    };
+                    let ctx = LayerCostContext::new(&per_rank);
+                    for li in [0, 1, last - 1, last] {
+                        let case = format!("{file} dp {dp} tp {tp} sp {sp} layer {li}");
+                        let lc = ctx.cost(li, &pricing);
+                        let model = StageModel::build(&group, li..li + 1, m, &c.device, opts)
+                            .unwrap_or_else(|e| panic!("{case}: {e}"));
+                        let pinned = model
+                            .megatron_plan(MegatronSharding {
+                                sp,
+                                distributed_optimizer: false,
+                            })
+                            .unwrap_or_else(|e| panic!("{case}: {e}"));
+                        let forward = lc.fwd_compute + lc.fwd_comm;
+                        let backward = lc.bwd_compute + lc.bwd_comm;
+                        for (what, ilp, megatron) in [
+                            ("forward", pinned.forward, forward),
+                            ("backward", pinned.backward, backward),
+                        ] {
+                            let rel = (ilp - megatron).abs() / megatron;
+                            if rel >= worst.0 {
+                                worst = (
+                                    rel,
+                                    format!(
+                                        "{case} {what}: pinned ILP {:.4} ms, Megatron estimate {:.4} ms",
+                                        ilp * 1e3,
+                                        megatron * 1e3
+                                    ),
+                                );
+                            }
+                        }
+                        compared += 1;
+                    }
+                }
+            }
+        }
+    }
+    println!(
+        "{compared} layers compared; worst difference {:.3}%: {}",
+        worst.0 * 100.0,
+        worst.1
+    );
+    assert!(
+        worst.0 < TOLERANCE,
+        "worst difference {:.3}%: {}",
+        worst.0 * 100.0,
+        worst.1
+    );
+}
+
+#[test]
+fn a_mesh_megatron_cannot_use_is_named() {
+    // GPT-2's 12 heads do not split 8 ways: no strategy reads Megatron-LM's head split.
+    let g = lower("gpt2-small.json", 1, Some(128), 8);
+    let (m, c) = mesh(1, 8);
+    let model = StageModel::build(&g, 1..2, m, &c.device, StageOptions::default())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let err = model
+        .megatron_plan(MegatronSharding {
+            sp: false,
+            distributed_optimizer: false,
+        })
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("has no strategy with Megatron-LM's specs"),
+        "{err}"
+    );
+}
