@@ -579,36 +579,27 @@ impl<'g> StageModel<'g> {
                         to: n,
                         input: i,
                     });
-                } else if let Some(&(p, j)) = produced.get(&t) {
-                    let from = model.sibling_read(n, o, t).unwrap_or(Producer::Op(p, j));
-                    model.flows.push(Flow {
-                        tensor: t,
-                        from,
-                        to: n,
-                        input: i,
-                    });
-                } else if let Some(from) = model.sibling_read(n, o, t) {
-                    model.flows.push(Flow {
-                        tensor: t,
-                        from,
-                        to: n,
-                        input: i,
-                    });
                 } else {
-                    let s = *source_of.entry(t).or_insert_with(|| {
-                        let var = model.var_sizes.len();
-                        let specs = valid_specs(&tensor.shape, &mesh);
-                        model.var_sizes.push(specs.len());
-                        model.sources.push(SourceNode {
-                            tensor: t,
-                            var,
-                            specs,
-                        });
-                        model.sources.len() - 1
-                    });
+                    let from = match (model.sibling_read(n, o, t), produced.get(&t)) {
+                        (Some(copy), _) => copy,
+                        (None, Some(&(p, j))) => Producer::Op(p, j),
+                        (None, None) => {
+                            Producer::Source(*source_of.entry(t).or_insert_with(|| {
+                                let var = model.var_sizes.len();
+                                let specs = valid_specs(&tensor.shape, &mesh);
+                                model.var_sizes.push(specs.len());
+                                model.sources.push(SourceNode {
+                                    tensor: t,
+                                    var,
+                                    specs,
+                                });
+                                model.sources.len() - 1
+                            }))
+                        }
+                    };
                     model.flows.push(Flow {
                         tensor: t,
-                        from: Producer::Source(s),
+                        from,
                         to: n,
                         input: i,
                     });
