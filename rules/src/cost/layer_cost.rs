@@ -406,14 +406,11 @@ impl<'g> LayerCostContext<'g> {
     /// Time of the weight-gradient product of forward op `o` of layer `li`, if it has one.
     fn weight_gradient_time(&self, li: usize, o: OpId, p: &Pricing<'_>) -> Option<f64> {
         let g = self.g;
-        let wgrad = g.layers[li].backward.iter().copied().find(|&b| {
-            let op = g.op(b);
-            op.grad_of == Some(o)
-                && op
-                    .outputs
-                    .iter()
-                    .any(|&t| g.tensor(t).kind == TensorKind::WeightGradient)
-        })?;
+        let wgrad = g.layers[li]
+            .backward
+            .iter()
+            .copied()
+            .find(|&b| g.op(b).grad_of == Some(o) && g.makes_weight_gradient(b))?;
         // Its profile reads are recorded where the backward pass is priced.
         Some(self.op_time(wgrad, p, &mut Vec::new()))
     }

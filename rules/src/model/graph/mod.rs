@@ -301,6 +301,15 @@ impl Graph {
         &self.ops[id.0 as usize]
     }
 
+    /// Whether op `id` makes a weight gradient (a weight-gradient product, a norm's or a
+    /// bias's backward).
+    pub fn makes_weight_gradient(&self, id: OpId) -> bool {
+        self.op(id)
+            .outputs
+            .iter()
+            .any(|&t| self.tensor(t).kind == TensorKind::WeightGradient)
+    }
+
     /// Total number of trained parameters (a weight shared by two layers counts once;
     /// saturating, as shapes are).
     pub fn parameter_count(&self) -> u64 {

@@ -116,6 +116,14 @@ impl StageModel<'_> {
         }
     }
 
+    /// Megatron-LM's specs of `op`'s operands as it reads them and of its results as they
+    /// leave it.
+    fn wanted(&self, op: &Op, m: MegatronSharding) -> (Vec<Spec>, Vec<Spec>) {
+        let inputs = op.inputs.iter().map(|&t| self.spec_in_op(op, t, m));
+        let outputs = op.outputs.iter().map(|&t| self.output_spec(op, t, m));
+        (inputs.collect(), outputs.collect())
+    }
+
     /// Megatron-LM's spec of `t` between ops (as it is stored).
     fn stored_spec(&self, t: TensorId, m: MegatronSharding) -> Spec {
         let divided = match self.graph.tensor(t).split {
@@ -131,18 +139,14 @@ impl StageModel<'_> {
     pub fn megatron_choice(&self, m: MegatronSharding) -> Result<Vec<usize>, PinError> {
         let g = self.graph;
         let mut choice = vec![usize::MAX; self.var_sizes.len()];
+        let no_strategy = |op: &Op, inputs: &[Spec], outputs: &[Spec]| PinError::Op {
+            op: op.name.clone(),
+            inputs: joined(inputs),
+            outputs: joined(outputs),
+        };
         for node in self.nodes.iter().filter(|n| n.leader.is_none()) {
             let op = g.op(node.op);
-            let inputs: Vec<Spec> = op
-                .inputs
-                .iter()
-                .map(|&t| self.spec_in_op(op, t, m))
-                .collect();
-            let outputs: Vec<Spec> = op
-                .outputs
-                .iter()
-                .map(|&t| self.output_spec(op, t, m))
-                .collect();
+            let (inputs, outputs) = self.wanted(op, m);
             // Data every rank holds (token ids, labels) is sliced for free to whatever the op
             // reads, where no strategy reads it as stored.
             let writes = |r: &super::Realized| r.outputs[..outputs.len()] == outputs[..];
@@ -158,32 +162,15 @@ impl StageModel<'_> {
                 .iter()
                 .position(|r| r.inputs == inputs && writes(r))
                 .or_else(|| node.realized.iter().position(|r| sliced(r) && writes(r)));
-            choice[node.var] = found.ok_or_else(|| PinError::Op {
-                op: op.name.clone(),
-                inputs: joined(&inputs),
-                outputs: joined(&outputs),
-            })?;
+            choice[node.var] = found.ok_or_else(|| no_strategy(op, &inputs, &outputs))?;
         }
         // Followers take their leader's choice; it must give them Megatron-LM's specs too.
         for node in self.nodes.iter().filter(|n| n.leader.is_some()) {
             let op = g.op(node.op);
             let r = &node.realized[choice[node.var]];
-            let outputs: Vec<Spec> = op
-                .outputs
-                .iter()
-                .map(|&t| self.output_spec(op, t, m))
-                .collect();
+            let (inputs, outputs) = self.wanted(op, m);
             if r.outputs[..outputs.len()] != outputs[..] {
-                let inputs: Vec<Spec> = op
-                    .inputs
-                    .iter()
-                    .map(|&t| self.spec_in_op(op, t, m))
-                    .collect();
-                return Err(PinError::Op {
-                    op: op.name.clone(),
-                    inputs: joined(&inputs),
-                    outputs: joined(&outputs),
-                });
+                return Err(no_strategy(op, &inputs, &outputs));
             }
         }
         for p in &self.params {
@@ -230,9 +217,7 @@ impl StageModel<'_> {
             s.valid_for(shape, &self.mesh).then_some(s)
         })
     }
-}
 
-impl StageModel<'_> {
     /// The range run as Megatron-LM runs it on this mesh, priced by the intra-op model.
     pub fn megatron_plan(&self, m: MegatronSharding) -> Result<super::StagePlan, PinError> {
         let start = std::time::Instant::now();

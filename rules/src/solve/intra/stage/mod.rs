@@ -353,6 +353,9 @@ struct Flow {
     from: Producer,
     to: usize,
     input: usize,
+    /// The gather of a saved activation into a weight-gradient product: issued ahead and
+    /// overlapped with the input-gradient product of the same op ([`StageModel::flow_time`]).
+    overlapped: bool,
 }
 
 struct WeightUse {
@@ -602,6 +605,10 @@ impl<'g> StageModel<'g> {
                         from,
                         to: n,
                         input: i,
+                        overlapped: tensor.kind == TensorKind::Activation
+                            && op.grad_of.is_some()
+                            && graph.makes_weight_gradient(o)
+                            && matches!(from, Producer::Op(..)),
                     });
                 }
             }
@@ -1188,14 +1195,7 @@ impl<'g> StageModel<'g> {
             let phase = phase_of(f.to);
             let t = self.flow_time(f, &steps, choice[self.nodes[f.to].var]);
             add(&mut plan, phase, t);
-            let reduced = match f.from {
-                Producer::Op(n, j) => self.nodes[n].realized[choice[self.nodes[n].var]]
-                    .partial
-                    .get(j)
-                    .is_some_and(|&m| m != 0),
-                Producer::Source(_) | Producer::Read(..) => false,
-            };
-            if reduced {
+            if self.pending_sum(f, choice[self.producer_var(f.from)]) != 0 {
                 plan.per_microbatch.communication += t;
                 record(&mut plan, &steps, f.tensor, Reason::PartialSum, phase);
             } else {
@@ -1274,24 +1274,31 @@ impl<'g> StageModel<'g> {
     /// input-gradient product of the same forward op read `t` before it, that copy.
     fn sibling_read(&self, n: usize, o: OpId, t: TensorId) -> Option<Producer> {
         let g = self.graph;
-        let op = g.op(o);
-        let fwd = op.grad_of?;
-        let makes_weight_gradient = |op: &crate::model::graph::Op| {
-            op.outputs
-                .iter()
-                .any(|&u| g.tensor(u).kind == TensorKind::WeightGradient)
-        };
-        if !makes_weight_gradient(op) {
+        let fwd = g.op(o).grad_of?;
+        if !g.makes_weight_gradient(o) {
             return None;
         }
         (0..n).rev().find_map(|m| {
             let other = g.op(self.nodes[m].op);
-            if other.grad_of != Some(fwd) || makes_weight_gradient(other) {
+            if other.grad_of != Some(fwd) || g.makes_weight_gradient(self.nodes[m].op) {
                 return None;
             }
             let i = other.inputs.iter().position(|&u| u == t)?;
             Some(Producer::Read(m, i))
         })
+    }
+
+    /// The mesh axes a flow's tensor is still a partial sum over when its producer takes
+    /// choice `cu` (reduced on the way into the consumer).
+    fn pending_sum(&self, f: &Flow, cu: usize) -> u8 {
+        match f.from {
+            Producer::Op(n, j) => self.nodes[n].realized[cu]
+                .partial
+                .get(j)
+                .copied()
+                .unwrap_or(0),
+            Producer::Source(_) | Producer::Read(..) => 0,
+        }
     }
 
     /// The collectives that bring a flow's tensor from its producer into its consumer's spec.
@@ -1300,14 +1307,9 @@ impl<'g> StageModel<'g> {
         let bytes = tensor.bytes() as f64;
         let from = self.producer_spec(f.from, cu);
         let to = &self.nodes[f.to].realized[cv].inputs[f.input];
-        match f.from {
-            Producer::Op(n, j) => match self.nodes[n].realized[cu].partial.get(j) {
-                Some(&partial) if partial != 0 => {
-                    reduce_steps(bytes, partial, from, to, &tensor.shape, &self.mesh)
-                }
-                _ => reshard_steps(bytes, from, to, &self.mesh),
-            },
-            Producer::Source(_) | Producer::Read(..) => reshard_steps(bytes, from, to, &self.mesh),
+        match self.pending_sum(f, cu) {
+            0 => reshard_steps(bytes, from, to, &self.mesh),
+            partial => reduce_steps(bytes, partial, from, to, &tensor.shape, &self.mesh),
         }
     }
 
@@ -1318,15 +1320,7 @@ impl<'g> StageModel<'g> {
     /// weight-gradient product does (the same FLOPs), so only the excess is exposed.
     fn flow_time(&self, f: &Flow, steps: &[Step], cv: usize) -> f64 {
         let t = steps_time(steps);
-        let g = self.graph;
-        let consumer = g.op(self.nodes[f.to].op);
-        let saved = g.tensor(f.tensor).kind == TensorKind::Activation;
-        let weight_gradient = consumer.grad_of.is_some()
-            && consumer
-                .outputs
-                .iter()
-                .any(|&u| g.tensor(u).kind == TensorKind::WeightGradient);
-        if saved && weight_gradient && matches!(f.from, Producer::Op(..)) {
+        if f.overlapped {
             (t - self.nodes[f.to].realized[cv].compute).max(0.0)
         } else {
             t
