@@ -3,7 +3,9 @@
 //! of `rules` check against exhaustive search.
 
 use autopar_rules::model::graph::Graph;
-use autopar_rules::solve::intra::chain::{ChainError, compose, layer_table, range_tables};
+use autopar_rules::solve::intra::chain::{
+    ChainError, LayerTable, compose, decode_range, layer_table, range_tables,
+};
 use autopar_rules::solve::intra::stage::{StageModel, StageOptions};
 use autopar_tests::TempWorkspace;
 use autopar_tests::sharding::{lower, mesh};
@@ -27,10 +29,28 @@ fn whole(g: &Graph, layers: Range<usize>, a: u64, b: u64) -> f64 {
         .objective
 }
 
+/// The chain's optimum over the range's tables; the plan decoded from its path (each layer
+/// solved again with its boundary pinned) must reach the same cost and memory.
 fn chained(g: &Graph, layers: Range<usize>, a: u64, b: u64) -> Result<f64, ChainError> {
     let (m, c) = mesh(a, b);
-    let tables = range_tables(g, layers, m, &c.device, opts())?;
-    Ok(compose(&tables)?.cost)
+    let tables = range_tables(g, layers.clone(), m, &c.device, opts())?;
+    let best = compose(&tables)?;
+    let refs: Vec<&LayerTable> = tables.iter().collect();
+    let plan = decode_range(g, layers.clone(), m, &c.device, opts(), &refs)?;
+    assert!(
+        (plan.objective - best.cost).abs() <= 1e-9 * best.cost,
+        "{layers:?} on {a}x{b}: decoded plan costs {} s, the chain {} s",
+        plan.objective,
+        best.cost
+    );
+    assert!(
+        (plan.memory.total - best.memory).abs() <= 1e-6 * best.memory,
+        "{layers:?} on {a}x{b}: decoded plan holds {} bytes, the chain {}",
+        plan.memory.total,
+        best.memory
+    );
+    assert_eq!(plan.layers, [layers.start, layers.end]);
+    Ok(best.cost)
 }
 
 /// A model file, its micro-batch, the layer ranges and the meshes to compare on.

@@ -15,7 +15,7 @@
 
 use super::exact::{self, Declined};
 use super::problem::{Edge, Problem, Var};
-use super::stage::{IntraError, StageModel, StageOptions};
+use super::stage::{IntraError, StageModel, StageOptions, StagePlan};
 use crate::cost::cluster::Device;
 use crate::cost::sharding::{Mesh, Spec};
 use crate::model::graph::{Graph, TensorId};
@@ -524,4 +524,115 @@ pub fn extend_linked(best: &[Entry], link: &[usize], next: &LayerTable) -> Vec<E
 /// The range's best entry (free after its last layer).
 pub fn finish(best: &[Entry]) -> Entry {
     best.iter().copied().fold(Entry::NONE, Entry::min)
+}
+
+/// The cheapest path through `tables` (consecutive layers), free at both ends: its entry and,
+/// per layer, the indices of its `before` and `after` states on the path. `None` when no
+/// path has a finite cost.
+pub fn best_path(tables: &[&LayerTable]) -> Result<Option<(Entry, Vec<[usize; 2]>)>, ChainError> {
+    let Some(first) = tables.first() else {
+        return Ok(Some((Entry::ZERO, Vec::new())));
+    };
+    let better = |a: &Entry, b: &Entry| (a.cost, a.memory) < (b.cost, b.memory);
+    // Per layer and state after it: the best entry and the state before it on that path.
+    let mut best = vec![Entry::NONE; first.after.len()];
+    let mut back: Vec<Vec<usize>> = vec![vec![0; first.after.len()]];
+    for (a, slot) in best.iter_mut().enumerate() {
+        for b in 0..first.before.len() {
+            let e = first.entries[first.at(b, a)];
+            if better(&e, slot) {
+                *slot = e;
+                back[0][a] = b;
+            }
+        }
+    }
+    for (i, pair) in tables.windows(2).enumerate() {
+        let (prev, next) = (pair[0], pair[1]);
+        let link = link(prev, next).ok_or(ChainError::Mismatch(i, i + 1))?;
+        let width = next.after.len();
+        let mut step = vec![Entry::NONE; width];
+        let mut from = vec![0; width];
+        for (p, (&b, e)) in link.iter().zip(&best).enumerate() {
+            if !e.cost.is_finite() {
+                continue;
+            }
+            for a in 0..width {
+                let candidate = e.plus(next.entries[next.at(b, a)]);
+                if better(&candidate, &step[a]) {
+                    step[a] = candidate;
+                    from[a] = p;
+                }
+            }
+        }
+        best = step;
+        back.push(from);
+    }
+    let Some((mut a, total)) = best
+        .iter()
+        .copied()
+        .enumerate()
+        .filter(|(_, e)| e.cost.is_finite())
+        .fold(None, |acc: Option<(usize, Entry)>, (a, e)| match acc {
+            Some((_, b)) if !better(&e, &b) => acc,
+            _ => Some((a, e)),
+        })
+    else {
+        return Ok(None);
+    };
+    let mut states = vec![[0usize; 2]; tables.len()];
+    for l in (0..tables.len()).rev() {
+        let p = back[l][a];
+        if l == 0 {
+            states[0] = [p, a];
+        } else {
+            let link = link(tables[l - 1], tables[l]).ok_or(ChainError::Mismatch(l - 1, l))?;
+            states[l] = [link[p], a];
+            a = p;
+        }
+    }
+    Ok(Some((total, states)))
+}
+
+/// The plan of layers `layers` of `graph` on `mesh` that reaches the chain's optimum over
+/// their `tables`: each layer solved again with its boundary specs pinned to the states of
+/// the cheapest path ([`best_path`]), the layers' plans joined. Its objective is the
+/// chain's, which is the whole range's optimum.
+pub fn decode_range(
+    graph: &Graph,
+    layers: Range<usize>,
+    mesh: Mesh,
+    device: &Device,
+    opts: StageOptions,
+    tables: &[&LayerTable],
+) -> Result<StagePlan, ChainError> {
+    let crossings = Crossings::of(graph);
+    crossings.check(graph, &layers)?;
+    let (_, states) = best_path(tables)?.ok_or(ChainError::Mismatch(layers.start, layers.end))?;
+    let plans = layers
+        .clone()
+        .zip(tables.iter().zip(&states))
+        .map(|(l, (table, &[b, a]))| {
+            let model = StageModel::build(graph, l..l + 1, mesh, device, opts)?;
+            let before = match l {
+                0 => Vec::new(),
+                _ => crossings.boundary(l - 1),
+            };
+            let after = crossings.boundary(l);
+            let wanted = table.before.get(b).map_or(&[][..], Vec::as_slice);
+            let pins = before
+                .iter()
+                .zip(wanted)
+                .chain(after.iter().zip(&table.after[a]));
+            let sizes: Vec<usize> = model.problem().vars.iter().map(|v| v.cost.len()).collect();
+            let mut allowed: Vec<Vec<usize>> = sizes.iter().map(|&k| (0..k).collect()).collect();
+            for (&t, spec) in pins {
+                let (var, specs) = model
+                    .spec_variable(t)
+                    .ok_or(ChainError::Mismatch(l, l))?;
+                allowed[var].retain(|&i| specs[i] == *spec);
+            }
+            Ok(model.solve_within(&allowed)?)
+        })
+        .collect::<Result<Vec<StagePlan>, ChainError>>()?;
+    StagePlan::join(plans).ok_or(ChainError::Mismatch(layers.start, layers.end))
 }

@@ -297,6 +297,44 @@ impl StagePlan {
             .filter(|c| c.reason == reason && c.phase == phase)
             .count()
     }
+
+    /// The plan of consecutive ranges solved apart on one mesh (the layers of a chain, each
+    /// with its boundary pinned to the chain's optimum), as one range: times, memory and
+    /// solver figures add up, ops, parameters and collectives follow in order. `None` for
+    /// no parts.
+    pub fn join(parts: Vec<StagePlan>) -> Option<StagePlan> {
+        let mut it = parts.into_iter();
+        let mut out = it.next()?;
+        for p in it {
+            out.layers[1] = p.layers[1];
+            out.objective += p.objective;
+            out.forward += p.forward;
+            out.backward += p.backward;
+            out.step += p.step;
+            out.per_microbatch.compute += p.per_microbatch.compute;
+            out.per_microbatch.communication += p.per_microbatch.communication;
+            out.per_microbatch.resharding += p.per_microbatch.resharding;
+            out.memory.activations += p.memory.activations;
+            out.memory.weights += p.memory.weights;
+            out.memory.gradients += p.memory.gradients;
+            out.memory.optimizer += p.memory.optimizer;
+            out.memory.total += p.memory.total;
+            out.ops.extend(p.ops);
+            out.parameters.extend(p.parameters);
+            out.collectives.extend(p.collectives);
+            let (a, b) = (&mut out.solve, p.solve);
+            a.optimal &= b.optimal;
+            a.gap = a.gap.max(b.gap);
+            a.seconds += b.seconds;
+            a.cost += b.cost;
+            a.variables += b.variables;
+            a.strategies += b.strategies;
+            a.undominated += b.undominated;
+            a.edges += b.edges;
+            a.width = a.width.max(b.width);
+        }
+        Some(out)
+    }
 }
 
 /// An op strategy priced.
@@ -1057,10 +1095,18 @@ impl<'g> StageModel<'g> {
 
     /// Solves the problem with the configured solver and reads the plan back.
     pub fn solve(&self) -> Result<StagePlan, IntraError> {
+        let all: Vec<Vec<usize>> = self.var_sizes.iter().map(|&k| (0..k).collect()).collect();
+        self.solve_within(&all)
+    }
+
+    /// [`StageModel::solve`] with variable `v` limited to the strategies `allowed[v]` (e.g. a
+    /// layer's boundary specs pinned to those of a chain's optimum).
+    pub fn solve_within(&self, allowed: &[Vec<usize>]) -> Result<StagePlan, IntraError> {
         let start = Instant::now();
+        let pinned = self.problem.restricted(allowed);
         // Dominated strategies never need to be considered; transformer layers have many
         // (e.g. splits whose collectives cost more on the slower axis).
-        let (reduced, keep) = self.problem.without_dominated();
+        let (reduced, keep) = pinned.without_dominated();
         let p = &reduced;
         let width = exact::width(p);
         let ilp = || -> Result<(Assignment, &'static str, bool, f64), IntraError> {
@@ -1105,8 +1151,8 @@ impl<'g> StageModel<'g> {
             edges: p.edges.len(),
             width,
         };
-        let choice: Vec<usize> = (assignment.choice.iter().zip(&keep))
-            .map(|(&c, kept)| kept[c])
+        let choice: Vec<usize> = (assignment.choice.iter().zip(&keep).zip(allowed))
+            .map(|((&c, kept), within)| within[kept[c]])
             .collect();
         Ok(self.decode(&choice, info))
     }
