@@ -5,6 +5,7 @@ use autopar_rules::cost::cluster::{Cluster, GIB};
 use autopar_rules::model::graph::{GraphSummary, Pass};
 use autopar_rules::plan::estimate::{Chunk, Estimate, MemoryBreakdown};
 use autopar_rules::plan::format::{Plan, shell_quote};
+use autopar_rules::plan::ilp::{IlpPlan, Space};
 use autopar_rules::plan::layout::{Layout, Recompute};
 use autopar_rules::plan::partition::Attempt;
 use std::fmt::Write;
@@ -273,6 +274,13 @@ pub fn plan(p: &Plan, path: Option<&Path>, trace: Option<&Path>) -> String {
         p.training.seq,
         p.training.precision.name()
     );
+    spaces(&mut out, p);
+    if let Some(ilp) = &p.ilp {
+        ilp_plan(&mut out, ilp);
+    }
+    if p.space == Space::Ilp {
+        let _ = writeln!(out, "  the best Megatron-LM layout:");
+    }
     estimate(&mut out, e);
     stages(&mut out, e);
     attempts(&mut out, &p.partitions);
@@ -319,6 +327,142 @@ pub fn plan(p: &Plan, path: Option<&Path>, trace: Option<&Path>) -> String {
         );
     }
     out
+}
+
+/// Which space won and by how much.
+fn spaces(out: &mut String, p: &Plan) {
+    let (Some(m), Some(i)) = (&p.spaces.megatron, &p.spaces.ilp) else {
+        if p.ilp.is_none() && p.space == Space::Megatron && p.spaces.ilp.is_none() {
+            return;
+        }
+        let _ = writeln!(
+            out,
+            "  space     {}: the ILP space has no plan that fits",
+            p.space.name()
+        );
+        return;
+    };
+    let (won, lost) = match p.space {
+        Space::Ilp => (("ilp", i), ("megatron", m)),
+        _ => (("megatron", m), ("ilp", i)),
+    };
+    let expressible = if p.megatron_expressible {
+        "Megatron-LM can run it".to_string()
+    } else {
+        format!(
+            "Megatron-LM cannot run it: {}",
+            p.ilp
+                .as_ref()
+                .and_then(|i| i.not_megatron.clone())
+                .unwrap_or_default()
+        )
+    };
+    let _ = writeln!(
+        out,
+        "  space     {} wins: {} vs {} {} ({:+.1}%); {expressible}",
+        won.0,
+        secs(won.1.step_time_s),
+        lost.0,
+        secs(lost.1.step_time_s),
+        (won.1.step_time_s / lost.1.step_time_s - 1.0) * 100.0
+    );
+}
+
+/// The ILP space's pipeline: stages with their meshes, and how they differ from Megatron-LM.
+fn ilp_plan(out: &mut String, p: &IlpPlan) {
+    let _ = writeln!(
+        out,
+        "  ilp       {} · step {} (pipeline {}, grad sync {}, optimizer {}) · {:.1} GiB per device",
+        p.describe(),
+        secs(p.step_time_s),
+        secs(p.pipeline_s),
+        secs(p.grad_sync_s),
+        secs(p.optimizer_s),
+        p.memory_per_device_gib
+    );
+    let _ = writeln!(
+        out,
+        "            {:>5} {:<36} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9}  vs Megatron-LM",
+        "stage", "layers", "submesh", "logical", "fwd/mb", "bwd/mb", "in flight", "memory"
+    );
+    for (j, s) in p.stages.iter().enumerate() {
+        let m = &s.megatron;
+        let vs = match &m.unavailable {
+            Some(why) => format!("not expressible: {why}"),
+            None if m.differences.is_empty() => format!(
+                "same sharding ({})",
+                if m.sequence_parallel { "SP" } else { "no SP" }
+            ),
+            None => format!(
+                "{} ops/weights differ, saves {}/mb",
+                m.differences.len(),
+                secs(m.saves_s)
+            ),
+        };
+        let _ = writeln!(
+            out,
+            "            {:>5} {:<36} {:>8} {:>8} {:>9} {:>9} {:>9} {:>6.1} GiB  {vs}",
+            j,
+            format!(
+                "{}..{} ({} .. {})",
+                s.layers[0], s.layers[1], s.first_name, s.last_name
+            ),
+            format!("{}x{}", s.mesh.submesh.0, s.mesh.submesh.1),
+            format!("{}x{}", s.mesh.logical[0], s.mesh.logical[1]),
+            secs(s.forward_s),
+            secs(s.backward_s),
+            s.inflight,
+            s.memory_gib
+        );
+    }
+    // The differences, with repeated blocks' ops counted once per pattern.
+    let mut groups: Vec<(String, String, String, usize)> = Vec::new();
+    for d in p.stages.iter().flat_map(|s| &s.megatron.differences) {
+        let name = block_pattern(&d.name);
+        match groups
+            .iter_mut()
+            .find(|g| g.0 == name && g.1 == d.plan && g.2 == d.megatron)
+        {
+            Some(g) => g.3 += 1,
+            None => groups.push((name, d.plan.clone(), d.megatron.clone(), 1)),
+        }
+    }
+    const SHOWN: usize = 8;
+    for (k, (name, plan, megatron, n)) in groups.iter().take(SHOWN).enumerate() {
+        let _ = writeln!(
+            out,
+            "  {:<9} {name}{}: {plan} (Megatron-LM: {megatron})",
+            if k == 0 { "differs" } else { "" },
+            if *n > 1 {
+                format!(" x{n}")
+            } else {
+                String::new()
+            }
+        );
+    }
+    if groups.len() > SHOWN {
+        let _ = writeln!(
+            out,
+            "            ... and {} more (every op's specs: the plan's `ilp.stages[].ops`)",
+            groups.len() - SHOWN
+        );
+    }
+}
+
+/// `layers.12.mlp.fc1` as `layers.*.mlp.fc1`: the same op of every block.
+fn block_pattern(name: &str) -> String {
+    let parts: Vec<&str> = name.split('.').collect();
+    parts
+        .iter()
+        .map(|p| {
+            if !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()) {
+                "*"
+            } else {
+                p
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(".")
 }
 
 /// A graph summary with its per-layer table and the ops of each distinct layer.

@@ -8,9 +8,10 @@
 //! reads, say) leaves every cost as it was, the stored search result is reused. Only what is
 //! missing is solved.
 
-use crate::cache::{Cache, Counts, Source};
+use crate::cache::{Cache, Counts, Source, kind};
 use crate::error::EngineError;
 use crate::layer_costs::CachedCosts;
+use crate::pipeline::CachedTables;
 use crate::plans::{remove_output, write_plan, write_trace};
 use crate::record::{
     BuildRecord, PlanRecord, layer_reasons, plan_reasons, read_record, write_record,
@@ -22,8 +23,12 @@ use autopar_rules::cost::layer_cost::{LayerCost, LayerCostContext, Pricing};
 use autopar_rules::model::frontend::LowerOptions;
 use autopar_rules::plan::estimate::{CostSource, Estimator};
 use autopar_rules::plan::format::{Plan, PlanModel};
+use autopar_rules::plan::ilp::{self, IlpPlan, Space};
 use autopar_rules::plan::layout::LayoutError;
 use autopar_rules::plan::search::{SearchResult, layer_cost_digest, search};
+use autopar_rules::solve::pipeline::{
+    DEFAULT_MAX_EXACT_ENTRIES, PipelineOptions, plan_pipeline_with,
+};
 use autopar_rules::solve::schedule::{chrome_trace, simulate, trace_spec};
 use autopar_store::EntryMeta;
 use rayon::prelude::*;
@@ -79,6 +84,8 @@ pub struct BuildReport {
     pub outcomes: Vec<TargetOutcome>,
     /// Results asked for and where they came from.
     pub counts: Counts,
+    /// The same per kind of result (`sharding`, `stages`, `layer-cost`, `search`, `plan`).
+    pub kinds: std::collections::BTreeMap<&'static str, Counts>,
     /// Wall time of the build.
     pub elapsed: Duration,
 }
@@ -149,6 +156,7 @@ pub fn target_parts(ws: &Workspace, t: &Target) -> KeyParts {
         )
         .with("training", &t.options)
         .with("search", &(&t.search, t.global_batch, LAYOUTS_KEPT))
+        .with("ilp", &t.ilp)
         .with("profile", &profile_entries(t))
 }
 
@@ -161,7 +169,7 @@ fn profile_entries(t: &Target) -> Vec<(autopar_rules::cost::profile::EntryId, f6
 fn search_parts(target: &KeyParts, layer_costs: Digest) -> KeyParts {
     let mut parts = KeyParts::new("search");
     for (name, d) in &target.parts {
-        if name != "rules" && name != "profile" {
+        if name != "rules" && name != "profile" && name != "ilp" {
             parts = parts.with_digest(name, *d);
         }
     }
@@ -193,6 +201,7 @@ pub fn build(
     Ok(BuildReport {
         outcomes: outcomes?,
         counts: cache.counts(),
+        kinds: cache.kind_counts(),
         elapsed: start.elapsed(),
     })
 }
@@ -211,12 +220,12 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
         .with_costs(&costs)
         .with_profile(t.profile.as_deref());
     let mut reused_after_change = false;
-    let (mut result, source) = match cache.lookup_indexed::<SearchResult>(key) {
+    let (mut result, source) = match cache.lookup_indexed::<SearchResult>(kind::PLAN, key) {
         Some(found) => found,
         None => {
             let value =
                 search_parts(&parts, layer_cost_digest(&est, &t.search, t.global_batch)).key();
-            let found = match cache.lookup::<SearchResult>(value) {
+            let found = match cache.lookup::<SearchResult>(kind::SEARCH, value) {
                 Some(found) => {
                     reused_after_change = true;
                     found
@@ -232,7 +241,7 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
                         ..EntryMeta::default()
                     };
                     cache.put(value, &r, &meta);
-                    cache.record(Source::Solved);
+                    cache.record(kind::SEARCH, Source::Solved);
                     tracing::info!(
                         candidates = r.candidates,
                         valid = r.valid,
@@ -277,7 +286,24 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
     }
     let path = ws.plan_path(&t.name);
     let trace = ws.trace_path(&t.name);
-    let outcome = match plan_from(ws, t, &est, &result) {
+    let ilp = match t.ilp.space {
+        Space::Megatron => IlpOutcome::default(),
+        _ => ilp_search(ws, t, cache, est.capacity()),
+    };
+    let planned = plan_from(ws, t, &est, &result).and_then(|plan| {
+        let tried = ilp.tried.clone();
+        plan.with_ilp(ilp.best, t.ilp.space).ok_or_else(|| {
+            format!(
+                "the ILP space has no plan (`space = \"ilp\"`): {}",
+                tried
+                    .iter()
+                    .map(|(mb, why)| format!("micro-batch {mb}: {why}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            )
+        })
+    });
+    let outcome = match planned {
         Ok(plan) => {
             write_outputs(&path, &trace, t, &plan)?;
             TargetResult::Planned(Box::new(Planned { plan, path, trace }))
@@ -306,6 +332,106 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
         source,
         elapsed: start.elapsed(),
     })
+}
+
+/// What the ILP space found for a target.
+#[derive(Debug, Clone, Default)]
+struct IlpOutcome {
+    /// The fastest pipeline over the micro-batch sizes.
+    best: Option<IlpPlan>,
+    /// Why each micro-batch size that gave no pipeline gave none.
+    tried: Vec<(u64, String)>,
+}
+
+/// Alpa's two levels for every micro-batch size of the target's ILP space, each through the
+/// cache (kind `stages`) under the key of exactly what it reads; its layer tables are cached
+/// apart (kind `sharding`) and shared with every other target and model.
+fn ilp_search(ws: &Workspace, t: &Target, cache: &Cache, capacity: f64) -> IlpOutcome {
+    let model = &ws.models[t.model];
+    let cluster = &ws.clusters[t.cluster];
+    // The runtime's reserve is not part of the intra-op model's memory.
+    let budget = capacity - cluster.device.reserved_bytes;
+    let mut out = IlpOutcome::default();
+    for &mb in &t.ilp.micro_batch {
+        let key = KeyParts::new("stages")
+            .with("model", &model.def.canonical_json())
+            .with(
+                "cluster",
+                &(cluster.nodes, cluster.gpus_per_node, &cluster.device),
+            )
+            .with("training", &t.options)
+            .with(
+                "batch",
+                &(t.global_batch, mb, t.ilp.powers_of_two, budget.to_bits()),
+            )
+            .key();
+        let found = match cache.lookup::<Result<IlpPlan, String>>(kind::STAGES, key) {
+            Some((found, _)) => found,
+            None => {
+                let solved = ilp_pipeline(ws, t, cache, mb, budget);
+                let meta = EntryMeta {
+                    kind: "stages".into(),
+                    description: format!(
+                        "stage DP of {} on {}, micro-batch {mb}",
+                        model.name, cluster.device.name
+                    ),
+                    ..EntryMeta::default()
+                };
+                cache.put(key, &solved, &meta);
+                cache.record(kind::STAGES, Source::Solved);
+                solved
+            }
+        };
+        match found {
+            Ok(p) => {
+                if out
+                    .best
+                    .as_ref()
+                    .is_none_or(|b| p.step_time_s < b.step_time_s)
+                {
+                    out.best = Some(p);
+                }
+            }
+            Err(why) => out.tried.push((mb, why)),
+        }
+    }
+    out
+}
+
+/// The ILP space's pipeline for micro-batches of `mb` sequences, priced; the reason when
+/// there is none.
+fn ilp_pipeline(
+    ws: &Workspace,
+    t: &Target,
+    cache: &Cache,
+    mb: u64,
+    budget: f64,
+) -> Result<IlpPlan, String> {
+    let model = &ws.models[t.model];
+    let cluster = &ws.clusters[t.cluster];
+    let graph = model
+        .def
+        .lower(
+            &model.name,
+            &LowerOptions {
+                micro_batch: mb,
+                seq: t.options.seq,
+                dtype: t.options.precision.dtype(),
+                attention: t.options.attention,
+                vocab_multiple: t.options.vocab_multiple * cluster.gpus_per_node,
+            },
+        )
+        .map_err(|e| e.to_string())?;
+    let opts = PipelineOptions {
+        microbatches: t.global_batch / mb,
+        memory_budget: budget,
+        precision: t.options.precision,
+        max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
+        powers_of_two: t.ilp.powers_of_two,
+    };
+    let source = CachedTables::new(cache, &model.name);
+    let pipeline = plan_pipeline_with(&graph, cluster, opts, &source).map_err(|e| e.to_string())?;
+    ilp::price(&graph, cluster, mb, opts, &pipeline).map_err(|e| e.to_string())
 }
 
 /// Writes the plan and its timeline, leaving files that already say the same untouched.

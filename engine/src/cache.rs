@@ -55,6 +55,34 @@ pub struct Counts {
     pub solved: u64,
 }
 
+impl Counts {
+    fn add(&mut self, source: Source) {
+        self.total += 1;
+        *match source {
+            Source::Memory => &mut self.memory,
+            Source::Local => &mut self.local,
+            Source::Remote => &mut self.remote,
+            Source::Solved => &mut self.solved,
+        } += 1;
+    }
+}
+
+/// Kinds of result the cache counts apart ([`Cache::kind_counts`]).
+pub mod kind {
+    /// A per-layer intra-op table on one logical mesh (an ILP solve).
+    pub const SHARDING: &str = "sharding";
+    /// The stage DP over those tables for one micro-batch size.
+    pub const STAGES: &str = "stages";
+    /// A layer's cost under one Megatron-LM layout.
+    pub const LAYER_COST: &str = "layer-cost";
+    /// The Megatron-LM layout search (splits, SAPP balancing and simulation included).
+    pub const SEARCH: &str = "search";
+    /// A target's plan, found under the key of its inputs as written.
+    pub const PLAN: &str = "plan";
+    /// A lowered program of `autopar run`.
+    pub const PROGRAM: &str = "program";
+}
+
 #[derive(Default)]
 struct Counters {
     total: AtomicU64,
@@ -62,6 +90,7 @@ struct Counters {
     local: AtomicU64,
     remote: AtomicU64,
     solved: AtomicU64,
+    kinds: Mutex<std::collections::BTreeMap<&'static str, Counts>>,
 }
 
 /// The local cache directory of `ws`: `dir` when given (flag or `AUTOPAR_CACHE_DIR`), else
@@ -272,16 +301,23 @@ impl Cache {
         }
     }
 
+    /// Counts since the cache was made (or last reset), per kind of result ([`kind`]).
+    pub fn kind_counts(&self) -> std::collections::BTreeMap<&'static str, Counts> {
+        lock(&self.counters.kinds).clone()
+    }
+
     /// Starts counting from zero (a new build in a long-running process).
     pub fn reset_counts(&self) {
         let c = &self.counters;
         for a in [&c.total, &c.memory, &c.local, &c.remote, &c.solved] {
             a.store(0, Ordering::Relaxed);
         }
+        lock(&c.kinds).clear();
     }
 
-    fn count(&self, source: Source) {
+    fn count(&self, kind: &'static str, source: Source) {
         let c = &self.counters;
+        lock(&c.kinds).entry(kind).or_default().add(source);
         c.total.fetch_add(1, Ordering::Relaxed);
         match source {
             Source::Memory => &c.memory,
@@ -397,33 +433,42 @@ impl Cache {
     /// result is stored with the metadata `meta` gives).
     pub fn get_or_solve<T: Serialize + DeserializeOwned>(
         &self,
+        kind: &'static str,
         k: Digest,
         meta: impl FnOnce() -> EntryMeta,
         solve: impl FnOnce() -> T,
     ) -> (T, Source) {
         if let Some((v, source)) = self.find(k) {
-            self.count(source);
+            self.count(kind, source);
             return (v, source);
         }
         let v = solve();
         self.put(k, &v, &meta());
-        self.count(Source::Solved);
+        self.count(kind, Source::Solved);
         (v, Source::Solved)
     }
 
     /// Looks up `k`, counting a hit; a miss is not counted (the caller solves or resolves it
     /// another way and reports that with [`Cache::record`]).
-    pub fn lookup<T: DeserializeOwned>(&self, k: Digest) -> Option<(T, Source)> {
+    pub fn lookup<T: DeserializeOwned>(
+        &self,
+        kind: &'static str,
+        k: Digest,
+    ) -> Option<(T, Source)> {
         let found = self.find(k);
         if let Some((_, source)) = &found {
-            self.count(*source);
+            self.count(kind, *source);
         }
         found
     }
 
     /// Follows the index entry under `index` (a key) to the value it names, counting one hit;
     /// `None` (uncounted) when either is missing.
-    pub fn lookup_indexed<T: DeserializeOwned>(&self, index: Digest) -> Option<(T, Source)> {
+    pub fn lookup_indexed<T: DeserializeOwned>(
+        &self,
+        kind: &'static str,
+        index: Digest,
+    ) -> Option<(T, Source)> {
         let (target, s1) = self.find::<Digest>(index)?;
         let (v, s2) = self.find::<T>(target)?;
         let source = if s1 == Source::Remote || s2 == Source::Remote {
@@ -433,7 +478,7 @@ impl Cache {
         } else {
             Source::Local
         };
-        self.count(source);
+        self.count(kind, source);
         Some((v, source))
     }
 
@@ -443,8 +488,8 @@ impl Cache {
     }
 
     /// Counts a request resolved outside [`Cache::get_or_solve`].
-    pub fn record(&self, source: Source) {
-        self.count(source);
+    pub fn record(&self, kind: &'static str, source: Source) {
+        self.count(kind, source);
     }
 
     /// Makes the store's writes durable.
@@ -463,9 +508,9 @@ mod tests {
         let k = Digest([3; 32]);
         {
             let c = Cache::open(dir.path());
-            let (v, s) = c.get_or_solve(k, EntryMeta::default, || 41u64);
+            let (v, s) = c.get_or_solve(kind::PLAN, k, EntryMeta::default, || 41u64);
             assert_eq!((v, s), (41, Source::Solved));
-            let (v, s) = c.get_or_solve(k, EntryMeta::default, || 0u64);
+            let (v, s) = c.get_or_solve(kind::PLAN, k, EntryMeta::default, || 0u64);
             assert_eq!((v, s), (41, Source::Memory));
             c.flush();
             assert_eq!(
@@ -480,7 +525,12 @@ mod tests {
             );
         }
         let c = Cache::open(dir.path());
-        let (v, s) = c.get_or_solve(k, EntryMeta::default, || 0u64);
+        let (v, s) = c.get_or_solve(kind::PLAN, k, EntryMeta::default, || 0u64);
         assert_eq!((v, s), (41, Source::Local));
+        c.record(kind::SEARCH, Source::Solved);
+        let kinds = c.kind_counts();
+        assert_eq!(kinds[kind::PLAN].local, 1);
+        assert_eq!(kinds[kind::SEARCH].solved, 1);
+        assert_eq!(kinds.len(), 2);
     }
 }

@@ -2,7 +2,7 @@
 //! it depends on (its canonical subgraph, parallelism, device, kernel options and the profile
 //! measurements it reads), so identical blocks, other targets and later builds share it.
 
-use crate::cache::{Cache, Source};
+use crate::cache::{Cache, Source, kind};
 use crate::record::LayerRecord;
 use autopar_rules::canonical::{Digest, digest};
 use autopar_rules::cost::layer_cost::{LayerCost, LayerCostContext, Pricing};
@@ -56,6 +56,7 @@ impl CostSource for CachedCosts<'_> {
                 let key = parts.key();
                 let layer = &g.layers[li];
                 let (mut cost, source) = self.cache.get_or_solve(
+                    kind::LAYER_COST,
                     key,
                     || {
                         let (ops, colls) = ctx.signatures(li, p);

@@ -1,7 +1,7 @@
 //! `autopar solve pipeline`: Alpa's two levels on a model and a cluster (per-layer intra-op
 //! tables chained into stage costs, then the stage DP), for one micro-batch size.
 
-use crate::cache::{Cache, Counts, Source};
+use crate::cache::{Cache, Counts, Source, kind};
 use crate::error::EngineError;
 use crate::session::Session;
 use crate::sharding::lower_model;
@@ -15,7 +15,8 @@ use autopar_rules::model::graph::Graph;
 use autopar_rules::solve::intra::chain::{ChainError, LayerTable, layer_table};
 use autopar_rules::solve::intra::stage::StageOptions;
 use autopar_rules::solve::pipeline::{
-    PipelineOptions, PipelinePlan, TableSource, plan_pipeline_with, table_key,
+    DEFAULT_MAX_EXACT_ENTRIES, PipelineOptions, PipelinePlan, TableSource, plan_pipeline_with,
+    table_key,
 };
 use autopar_store::EntryMeta;
 use std::time::Instant;
@@ -94,11 +95,11 @@ impl TableSource for CachedTables<'_> {
         opts: StageOptions,
     ) -> Result<LayerTable, ChainError> {
         let key = table_key(identity, &mesh, device, &opts).key();
-        if let Some((t, _)) = self.cache.lookup::<LayerTable>(key) {
+        if let Some((t, _)) = self.cache.lookup::<LayerTable>(kind::SHARDING, key) {
             return Ok(t);
         }
         let solved = layer_table(graph, layer, mesh, device, opts);
-        self.cache.record(Source::Solved);
+        self.cache.record(kind::SHARDING, Source::Solved);
         if let Ok(t) = &solved {
             let meta = EntryMeta {
                 kind: "layer-table".into(),
@@ -169,7 +170,7 @@ pub fn solve_pipeline(
         microbatches,
         memory_budget: budget,
         precision: req.precision,
-        max_exact_entries: 4e6,
+        max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
         powers_of_two: req.powers_of_two,
     };
     let source = CachedTables::new(cache, &name);

@@ -2,7 +2,7 @@
 //! executed on a backend, with the measured step time next to the plan's prediction.
 
 use crate::EngineError;
-use crate::cache::{Cache, Source};
+use crate::cache::{Cache, Source, kind};
 use crate::executor::{
     Backend, CPU_DEVICE, CheckReport, ExecError, ExecLayout, Program, RunOptions, RunResult, check,
     cuda, lower, run_program, summarize,
@@ -226,7 +226,7 @@ pub fn program(
         layout,
     ));
     let steps = |p: &Program| p.chunks.iter().map(|c| c.steps.len()).collect();
-    if let Some((p, source)) = cache.lookup::<Program>(key) {
+    if let Some((p, source)) = cache.lookup::<Program>(kind::PROGRAM, key) {
         let info = ProgramInfo {
             source: source.name().to_string(),
             seconds: start.elapsed().as_secs_f64(),
@@ -245,7 +245,7 @@ pub fn program(
             ..EntryMeta::default()
         },
     );
-    cache.record(Source::Solved);
+    cache.record(kind::PROGRAM, Source::Solved);
     let info = ProgramInfo {
         source: "lowered".into(),
         seconds: start.elapsed().as_secs_f64(),

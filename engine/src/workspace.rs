@@ -10,6 +10,7 @@ use autopar_rules::model::frontend::{
     Attention, Bias, GRAPH_FORMAT, Mlp, ModelDef, Norm, Position, TransformerConfig,
     canonical_field_name, parse_graph_file, parse_hf_config,
 };
+use autopar_rules::plan::ilp::{IlpSearch, Space};
 use autopar_rules::plan::layout::{Recompute, TrainingOptions};
 use autopar_rules::plan::search::SearchSpace;
 use serde::{Deserialize, Deserializer};
@@ -47,6 +48,8 @@ pub struct Target {
     pub options: TrainingOptions,
     /// Values each layout dimension may take.
     pub search: SearchSpace,
+    /// What the intra-op (ILP) space searches, and which space the plan comes from.
+    pub ilp: IlpSearch,
     /// Indices into [`Workspace::profiles`]: the cluster's, then the target's own.
     pub profiles: Vec<usize>,
     /// Their measurements overlaid in that order (later files win); `None` without profiles.
@@ -335,9 +338,19 @@ struct RawTarget {
     #[serde(default)]
     vocab_multiple: Option<Positive>,
     #[serde(default)]
+    space: Option<Space>,
+    #[serde(default)]
     search: Option<RawSearch>,
     #[serde(default)]
     profiles: Vec<Spanned<String>>,
+}
+
+/// `target.search.submeshes`: which multi-node submeshes the stage DP may use.
+#[derive(Deserialize, Clone, Copy)]
+#[serde(rename_all = "kebab-case")]
+enum Submeshes {
+    All,
+    PowersOfTwo,
 }
 
 #[derive(Deserialize)]
@@ -359,6 +372,10 @@ struct RawSearch {
     recompute: Option<Spanned<Vec<Recompute>>>,
     #[serde(default)]
     zero: Option<Spanned<Vec<ZeroStage>>>,
+    #[serde(default)]
+    ilp_micro_batch: Option<Spanned<Vec<Positive>>>,
+    #[serde(default)]
+    submeshes: Option<Submeshes>,
 }
 
 /// Default memory headroom: the PyTorch caching allocator fragments; keeping a tenth of the
@@ -734,8 +751,30 @@ impl Loader<'_> {
         };
         let gpus_per_node = clusters[cluster].gpus_per_node;
         let mut search = SearchSpace::default_for(gpus_per_node);
+        let mut ilp = IlpSearch::default_for(gpus_per_node, global_batch);
+        if let Some(space) = t.space {
+            ilp.space = space;
+        }
         if let Some(s) = &t.search {
             self.search(s, &mut search)?;
+            if let Some(v) = nonempty(self, &s.ilp_micro_batch, "ilp_micro_batch")? {
+                let v: Vec<u64> = v.into_iter().map(|p| p.0).collect();
+                if let (Some(&bad), Some(list)) = (
+                    v.iter().find(|&&m| global_batch % m != 0),
+                    &s.ilp_micro_batch,
+                ) {
+                    return Err(self.diag(
+                        list.span().start,
+                        "target.search.ilp_micro_batch",
+                        format!("divisors of the global batch {global_batch}"),
+                        bad.to_string(),
+                    ));
+                }
+                ilp.micro_batch = v;
+            }
+            if let Some(m) = s.submeshes {
+                ilp.powers_of_two = matches!(m, Submeshes::PowersOfTwo);
+            }
         }
         let mut used = cluster_profiles[cluster].clone();
         used.extend(self.attach(
@@ -761,26 +800,11 @@ impl Loader<'_> {
                 grad_accumulation_fusion: t.grad_accumulation_fusion.unwrap_or(true),
             },
             search,
+            ilp,
         })
     }
 
     fn search(&self, s: &RawSearch, out: &mut SearchSpace) -> Result<(), EngineError> {
-        fn nonempty<T: Clone>(
-            l: &Loader<'_>,
-            v: &Option<Spanned<Vec<T>>>,
-            key: &str,
-        ) -> Result<Option<Vec<T>>, EngineError> {
-            match v {
-                None => Ok(None),
-                Some(list) if list.get_ref().is_empty() => Err(l.diag(
-                    list.span().start,
-                    &format!("target.search.{key}"),
-                    "a list with at least one value",
-                    "an empty list",
-                )),
-                Some(list) => Ok(Some(list.get_ref().clone())),
-            }
-        }
         let ints =
             |v: Option<Vec<Positive>>| v.map(|l| l.into_iter().map(|p| p.0).collect::<Vec<_>>());
         if let Some(v) = ints(nonempty(self, &s.tp, "tp")?) {
@@ -808,6 +832,24 @@ impl Loader<'_> {
             out.zero = v.into_iter().map(|z| z.0).collect();
         }
         Ok(())
+    }
+}
+
+/// The list under `target.search.<key>`; an error for an empty one.
+fn nonempty<T: Clone>(
+    l: &Loader<'_>,
+    v: &Option<Spanned<Vec<T>>>,
+    key: &str,
+) -> Result<Option<Vec<T>>, EngineError> {
+    match v {
+        None => Ok(None),
+        Some(list) if list.get_ref().is_empty() => Err(l.diag(
+            list.span().start,
+            &format!("target.search.{key}"),
+            "a list with at least one value",
+            "an empty list",
+        )),
+        Some(list) => Ok(Some(list.get_ref().clone())),
     }
 }
 

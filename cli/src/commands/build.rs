@@ -73,7 +73,10 @@ pub fn run_with(
                         "partition": e.partition,
                         "bubble": e.bubble,
                         "layout": e.layout,
-                        "step_time_s": e.step_time_s,
+                        "step_time_s": p.plan.step_time_s(),
+                        "space": p.plan.space,
+                        "spaces": p.plan.spaces,
+                        "megatron_expressible": p.plan.megatron_expressible,
                         "tokens_per_s": e.tokens_per_s,
                         "tflops_per_gpu": e.tflops_per_gpu,
                         "mfu": e.mfu,
@@ -93,8 +96,25 @@ pub fn run_with(
                 }),
             })
             .collect();
+        let kinds: serde_json::Map<String, serde_json::Value> = report
+            .kinds
+            .iter()
+            .map(|(k, c)| {
+                (
+                    k.to_string(),
+                    json!({
+                        "total": c.total,
+                        "hits_memory": c.memory,
+                        "hits_local": c.local,
+                        "hits_remote": c.remote,
+                        "solved": c.solved,
+                    }),
+                )
+            })
+            .collect();
         print_json(&json!({
             "targets": targets,
+            "kinds": kinds,
             "planned": planned,
             "infeasible": failed,
             "solves_total": c.total,
@@ -149,6 +169,16 @@ pub fn run_with(
                 render::bytes(b as f64)
             ))
         );
+        for (k, c) in &report.kinds {
+            outln!(
+                "  {k:<11} {:>6} total, {} memory hits, {} local hits, {} remote hits, {} solved",
+                c.total,
+                c.memory,
+                c.local,
+                c.remote,
+                c.solved
+            );
+        }
     }
     match (planned, failed) {
         (_, 0) => Ok(()),

@@ -5,13 +5,14 @@ use crate::cost::cluster::{Cluster, GIB};
 use crate::cost::memory::Precision;
 use crate::model::frontend::{Attention, Bias, Mlp, ModelDef, Norm, Position};
 use crate::plan::estimate::{ChunkLayers, Estimate};
+use crate::plan::ilp::{IlpPlan, Space};
 use crate::plan::layout::{Layout, Recompute, TrainingOptions};
 use crate::plan::partition::Attempt;
 use crate::plan::search::SearchResult;
 use serde::{Deserialize, Serialize};
 
 /// Version of the plan file layout.
-pub const PLAN_SCHEMA: u32 = 2;
+pub const PLAN_SCHEMA: u32 = 3;
 
 /// The model a plan is for.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -52,6 +53,28 @@ pub struct SearchStats {
     pub refine_capped: bool,
 }
 
+/// A space's best plan, for comparison.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SpaceBest {
+    /// Predicted step time, s.
+    pub step_time_s: f64,
+    /// Model FLOPs utilisation.
+    pub mfu: f64,
+    /// Peak memory per device, GiB.
+    pub memory_per_device_gib: f64,
+    /// The plan in one line.
+    pub summary: String,
+}
+
+/// Each space's best plan (`None`: not searched, or nothing fits there).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Spaces {
+    /// Megatron-LM's layouts.
+    pub megatron: Option<SpaceBest>,
+    /// The intra-op ILP with Alpa's stage DP.
+    pub ilp: Option<SpaceBest>,
+}
+
 /// A parallel-training plan for one target.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -67,8 +90,20 @@ pub struct Plan {
     pub cluster: Cluster,
     /// Training options.
     pub training: TrainingOptions,
-    /// The chosen layout, priced.
+    /// The space the plan comes from: `megatron` (the layout in `estimate`) or `ilp` (the
+    /// pipeline in `ilp`), whichever is faster among those searched.
+    pub space: Space,
+    /// Each space's best.
+    pub spaces: Spaces,
+    /// Whether Megatron-LM can run the chosen plan (`megatron_args` realise it); when the
+    /// ILP plan wins and Megatron-LM cannot, `megatron_args` run the best Megatron-LM layout
+    /// and `ilp.not_megatron` says why the plan itself is out of its reach.
+    pub megatron_expressible: bool,
+    /// The best Megatron-LM layout, priced (the plan itself when `space` is `megatron`).
     pub estimate: Estimate,
+    /// The ILP space's best pipeline: per stage its submesh, logical mesh and every op's
+    /// specs, with the differences from Megatron-LM's sharding.
+    pub ilp: Option<IlpPlan>,
     /// The next best layouts.
     pub alternatives: Vec<Alternative>,
     /// Search coverage.
@@ -109,6 +144,18 @@ impl Plan {
             model,
             cluster: cluster.clone(),
             training,
+            space: Space::Megatron,
+            spaces: Spaces {
+                megatron: Some(SpaceBest {
+                    step_time_s: best.step_time_s,
+                    mfu: best.mfu,
+                    memory_per_device_gib: best.memory_per_device_gib,
+                    summary: best.layout.describe(),
+                }),
+                ilp: None,
+            },
+            megatron_expressible: true,
+            ilp: None,
             alternatives: result
                 .ranked
                 .iter()
@@ -132,6 +179,45 @@ impl Plan {
             megatron_args: args,
             launch,
         })
+    }
+}
+
+impl Plan {
+    /// The plan with the ILP space's best recorded (`None`: searched and nothing fits) and
+    /// the winner chosen among the spaces `space` allows: the faster, Megatron-LM's on a tie.
+    /// `None` when `space` is `ilp` and the ILP space has no plan.
+    pub fn with_ilp(mut self, ilp: Option<IlpPlan>, space: Space) -> Option<Plan> {
+        let gpus = self.cluster.gpus() as f64;
+        let peak = match self.training.precision {
+            Precision::Fp32 => self.cluster.device.peak_fp32_flops,
+            _ => self.cluster.device.peak_bf16_flops,
+        };
+        self.spaces.ilp = ilp.as_ref().map(|p| SpaceBest {
+            step_time_s: p.step_time_s,
+            mfu: self.estimate.model_flops_per_step / p.step_time_s / gpus / peak,
+            memory_per_device_gib: p.memory_per_device_gib,
+            summary: p.describe(),
+        });
+        let ilp_wins = match (space, &ilp) {
+            (Space::Megatron, _) | (Space::Both, None) => false,
+            (Space::Ilp, None) => return None,
+            (Space::Ilp, Some(_)) => true,
+            (Space::Both, Some(p)) => p.step_time_s < self.estimate.step_time_s,
+        };
+        if ilp_wins {
+            self.space = Space::Ilp;
+            self.megatron_expressible = ilp.as_ref().is_some_and(|p| p.megatron_expressible);
+        }
+        self.ilp = ilp;
+        Some(self)
+    }
+
+    /// Predicted step time of the chosen plan, s.
+    pub fn step_time_s(&self) -> f64 {
+        match (&self.space, &self.ilp) {
+            (Space::Ilp, Some(p)) => p.step_time_s,
+            _ => self.estimate.step_time_s,
+        }
     }
 }
 

@@ -3,6 +3,7 @@
 
 pub mod estimate;
 pub mod format;
+pub mod ilp;
 pub mod layout;
 pub mod partition;
 pub mod search;

@@ -15,7 +15,7 @@
 
 use super::inter::{self, InterError, StageProblem, submesh_choices};
 use super::intra::chain::{self, ChainError, Entry, LayerTable};
-use super::intra::stage::StageOptions;
+use super::intra::stage::{StageOptions, StagePlan};
 use crate::canonical::{Digest, KeyParts, digest};
 use crate::cost::cluster::{Cluster, Device};
 use crate::cost::layer_cost::LayerCostContext;
@@ -25,6 +25,10 @@ use crate::model::graph::Graph;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+
+/// The largest factor the exact solver builds for a layer table by default (a few hundred MB
+/// of f64 at most).
+pub const DEFAULT_MAX_EXACT_ENTRIES: f64 = 4e6;
 
 /// How the pipeline is searched.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -74,6 +78,9 @@ pub struct PipelineStage {
     pub inflight: u64,
     /// Memory per device with those in flight, bytes.
     pub memory: f64,
+    /// The intra-op plan reaching `cost`: every op's and parameter's specs on the logical
+    /// mesh, with those micro-batches in flight.
+    pub plan: StagePlan,
 }
 
 /// The pipeline found.
@@ -341,22 +348,36 @@ pub fn plan_pipeline_with(
     let count = plan.stages.len();
     let stages = plan
         .stages
-        .iter()
+        .par_iter()
         .enumerate()
         .map(|(j, st)| {
             let inflight = ((count - j) as u64).min(opts.microbatches.max(1));
-            // The chosen stage's range chained again for its memory.
-            let table = |l: usize| {
-                tables
-                    .get(&(st.submesh, st.config, classes[l]))
-                    .ok_or(ChainError::Mismatch(l, l))
-            };
-            let mut best = chain::start(table(st.start)?);
-            for i in st.start + 1..=st.end {
-                best = chain::extend(&best, table(i - 1)?, table(i)?)
-                    .ok_or(ChainError::Mismatch(i - 1, i))?;
-            }
-            let e = chain::finish(&best);
+            // The chosen stage's range chained again for its memory and its plan.
+            let range: Vec<&LayerTable> = (st.start..=st.end)
+                .map(|l| {
+                    tables
+                        .get(&(st.submesh, st.config, classes[l]))
+                        .ok_or(ChainError::Mismatch(l, l))
+                })
+                .collect::<Result<_, _>>()?;
+            let (e, _) =
+                chain::best_path(&range)?.ok_or(ChainError::Mismatch(st.start, st.end + 1))?;
+            let mesh = Mesh::logical(
+                cluster,
+                submeshes[st.submesh],
+                configs[st.submesh][st.config],
+            );
+            let stage_plan = chain::decode_range(
+                graph,
+                st.start..st.end + 1,
+                mesh,
+                &cluster.device,
+                StageOptions {
+                    inflight,
+                    ..stage_opts
+                },
+                &range,
+            )?;
             Ok(PipelineStage {
                 layers: [st.start, st.end + 1],
                 mesh: MeshChoice {
@@ -366,6 +387,7 @@ pub fn plan_pipeline_with(
                 cost: st.cost,
                 inflight,
                 memory: e.memory_at(inflight, 1),
+                plan: stage_plan,
             })
         })
         .collect::<Result<_, ChainError>>()?;

@@ -216,6 +216,23 @@ pub fn crossing_shapes(graph: &Graph) -> Vec<Vec<Vec<u64>>> {
         .collect()
 }
 
+/// Per boundary between layers `l` and `l + 1`: the bytes of the tensors crossing it forward
+/// (made by `l`, read by `l + 1`: the activation) and backward (made by `l + 1`, read by `l`:
+/// its gradient), whole (unsharded).
+pub fn boundary_bytes(graph: &Graph) -> Vec<[f64; 2]> {
+    let crossings = Crossings::of(graph);
+    (0..graph.layers.len().saturating_sub(1))
+        .map(|l| {
+            let mut out = [0.0; 2];
+            for t in crossings.boundary(l) {
+                let dir = usize::from(crossings.maker.get(&t) != Some(&l));
+                out[dir] += graph.tensor(t).bytes() as f64;
+            }
+            out
+        })
+        .collect()
+}
+
 /// Solves layer `layer` of `graph` on `mesh` for every choice of its boundary specs.
 pub fn layer_table(
     graph: &Graph,
@@ -526,10 +543,14 @@ pub fn finish(best: &[Entry]) -> Entry {
     best.iter().copied().fold(Entry::NONE, Entry::min)
 }
 
+/// A path through a range's tables: its entry and, per layer, its `before` and `after` state
+/// indices.
+pub type Path = (Entry, Vec<[usize; 2]>);
+
 /// The cheapest path through `tables` (consecutive layers), free at both ends: its entry and,
 /// per layer, the indices of its `before` and `after` states on the path. `None` when no
 /// path has a finite cost.
-pub fn best_path(tables: &[&LayerTable]) -> Result<Option<(Entry, Vec<[usize; 2]>)>, ChainError> {
+pub fn best_path(tables: &[&LayerTable]) -> Result<Option<Path>, ChainError> {
     let Some(first) = tables.first() else {
         return Ok(Some((Entry::ZERO, Vec::new())));
     };
@@ -596,7 +617,8 @@ pub fn best_path(tables: &[&LayerTable]) -> Result<Option<(Entry, Vec<[usize; 2]
 /// The plan of layers `layers` of `graph` on `mesh` that reaches the chain's optimum over
 /// their `tables`: each layer solved again with its boundary specs pinned to the states of
 /// the cheapest path ([`best_path`]), the layers' plans joined. Its objective is the
-/// chain's, which is the whole range's optimum.
+/// chain's, which is the whole range's optimum. A weight two layers of the range share
+/// (GPT-2's tied embedding) is decoded as two copies, as the chain prices it.
 pub fn decode_range(
     graph: &Graph,
     layers: Range<usize>,
@@ -606,7 +628,6 @@ pub fn decode_range(
     tables: &[&LayerTable],
 ) -> Result<StagePlan, ChainError> {
     let crossings = Crossings::of(graph);
-    crossings.check(graph, &layers)?;
     let (_, states) = best_path(tables)?.ok_or(ChainError::Mismatch(layers.start, layers.end))?;
     let plans = layers
         .clone()
@@ -626,9 +647,7 @@ pub fn decode_range(
             let sizes: Vec<usize> = model.problem().vars.iter().map(|v| v.cost.len()).collect();
             let mut allowed: Vec<Vec<usize>> = sizes.iter().map(|&k| (0..k).collect()).collect();
             for (&t, spec) in pins {
-                let (var, specs) = model
-                    .spec_variable(t)
-                    .ok_or(ChainError::Mismatch(l, l))?;
+                let (var, specs) = model.spec_variable(t).ok_or(ChainError::Mismatch(l, l))?;
                 allowed[var].retain(|&i| specs[i] == *spec);
             }
             Ok(model.solve_within(&allowed)?)

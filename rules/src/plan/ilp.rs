@@ -1,0 +1,536 @@
+//! The intra-op (ILP) space's plan: the pipeline Alpa's two levels choose (`solve::pipeline`),
+//! priced the way a Megatron-LM layout is (`plan::estimate`) so the two spaces compare on one
+//! scale, and compared op by op with Megatron-LM's sharding of the same stages.
+//!
+//! Pricing: the stages' forward and backward per micro-batch (compute, op collectives and
+//! resharding, from the decoded intra-op plans), plus the point-to-point transfer of the
+//! boundary activation and its gradient, go through the same 1F1B simulation as a Megatron
+//! layout; each stage's per-step gradient synchronisation is exposed only beyond the slack
+//! the pipeline's drain leaves it (stage `j` ends its backward passes about `j` backward
+//! times before stage 0), and the slowest stage's optimizer step follows.
+//!
+//! Megatron-LM can run the plan when every stage has the same logical mesh `dp x tp` and
+//! every op and weight of every stage has the spec Megatron-LM gives it on that mesh
+//! (`StageModel::megatron_plan`), with or without sequence parallelism; the layers may be
+//! split unevenly (`--pipeline-model-parallel-layout`).
+
+use crate::cost::analytic::p2p_time;
+use crate::cost::cluster::{Cluster, GIB};
+use crate::cost::sharding::Mesh;
+use crate::model::graph::{Graph, Pass};
+use crate::solve::intra::chain::boundary_bytes;
+use crate::solve::intra::stage::{MegatronSharding, Phase, StageModel, StageOptions, StagePlan};
+use crate::solve::pipeline::{MeshChoice, PipelineOptions, PipelinePlan, Skipped};
+use crate::solve::schedule::{Bubble, PipelineSpec, Schedule, ScheduleError, simulate_times};
+use serde::{Deserialize, Serialize};
+
+/// Which space a target's plan is chosen from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Space {
+    /// Both; the faster plan wins.
+    #[default]
+    Both,
+    /// Megatron-LM's layouts (tp, pp, dp, SP, ZeRO, recomputation, interleaving).
+    Megatron,
+    /// The intra-op ILP per layer and submesh with Alpa's stage DP.
+    Ilp,
+}
+
+impl Space {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Space::Both => "both",
+            Space::Megatron => "megatron",
+            Space::Ilp => "ilp",
+        }
+    }
+}
+
+/// What the ILP space searches for a target.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct IlpSearch {
+    /// Which space the plan comes from.
+    pub space: Space,
+    /// Sequences per micro-batch of the whole pipeline (each stage splits them over its
+    /// mesh, so this is Megatron-LM's micro-batch times its data-parallel degree).
+    pub micro_batch: Vec<u64>,
+    /// Multi-node submeshes only of a power-of-two number of nodes.
+    pub powers_of_two: bool,
+}
+
+impl IlpSearch {
+    /// The default: both spaces; micro-batches of every power of two up to 8 sequences per
+    /// GPU of a node (Megatron-LM's default micro-batches 1 to 8 at any data-parallel degree
+    /// inside a node) that divides the global batch; every submesh.
+    pub fn default_for(gpus_per_node: u64, global_batch: u64) -> Self {
+        let mut micro_batch = Vec::new();
+        let mut m = 1;
+        while m <= 8 * gpus_per_node.max(1) && m <= global_batch {
+            if global_batch % m == 0 {
+                micro_batch.push(m);
+            }
+            m *= 2;
+        }
+        IlpSearch {
+            space: Space::Both,
+            micro_batch,
+            powers_of_two: false,
+        }
+    }
+}
+
+/// An op's specs in the plan, in Alpa's notation on the stage's logical mesh.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OpSpecs {
+    /// Op name.
+    pub op: String,
+    /// Forward or backward.
+    pub pass: Pass,
+    /// Spec of each operand as the op reads it.
+    pub inputs: Vec<String>,
+    /// Spec of each result as the op writes it.
+    pub outputs: Vec<String>,
+}
+
+/// A weight's specs in the plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParamSpecs {
+    /// Parameter name.
+    pub name: String,
+    /// Spec of the working weight.
+    pub weight: String,
+    /// Spec of the master weight and optimizer moments.
+    pub states: String,
+}
+
+/// An op or weight the plan shards differently from Megatron-LM.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Difference {
+    /// Op or parameter name.
+    pub name: String,
+    /// Its specs in the plan.
+    pub plan: String,
+    /// Its specs under Megatron-LM.
+    pub megatron: String,
+}
+
+/// A stage against Megatron-LM's sharding of the same layers on the same logical mesh.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MegatronComparison {
+    /// Why Megatron-LM cannot shard the stage on its mesh (heads not divisible by the
+    /// tensor-parallel degree, ...); `None` when it can.
+    pub unavailable: Option<String>,
+    /// Sequence parallelism in the closer of Megatron-LM's two layouts.
+    pub sequence_parallel: bool,
+    /// Its objective per micro-batch, s.
+    pub objective_s: f64,
+    /// What the plan saves against it per micro-batch, s.
+    pub saves_s: f64,
+    /// Ops and weights sharded differently.
+    pub differences: Vec<Difference>,
+}
+
+/// One stage of the plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IlpStage {
+    /// Layers `start..end`.
+    pub layers: [usize; 2],
+    /// Name of the first layer.
+    pub first_name: String,
+    /// Name of the last layer.
+    pub last_name: String,
+    /// Submesh and logical mesh.
+    pub mesh: MeshChoice,
+    /// Forward per micro-batch, with sending the activation on, s.
+    pub forward_s: f64,
+    /// Backward per micro-batch, with sending the input gradient back, s.
+    pub backward_s: f64,
+    /// Of those, the point-to-point transfers, s.
+    pub p2p_s: f64,
+    /// Gradient synchronisation and updated-weight gathers per step, s.
+    pub grad_sync_s: f64,
+    /// Optimizer step, s.
+    pub optimizer_s: f64,
+    /// The intra-op objective per micro-batch (what the stage DP minimised), s.
+    pub objective_s: f64,
+    /// Micro-batches in flight under 1F1B.
+    pub inflight: u64,
+    /// Memory per device with those in flight, including the runtime's reserve, GiB.
+    pub memory_gib: f64,
+    /// Every op's specs.
+    pub ops: Vec<OpSpecs>,
+    /// Every weight's specs.
+    pub parameters: Vec<ParamSpecs>,
+    /// Against Megatron-LM.
+    pub megatron: MegatronComparison,
+}
+
+/// The ILP space's best pipeline, priced.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IlpPlan {
+    /// Sequences per micro-batch (the whole pipeline's: each stage splits it over its mesh).
+    pub micro_batch: u64,
+    /// Micro-batches per step.
+    pub num_microbatches: u64,
+    /// Predicted step time, s.
+    pub step_time_s: f64,
+    /// Of which the simulated pipeline, s.
+    pub pipeline_s: f64,
+    /// Exposed gradient synchronisation, s.
+    pub grad_sync_s: f64,
+    /// Optimizer step, s.
+    pub optimizer_s: f64,
+    /// The pipeline's bubble.
+    pub bubble: Bubble,
+    /// Alpa's objective for the stages (`sum of stage costs + (B - 1) * largest`), s.
+    pub alpa_step_s: f64,
+    /// Peak memory per device over the stages, GiB.
+    pub memory_per_device_gib: f64,
+    /// The stages.
+    pub stages: Vec<IlpStage>,
+    /// Whether Megatron-LM can run this plan (see the module's doc).
+    pub megatron_expressible: bool,
+    /// Why not, when it cannot.
+    pub not_megatron: Option<String>,
+    /// Layer tables the search read.
+    pub tables: usize,
+    /// Mesh choices considered.
+    pub meshes: usize,
+    /// Layers left off a mesh choice because their table was too large to solve exactly.
+    pub skipped: Vec<Skipped>,
+}
+
+impl IlpPlan {
+    /// The plan in one line: micro-batch, stages and their meshes (runs of equal meshes
+    /// counted).
+    pub fn describe(&self) -> String {
+        let mut runs: Vec<(MeshChoice, usize)> = Vec::new();
+        for s in &self.stages {
+            match runs.last_mut() {
+                Some((m, n)) if *m == s.mesh => *n += 1,
+                _ => runs.push((s.mesh, 1)),
+            }
+        }
+        let meshes: Vec<String> = runs
+            .iter()
+            .map(|(m, n)| {
+                let one = format!(
+                    "{}x{} as {}x{}",
+                    m.submesh.0, m.submesh.1, m.logical[0], m.logical[1]
+                );
+                if *n > 1 {
+                    format!("{n} x ({one})")
+                } else {
+                    one
+                }
+            })
+            .collect();
+        format!(
+            "micro-batch {} ({} micro-batches) · {} stage(s): {}",
+            self.micro_batch,
+            self.num_microbatches,
+            self.stages.len(),
+            meshes.join(", ")
+        )
+    }
+}
+
+/// Prices `pipeline`, found on `graph` (lowered with `micro_batch` sequences) with `opts`,
+/// on `cluster`.
+pub fn price(
+    graph: &Graph,
+    cluster: &Cluster,
+    micro_batch: u64,
+    opts: PipelineOptions,
+    pipeline: &PipelinePlan,
+) -> Result<IlpPlan, ScheduleError> {
+    let p = pipeline.stages.len();
+    let b = opts.microbatches.max(1);
+    let crossing = boundary_bytes(graph);
+    let devices: Vec<u64> = pipeline
+        .stages
+        .iter()
+        .map(|s| s.mesh.logical[0] * s.mesh.logical[1])
+        .collect();
+    // Stages laid out on consecutive devices, in order.
+    let first_rank: Vec<u64> = devices
+        .iter()
+        .scan(0, |next, &d| {
+            let at = *next;
+            *next += d;
+            Some(at)
+        })
+        .collect();
+    // Each device of the smaller mesh sends or receives its share of the whole tensor.
+    let transfer = |from: usize, to: usize, bytes: f64| {
+        let link = cluster.p2p_link(first_rank[from], first_rank[to]);
+        p2p_time(bytes / devices[from].min(devices[to]) as f64, link)
+    };
+    let mut spec = PipelineSpec {
+        schedule: Schedule::OneFOneB,
+        microbatches: b as usize,
+        forward: vec![vec![0.0; p]],
+        backward: vec![vec![0.0; p]],
+        recompute: vec![vec![0.0; p]],
+        activation: vec![vec![0.0; p]],
+    };
+    let mut stages = Vec::with_capacity(p);
+    for (j, st) in pipeline.stages.iter().enumerate() {
+        let plan = &st.plan;
+        let [start, end] = st.layers;
+        let send_f = if j + 1 < p {
+            transfer(j, j + 1, crossing[end - 1][0])
+        } else {
+            0.0
+        };
+        let send_b = if j > 0 {
+            transfer(j, j - 1, crossing[start - 1][1])
+        } else {
+            0.0
+        };
+        let sync: f64 = plan
+            .collectives
+            .iter()
+            .filter(|c| c.phase == Phase::Step)
+            .map(|c| c.seconds)
+            .sum();
+        spec.forward[0][j] = plan.forward + send_f;
+        spec.backward[0][j] = plan.backward + send_b;
+        spec.activation[0][j] = plan.memory.activations / st.inflight.max(1) as f64;
+        let megatron = compare(graph, cluster, st.mesh, opts, st.inflight, plan);
+        stages.push(IlpStage {
+            layers: st.layers,
+            first_name: graph.layers[start].name.clone(),
+            last_name: graph.layers[end - 1].name.clone(),
+            mesh: st.mesh,
+            forward_s: plan.forward + send_f,
+            backward_s: plan.backward + send_b,
+            p2p_s: send_f + send_b,
+            grad_sync_s: sync,
+            optimizer_s: (plan.step - sync).max(0.0),
+            objective_s: plan.objective,
+            inflight: st.inflight,
+            memory_gib: (plan.memory.total + cluster.device.reserved_bytes) / GIB,
+            ops: plan
+                .ops
+                .iter()
+                .map(|o| OpSpecs {
+                    op: o.name.clone(),
+                    pass: o.pass,
+                    inputs: o.inputs.clone(),
+                    outputs: o.outputs.clone(),
+                })
+                .collect(),
+            parameters: plan
+                .parameters
+                .iter()
+                .map(|w| ParamSpecs {
+                    name: w.name.clone(),
+                    weight: w.weight.clone(),
+                    states: w.states.clone(),
+                })
+                .collect(),
+            megatron,
+        });
+    }
+    let sim = simulate_times(&spec)?;
+    let grad_sync = stages
+        .iter()
+        .enumerate()
+        .map(|(j, s)| s.grad_sync_s - j as f64 * s.backward_s)
+        .fold(0.0f64, f64::max);
+    let optimizer = stages.iter().map(|s| s.optimizer_s).fold(0.0f64, f64::max);
+    let (megatron_expressible, not_megatron) = expressible(&stages);
+    Ok(IlpPlan {
+        micro_batch,
+        num_microbatches: b,
+        step_time_s: sim.makespan + grad_sync + optimizer,
+        pipeline_s: sim.makespan,
+        grad_sync_s: grad_sync,
+        optimizer_s: optimizer,
+        bubble: sim.bubble,
+        alpa_step_s: pipeline.step,
+        memory_per_device_gib: stages.iter().map(|s| s.memory_gib).fold(0.0, f64::max),
+        stages,
+        megatron_expressible,
+        not_megatron,
+        tables: pipeline.tables,
+        meshes: pipeline.meshes,
+        skipped: pipeline.skipped.clone(),
+    })
+}
+
+/// The stage's plan against Megatron-LM's layouts of its layers on its logical mesh `a x b`:
+/// data parallel over axis 0 and tensor parallel over axis 1, with and without sequence
+/// parallelism, and, on a `1 x b` mesh, also plain data parallelism over all `b` devices
+/// (the same devices as a `b x 1` mesh, its splits named for axis 1); the optimizer states
+/// split over the data-parallel axis when the plan splits them. The closest layout (fewest
+/// differences, then the cheaper) is the comparison.
+fn compare(
+    graph: &Graph,
+    cluster: &Cluster,
+    choice: MeshChoice,
+    opts: PipelineOptions,
+    inflight: u64,
+    plan: &StagePlan,
+) -> MegatronComparison {
+    let stage_opts = StageOptions {
+        microbatches: opts.microbatches,
+        inflight,
+        memory_budget: None,
+        precision: opts.precision,
+        max_exact_entries: opts.max_exact_entries,
+        ..StageOptions::default()
+    };
+    let distributed_optimizer = plan.parameters.iter().any(|w| w.states != w.weight);
+    let pinned = |logical: [u64; 2], sp: bool| -> Result<StagePlan, String> {
+        let mesh = Mesh::logical(cluster, choice.submesh, logical);
+        let parts = (plan.layers[0]..plan.layers[1])
+            .map(|l| {
+                let model = StageModel::build(graph, l..l + 1, mesh, &cluster.device, stage_opts)
+                    .map_err(|e| e.to_string())?;
+                model
+                    .megatron_plan(MegatronSharding {
+                        sp,
+                        distributed_optimizer,
+                    })
+                    .map_err(|e| e.to_string())
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        StagePlan::join(parts).ok_or_else(|| "the stage holds no layer".to_string())
+    };
+    let [a, b] = choice.logical;
+    let mut candidates: Vec<(bool, Result<StagePlan, String>)> = [false, true]
+        .into_iter()
+        .map(|sp| (sp, pinned(choice.logical, sp)))
+        .collect();
+    if a == 1 && b > 1 {
+        candidates.push((false, pinned([b, 1], false).map(renamed_to_axis_1)));
+    }
+    let best = candidates
+        .iter()
+        .filter_map(|(sp, r)| r.as_ref().ok().map(|m| (*sp, m, differences(plan, m))))
+        .min_by(|x, y| {
+            (x.2.len(), x.1.objective)
+                .partial_cmp(&(y.2.len(), y.1.objective))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        });
+    match best {
+        Some((sp, m, differences)) => MegatronComparison {
+            unavailable: None,
+            sequence_parallel: sp,
+            objective_s: m.objective,
+            saves_s: m.objective - plan.objective,
+            differences,
+        },
+        None => MegatronComparison {
+            unavailable: candidates.into_iter().find_map(|(_, r)| r.err()),
+            sequence_parallel: false,
+            objective_s: f64::INFINITY,
+            saves_s: f64::INFINITY,
+            differences: Vec::new(),
+        },
+    }
+}
+
+/// A plan on a `b x 1` mesh with its splits named as on the `1 x b` mesh of the same devices
+/// (axis 1 has one device, so no spec names it).
+fn renamed_to_axis_1(mut p: StagePlan) -> StagePlan {
+    let rename = |s: &mut String| *s = s.replace("S0", "S1");
+    for o in &mut p.ops {
+        o.inputs
+            .iter_mut()
+            .chain(o.outputs.iter_mut())
+            .for_each(rename);
+    }
+    for w in &mut p.parameters {
+        rename(&mut w.weight);
+        rename(&mut w.states);
+    }
+    p
+}
+
+/// Ops and weights of `plan` whose specs differ from `megatron`'s (the same ops, in order).
+fn differences(plan: &StagePlan, megatron: &StagePlan) -> Vec<Difference> {
+    let ops = plan
+        .ops
+        .iter()
+        .zip(&megatron.ops)
+        .filter(|(a, m)| a.inputs != m.inputs || a.outputs != m.outputs)
+        .map(|(a, m)| Difference {
+            name: a.name.clone(),
+            plan: format!("{} -> {}", a.inputs.join(" "), a.outputs.join(" ")),
+            megatron: format!("{} -> {}", m.inputs.join(" "), m.outputs.join(" ")),
+        });
+    let weights = plan
+        .parameters
+        .iter()
+        .zip(&megatron.parameters)
+        .filter(|(a, m)| a.weight != m.weight || a.states != m.states)
+        .map(|(a, m)| Difference {
+            name: a.name.clone(),
+            plan: format!("weight {} states {}", a.weight, a.states),
+            megatron: format!("weight {} states {}", m.weight, m.states),
+        });
+    ops.chain(weights).collect()
+}
+
+/// Whether Megatron-LM can run the stages, and why not.
+fn expressible(stages: &[IlpStage]) -> (bool, Option<String>) {
+    let Some(first) = stages.first() else {
+        return (false, Some("the plan has no stage".into()));
+    };
+    if let Some(s) = stages.iter().find(|s| s.mesh.logical != first.mesh.logical) {
+        return (
+            false,
+            Some(format!(
+                "stages run on different logical meshes ({}x{} for layers {}..{}, {}x{} for \
+                 layers {}..{}); Megatron-LM gives every stage the same tp and dp",
+                first.mesh.logical[0],
+                first.mesh.logical[1],
+                first.layers[0],
+                first.layers[1],
+                s.mesh.logical[0],
+                s.mesh.logical[1],
+                s.layers[0],
+                s.layers[1]
+            )),
+        );
+    }
+    if let Some(s) = stages.iter().find(|s| s.megatron.unavailable.is_some()) {
+        let why = s.megatron.unavailable.clone().unwrap_or_default();
+        return (
+            false,
+            Some(format!(
+                "Megatron-LM cannot shard layers {}..{} on {}x{}: {why}",
+                s.layers[0], s.layers[1], s.mesh.logical[0], s.mesh.logical[1]
+            )),
+        );
+    }
+    let sp = first.megatron.sequence_parallel;
+    if stages.iter().any(|s| s.megatron.sequence_parallel != sp) {
+        return (
+            false,
+            Some("some stages use sequence parallelism and others do not".into()),
+        );
+    }
+    if let Some(s) = stages.iter().find(|s| !s.megatron.differences.is_empty()) {
+        let d = &s.megatron.differences[0];
+        return (
+            false,
+            Some(format!(
+                "{} ops and weights are sharded as Megatron-LM cannot, e.g. `{}` as {} (Megatron-LM: {})",
+                stages
+                    .iter()
+                    .map(|s| s.megatron.differences.len())
+                    .sum::<usize>(),
+                d.name,
+                d.plan,
+                d.megatron
+            )),
+        );
+    }
+    (true, None)
+}
