@@ -331,6 +331,10 @@ pub fn plan(p: &Plan, path: Option<&Path>, trace: Option<&Path>) -> String {
 
 /// Which space won and by how much.
 fn spaces(out: &mut String, p: &Plan) {
+    if let Some(why) = &p.spaces.ilp_not_searched {
+        let _ = writeln!(out, "  space     megatron: {why}");
+        return;
+    }
     let (Some(m), Some(i)) = (&p.spaces.megatron, &p.spaces.ilp) else {
         if p.ilp.is_none() && p.space == Space::Megatron && p.spaces.ilp.is_none() {
             return;

@@ -27,7 +27,8 @@ use autopar_rules::plan::ilp::{self, IlpPlan, Space};
 use autopar_rules::plan::layout::LayoutError;
 use autopar_rules::plan::search::{SearchResult, layer_cost_digest, search};
 use autopar_rules::solve::pipeline::{
-    DEFAULT_MAX_EXACT_ENTRIES, PipelineOptions, plan_pipeline_with,
+    DEFAULT_MAX_EXACT_ENTRIES, MAX_RANGE_PRICES, MAX_TABLES, PipelineOptions, plan_pipeline_with,
+    search_size,
 };
 use autopar_rules::solve::schedule::{chrome_trace, simulate, trace_spec};
 use autopar_store::EntryMeta;
@@ -292,6 +293,14 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
     };
     let planned = plan_from(ws, t, &est, &result).and_then(|plan| {
         let tried = ilp.tried.clone();
+        if let Some(why) = &ilp.not_searched {
+            if t.ilp.space == Space::Ilp {
+                return Err(why.clone());
+            }
+            let mut plan = plan;
+            plan.spaces.ilp_not_searched = Some(why.clone());
+            return Ok(plan);
+        }
         plan.with_ilp(ilp.best, t.ilp.space).ok_or_else(|| {
             format!(
                 "the ILP space has no plan (`space = \"ilp\"`): {}",
@@ -341,6 +350,8 @@ struct IlpOutcome {
     best: Option<IlpPlan>,
     /// Why each micro-batch size that gave no pipeline gave none.
     tried: Vec<(u64, String)>,
+    /// Why the space was not searched at all.
+    not_searched: Option<String>,
 }
 
 /// Alpa's two levels for every micro-batch size of the target's ILP space, each through the
@@ -352,6 +363,18 @@ fn ilp_search(ws: &Workspace, t: &Target, cache: &Cache, capacity: f64) -> IlpOu
     // The runtime's reserve is not part of the intra-op model's memory.
     let budget = capacity - cluster.device.reserved_bytes;
     let mut out = IlpOutcome::default();
+    // Too large a search is left out, and the plan says so (never a silent cut).
+    let size = ilp_lower(ws, t, 1).map(|g| search_size(&g, cluster, t.ilp.powers_of_two));
+    if let Ok((tables, ranges)) = size
+        && (tables > MAX_TABLES || ranges > MAX_RANGE_PRICES)
+    {
+        out.not_searched = Some(format!(
+            "the ILP space was not searched: {tables} layer tables (at most {MAX_TABLES}) and \
+             {ranges} range prices (at most {MAX_RANGE_PRICES}) per micro-batch size; use \
+             `submeshes = \"powers-of-two\"` or `space = \"megatron\"`"
+        ));
+        return out;
+    }
     for &mb in &t.ilp.micro_batch {
         let key = KeyParts::new("stages")
             .with("model", &model.def.canonical_json())
@@ -409,7 +432,29 @@ fn ilp_pipeline(
 ) -> Result<IlpPlan, String> {
     let model = &ws.models[t.model];
     let cluster = &ws.clusters[t.cluster];
-    let graph = model
+    let graph = ilp_lower(ws, t, mb)?;
+    let opts = PipelineOptions {
+        microbatches: t.global_batch / mb,
+        memory_budget: budget,
+        precision: t.options.precision,
+        max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
+        powers_of_two: t.ilp.powers_of_two,
+    };
+    let source = CachedTables::new(cache, &model.name);
+    let pipeline = plan_pipeline_with(&graph, cluster, opts, &source).map_err(|e| e.to_string())?;
+    ilp::price(&graph, cluster, mb, opts, &pipeline).map_err(|e| e.to_string())
+}
+
+/// The target's model lowered with micro-batches of `mb` sequences, its vocabulary padded for
+/// any tensor-parallel degree inside a node.
+fn ilp_lower(
+    ws: &Workspace,
+    t: &Target,
+    mb: u64,
+) -> Result<autopar_rules::model::graph::Graph, String> {
+    let model = &ws.models[t.model];
+    let cluster = &ws.clusters[t.cluster];
+    model
         .def
         .lower(
             &model.name,
@@ -421,17 +466,7 @@ fn ilp_pipeline(
                 vocab_multiple: t.options.vocab_multiple * cluster.gpus_per_node,
             },
         )
-        .map_err(|e| e.to_string())?;
-    let opts = PipelineOptions {
-        microbatches: t.global_batch / mb,
-        memory_budget: budget,
-        precision: t.options.precision,
-        max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
-        powers_of_two: t.ilp.powers_of_two,
-    };
-    let source = CachedTables::new(cache, &model.name);
-    let pipeline = plan_pipeline_with(&graph, cluster, opts, &source).map_err(|e| e.to_string())?;
-    ilp::price(&graph, cluster, mb, opts, &pipeline).map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())
 }
 
 /// Writes the plan and its timeline, leaving files that already say the same untouched.

@@ -73,6 +73,8 @@ pub struct Spaces {
     pub megatron: Option<SpaceBest>,
     /// The intra-op ILP with Alpa's stage DP.
     pub ilp: Option<SpaceBest>,
+    /// Why the ILP space was not searched, when it was too large to search.
+    pub ilp_not_searched: Option<String>,
 }
 
 /// A parallel-training plan for one target.
@@ -153,6 +155,7 @@ impl Plan {
                     summary: best.layout.describe(),
                 }),
                 ilp: None,
+                ilp_not_searched: None,
             },
             megatron_expressible: true,
             ilp: None,

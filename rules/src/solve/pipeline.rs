@@ -207,6 +207,29 @@ impl TableSource for Solve {
     }
 }
 
+/// Most layer tables one pipeline search solves (distinct layers x mesh choices) before the
+/// build leaves the ILP space out, saying so: each is an exact solve of its own.
+pub const MAX_TABLES: u64 = 20_000;
+
+/// Most range prices one pipeline search computes (layers^2 x mesh choices) before the build
+/// leaves the ILP space out, saying so: GPT-3 175B on every submesh of 128 nodes is 1.7e7.
+pub const MAX_RANGE_PRICES: u64 = 20_000_000;
+
+/// The size of the search [`plan_pipeline_with`] would run: layer tables and range prices.
+pub fn search_size(graph: &Graph, cluster: &Cluster, powers_of_two: bool) -> (u64, u64) {
+    let meshes: u64 = submesh_choices(cluster.nodes, cluster.gpus_per_node, powers_of_two)
+        .iter()
+        .map(|&(n, m)| logical_meshes(n * m).len() as u64)
+        .sum();
+    let classes = layer_classes(graph);
+    let distinct = classes.iter().enumerate().filter(|&(l, &c)| l == c).count() as u64;
+    let layers = graph.layers.len() as u64;
+    (
+        distinct.saturating_mul(meshes),
+        layers.saturating_mul(layers).saturating_mul(meshes),
+    )
+}
+
 /// A table to solve: submesh, logical mesh of it, layer (indices).
 type Job = (usize, usize, usize);
 

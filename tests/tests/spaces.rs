@@ -1,0 +1,186 @@
+//! The build's two spaces: Megatron-LM's layouts and the intra-op ILP with Alpa's stage DP.
+//! The faster plan wins and the plan says by how much, the target's `space` restricts the
+//! choice, the ILP results are cached per kind and an edit re-runs only what it touches.
+
+use autopar_tests::{Run, TempWorkspace};
+use serde_json::Value;
+
+/// A small transformer on one node of two GPUs (1D logical meshes only, so every table is
+/// quick), with the target's extra keys after `global_batch`.
+fn workspace(target_extra: &str, layers: u64) -> String {
+    format!(
+        r#"
+[[model]]
+name = "tiny"
+transformer = {{ hidden = 256, layers = {layers}, heads = 8, ffn_hidden = 1024, vocab = 8000, max_seq = 256 }}
+
+[[cluster]]
+name = "two"
+preset = "h100-sxm"
+nodes = 1
+gpus_per_node = 2
+
+[[target]]
+name = "tiny"
+model = "tiny"
+cluster = "two"
+global_batch = 8
+seq_len = 128
+{target_extra}
+"#
+    )
+}
+
+fn built(r: &Run) -> Value {
+    assert_eq!(r.code, 0, "stdout:\n{}\nstderr:\n{}", r.stdout, r.stderr);
+    r.json()
+}
+
+/// `kinds.<kind>.<field>` of a `build --json` output (0 when the kind was not asked for).
+fn kind(j: &Value, kind: &str, field: &str) -> u64 {
+    j["kinds"][kind][field].as_u64().unwrap_or(0)
+}
+
+fn plan(ws: &TempWorkspace) -> Value {
+    serde_json::from_str(&ws.read("plans/tiny.json")).expect("plan is JSON")
+}
+
+#[test]
+fn the_faster_space_wins_and_the_plan_says_why() {
+    let ws = TempWorkspace::with_toml(&workspace("space = \"both\"", 4));
+    let j = built(&ws.run(&["build", "--json"]));
+    let p = plan(&ws);
+    let megatron = p["spaces"]["megatron"]["step_time_s"]
+        .as_f64()
+        .expect("the Megatron-LM space's best");
+    let ilp = p["spaces"]["ilp"]["step_time_s"]
+        .as_f64()
+        .expect("the ILP space's best");
+    let step = j["targets"][0]["step_time_s"].as_f64().expect("step");
+    // Never slower than either space's best.
+    assert_eq!(step, megatron.min(ilp), "{}", j);
+    let winner = if ilp < megatron { "ilp" } else { "megatron" };
+    assert_eq!(p["space"], winner);
+    assert_eq!(j["targets"][0]["space"], winner);
+    let stages = p["ilp"]["stages"].as_array().expect("ILP stages");
+    assert!(!stages.is_empty());
+    let layers: u64 = stages
+        .iter()
+        .map(|s| s["layers"][1].as_u64().unwrap_or(0) - s["layers"][0].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(
+        layers, 6,
+        "embedding, 4 blocks and the head, each in one stage"
+    );
+    for s in stages {
+        let devices = s["mesh"]["logical"][0].as_u64().unwrap_or(0)
+            * s["mesh"]["logical"][1].as_u64().unwrap_or(0);
+        assert!(devices == 1 || devices == 2, "{s}");
+        let ops = s["ops"].as_array().expect("every op's specs");
+        assert!(ops.len() > 10, "{s}");
+        for o in ops {
+            assert!(o["inputs"].is_array() && o["outputs"].is_array(), "{o}");
+        }
+        assert!(s["parameters"].as_array().is_some_and(|w| !w.is_empty()));
+    }
+    if winner == "ilp" {
+        assert_eq!(p["megatron_expressible"], p["ilp"]["megatron_expressible"]);
+    } else {
+        assert_eq!(p["megatron_expressible"], true);
+    }
+    if p["ilp"]["megatron_expressible"] == false {
+        assert!(p["ilp"]["not_megatron"].is_string(), "the plan says why");
+    }
+    // The text summary names the winner and the other space's best.
+    let text = ws.run(&["build"]);
+    assert_eq!(text.code, 0, "{}", text.stderr);
+    assert!(
+        text.stdout.contains(&format!("space     {winner} wins")),
+        "{}",
+        text.stdout
+    );
+    assert!(
+        text.stdout.contains("  ilp       micro-batch"),
+        "{}",
+        text.stdout
+    );
+}
+
+#[test]
+fn the_space_option_restricts_the_choice() {
+    let ws = TempWorkspace::with_toml(&workspace("space = \"megatron\"", 4));
+    let j = built(&ws.run(&["build", "--json"]));
+    let p = plan(&ws);
+    assert_eq!(p["space"], "megatron");
+    assert!(p["ilp"].is_null());
+    assert_eq!(kind(&j, "sharding", "total"), 0, "no ILP table asked for");
+    assert_eq!(kind(&j, "stages", "total"), 0);
+
+    ws.write("workspace.toml", &workspace("space = \"ilp\"", 4));
+    let j = built(&ws.run(&["build", "--json"]));
+    let p = plan(&ws);
+    assert_eq!(p["space"], "ilp");
+    assert_eq!(
+        j["targets"][0]["step_time_s"].as_f64(),
+        p["ilp"]["step_time_s"].as_f64()
+    );
+}
+
+#[test]
+fn ilp_results_are_cached_per_kind_and_a_model_edit_re_solves_no_table() {
+    let ws = TempWorkspace::with_toml(&workspace(
+        "space = \"both\"\n[target.search]\nilp_micro_batch = [2, 4]",
+        4,
+    ));
+    let first = built(&ws.run(&["build", "--json"]));
+    // Three distinct layers (embedding, block, head) on each of the 1x1, 1x2 (as 1x2 and 2x1)
+    // meshes, at each of the two micro-batch sizes.
+    assert_eq!(kind(&first, "sharding", "solved"), 3 * 3 * 2, "{first}");
+    assert_eq!(kind(&first, "stages", "solved"), 2, "one stage DP per size");
+    assert_eq!(kind(&first, "search", "solved"), 1);
+
+    let again = built(&ws.run(&["build", "--json"]));
+    for k in ["sharding", "stages", "search", "layer-cost", "plan"] {
+        assert_eq!(kind(&again, k, "solved"), 0, "{k}: {again}");
+    }
+    assert_eq!(kind(&again, "plan", "hits_local"), 1);
+    assert_eq!(kind(&again, "stages", "hits_local"), 2);
+
+    // Two more blocks: the same layers, so no table is solved; the DPs and the search re-run.
+    ws.write(
+        "workspace.toml",
+        &workspace(
+            "space = \"both\"\n[target.search]\nilp_micro_batch = [2, 4]",
+            6,
+        ),
+    );
+    let edited = built(&ws.run(&["build", "--json"]));
+    assert_eq!(kind(&edited, "sharding", "solved"), 0, "{edited}");
+    assert_eq!(kind(&edited, "sharding", "hits_local"), 3 * 3 * 2);
+    assert_eq!(kind(&edited, "stages", "solved"), 2);
+    assert_eq!(kind(&edited, "search", "solved"), 1);
+    assert_eq!(kind(&edited, "layer-cost", "solved"), 0);
+}
+
+#[test]
+fn bad_space_options_are_named() {
+    for (extra, field, found) in [
+        ("space = \"fastest\"", "space", "fastest"),
+        (
+            "[target.search]\nilp_micro_batch = [3]",
+            "target.search.ilp_micro_batch",
+            "3",
+        ),
+        ("[target.search]\nsubmeshes = \"some\"", "submeshes", "some"),
+    ] {
+        let ws = TempWorkspace::with_toml(&workspace(extra, 4));
+        let r = ws.run(&["build"]);
+        assert_eq!(r.code, 2, "{extra}: {}", r.stderr);
+        assert!(
+            r.stderr.contains(field) && r.stderr.contains(found),
+            "{extra}: {}",
+            r.stderr
+        );
+        assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
+    }
+}
