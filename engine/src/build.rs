@@ -291,17 +291,20 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
         Space::Megatron => IlpOutcome::default(),
         _ => ilp_search(ws, t, cache, est.capacity()),
     };
-    let planned = plan_from(ws, t, &est, &result).and_then(|plan| {
-        let tried = ilp.tried.clone();
-        if let Some(why) = &ilp.not_searched {
+    let IlpOutcome {
+        best,
+        tried,
+        not_searched,
+    } = ilp;
+    let planned = plan_from(ws, t, &est, &result).and_then(|mut plan| {
+        if let Some(why) = not_searched {
             if t.ilp.space == Space::Ilp {
-                return Err(why.clone());
+                return Err(why);
             }
-            let mut plan = plan;
-            plan.spaces.ilp_not_searched = Some(why.clone());
+            plan.spaces.ilp_not_searched = Some(why);
             return Ok(plan);
         }
-        plan.with_ilp(ilp.best, t.ilp.space).ok_or_else(|| {
+        plan.with_ilp(best, t.ilp.space).ok_or_else(|| {
             format!(
                 "the ILP space has no plan (`space = \"ilp\"`): {}",
                 tried
@@ -363,26 +366,19 @@ fn ilp_search(ws: &Workspace, t: &Target, cache: &Cache, capacity: f64) -> IlpOu
     // The runtime's reserve is not part of the intra-op model's memory.
     let budget = capacity - cluster.device.reserved_bytes;
     let mut out = IlpOutcome::default();
-    // Too large a search is left out, and the plan says so (never a silent cut).
-    let size = ilp_lower(ws, t, 1).map(|g| search_size(&g, cluster, t.ilp.powers_of_two));
-    if let Ok((tables, ranges)) = size
-        && (tables > MAX_TABLES || ranges > MAX_RANGE_PRICES)
-    {
-        out.not_searched = Some(format!(
-            "the ILP space was not searched: {tables} layer tables (at most {MAX_TABLES}) and \
-             {ranges} range prices (at most {MAX_RANGE_PRICES}) per micro-batch size; use \
-             `submeshes = \"powers-of-two\"` or `space = \"megatron\"`"
-        ));
-        return out;
-    }
+    let base = KeyParts::new("stages")
+        .with("model", &model.def.canonical_json())
+        .with(
+            "cluster",
+            &(cluster.nodes, cluster.gpus_per_node, &cluster.device),
+        )
+        .with("training", &t.options);
+    // Whether the search is small enough, asked once and only when something must be solved
+    // (a rebuild that finds every result lowers nothing).
+    let mut too_large: Option<Option<String>> = None;
     for &mb in &t.ilp.micro_batch {
-        let key = KeyParts::new("stages")
-            .with("model", &model.def.canonical_json())
-            .with(
-                "cluster",
-                &(cluster.nodes, cluster.gpus_per_node, &cluster.device),
-            )
-            .with("training", &t.options)
+        let key = base
+            .clone()
             .with(
                 "batch",
                 &(t.global_batch, mb, t.ilp.powers_of_two, budget.to_bits()),
@@ -391,6 +387,11 @@ fn ilp_search(ws: &Workspace, t: &Target, cache: &Cache, capacity: f64) -> IlpOu
         let found = match cache.lookup::<Result<IlpPlan, String>>(kind::STAGES, key) {
             Some((found, _)) => found,
             None => {
+                // Too large a search is left out, and the plan says so (never a silent cut).
+                if let Some(why) = too_large.get_or_insert_with(|| too_large_search(ws, t)) {
+                    out.not_searched = Some(why.clone());
+                    return out;
+                }
                 let solved = ilp_pipeline(ws, t, cache, mb, budget);
                 let meta = EntryMeta {
                     kind: "stages".into(),
@@ -419,6 +420,19 @@ fn ilp_search(ws: &Workspace, t: &Target, cache: &Cache, capacity: f64) -> IlpOu
         }
     }
     out
+}
+
+/// Why the target's ILP search is too large to run (`None` when it is not).
+fn too_large_search(ws: &Workspace, t: &Target) -> Option<String> {
+    let graph = ilp_lower(ws, t, 1).ok()?;
+    let (tables, ranges) = search_size(&graph, &ws.clusters[t.cluster], t.ilp.powers_of_two);
+    (tables > MAX_TABLES || ranges > MAX_RANGE_PRICES).then(|| {
+        format!(
+            "the ILP space was not searched: {tables} layer tables (at most {MAX_TABLES}) and \
+             {ranges} range prices (at most {MAX_RANGE_PRICES}) per micro-batch size; use \
+             `submeshes = \"powers-of-two\"` or `space = \"megatron\"`"
+        )
+    })
 }
 
 /// The ILP space's pipeline for micro-batches of `mb` sequences, priced; the reason when

@@ -4,7 +4,7 @@
 
 use autopar_rules::model::graph::Graph;
 use autopar_rules::solve::intra::chain::{
-    ChainError, LayerTable, compose, decode_range, layer_table, range_tables,
+    ChainError, LayerTable, best_path, compose, decode_range, layer_table, range_tables,
 };
 use autopar_rules::solve::intra::stage::{StageModel, StageOptions};
 use autopar_tests::TempWorkspace;
@@ -36,7 +36,8 @@ fn chained(g: &Graph, layers: Range<usize>, a: u64, b: u64) -> Result<f64, Chain
     let tables = range_tables(g, layers.clone(), m, &c.device, opts())?;
     let best = compose(&tables)?;
     let refs: Vec<&LayerTable> = tables.iter().collect();
-    let plan = decode_range(g, layers.clone(), m, &c.device, opts(), &refs)?;
+    let (_, states) = best_path(&refs)?.expect("a finite path");
+    let plan = decode_range(g, layers.clone(), m, &c.device, opts(), &refs, &states)?;
     assert!(
         (plan.objective - best.cost).abs() <= 1e-9 * best.cost,
         "{layers:?} on {a}x{b}: decoded plan costs {} s, the chain {} s",

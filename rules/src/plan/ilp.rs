@@ -19,7 +19,7 @@ use crate::cost::cluster::{Cluster, GIB};
 use crate::cost::sharding::Mesh;
 use crate::model::graph::{Graph, Pass};
 use crate::solve::intra::chain::boundary_bytes;
-use crate::solve::intra::stage::{MegatronSharding, Phase, StageModel, StageOptions, StagePlan};
+use crate::solve::intra::stage::{MegatronSharding, Phase, StageModel, StagePlan};
 use crate::solve::pipeline::{MeshChoice, PipelineOptions, PipelinePlan, Skipped};
 use crate::solve::schedule::{Bubble, PipelineSpec, Schedule, ScheduleError, simulate_times};
 use serde::{Deserialize, Serialize};
@@ -377,14 +377,7 @@ fn compare(
     inflight: u64,
     plan: &StagePlan,
 ) -> MegatronComparison {
-    let stage_opts = StageOptions {
-        microbatches: opts.microbatches,
-        inflight,
-        memory_budget: None,
-        precision: opts.precision,
-        max_exact_entries: opts.max_exact_entries,
-        ..StageOptions::default()
-    };
+    let stage_opts = opts.stage_options(inflight);
     let distributed_optimizer = plan.parameters.iter().any(|w| w.states != w.weight);
     let pinned = |logical: [u64; 2], sp: bool| -> Result<StagePlan, String> {
         let mesh = Mesh::logical(cluster, choice.submesh, logical);

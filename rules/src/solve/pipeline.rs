@@ -45,6 +45,21 @@ pub struct PipelineOptions {
     pub powers_of_two: bool,
 }
 
+impl PipelineOptions {
+    /// The intra-op options of a stage with `inflight` micro-batches in flight (no budget:
+    /// the tables and the stage DP apply it).
+    pub fn stage_options(&self, inflight: u64) -> StageOptions {
+        StageOptions {
+            microbatches: self.microbatches,
+            inflight,
+            memory_budget: None,
+            precision: self.precision,
+            max_exact_entries: self.max_exact_entries,
+            ..StageOptions::default()
+        }
+    }
+}
+
 /// Why no pipeline was found.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PipelineError {
@@ -260,14 +275,7 @@ pub fn plan_pipeline_with(
     let identities = layer_identities(graph);
     let classes = classes_of(&identities);
     let distinct: Vec<usize> = (0..layers).filter(|&l| classes[l] == l).collect();
-    let stage_opts = StageOptions {
-        microbatches: opts.microbatches,
-        inflight: 1,
-        memory_budget: None,
-        precision: opts.precision,
-        max_exact_entries: opts.max_exact_entries,
-        ..StageOptions::default()
-    };
+    let stage_opts = opts.stage_options(1);
     let jobs: Vec<Job> = (0..submeshes.len())
         .flat_map(|s| (0..configs[s].len()).map(move |c| (s, c)))
         .flat_map(|(s, c)| distinct.iter().map(move |&l| (s, c, l)))
@@ -383,7 +391,7 @@ pub fn plan_pipeline_with(
                         .ok_or(ChainError::Mismatch(l, l))
                 })
                 .collect::<Result<_, _>>()?;
-            let (e, _) =
+            let (e, states) =
                 chain::best_path(&range)?.ok_or(ChainError::Mismatch(st.start, st.end + 1))?;
             let mesh = Mesh::logical(
                 cluster,
@@ -395,11 +403,9 @@ pub fn plan_pipeline_with(
                 st.start..st.end + 1,
                 mesh,
                 &cluster.device,
-                StageOptions {
-                    inflight,
-                    ..stage_opts
-                },
+                opts.stage_options(inflight),
                 &range,
+                &states,
             )?;
             Ok(PipelineStage {
                 layers: [st.start, st.end + 1],

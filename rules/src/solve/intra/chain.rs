@@ -480,14 +480,8 @@ pub fn range_tables(
 /// The least cost of the range whose layer tables are `tables`, in order: a shortest path
 /// over boundary states, free at both ends.
 pub fn compose(tables: &[LayerTable]) -> Result<Entry, ChainError> {
-    let Some(first) = tables.first() else {
-        return Ok(Entry::ZERO);
-    };
-    let mut best = start(first);
-    for (i, pair) in tables.windows(2).enumerate() {
-        best = extend(&best, &pair[0], &pair[1]).ok_or(ChainError::Mismatch(i, i + 1))?;
-    }
-    Ok(finish(&best))
+    let tables: Vec<&LayerTable> = tables.iter().collect();
+    Ok(best_path(&tables)?.map_or(Entry::NONE, |(e, _)| e))
 }
 
 /// Best entry per state after the range's first layer `t` (free before it).
@@ -499,12 +493,6 @@ pub fn start(t: &LayerTable) -> Vec<Entry> {
                 .fold(Entry::NONE, Entry::min)
         })
         .collect()
-}
-
-/// Best entry per state after `next`, given `best` per state after `prev`; `None` when
-/// the two tables do not meet on the same boundary.
-pub fn extend(best: &[Entry], prev: &LayerTable, next: &LayerTable) -> Option<Vec<Entry>> {
-    Some(extend_linked(best, &link(prev, next)?, next))
 }
 
 /// For each state after `prev`, its index among the states before `next`; `None` when the
@@ -522,7 +510,8 @@ pub fn link(prev: &LayerTable, next: &LayerTable) -> Option<Vec<usize>> {
     prev.after.iter().map(|s| index.get(s).copied()).collect()
 }
 
-/// [`extend`] with the boundary matched once by [`link`].
+/// Best entry per state after `next`, given `best` per state after the table before it, whose
+/// states [`link`] matched to `next`'s.
 pub fn extend_linked(best: &[Entry], link: &[usize], next: &LayerTable) -> Vec<Entry> {
     let width = next.after.len();
     let mut step = vec![Entry::NONE; width];
@@ -615,7 +604,7 @@ pub fn best_path(tables: &[&LayerTable]) -> Result<Option<Path>, ChainError> {
 }
 
 /// The plan of layers `layers` of `graph` on `mesh` that reaches the chain's optimum over
-/// their `tables`: each layer solved again with its boundary specs pinned to the states of
+/// their `tables`: each layer solved again with its boundary specs pinned to the `states` of
 /// the cheapest path ([`best_path`]), the layers' plans joined. Its objective is the
 /// chain's, which is the whole range's optimum. A weight two layers of the range share
 /// (GPT-2's tied embedding) is decoded as two copies, as the chain prices it.
@@ -626,12 +615,12 @@ pub fn decode_range(
     device: &Device,
     opts: StageOptions,
     tables: &[&LayerTable],
+    states: &[[usize; 2]],
 ) -> Result<StagePlan, ChainError> {
     let crossings = Crossings::of(graph);
-    let (_, states) = best_path(tables)?.ok_or(ChainError::Mismatch(layers.start, layers.end))?;
     let plans = layers
         .clone()
-        .zip(tables.iter().zip(&states))
+        .zip(tables.iter().zip(states))
         .map(|(l, (table, &[b, a]))| {
             let model = StageModel::build(graph, l..l + 1, mesh, device, opts)?;
             let before = match l {
@@ -644,8 +633,12 @@ pub fn decode_range(
                 .iter()
                 .zip(wanted)
                 .chain(after.iter().zip(&table.after[a]));
-            let sizes: Vec<usize> = model.problem().vars.iter().map(|v| v.cost.len()).collect();
-            let mut allowed: Vec<Vec<usize>> = sizes.iter().map(|&k| (0..k).collect()).collect();
+            let mut allowed: Vec<Vec<usize>> = model
+                .problem()
+                .vars
+                .iter()
+                .map(|v| (0..v.cost.len()).collect())
+                .collect();
             for (&t, spec) in pins {
                 let (var, specs) = model.spec_variable(t).ok_or(ChainError::Mismatch(l, l))?;
                 allowed[var].retain(|&i| specs[i] == *spec);
