@@ -205,7 +205,14 @@ pub fn plan_reasons(old: Option<&PlanRecord>, new: &PlanRecord) -> Vec<String> {
             "rules" => out.push("autopar's planning rules changed (new version)".to_string()),
             "cluster" => out.push("cluster edit (shape or device numbers)".to_string()),
             "training" => out.push("training options changed".to_string()),
-            "search" => out.push("search space or global batch changed".to_string()),
+            // The ILP space's options are part of the search space (its default micro-batch
+            // sizes follow the global batch), so both say the same once.
+            "search" | "ilp" => {
+                let why = "search space or global batch changed".to_string();
+                if !out.contains(&why) {
+                    out.push(why);
+                }
+            }
             other => out.push(format!("{other} changed")),
         }
     }

@@ -255,8 +255,8 @@ micro_batch = [1]
         ),
         (
             "old.json",
-            edit(&[("\"schema\": 2", "\"schema\": 1")]),
-            "plan schema 1 is not 2 (written by another version of autopar); rebuild it with \
+            edit(&[("\"schema\": 3", "\"schema\": 2")]),
+            "plan schema 2 is not 3 (written by another version of autopar); rebuild it with \
              `autopar build tiny-test`",
         ),
         (
