@@ -22,13 +22,17 @@ use crate::record::{self, Key, RecordError};
 use crate::seal;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// How long opening the database may take before the store gives up on it (a hung network
 /// file system, say); the build then goes on without the local cache.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How long closing the database may take: sled flushes again when its last handle drops, and
+/// after a write the disk refused (ENOSPC) that flush can wait forever for the write.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Writes are made durable at least this often while a build stores results, so a killed build
 /// keeps all but the last moments of its work (sled's own periodic flusher thread is off: its
@@ -162,6 +166,8 @@ pub struct LocalCache {
     /// What the seal found when the cache was opened.
     damage: Vec<String>,
     last_flush: Mutex<Instant>,
+    /// Set when the environment refused a call (disk full, read-only): closing does not wait.
+    refused: AtomicBool,
 }
 
 fn now_ms() -> u64 {
@@ -207,6 +213,12 @@ fn describe(e: &sled::Error) -> String {
     }
 }
 
+/// A panic contained inside sled, in words: damaged files trip its internal checks (the build
+/// itself did not panic, so the word is not used).
+fn internal_error(panic: &str) -> String {
+    format!("sled failed an internal check: {panic}")
+}
+
 fn io(e: sled::Error) -> std::io::Error {
     match e {
         sled::Error::Io(e) => e,
@@ -229,42 +241,71 @@ fn foreign_file(dir: &Path) -> Option<String> {
         .find(|n| !is_cache_file(n))
 }
 
-/// One attempt to open the database at `dir`, on a thread of its own: a panic is damage, and
-/// an open that hangs is given up on after [`OPEN_TIMEOUT`].
-fn open_handle(dir: &Path, generation: u64) -> Result<Handle, OpenError> {
-    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+/// What the thread opening the database reports, in order.
+enum Opening {
+    /// sled opened the files; the entries are being counted.
+    Opened,
+    /// The database and its entry count, or why there is none.
+    Done(Result<Result<(Handle, usize), sled::Error>, String>),
+}
+
+/// One attempt to open the database at `dir` and count its entries (which reads every page),
+/// on a thread of its own: a panic is damage; an open that hangs is given up on after
+/// [`OPEN_TIMEOUT`], and so is a count that does not finish, as damage (sled 0.34 walks a
+/// damaged tree up to a million times before it panics, minutes of reads).
+fn open_handle(dir: &Path, generation: u64) -> Result<(Handle, usize), OpenError> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(2);
     let path = dir.to_path_buf();
     let spawned = std::thread::Builder::new()
         .name("autopar-cache-open".into())
         .spawn(move || {
-            let opened = contain(|| -> Result<Handle, sled::Error> {
+            let opened = contain(|| -> Result<(Handle, usize), sled::Error> {
                 let db = sled::Config::new()
                     .path(&path)
                     .flush_every_ms(None)
                     .open()?;
-                Ok(Handle {
+                let handle = Handle {
                     values: db.open_tree("values")?,
                     meta: db.open_tree("meta")?,
                     used: db.open_tree("used")?,
                     db,
                     generation,
-                })
+                };
+                let _ = tx.send(Opening::Opened);
+                let entries = handle.values.len();
+                Ok((handle, entries))
             });
-            let _ = tx.send(opened);
+            let _ = tx.send(Opening::Done(opened));
         });
     if let Err(e) = spawned {
         return Err(OpenError::Unusable(e));
     }
-    match rx.recv_timeout(OPEN_TIMEOUT) {
-        Ok(Ok(Ok(h))) => Ok(h),
-        Ok(Ok(Err(sled::Error::Io(e)))) if is_lock_error(&e) => Err(OpenError::Locked(e)),
-        Ok(Ok(Err(e))) if is_damage(&e) => Err(OpenError::Damaged(describe(&e))),
-        Ok(Ok(Err(e))) => Err(OpenError::Unusable(io(e))),
-        Ok(Err(panic)) => Err(OpenError::Damaged(format!("sled panicked: {panic}"))),
-        Err(_) => Err(OpenError::Unusable(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("opening took more than {} s", OPEN_TIMEOUT.as_secs()),
-        ))),
+    let mut opened = false;
+    loop {
+        match rx.recv_timeout(OPEN_TIMEOUT) {
+            Ok(Opening::Opened) => opened = true,
+            Ok(Opening::Done(done)) => {
+                return match done {
+                    Ok(Ok(h)) => Ok(h),
+                    Ok(Err(sled::Error::Io(e))) if is_lock_error(&e) => Err(OpenError::Locked(e)),
+                    Ok(Err(e)) if is_damage(&e) => Err(OpenError::Damaged(describe(&e))),
+                    Ok(Err(e)) => Err(OpenError::Unusable(io(e))),
+                    Err(panic) => Err(OpenError::Damaged(internal_error(&panic))),
+                };
+            }
+            Err(_) if opened => {
+                return Err(OpenError::Damaged(format!(
+                    "sled did not finish reading its entries within {} s",
+                    OPEN_TIMEOUT.as_secs()
+                )));
+            }
+            Err(_) => {
+                return Err(OpenError::Unusable(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("opening took more than {} s", OPEN_TIMEOUT.as_secs()),
+                )));
+            }
+        }
     }
 }
 
@@ -316,9 +357,9 @@ impl LocalCache {
         let sealed = seal::read(dir);
         let deadline = Instant::now() + wait;
         let mut repairs = Vec::new();
-        let handle = loop {
+        let (handle, entries) = loop {
             match open_handle(dir, 0) {
-                Ok(h) => break h,
+                Ok(opened) => break opened,
                 Err(OpenError::Locked(_)) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(50));
                 }
@@ -338,10 +379,7 @@ impl LocalCache {
         };
         // Damage sled absorbed without an error, against what the last flush sealed.
         let damage = if repairs.is_empty() {
-            match contain(|| handle.values.len()) {
-                Ok(entries) => sealed.compare(entries as u64),
-                Err(panic) => vec![format!("sled panicked counting its entries: {panic}")],
-            }
+            sealed.compare(entries as u64)
         } else {
             // Moved aside and named already; the new database has no seal.
             Vec::new()
@@ -360,6 +398,7 @@ impl LocalCache {
             repairs: Mutex::new(repairs),
             damage,
             last_flush: Mutex::new(Instant::now()),
+            refused: AtomicBool::new(false),
         })
     }
 
@@ -389,9 +428,12 @@ impl LocalCache {
         };
         let why = match contain(|| f(&handle)) {
             Ok(Ok(r)) => return Ok(r),
-            Ok(Err(e)) if !is_damage(&e) => return Err(CallError::Io(io(e))),
+            Ok(Err(e)) if !is_damage(&e) => {
+                self.refused.store(true, Ordering::Relaxed);
+                return Err(CallError::Io(io(e)));
+            }
             Ok(Err(e)) => describe(&e),
-            Err(panic) => format!("sled panicked: {panic}"),
+            Err(panic) => internal_error(&panic),
         };
         self.replace(handle, &why);
         Err(CallError::Damaged(why))
@@ -417,17 +459,19 @@ impl LocalCache {
         let generation = self.generations.fetch_add(1, Ordering::Relaxed);
         let replaced = move_aside(&self.path, why).and_then(|repair| {
             lock(&self.repairs).push(repair);
-            open_handle(&self.path, generation).map_err(|e| {
-                let source = match e {
-                    OpenError::Locked(e) | OpenError::Unusable(e) => e,
-                    OpenError::Damaged(why) => std::io::Error::other(why),
-                };
-                StoreError {
-                    action: "opening a new cache",
-                    path: self.path.clone(),
-                    source,
-                }
-            })
+            open_handle(&self.path, generation)
+                .map(|(h, _)| h)
+                .map_err(|e| {
+                    let source = match e {
+                        OpenError::Locked(e) | OpenError::Unusable(e) => e,
+                        OpenError::Damaged(why) => std::io::Error::other(why),
+                    };
+                    StoreError {
+                        action: "opening a new cache",
+                        path: self.path.clone(),
+                        source,
+                    }
+                })
         });
         match replaced {
             Ok(h) => *state = State::Open(Arc::new(h)),
@@ -731,6 +775,37 @@ impl LocalCache {
     pub fn put_raw(&self, key: &Key, bytes: &[u8]) -> Result<(), StoreError> {
         self.call(|h| h.values.insert(key.0, bytes).map(|_| ()))
             .map_err(self.error("writing cache"))
+    }
+}
+
+impl Drop for LocalCache {
+    /// Closes the database on a thread of its own, waiting at most [`CLOSE_TIMEOUT`] (and not
+    /// at all after the environment refused a call): sled's flush on drop must not hold the
+    /// process. The build has flushed what it wrote already.
+    fn drop(&mut self) {
+        let state = std::mem::replace(
+            self.state.get_mut().unwrap_or_else(|e| e.into_inner()),
+            State::Closed("closed".into()),
+        );
+        let State::Open(handle) = state else { return };
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let closing = std::thread::Builder::new()
+            .name("autopar-cache-close".into())
+            .spawn(move || {
+                let _ = contain(|| drop(handle));
+                let _ = tx.send(());
+            });
+        if closing.is_err() {
+            return;
+        }
+        let wait = if self.refused.load(Ordering::Relaxed) {
+            Duration::ZERO
+        } else {
+            CLOSE_TIMEOUT
+        };
+        if rx.recv_timeout(wait).is_err() {
+            tracing::debug!("the local cache did not close within {} s", wait.as_secs());
+        }
     }
 }
 
