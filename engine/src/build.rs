@@ -11,10 +11,11 @@
 use crate::cache::{Cache, Counts, Source, kind};
 use crate::error::EngineError;
 use crate::layer_costs::CachedCosts;
-use crate::pipeline::CachedTables;
+use crate::pipeline::{CachedTables, table_slot};
 use crate::plans::{remove_output, write_plan, write_trace};
 use crate::record::{
-    BuildRecord, PlanRecord, layer_reasons, plan_reasons, read_record, write_record,
+    BuildRecord, PlanRecord, StagesRecord, TableRecord, layer_reasons, plan_reasons, read_record,
+    stages_reasons, table_reasons, write_record,
 };
 use crate::workspace::{Target, Workspace};
 use autopar_rules::canonical::{Digest, KeyParts};
@@ -28,7 +29,7 @@ use autopar_rules::plan::layout::LayoutError;
 use autopar_rules::plan::search::{SearchResult, layer_cost_digest, search};
 use autopar_rules::solve::pipeline::{
     DEFAULT_MAX_EXACT_ENTRIES, MAX_RANGE_PRICES, MAX_TABLES, PipelineOptions, plan_pipeline_with,
-    search_size,
+    search_size, table_requests,
 };
 use autopar_rules::solve::schedule::{chrome_trace, simulate, trace_spec};
 use autopar_store::EntryMeta;
@@ -289,12 +290,13 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
     let trace = ws.trace_path(&t.name);
     let ilp = match t.ilp.space {
         Space::Megatron => IlpOutcome::default(),
-        _ => ilp_search(ws, t, cache, est.capacity()),
+        _ => ilp_search(ws, t, cache, est.capacity(), previous.as_ref()),
     };
     let IlpOutcome {
         best,
         tried,
         not_searched,
+        records: ilp_records,
     } = ilp;
     let planned = plan_from(ws, t, &est, &result).and_then(|mut plan| {
         if let Some(why) = not_searched {
@@ -333,6 +335,7 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
             .map_or(0, |d| d.as_millis() as u64),
         plan: plan_record,
         layers,
+        ilp: ilp_records,
     };
     if let Err(e) = write_record(&ws.root, &record) {
         tracing::warn!(error = %e, "could not record the build for `explain`");
@@ -355,44 +358,109 @@ struct IlpOutcome {
     tried: Vec<(u64, String)>,
     /// Why the space was not searched at all.
     not_searched: Option<String>,
+    /// What each stage DP did, for `explain`.
+    records: Vec<StagesRecord>,
 }
 
-/// Alpa's two levels for every micro-batch size of the target's ILP space, each through the
-/// cache (kind `stages`) under the key of exactly what it reads; its layer tables are cached
-/// apart (kind `sharding`) and shared with every other target and model.
-fn ilp_search(ws: &Workspace, t: &Target, cache: &Cache, capacity: f64) -> IlpOutcome {
+/// The per-device budget of the ILP space's stages: the runtime's reserve is not part of the
+/// intra-op model's memory.
+fn ilp_budget(ws: &Workspace, t: &Target, capacity: f64) -> f64 {
+    capacity - ws.clusters[t.cluster].device.reserved_bytes
+}
+
+/// What every stage DP of a target reads, whatever its micro-batch size.
+fn stages_base(ws: &Workspace, t: &Target) -> KeyParts {
     let model = &ws.models[t.model];
     let cluster = &ws.clusters[t.cluster];
-    // The runtime's reserve is not part of the intra-op model's memory.
-    let budget = capacity - cluster.device.reserved_bytes;
-    let mut out = IlpOutcome::default();
-    let base = KeyParts::new("stages")
+    KeyParts::new("stages")
         .with("model", &model.def.canonical_json())
         .with(
             "cluster",
             &(cluster.nodes, cluster.gpus_per_node, &cluster.device),
         )
-        .with("training", &t.options);
+        .with("training", &t.options)
+}
+
+/// The components of the key of the stage DP at micro-batch size `mb`.
+fn stages_parts(base: &KeyParts, t: &Target, mb: u64, budget: f64) -> KeyParts {
+    base.clone()
+        .with("batch", &(t.global_batch, mb))
+        .with("submeshes", &t.ilp.powers_of_two)
+        .with("budget", &budget.to_bits())
+}
+
+/// The stage DP's options at micro-batch size `mb`.
+fn ilp_options(t: &Target, mb: u64, budget: f64) -> PipelineOptions {
+    PipelineOptions {
+        microbatches: t.global_batch / mb,
+        memory_budget: budget,
+        precision: t.options.precision,
+        max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
+        powers_of_two: t.ilp.powers_of_two,
+    }
+}
+
+/// The tables the previous build's DP at this size read, carried into this build's record
+/// when the DP's result is found under the same key (its tables are not asked for again).
+fn carried_tables(previous: Option<&BuildRecord>, rec: &StagesRecord) -> Vec<TableRecord> {
+    previous
+        .and_then(|p| p.stages(rec.micro_batch))
+        .filter(|old| old.parts.key() == rec.parts.key())
+        .map(|old| {
+            old.tables
+                .iter()
+                .map(|t| TableRecord {
+                    source: rec.source,
+                    reasons: Vec::new(),
+                    ..t.clone()
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Alpa's two levels for every micro-batch size of the target's ILP space, each through the
+/// cache (kind `stages`) under the key of exactly what it reads; its layer tables are cached
+/// apart (kind `sharding`) and shared with every other target and model.
+fn ilp_search(
+    ws: &Workspace,
+    t: &Target,
+    cache: &Cache,
+    capacity: f64,
+    previous: Option<&BuildRecord>,
+) -> IlpOutcome {
+    let model = &ws.models[t.model];
+    let cluster = &ws.clusters[t.cluster];
+    let budget = ilp_budget(ws, t, capacity);
+    let mut out = IlpOutcome::default();
+    let base = stages_base(ws, t);
     // Whether the search is small enough, asked once and only when something must be solved
     // (a rebuild that finds every result lowers nothing).
     let mut too_large: Option<Option<String>> = None;
     for &mb in &t.ilp.micro_batch {
-        let key = base
-            .clone()
-            .with(
-                "batch",
-                &(t.global_batch, mb, t.ilp.powers_of_two, budget.to_bits()),
-            )
-            .key();
+        let parts = stages_parts(&base, t, mb, budget);
+        let key = parts.key();
+        let mut rec = StagesRecord {
+            micro_batch: mb,
+            parts,
+            source: Source::Solved,
+            reasons: Vec::new(),
+            tables: Vec::new(),
+        };
         let found = match cache.lookup::<Result<IlpPlan, String>>(kind::STAGES, key) {
-            Some((found, _)) => found,
+            Some((found, source)) => {
+                rec.source = source;
+                rec.tables = carried_tables(previous, &rec);
+                found
+            }
             None => {
                 // Too large a search is left out, and the plan says so (never a silent cut).
                 if let Some(why) = too_large.get_or_insert_with(|| too_large_search(ws, t)) {
                     out.not_searched = Some(why.clone());
                     return out;
                 }
-                let solved = ilp_pipeline(ws, t, cache, mb, budget);
+                let source = CachedTables::new(cache, &model.name);
+                let solved = ilp_pipeline(ws, t, &source, mb, budget);
                 let meta = EntryMeta {
                     kind: "stages".into(),
                     description: format!(
@@ -403,9 +471,19 @@ fn ilp_search(ws: &Workspace, t: &Target, cache: &Cache, capacity: f64) -> IlpOu
                 };
                 cache.put(key, &solved, &meta);
                 cache.record(kind::STAGES, Source::Solved);
+                rec.reasons = stages_reasons(previous, &rec);
+                let old = previous.and_then(|p| p.stages(mb));
+                rec.tables = source.into_records();
+                for table in &mut rec.tables {
+                    if table.source == Source::Solved {
+                        let was = old.and_then(|o| o.tables.iter().find(|w| w.slot == table.slot));
+                        table.reasons = table_reasons(was, table);
+                    }
+                }
                 solved
             }
         };
+        out.records.push(rec);
         match found {
             Ok(p) => {
                 if out
@@ -440,22 +518,14 @@ fn too_large_search(ws: &Workspace, t: &Target) -> Option<String> {
 fn ilp_pipeline(
     ws: &Workspace,
     t: &Target,
-    cache: &Cache,
+    source: &CachedTables<'_>,
     mb: u64,
     budget: f64,
 ) -> Result<IlpPlan, String> {
-    let model = &ws.models[t.model];
     let cluster = &ws.clusters[t.cluster];
     let graph = ilp_lower(ws, t, mb)?;
-    let opts = PipelineOptions {
-        microbatches: t.global_batch / mb,
-        memory_budget: budget,
-        precision: t.options.precision,
-        max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
-        powers_of_two: t.ilp.powers_of_two,
-    };
-    let source = CachedTables::new(cache, &model.name);
-    let pipeline = plan_pipeline_with(&graph, cluster, opts, &source).map_err(|e| e.to_string())?;
+    let opts = ilp_options(t, mb, budget);
+    let pipeline = plan_pipeline_with(&graph, cluster, opts, source).map_err(|e| e.to_string())?;
     ilp::price(&graph, cluster, mb, opts, &pipeline).map_err(|e| e.to_string())
 }
 
@@ -549,6 +619,25 @@ pub struct DryRun {
     pub layers_to_solve: usize,
     /// Why the plan would be recomputed, from the last build's record.
     pub reasons: Vec<String>,
+    /// The ILP space's stage DPs, one per micro-batch size (none for `space = "megatron"`).
+    pub ilp: Vec<StagesDryRun>,
+    /// Why the ILP space would not be searched at all.
+    pub ilp_not_searched: Option<String>,
+}
+
+/// What a build would do for one micro-batch size of a target's ILP space.
+#[derive(Debug, Clone)]
+pub struct StagesDryRun {
+    /// Sequences per micro-batch.
+    pub micro_batch: u64,
+    /// The stage DP's result is stored: nothing below would run.
+    pub cached: bool,
+    /// Why the DP would re-run, from the last build's record.
+    pub reasons: Vec<String>,
+    /// Layer tables the DP reads that are stored.
+    pub tables_cached: usize,
+    /// Layer tables that would be solved (intra-op ILP solves): slot, and why.
+    pub tables_to_solve: Vec<(String, Vec<String>)>,
 }
 
 /// A [`CostSource`] that only looks: stored costs are returned, missing ones are counted and
@@ -591,6 +680,16 @@ pub fn dry_run(
             let model = &ws.models[t.model];
             let cluster = &ws.clusters[t.cluster];
             let parts = target_parts(ws, t);
+            let previous = read_record(&ws.root, &t.name);
+            let probe = Probe {
+                cache,
+                seen: Mutex::new(std::collections::HashMap::new()),
+            };
+            let est = Estimator::new(&model.name, &model.def, cluster, t.options)
+                .with_costs(&probe)
+                .with_profile(t.profile.as_deref());
+            let (ilp, ilp_not_searched) =
+                ilp_dry_run(ws, t, cache, est.capacity(), previous.as_ref());
             let plan_cached = cache
                 .peek::<Digest>(parts.key())
                 .is_some_and(|v| cache.contains(v));
@@ -601,28 +700,85 @@ pub fn dry_run(
                 layers_cached: 0,
                 layers_to_solve: 0,
                 reasons: Vec::new(),
+                ilp,
+                ilp_not_searched,
             };
             if plan_cached {
                 return out;
             }
-            let probe = Probe {
-                cache,
-                seen: Mutex::new(std::collections::HashMap::new()),
-            };
-            let est = Estimator::new(&model.name, &model.def, cluster, t.options)
-                .with_costs(&probe)
-                .with_profile(t.profile.as_deref());
             let digest = layer_cost_digest(&est, &t.search, t.global_batch);
             let seen = probe.seen.into_inner().unwrap_or_else(|e| e.into_inner());
             out.layers_cached = seen.values().filter(|&&hit| hit).count();
             out.layers_to_solve = seen.len() - out.layers_cached;
             out.search_cached =
                 out.layers_to_solve == 0 && cache.contains(search_parts(&parts, digest).key());
-            let previous = read_record(&ws.root, &t.name);
             out.reasons = plan_reasons(previous.as_ref().map(|p| &p.plan), &current(ws, t, parts));
             out
         })
         .collect())
+}
+
+/// What [`ilp_search`] would do for `t`, looking only: each stage DP that is not stored, with
+/// the layer tables it would solve and why.
+fn ilp_dry_run(
+    ws: &Workspace,
+    t: &Target,
+    cache: &Cache,
+    capacity: f64,
+    previous: Option<&BuildRecord>,
+) -> (Vec<StagesDryRun>, Option<String>) {
+    let mut out = Vec::new();
+    if t.ilp.space == Space::Megatron {
+        return (out, None);
+    }
+    let cluster = &ws.clusters[t.cluster];
+    let budget = ilp_budget(ws, t, capacity);
+    let base = stages_base(ws, t);
+    let mut too_large: Option<Option<String>> = None;
+    for &mb in &t.ilp.micro_batch {
+        let parts = stages_parts(&base, t, mb, budget);
+        let mut dry = StagesDryRun {
+            micro_batch: mb,
+            cached: cache.contains(parts.key()),
+            reasons: Vec::new(),
+            tables_cached: 0,
+            tables_to_solve: Vec::new(),
+        };
+        if !dry.cached {
+            if let Some(why) = too_large.get_or_insert_with(|| too_large_search(ws, t)) {
+                return (out, Some(why.clone()));
+            }
+            let rec = StagesRecord {
+                micro_batch: mb,
+                parts,
+                source: Source::Solved,
+                reasons: Vec::new(),
+                tables: Vec::new(),
+            };
+            dry.reasons = stages_reasons(previous, &rec);
+            // A model that does not lower has no tables; the build says why.
+            if let Ok(graph) = ilp_lower(ws, t, mb) {
+                let old = previous.and_then(|p| p.stages(mb));
+                for r in table_requests(&graph, cluster, ilp_options(t, mb, budget)) {
+                    if cache.contains(r.key.key()) {
+                        dry.tables_cached += 1;
+                        continue;
+                    }
+                    let table = TableRecord {
+                        slot: table_slot(&graph, r.layer, r.mesh.logical),
+                        parts: r.key,
+                        source: Source::Solved,
+                        reasons: Vec::new(),
+                    };
+                    let was = old.and_then(|o| o.tables.iter().find(|w| w.slot == table.slot));
+                    let reasons = table_reasons(was, &table);
+                    dry.tables_to_solve.push((table.slot, reasons));
+                }
+            }
+        }
+        out.push(dry);
+    }
+    (out, None)
 }
 
 /// The record a build of `t` (whose key has `parts`) would keep for its plan, before it knows

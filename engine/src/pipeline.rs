@@ -3,9 +3,10 @@
 
 use crate::cache::{Cache, Counts, Source, kind};
 use crate::error::EngineError;
+use crate::record::TableRecord;
 use crate::session::Session;
 use crate::sharding::lower_model;
-use autopar_rules::canonical::Digest;
+use autopar_rules::canonical::{Digest, KeyParts};
 use autopar_rules::cost::cluster::Device;
 use autopar_rules::cost::cluster::{Cluster, GIB};
 use autopar_rules::cost::memory::Precision;
@@ -19,6 +20,7 @@ use autopar_rules::solve::pipeline::{
     table_key,
 };
 use autopar_store::EntryMeta;
+use std::sync::Mutex;
 use std::time::Instant;
 
 /// What `solve pipeline` is asked.
@@ -68,10 +70,11 @@ pub struct PipelineResult {
 }
 
 /// Layer tables through a [`Cache`]: looked up in memory, the local store and the remote
-/// under [`table_key`], solved and stored on a miss.
+/// under [`table_key`], solved and stored on a miss; what each request did is recorded.
 pub struct CachedTables<'c> {
     cache: &'c Cache,
     model: String,
+    records: Mutex<Vec<TableRecord>>,
 }
 
 impl<'c> CachedTables<'c> {
@@ -80,8 +83,37 @@ impl<'c> CachedTables<'c> {
         CachedTables {
             cache,
             model: model.to_string(),
+            records: Mutex::new(Vec::new()),
         }
     }
+
+    /// One record per table asked for, ordered by slot.
+    pub fn into_records(self) -> Vec<TableRecord> {
+        let mut records = self.records.into_inner().unwrap_or_else(|e| e.into_inner());
+        records.sort_by(|a, b| a.slot.cmp(&b.slot));
+        records
+    }
+
+    fn note(&self, graph: &Graph, layer: usize, mesh: &Mesh, parts: KeyParts, source: Source) {
+        let record = TableRecord {
+            slot: table_slot(graph, layer, mesh.shape),
+            parts,
+            source,
+            reasons: Vec::new(),
+        };
+        self.records
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(record);
+    }
+}
+
+/// How records name a layer table: its layer (the first of its class) and logical mesh.
+pub(crate) fn table_slot(graph: &Graph, layer: usize, logical: [u64; 2]) -> String {
+    format!(
+        "{} · mesh {}x{}",
+        graph.layers[layer].name, logical[0], logical[1]
+    )
 }
 
 impl TableSource for CachedTables<'_> {
@@ -94,12 +126,15 @@ impl TableSource for CachedTables<'_> {
         device: &Device,
         opts: StageOptions,
     ) -> Result<LayerTable, ChainError> {
-        let key = table_key(identity, &mesh, device, &opts).key();
-        if let Some((t, _)) = self.cache.lookup::<LayerTable>(kind::SHARDING, key) {
+        let parts = table_key(identity, &mesh, device, &opts);
+        let key = parts.key();
+        if let Some((t, source)) = self.cache.lookup::<LayerTable>(kind::SHARDING, key) {
+            self.note(graph, layer, &mesh, parts, source);
             return Ok(t);
         }
         let solved = layer_table(graph, layer, mesh, device, opts);
         self.cache.record(kind::SHARDING, Source::Solved);
+        self.note(graph, layer, &mesh, parts, Source::Solved);
         if let Ok(t) = &solved {
             let meta = EntryMeta {
                 kind: "layer-table".into(),

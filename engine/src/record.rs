@@ -42,6 +42,35 @@ pub struct PlanRecord {
     pub reasons: Vec<String>,
 }
 
+/// One layer table of the ILP space a stage DP read.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TableRecord {
+    /// The layer (the first of its class) and the logical mesh (`layers.0 · mesh 2x4`).
+    pub slot: String,
+    /// Its key's components.
+    pub parts: KeyParts,
+    /// Where the table came from; for a stage DP found in the cache, where that DP came from
+    /// (its tables were not asked for again).
+    pub source: Source,
+    /// Why it was solved (empty when it was not).
+    pub reasons: Vec<String>,
+}
+
+/// The ILP space's stage DP at one micro-batch size in one build.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StagesRecord {
+    /// Sequences per micro-batch.
+    pub micro_batch: u64,
+    /// Its key's components.
+    pub parts: KeyParts,
+    /// Where the DP's result came from.
+    pub source: Source,
+    /// Why it re-ran (empty when it did not).
+    pub reasons: Vec<String>,
+    /// The layer tables it read.
+    pub tables: Vec<TableRecord>,
+}
+
 /// What one build did for one target.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BuildRecord {
@@ -53,6 +82,17 @@ pub struct BuildRecord {
     pub plan: PlanRecord,
     /// The distinct layer costs asked for (none when the plan was found by its key).
     pub layers: Vec<LayerRecord>,
+    /// The ILP space's stage DPs, one per micro-batch size searched (none when the target
+    /// searches Megatron-LM's layouts only).
+    #[serde(default)]
+    pub ilp: Vec<StagesRecord>,
+}
+
+impl BuildRecord {
+    /// The stage DP this build ran at micro-batch size `mb`.
+    pub fn stages(&self, mb: u64) -> Option<&StagesRecord> {
+        self.ilp.iter().find(|s| s.micro_batch == mb)
+    }
 }
 
 /// Where the record of `target` lives under the workspace root.
@@ -244,6 +284,65 @@ pub fn layer_reasons(old: Option<&LayerRecord>, new: &LayerRecord) -> Vec<String
     if out.is_empty() {
         out.push(
             "inputs unchanged; the stored cost was missing (evicted, cleaned or corrupt)".into(),
+        );
+    }
+    out
+}
+
+/// Why the ILP space's stage DP at one micro-batch size re-ran, from the components of its
+/// key that changed since the previous build's DP at that size.
+pub fn stages_reasons(previous: Option<&BuildRecord>, new: &StagesRecord) -> Vec<String> {
+    let Some(previous) = previous else {
+        return vec!["first build of this target (no earlier record)".to_string()];
+    };
+    let Some(old) = previous.stages(new.micro_batch) else {
+        return vec![format!(
+            "micro-batch size {} was not searched in the previous build",
+            new.micro_batch
+        )];
+    };
+    let mut out = Vec::new();
+    for name in new.parts.changed_since(&old.parts) {
+        out.push(match name.as_str() {
+            "model" => "model edit".to_string(),
+            "cluster" => "cluster edit (shape or device numbers)".to_string(),
+            "training" => "training options changed".to_string(),
+            "batch" => "global batch changed (micro-batches per step)".to_string(),
+            "submeshes" => "submesh choices changed (`submeshes`)".to_string(),
+            "budget" => "memory budget per device changed".to_string(),
+            "rules" => "autopar's planning rules changed (new version)".to_string(),
+            other => format!("{other} changed"),
+        });
+    }
+    if out.is_empty() {
+        out.push(
+            "inputs unchanged; the stored stage DP was missing (evicted, cleaned or corrupt)"
+                .into(),
+        );
+    }
+    out
+}
+
+/// Why a layer table was solved, against the table of the same layer and mesh that the
+/// previous build's DP at this micro-batch size read.
+pub fn table_reasons(old: Option<&TableRecord>, new: &TableRecord) -> Vec<String> {
+    let Some(old) = old else {
+        return vec!["not read by the previous build's stage DP".to_string()];
+    };
+    let mut out = Vec::new();
+    for name in new.parts.changed_since(&old.parts) {
+        out.push(match name.as_str() {
+            "layer" => "the layer's ops or shapes changed (model edit)".to_string(),
+            "mesh" => "the mesh's link numbers changed (cluster network edit)".to_string(),
+            "device" => "device compute or memory numbers changed (cluster edit)".to_string(),
+            "options" => "micro-batches per step, precision or solver options changed".to_string(),
+            "rules" => "autopar's planning rules changed (new version)".to_string(),
+            other => format!("{other} changed"),
+        });
+    }
+    if out.is_empty() {
+        out.push(
+            "inputs unchanged; the stored table was missing (evicted, cleaned or corrupt)".into(),
         );
     }
     out

@@ -3,19 +3,24 @@
 //! assignment of submeshes that tiles the cluster and every logical mesh, with each stage
 //! priced by the intra-op solve of its whole range.
 
+use autopar_rules::canonical::Digest;
+use autopar_rules::cost::cluster::Device;
 use autopar_rules::cost::cluster::{Cluster, preset};
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef, parse_hf_config};
 use autopar_rules::model::graph::{DType, Graph};
 use autopar_rules::solve::inter::{place, submesh_choices};
+use autopar_rules::solve::intra::chain::{ChainError, LayerTable};
 use autopar_rules::solve::intra::stage::{StageModel, StageOptions};
 use autopar_rules::solve::pipeline::{
-    PipelineOptions, layer_classes, layer_identities, logical_meshes, plan_pipeline, table_key,
+    PipelineOptions, Solve, TableSource, layer_classes, layer_identities, logical_meshes,
+    plan_pipeline, plan_pipeline_with, table_key, table_requests,
 };
 use autopar_tests::sharding::lower;
 use autopar_tests::{TempWorkspace, repo_root};
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 fn cluster(nodes: u64, gpus: u64) -> Cluster {
     Cluster {
@@ -180,6 +185,42 @@ fn identical_blocks_are_solved_once() {
     // 3 distinct layers on (1,1) x 1 logical mesh and (1,2) x 2.
     assert_eq!(plan.meshes, 3);
     assert_eq!(plan.tables, 9);
+}
+
+/// Solves every table, keeping the key of each it was asked for.
+struct Recording(Mutex<Vec<Digest>>);
+
+impl TableSource for Recording {
+    fn table(
+        &self,
+        graph: &Graph,
+        layer: usize,
+        identity: Digest,
+        mesh: Mesh,
+        device: &Device,
+        opts: StageOptions,
+    ) -> Result<LayerTable, ChainError> {
+        let key = table_key(identity, &mesh, device, &opts).key();
+        self.0.lock().expect("not poisoned").push(key);
+        Solve.table(graph, layer, identity, mesh, device, opts)
+    }
+}
+
+#[test]
+fn table_requests_are_exactly_the_tables_the_search_asks_for() {
+    let g = llama(3, 1);
+    let c = cluster(2, 2);
+    let asked = Recording(Mutex::new(Vec::new()));
+    plan_pipeline_with(&g, &c, options(4), &asked).expect("plans");
+    let mut asked = asked.0.into_inner().expect("not poisoned");
+    let requests = table_requests(&g, &c, options(4));
+    let mut listed: Vec<Digest> = requests.iter().map(|r| r.key.key()).collect();
+    // 3 distinct layers on 1x1 (one logical mesh), 1x2 (two) and 2x2 (three).
+    assert_eq!(listed.len(), 3 * 6);
+    assert!(requests.iter().all(|r| r.layer <= 4));
+    asked.sort();
+    listed.sort();
+    assert_eq!(asked, listed);
 }
 
 #[test]

@@ -184,3 +184,83 @@ fn bad_space_options_are_named() {
         assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
     }
 }
+
+#[test]
+fn dry_run_counts_the_ilp_solves_a_network_edit_costs_and_explain_names_them() {
+    // Two nodes of two GPUs: submeshes 1x1, 1x2 and 2x2, the last one across nodes.
+    let on_two_nodes = |internode_gbps: u64| {
+        workspace(
+            "space = \"both\"\n[target.search]\nilp_micro_batch = [2]",
+            4,
+        )
+        .replace(
+            "nodes = 1",
+            &format!("nodes = 2\noverrides = {{ internode_gbps = {internode_gbps} }}"),
+        )
+    };
+    let ws = TempWorkspace::with_toml(&on_two_nodes(100));
+    let cold = ws.run(&["build", "--dry-run", "--json"]);
+    let cold = built(&cold);
+    let stages = &cold["targets"][0]["ilp"][0];
+    assert_eq!(stages["stages_cached"], false, "{cold}");
+    // Embedding, block and head on 1x1, 1x2, 2x1, 1x4, 2x2 and 4x1.
+    assert_eq!(stages["tables_to_solve"], 3 * 6, "{cold}");
+    let first = built(&ws.run(&["build", "--json"]));
+    assert_eq!(kind(&first, "sharding", "solved"), 3 * 6, "{first}");
+
+    ws.write("workspace.toml", &on_two_nodes(50));
+    let dry = built(&ws.run(&["build", "--dry-run", "--json"]));
+    let stages = &dry["targets"][0]["ilp"][0];
+    assert_eq!(stages["stages_cached"], false, "{dry}");
+    // Only the tables of the four-device meshes read the network across nodes.
+    assert_eq!(stages["tables_to_solve"], 3 * 3, "{dry}");
+    assert_eq!(stages["tables_cached"], 3 * 3, "{dry}");
+    let tables = stages["tables"].as_array().expect("the tables named");
+    for t in tables {
+        let slot = t["slot"].as_str().unwrap_or_default();
+        assert!(
+            ["1x4", "2x2", "4x1"].iter().any(|m| slot.ends_with(m)),
+            "{slot}"
+        );
+        assert!(
+            t["reasons"][0]
+                .as_str()
+                .unwrap_or_default()
+                .contains("link numbers"),
+            "{t}"
+        );
+    }
+    let edited = built(&ws.run(&["build", "--json"]));
+    assert_eq!(kind(&edited, "sharding", "solved"), 3 * 3, "{edited}");
+    assert_eq!(kind(&edited, "stages", "solved"), 1, "{edited}");
+    // Megatron-LM's layer costs read the network only through tensor-parallel groups, which
+    // stay inside a node.
+    assert_eq!(kind(&edited, "layer-cost", "solved"), 0, "{edited}");
+
+    let explained = ws.run(&["explain", "tiny"]);
+    assert_eq!(explained.code, 0, "{}", explained.stderr);
+    assert!(
+        explained
+            .stdout
+            .contains("ILP space, micro-batch 2: stage DP re-ran; 9 of 18 layer tables solved"),
+        "{}",
+        explained.stdout
+    );
+    assert!(
+        explained
+            .stdout
+            .contains("9 table(s): the mesh's link numbers changed (cluster network edit)"),
+        "{}",
+        explained.stdout
+    );
+
+    let again = built(&ws.run(&["build", "--dry-run", "--json"]));
+    assert_eq!(
+        again["targets"][0]["ilp"][0]["stages_cached"], true,
+        "{again}"
+    );
+    assert_eq!(
+        again["targets"][0]["ilp"][0]["tables_to_solve"], 0,
+        "{again}"
+    );
+}

@@ -196,6 +196,22 @@ fn dry(ws: &Workspace, args: &BuildArgs, cache: &Cache) -> Result<(), Failure> {
         let targets: Vec<_> = runs
             .iter()
             .map(|r| {
+                let ilp: Vec<_> = r
+                    .ilp
+                    .iter()
+                    .map(|s| {
+                        json!({
+                            "micro_batch": s.micro_batch,
+                            "stages_cached": s.cached,
+                            "reasons": s.reasons,
+                            "tables_cached": s.tables_cached,
+                            "tables_to_solve": s.tables_to_solve.len(),
+                            "tables": s.tables_to_solve.iter().map(|(slot, why)| {
+                                json!({ "slot": slot, "reasons": why })
+                            }).collect::<Vec<_>>(),
+                        })
+                    })
+                    .collect();
                 json!({
                     "name": r.name,
                     "plan_cached": r.plan_cached,
@@ -203,30 +219,81 @@ fn dry(ws: &Workspace, args: &BuildArgs, cache: &Cache) -> Result<(), Failure> {
                     "layer_costs_cached": r.layers_cached,
                     "layer_costs_to_solve": r.layers_to_solve,
                     "reasons": if r.plan_cached { Vec::new() } else { r.reasons.clone() },
+                    "ilp": ilp,
+                    "ilp_not_searched": r.ilp_not_searched,
                 })
             })
             .collect();
         return print_json(&json!({ "targets": targets }));
     }
     for r in &runs {
-        if r.plan_cached {
+        let ilp_cached = r.ilp.iter().all(|s| s.cached) && r.ilp_not_searched.is_none();
+        if r.plan_cached && ilp_cached {
             outln!("{}: cached, nothing to solve", r.name);
             continue;
         }
-        let search = if r.search_cached {
-            "search result reused".to_string()
+        if r.plan_cached {
+            outln!("{}: Megatron-LM layouts cached", r.name);
         } else {
-            "search would run".to_string()
-        };
-        outln!(
-            "{}: {search}; layer costs: {} to solve, {} cached",
-            r.name,
-            r.layers_to_solve,
-            r.layers_cached
-        );
-        for reason in &r.reasons {
-            outln!("  because {reason}");
+            let search = if r.search_cached {
+                "search result reused".to_string()
+            } else {
+                "search would run".to_string()
+            };
+            outln!(
+                "{}: {search}; layer costs: {} to solve, {} cached",
+                r.name,
+                r.layers_to_solve,
+                r.layers_cached
+            );
+            for reason in &r.reasons {
+                outln!("  because {reason}");
+            }
+        }
+        for s in &r.ilp {
+            dry_stages(s);
+        }
+        if let Some(why) = &r.ilp_not_searched {
+            outln!("  ILP space: {why}");
         }
     }
     Ok(())
+}
+
+/// Tables named one by one at most; the rest are counted.
+const TABLES_NAMED: usize = 8;
+
+/// One micro-batch size of a target's ILP space in `build --dry-run`'s text.
+fn dry_stages(s: &autopar_engine::build::StagesDryRun) {
+    if s.cached {
+        outln!(
+            "  ILP space, micro-batch {}: stage DP cached",
+            s.micro_batch
+        );
+        return;
+    }
+    outln!(
+        "  ILP space, micro-batch {}: stage DP would run; layer tables (ILP solves): {} to \
+         solve, {} cached",
+        s.micro_batch,
+        s.tables_to_solve.len(),
+        s.tables_cached
+    );
+    for reason in &s.reasons {
+        outln!("    because {reason}");
+    }
+    let tables = s
+        .tables_to_solve
+        .iter()
+        .map(|(slot, why)| (slot.as_str(), why.as_slice()));
+    for (why, slots) in super::explain::tables_by_reason(tables) {
+        outln!("    {} table(s): {why}", slots.len());
+        let more = slots.len().saturating_sub(TABLES_NAMED);
+        let named = slots[..slots.len() - more].join(", ");
+        if more > 0 {
+            outln!("      {named} and {more} more (`--json` lists them all)");
+        } else {
+            outln!("      {named}");
+        }
+    }
 }

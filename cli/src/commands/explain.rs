@@ -50,8 +50,53 @@ pub fn run(session: &Session, target: &str, json: bool) -> Result<(), Failure> {
             outln!("    {r}");
         }
     }
-    if record.plan.reasons.is_empty() && record.layers.iter().all(|l| l.source != Source::Solved) {
+    for s in &record.ilp {
+        let solved: Vec<_> = s
+            .tables
+            .iter()
+            .filter(|t| t.source == Source::Solved)
+            .collect();
+        if s.source != Source::Solved {
+            continue;
+        }
+        outln!(
+            "  ILP space, micro-batch {}: stage DP re-ran; {} of {} layer tables solved",
+            s.micro_batch,
+            solved.len(),
+            s.tables.len()
+        );
+        for r in &s.reasons {
+            outln!("    {r}");
+        }
+        let tables = solved
+            .iter()
+            .map(|t| (t.slot.as_str(), t.reasons.as_slice()));
+        for (why, slots) in tables_by_reason(tables) {
+            outln!("    {} table(s): {why}", slots.len());
+            outln!("      {}", slots.join(", "));
+        }
+    }
+    let ilp_recomputed = record.ilp.iter().any(|s| s.source == Source::Solved);
+    if record.plan.reasons.is_empty()
+        && record.layers.iter().all(|l| l.source != Source::Solved)
+        && !ilp_recomputed
+    {
         outln!("  nothing was recomputed");
     }
     Ok(())
+}
+
+/// Layer tables grouped by why they were (or would be) solved, in order of first appearance.
+pub(crate) fn tables_by_reason<'a>(
+    tables: impl Iterator<Item = (&'a str, &'a [String])>,
+) -> Vec<(String, Vec<&'a str>)> {
+    let mut groups: Vec<(String, Vec<&'a str>)> = Vec::new();
+    for (slot, reasons) in tables {
+        let why = reasons.join("; ");
+        match groups.iter_mut().find(|(w, _)| *w == why) {
+            Some((_, slots)) => slots.push(slot),
+            None => groups.push((why, vec![slot])),
+        }
+    }
+    groups
 }

@@ -47,6 +47,24 @@ pub struct Device {
     pub reserved_bytes: f64,
 }
 
+impl Device {
+    /// The device without its name and network numbers: what a result that reads the links
+    /// only through a [`Link`] of its own depends on, so that a change
+    /// to the network leaves the results of single-node groups as they were.
+    pub fn compute_part(&self) -> Device {
+        Device {
+            name: String::new(),
+            nvlink_bandwidth: 0.0,
+            internode_bandwidth: 0.0,
+            nvlink_latency: 0.0,
+            internode_latency: 0.0,
+            nvlink_efficiency: 0.0,
+            internode_efficiency: 0.0,
+            ..self.clone()
+        }
+    }
+}
+
 /// A field of [`Device`] as users write it (in `workspace.toml` overrides), with its unit.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceField {

@@ -557,7 +557,8 @@ impl<'g> LayerCostContext<'g> {
         KeyParts::new("layer-cost")
             .with("subgraph", &self.canonical(li))
             .with("parallelism", &(p.tp.t, p.tp.sp))
-            .with("device", p.device)
+            // The cost reads the network only through the tensor-parallel group's link.
+            .with("device", &p.device.compute_part())
             .with("link", &p.tp_link)
             .with("kernels", p.kernels)
             .with("profile", &self.profile_reads(li, p))

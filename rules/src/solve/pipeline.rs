@@ -162,18 +162,8 @@ fn classes_of(identities: &[Digest]) -> Vec<usize> {
 
 /// The components of a layer table's cache key: exactly what the table depends on.
 pub fn table_key(identity: Digest, mesh: &Mesh, device: &Device, opts: &StageOptions) -> KeyParts {
-    // The problem reads the links only through the mesh, so a change to the network leaves
-    // the tables of single-node meshes as they were.
-    let device = Device {
-        name: String::new(),
-        nvlink_bandwidth: 0.0,
-        internode_bandwidth: 0.0,
-        nvlink_latency: 0.0,
-        internode_latency: 0.0,
-        nvlink_efficiency: 0.0,
-        internode_efficiency: 0.0,
-        ..device.clone()
-    };
+    // The problem reads the links only through the mesh.
+    let device = device.compute_part();
     KeyParts::new("layer-table")
         .with_digest("layer", identity)
         .with("mesh", mesh)
@@ -230,14 +220,30 @@ pub const MAX_TABLES: u64 = 20_000;
 /// leaves the ILP space out, saying so: GPT-3 175B on every submesh of 128 nodes is 1.7e7.
 pub const MAX_RANGE_PRICES: u64 = 20_000_000;
 
+/// Submeshes (hosts x devices per host), and the logical meshes of each.
+type MeshChoices = (Vec<(u64, u64)>, Vec<Vec<[u64; 2]>>);
+
+/// The mesh choices the search considers: every submesh (Alpa's shapes) with each of its
+/// logical meshes.
+fn mesh_choices(cluster: &Cluster, powers_of_two: bool) -> MeshChoices {
+    let submeshes = submesh_choices(cluster.nodes, cluster.gpus_per_node, powers_of_two);
+    let configs = submeshes
+        .iter()
+        .map(|&(n, m)| logical_meshes(n * m))
+        .collect();
+    (submeshes, configs)
+}
+
+/// The first layer of every class: the layers whose tables are solved.
+fn distinct_layers(classes: &[usize]) -> Vec<usize> {
+    (0..classes.len()).filter(|&l| classes[l] == l).collect()
+}
+
 /// The size of the search [`plan_pipeline_with`] would run: layer tables and range prices.
 pub fn search_size(graph: &Graph, cluster: &Cluster, powers_of_two: bool) -> (u64, u64) {
-    let meshes: u64 = submesh_choices(cluster.nodes, cluster.gpus_per_node, powers_of_two)
-        .iter()
-        .map(|&(n, m)| logical_meshes(n * m).len() as u64)
-        .sum();
-    let classes = layer_classes(graph);
-    let distinct = classes.iter().enumerate().filter(|&(l, &c)| l == c).count() as u64;
+    let (_, configs) = mesh_choices(cluster, powers_of_two);
+    let meshes: u64 = configs.iter().map(|c| c.len() as u64).sum();
+    let distinct = distinct_layers(&layer_classes(graph)).len() as u64;
     let layers = graph.layers.len() as u64;
     (
         distinct.saturating_mul(meshes),
@@ -245,8 +251,53 @@ pub fn search_size(graph: &Graph, cluster: &Cluster, powers_of_two: bool) -> (u6
     )
 }
 
+/// One layer table the search asks its [`TableSource`] for.
+#[derive(Clone, Debug)]
+pub struct TableRequest {
+    /// Where the table's layer would run.
+    pub mesh: MeshChoice,
+    /// The layer (the first of its class).
+    pub layer: usize,
+    /// The table's cache key.
+    pub key: KeyParts,
+}
+
+/// Every layer table [`plan_pipeline_with`] asks for, in its order, with its key: what a
+/// dry run looks up to say how many would be solved.
+pub fn table_requests(
+    graph: &Graph,
+    cluster: &Cluster,
+    opts: PipelineOptions,
+) -> Vec<TableRequest> {
+    let (submeshes, configs) = mesh_choices(cluster, opts.powers_of_two);
+    let identities = layer_identities(graph);
+    let stage_opts = opts.stage_options(1);
+    jobs(&configs, &distinct_layers(&classes_of(&identities)))
+        .into_iter()
+        .map(|(s, c, l)| {
+            let mesh = Mesh::logical(cluster, submeshes[s], configs[s][c]);
+            TableRequest {
+                mesh: MeshChoice {
+                    submesh: submeshes[s],
+                    logical: configs[s][c],
+                },
+                layer: l,
+                key: table_key(identities[l], &mesh, &cluster.device, &stage_opts),
+            }
+        })
+        .collect()
+}
+
 /// A table to solve: submesh, logical mesh of it, layer (indices).
 type Job = (usize, usize, usize);
+
+/// Every distinct layer on every mesh choice.
+fn jobs(configs: &[Vec<[u64; 2]>], distinct: &[usize]) -> Vec<Job> {
+    (0..configs.len())
+        .flat_map(|s| (0..configs[s].len()).map(move |c| (s, c)))
+        .flat_map(|(s, c)| distinct.iter().map(move |&l| (s, c, l)))
+        .collect()
+}
 
 /// The stage costs of every range on every mesh choice, and Alpa's DP over them, solving
 /// every table.
@@ -266,28 +317,20 @@ pub fn plan_pipeline_with(
     source: &dyn TableSource,
 ) -> Result<PipelinePlan, PipelineError> {
     let layers = graph.layers.len();
-    let submeshes = submesh_choices(cluster.nodes, cluster.gpus_per_node, opts.powers_of_two);
-    let configs: Vec<Vec<[u64; 2]>> = submeshes
-        .iter()
-        .map(|&(n, m)| logical_meshes(n * m))
-        .collect();
+    let (submeshes, configs) = mesh_choices(cluster, opts.powers_of_two);
     let width = configs.iter().map(Vec::len).max().unwrap_or(0);
     let identities = layer_identities(graph);
     let classes = classes_of(&identities);
-    let distinct: Vec<usize> = (0..layers).filter(|&l| classes[l] == l).collect();
     let stage_opts = opts.stage_options(1);
-    let jobs: Vec<Job> = (0..submeshes.len())
-        .flat_map(|s| (0..configs[s].len()).map(move |c| (s, c)))
-        .flat_map(|(s, c)| distinct.iter().map(move |&l| (s, c, l)))
-        .collect();
-    let solved: Vec<(Job, Result<LayerTable, ChainError>)> = jobs
-        .par_iter()
-        .map(|&(s, c, l)| {
-            let mesh = Mesh::logical(cluster, submeshes[s], configs[s][c]);
-            let t = source.table(graph, l, identities[l], mesh, &cluster.device, stage_opts);
-            ((s, c, l), t)
-        })
-        .collect();
+    let solved: Vec<(Job, Result<LayerTable, ChainError>)> =
+        jobs(&configs, &distinct_layers(&classes))
+            .par_iter()
+            .map(|&(s, c, l)| {
+                let mesh = Mesh::logical(cluster, submeshes[s], configs[s][c]);
+                let t = source.table(graph, l, identities[l], mesh, &cluster.device, stage_opts);
+                ((s, c, l), t)
+            })
+            .collect();
     // A table too wide for the exact solver takes its layer off that mesh choice (every
     // range holding it), and the plan says so; any other failure is an error.
     let mut skipped = Vec::new();
