@@ -379,6 +379,8 @@ fn stages_base(ws: &Workspace, t: &Target) -> KeyParts {
             &(cluster.nodes, cluster.gpus_per_node, &cluster.device),
         )
         .with("training", &t.options)
+        // Tables key exactly the entries they may read; the DP is cheap beside them.
+        .with("profile", &profile_entries(t))
 }
 
 /// The components of the key of the stage DP at micro-batch size `mb`.
@@ -390,13 +392,14 @@ fn stages_parts(base: &KeyParts, t: &Target, mb: u64, budget: f64) -> KeyParts {
 }
 
 /// The stage DP's options at micro-batch size `mb`.
-fn ilp_options(t: &Target, mb: u64, budget: f64) -> PipelineOptions {
+fn ilp_options(t: &Target, mb: u64, budget: f64) -> PipelineOptions<'_> {
     PipelineOptions {
         microbatches: t.global_batch / mb,
         memory_budget: budget,
         precision: t.options.precision,
         max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
         powers_of_two: t.ilp.powers_of_two,
+        profile: t.profile.as_deref(),
     }
 }
 
@@ -767,6 +770,7 @@ fn ilp_dry_run(
                     let table = TableRecord {
                         slot: table_slot(&graph, r.layer, r.mesh.logical),
                         parts: r.key,
+                        reads: r.reads,
                         source: Source::Solved,
                         reasons: Vec::new(),
                     };

@@ -6,10 +6,11 @@ use crate::error::EngineError;
 use crate::record::TableRecord;
 use crate::session::Session;
 use crate::sharding::lower_model;
-use autopar_rules::canonical::{Digest, KeyParts};
+use autopar_rules::canonical::{Digest, KeyParts, digest};
 use autopar_rules::cost::cluster::Device;
 use autopar_rules::cost::cluster::{Cluster, GIB};
 use autopar_rules::cost::memory::Precision;
+use autopar_rules::cost::profile::{EntryId, ProfileRead};
 use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::Attention;
 use autopar_rules::model::graph::Graph;
@@ -17,7 +18,7 @@ use autopar_rules::solve::intra::chain::{ChainError, LayerTable, layer_table};
 use autopar_rules::solve::intra::stage::StageOptions;
 use autopar_rules::solve::pipeline::{
     DEFAULT_MAX_EXACT_ENTRIES, PipelineOptions, PipelinePlan, TableSource, plan_pipeline_with,
-    table_key,
+    profile_reads, table_key,
 };
 use autopar_store::EntryMeta;
 use std::sync::Mutex;
@@ -94,10 +95,19 @@ impl<'c> CachedTables<'c> {
         records
     }
 
-    fn note(&self, graph: &Graph, layer: usize, mesh: &Mesh, parts: KeyParts, source: Source) {
+    fn note(
+        &self,
+        graph: &Graph,
+        layer: usize,
+        mesh: &Mesh,
+        parts: KeyParts,
+        reads: Vec<ProfileRead>,
+        source: Source,
+    ) {
         let record = TableRecord {
             slot: table_slot(graph, layer, mesh.shape),
             parts,
+            reads,
             source,
             reasons: Vec::new(),
         };
@@ -126,15 +136,24 @@ impl TableSource for CachedTables<'_> {
         device: &Device,
         opts: StageOptions,
     ) -> Result<LayerTable, ChainError> {
-        let parts = table_key(identity, &mesh, device, &opts);
+        let reads = profile_reads(graph, layer, &mesh, &opts);
+        let parts = table_key(identity, &mesh, device, &opts, &reads);
         let key = parts.key();
         if let Some((t, source)) = self.cache.lookup::<LayerTable>(kind::SHARDING, key) {
-            self.note(graph, layer, &mesh, parts, source);
+            self.note(graph, layer, &mesh, parts, reads, source);
             return Ok(t);
         }
         let solved = layer_table(graph, layer, mesh, device, opts);
         self.cache.record(kind::SHARDING, Source::Solved);
-        self.note(graph, layer, &mesh, parts, Source::Solved);
+        // What `profile diff` matches against the entries it changes.
+        let read_signatures = reads
+            .iter()
+            .filter_map(|r| match &r.entry {
+                EntryId::Op(sig) => Some(digest(sig).0),
+                EntryId::Collective(..) => None,
+            })
+            .collect();
+        self.note(graph, layer, &mesh, parts, reads, Source::Solved);
         if let Ok(t) = &solved {
             let meta = EntryMeta {
                 kind: "layer-table".into(),
@@ -147,6 +166,7 @@ impl TableSource for CachedTables<'_> {
                     mesh.shape[1],
                     device.name
                 ),
+                reads: read_signatures,
                 ..EntryMeta::default()
             };
             self.cache.put(key, t, &meta);
@@ -202,6 +222,8 @@ pub fn solve_pipeline(
     )?;
     let microbatches = req.global_batch / req.micro_batch;
     let opts = PipelineOptions {
+        // `solve pipeline` prices from the analytic model alone, like `solve sharding`.
+        profile: None,
         microbatches,
         memory_budget: budget,
         precision: req.precision,

@@ -49,6 +49,9 @@ pub struct TableRecord {
     pub slot: String,
     /// Its key's components.
     pub parts: KeyParts,
+    /// The profile measurements it may read.
+    #[serde(default)]
+    pub reads: Vec<ProfileRead>,
     /// Where the table came from; for a stage DP found in the cache, where that DP came from
     /// (its tables were not asked for again).
     pub source: Source,
@@ -310,6 +313,7 @@ pub fn stages_reasons(previous: Option<&BuildRecord>, new: &StagesRecord) -> Vec
             "batch" => "global batch changed (micro-batches per step)".to_string(),
             "submeshes" => "submesh choices changed (`submeshes`)".to_string(),
             "budget" => "memory budget per device changed".to_string(),
+            "profile" => "the target's profile measurements changed".to_string(),
             "rules" => "autopar's planning rules changed (new version)".to_string(),
             other => format!("{other} changed"),
         });
@@ -335,6 +339,10 @@ pub fn table_reasons(old: Option<&TableRecord>, new: &TableRecord) -> Vec<String
             "layer" => "the layer's ops or shapes changed (model edit)".to_string(),
             "mesh" => "the mesh's link numbers changed (cluster network edit)".to_string(),
             "device" => "device compute or memory numbers changed (cluster edit)".to_string(),
+            "profile" => {
+                out.extend(read_changes(&old.reads, &new.reads));
+                continue;
+            }
             "options" => "micro-batches per step, precision or solver options changed".to_string(),
             "rules" => "autopar's planning rules changed (new version)".to_string(),
             other => format!("{other} changed"),

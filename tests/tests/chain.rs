@@ -11,7 +11,7 @@ use autopar_tests::TempWorkspace;
 use autopar_tests::sharding::{lower, mesh};
 use std::ops::Range;
 
-fn opts() -> StageOptions {
+fn opts() -> StageOptions<'static> {
     StageOptions {
         microbatches: 4,
         inflight: 2,

@@ -51,13 +51,14 @@ fn llama(blocks: u64, micro_batch: u64) -> Graph {
         .expect("lowers")
 }
 
-fn options(microbatches: u64) -> PipelineOptions {
+fn options(microbatches: u64) -> PipelineOptions<'static> {
     PipelineOptions {
         microbatches,
         memory_budget: 1e15,
         precision: Precision::Bf16,
         max_exact_entries: 4e6,
         powers_of_two: false,
+        profile: None,
     }
 }
 
@@ -200,7 +201,7 @@ impl TableSource for Recording {
         device: &Device,
         opts: StageOptions,
     ) -> Result<LayerTable, ChainError> {
-        let key = table_key(identity, &mesh, device, &opts).key();
+        let key = table_key(identity, &mesh, device, &opts, &[]).key();
         self.0.lock().expect("not poisoned").push(key);
         Solve.table(graph, layer, identity, mesh, device, opts)
     }
@@ -308,7 +309,14 @@ fn a_network_change_invalidates_only_multi_node_tables() {
     for &(n, m) in &subs {
         for logical in logical_meshes(n * m) {
             let key = |c: &Cluster| {
-                table_key(ids[1], &Mesh::logical(c, (n, m), logical), &c.device, &opts).key()
+                table_key(
+                    ids[1],
+                    &Mesh::logical(c, (n, m), logical),
+                    &c.device,
+                    &opts,
+                    &[],
+                )
+                .key()
             };
             if key(&before) != key(&after) {
                 changed.push(((n, m), logical));

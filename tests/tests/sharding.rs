@@ -23,7 +23,7 @@ fn solve(graph: &Graph, layers: Range<usize>, m: &Mesh, opts: StageOptions) -> S
         .unwrap_or_else(|e| panic!("layers {layers:?}: {e}"))
 }
 
-fn with(solver: SolverChoice) -> StageOptions {
+fn with(solver: SolverChoice) -> StageOptions<'static> {
     StageOptions {
         solver,
         ..StageOptions::default()

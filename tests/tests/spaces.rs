@@ -264,3 +264,56 @@ fn dry_run_counts_the_ilp_solves_a_network_edit_costs_and_explain_names_them() {
         "{again}"
     );
 }
+
+#[test]
+fn a_kernel_re_measured_re_solves_only_the_tables_that_read_it() {
+    let ws = TempWorkspace::default_copy();
+    built(&ws.run(&["build", "tiny-llama-cpu", "--json"]));
+    // One kernel re-measured: the forward RMSNorm of one sequence, which the block and the
+    // head (its final norm) run at micro-batch 1 on the one CPU device.
+    let mut profile: Value =
+        serde_json::from_str(&ws.read("profiles/host-cpu.json")).expect("profile is JSON");
+    let ops = profile["ops"].as_array_mut().expect("ops");
+    let entry = ops
+        .iter_mut()
+        .find(|e| {
+            e["op"] == "rmsnorm"
+                && e["pass"] == "forward"
+                && e["inputs"][0] == serde_json::json!([1, 128, 256])
+        })
+        .expect("the measured RMSNorm");
+    entry["time_us"] = serde_json::json!(500.0);
+    let edited = serde_json::to_string_pretty(&profile).expect("encodes");
+    ws.write("remeasured.json", &edited);
+
+    let diff = built(&ws.run(&["profile", "diff", "host-cpu", "remeasured.json", "--json"]));
+    let tables = diff["invalidates"]
+        .as_array()
+        .expect("invalidated results")
+        .iter()
+        .filter(|r| r["kind"] == "layer-table")
+        .count();
+    assert_eq!(tables, 2, "{diff}");
+
+    ws.write("profiles/host-cpu.json", &edited);
+    let dry = built(&ws.run(&["build", "tiny-llama-cpu", "--dry-run", "--json"]));
+    let predicted: u64 = dry["targets"][0]["ilp"]
+        .as_array()
+        .expect("the ILP space's sizes")
+        .iter()
+        .map(|s| s["tables_to_solve"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(predicted, 2, "{dry}");
+
+    let rebuilt = built(&ws.run(&["build", "tiny-llama-cpu", "--json"]));
+    assert_eq!(kind(&rebuilt, "sharding", "solved"), 2, "{rebuilt}");
+    let explained = ws.run(&["explain", "tiny-llama-cpu"]);
+    assert!(
+        explained.stdout.contains(
+            "2 table(s): profile entry rmsnorm forward f32 [1,128,256]x[256] -> [1,128,256]: \
+             50.544999999999995 us -> 500 us"
+        ),
+        "{}",
+        explained.stdout
+    );
+}

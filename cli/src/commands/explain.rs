@@ -86,13 +86,24 @@ pub fn run(session: &Session, target: &str, json: bool) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Reasons named per table in text (`--json` has them all).
+const REASONS_NAMED: usize = 2;
+
 /// Layer tables grouped by why they were (or would be) solved, in order of first appearance.
 pub(crate) fn tables_by_reason<'a>(
     tables: impl Iterator<Item = (&'a str, &'a [String])>,
 ) -> Vec<(String, Vec<&'a str>)> {
     let mut groups: Vec<(String, Vec<&'a str>)> = Vec::new();
     for (slot, reasons) in tables {
-        let why = reasons.join("; ");
+        // A new profile changes dozens of entries per table: the first few stand for them.
+        let why = match reasons.len() {
+            n if n > REASONS_NAMED => format!(
+                "{}; and {} more",
+                reasons[..REASONS_NAMED].join("; "),
+                n - REASONS_NAMED
+            ),
+            _ => reasons.join("; "),
+        };
         match groups.iter_mut().find(|(w, _)| *w == why) {
             Some((_, slots)) => slots.push(slot),
             None => groups.push((why, vec![slot])),

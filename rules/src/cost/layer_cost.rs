@@ -7,10 +7,10 @@ use crate::cost::analytic::{
     Collective, collective_time, gradient_accumulation, kernel_time, op_traffic,
 };
 use crate::cost::cluster::{Device, Link};
-use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, ProfileRead};
+use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, ProfileRead, kernel_name};
 use crate::cost::tensor_parallel::{
-    Phase, TpConfig, collectives, device_shape_in_op, gemm_shape, op_device_flops, stored_bytes,
-    stored_elements, tensor_bytes_in_op,
+    Phase, TpConfig, collectives, device_shape_in_op, divided_axis_in_op, gemm_shape,
+    op_device_flops, stored_bytes, stored_elements, tensor_bytes_in_op,
 };
 use crate::model::graph::{
     DType, Graph, LayerKind, OpId, OpKind, Pass, Split, TensorId, TensorKind,
@@ -155,16 +155,6 @@ struct CanonicalOp {
     flops: f64,
 }
 
-/// Name of an op in profiles: the kind with its variant.
-fn signature_name(kind: OpKind) -> String {
-    match kind {
-        OpKind::MatMul { transpose_b: true } => "matmul_tb".to_string(),
-        OpKind::BatchMatMul { transpose_b: true } => "batch_matmul_tb".to_string(),
-        OpKind::FlashAttention { causal: true } => "flash_attention_causal".to_string(),
-        other => other.name().to_string(),
-    }
-}
-
 impl<'g> LayerCostContext<'g> {
     /// Collects the graph-wide facts of `g`.
     pub fn new(g: &'g Graph) -> Self {
@@ -221,12 +211,35 @@ impl<'g> LayerCostContext<'g> {
                 .map(|&t| device_shape_in_op(g, op, t, p.tp))
                 .collect()
         };
+        let mut inputs = shapes(&op.inputs);
+        let outputs = shapes(&op.outputs);
+        // An op on sequence-split rows under SP (GPT-2's position embedding and its gradient)
+        // reads the ids of those rows only: its kernel is on consistent shapes, the ones the
+        // intra-op problem's strategy gives it.
+        let split_rows = op
+            .inputs
+            .iter()
+            .zip(&inputs)
+            .chain(op.outputs.iter().zip(&outputs))
+            .find_map(|(&t, local)| {
+                let axis = divided_axis_in_op(g, op, t, p.tp)?;
+                matches!(g.tensor(t).split, Split::Sequence(_)).then(|| (axis, local[axis]))
+            });
+        if let Some((axis, rows)) = split_rows {
+            for (&t, local) in op.inputs.iter().zip(&mut inputs) {
+                if g.tensor(t).dtype == DType::I32
+                    && local.get(axis) == Some(&(rows * p.tp.t.max(1)))
+                {
+                    local[axis] = rows;
+                }
+            }
+        }
         OpSignature {
-            op: signature_name(op.kind),
+            op: kernel_name(op.kind),
             pass: op.pass,
             dtype: p.kernels.dtype,
-            inputs: shapes(&op.inputs),
-            outputs: shapes(&op.outputs),
+            inputs,
+            outputs,
         }
     }
 

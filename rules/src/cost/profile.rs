@@ -27,7 +27,7 @@
 use crate::cost::analytic::Collective;
 use crate::error::FieldError;
 use crate::model::frontend::locate::{PathSeg, locate, offset_of};
-use crate::model::graph::{DType, Pass};
+use crate::model::graph::{DType, OpKind, Pass};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -200,6 +200,27 @@ impl ProfileDiff {
     }
 }
 
+/// Name of an op in profiles: the kind with its variant.
+pub fn kernel_name(kind: OpKind) -> String {
+    match kind {
+        OpKind::MatMul { transpose_b: true } => "matmul_tb".to_string(),
+        OpKind::BatchMatMul { transpose_b: true } => "batch_matmul_tb".to_string(),
+        OpKind::FlashAttention { causal: true } => "flash_attention_causal".to_string(),
+        other => other.name().to_string(),
+    }
+}
+
+/// Whether `tile` can be a device's tile of a tensor of `shape` on a mesh of `mesh` devices:
+/// the same rank, and each dimension the tensor's divided by 1, either axis or both.
+fn tiles(tile: &[u64], shape: &[u64], mesh: [u64; 2]) -> bool {
+    let ways = [1, mesh[0], mesh[1], mesh[0] * mesh[1]];
+    tile.len() == shape.len()
+        && tile
+            .iter()
+            .zip(shape)
+            .all(|(&t, &s)| t > 0 && ways.iter().any(|&w| t * w == s))
+}
+
 impl Profile {
     /// An empty profile for `device`.
     pub fn new(device: impl Into<String>) -> Self {
@@ -260,6 +281,38 @@ impl Profile {
                 },
             )
         })
+    }
+
+    /// The measured kernels of the op named `op` (forward or backward, in `dtype`) whose
+    /// operands could be its tiles on a mesh of `mesh` devices (see [`tiles`]): every entry
+    /// the intra-op problem may read for it, whatever its strategy.
+    pub fn tilings(
+        &self,
+        op: &str,
+        pass: Pass,
+        dtype: DType,
+        operands: (&[&[u64]], &[&[u64]]),
+        mesh: [u64; 2],
+    ) -> Vec<ProfileRead> {
+        let (inputs, outputs) = operands;
+        let all = |tiles_: &[Vec<u64>], shapes: &[&[u64]]| {
+            tiles_.len() == shapes.len()
+                && tiles_.iter().zip(shapes).all(|(t, s)| tiles(t, s, mesh))
+        };
+        self.ops
+            .iter()
+            .filter(|(sig, _)| {
+                sig.op == op
+                    && sig.pass == pass
+                    && sig.dtype == dtype
+                    && all(&sig.inputs, inputs)
+                    && all(&sig.outputs, outputs)
+            })
+            .map(|(sig, &time_us)| ProfileRead {
+                entry: EntryId::Op(sig.clone()),
+                time_us,
+            })
+            .collect()
     }
 
     /// The time of a collective of `bytes`, s, interpolated from the measurements of its

@@ -20,8 +20,9 @@ use crate::canonical::{Digest, KeyParts, digest};
 use crate::cost::cluster::{Cluster, Device};
 use crate::cost::layer_cost::LayerCostContext;
 use crate::cost::memory::Precision;
+use crate::cost::profile::{Profile, ProfileRead, kernel_name};
 use crate::cost::sharding::Mesh;
-use crate::model::graph::Graph;
+use crate::model::graph::{Graph, TensorId};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -32,7 +33,7 @@ pub const DEFAULT_MAX_EXACT_ENTRIES: f64 = 4e6;
 
 /// How the pipeline is searched.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct PipelineOptions {
+pub struct PipelineOptions<'p> {
     /// Micro-batches per step `B`.
     pub microbatches: u64,
     /// Per-device memory budget, bytes.
@@ -43,18 +44,21 @@ pub struct PipelineOptions {
     pub max_exact_entries: f64,
     /// Multi-node submeshes only of a power-of-two number of nodes.
     pub powers_of_two: bool,
+    /// Measured kernel times the layer tables read (see [`StageOptions::profile`]).
+    pub profile: Option<&'p Profile>,
 }
 
-impl PipelineOptions {
+impl<'p> PipelineOptions<'p> {
     /// The intra-op options of a stage with `inflight` micro-batches in flight (no budget:
     /// the tables and the stage DP apply it).
-    pub fn stage_options(&self, inflight: u64) -> StageOptions {
+    pub fn stage_options(&self, inflight: u64) -> StageOptions<'p> {
         StageOptions {
             microbatches: self.microbatches,
             inflight,
             memory_budget: None,
             precision: self.precision,
             max_exact_entries: self.max_exact_entries,
+            profile: self.profile,
             ..StageOptions::default()
         }
     }
@@ -160,8 +164,15 @@ fn classes_of(identities: &[Digest]) -> Vec<usize> {
         .collect()
 }
 
-/// The components of a layer table's cache key: exactly what the table depends on.
-pub fn table_key(identity: Digest, mesh: &Mesh, device: &Device, opts: &StageOptions) -> KeyParts {
+/// The components of a layer table's cache key: exactly what the table depends on, with
+/// `reads` the measured kernels it may read ([`profile_reads`]).
+pub fn table_key(
+    identity: Digest,
+    mesh: &Mesh,
+    device: &Device,
+    opts: &StageOptions<'_>,
+    reads: &[ProfileRead],
+) -> KeyParts {
     // The problem reads the links only through the mesh.
     let device = device.compute_part();
     KeyParts::new("layer-table")
@@ -179,6 +190,46 @@ pub fn table_key(identity: Digest, mesh: &Mesh, device: &Device, opts: &StageOpt
                 opts.grad_accumulation_fusion,
             ),
         )
+        .with("profile", reads)
+}
+
+/// The measured kernels layer `layer`'s table on `mesh` may read: every entry of the options'
+/// profile whose name, pass and dtype are one of the layer's ops' and whose operands tile that
+/// op's on the mesh (a superset of what any strategy reads, so a key holding them is never
+/// stale), ordered by entry.
+pub fn profile_reads(
+    graph: &Graph,
+    layer: usize,
+    mesh: &Mesh,
+    opts: &StageOptions<'_>,
+) -> Vec<ProfileRead> {
+    let Some(profile) = opts.profile else {
+        return Vec::new();
+    };
+    let l = &graph.layers[layer];
+    let shapes = |ts: &[TensorId]| -> Vec<&[u64]> {
+        ts.iter()
+            .map(|&t| graph.tensor(t).shape.as_slice())
+            .collect()
+    };
+    let mut reads: Vec<ProfileRead> = l
+        .forward
+        .iter()
+        .chain(&l.backward)
+        .flat_map(|&o| {
+            let op = graph.op(o);
+            profile.tilings(
+                &kernel_name(op.kind),
+                op.pass,
+                opts.precision.dtype(),
+                (&shapes(&op.inputs), &shapes(&op.outputs)),
+                mesh.shape,
+            )
+        })
+        .collect();
+    reads.sort_by(|a, b| a.entry.cmp(&b.entry));
+    reads.dedup_by(|a, b| a.entry == b.entry);
+    reads
 }
 
 /// Where layer tables come from: solved here, or through a cache.
@@ -260,6 +311,8 @@ pub struct TableRequest {
     pub layer: usize,
     /// The table's cache key.
     pub key: KeyParts,
+    /// The profile measurements it may read (part of the key).
+    pub reads: Vec<ProfileRead>,
 }
 
 /// Every layer table [`plan_pipeline_with`] asks for, in its order, with its key: what a
@@ -276,13 +329,15 @@ pub fn table_requests(
         .into_iter()
         .map(|(s, c, l)| {
             let mesh = Mesh::logical(cluster, submeshes[s], configs[s][c]);
+            let reads = profile_reads(graph, l, &mesh, &stage_opts);
             TableRequest {
                 mesh: MeshChoice {
                     submesh: submeshes[s],
                     logical: configs[s][c],
                 },
                 layer: l,
-                key: table_key(identities[l], &mesh, &cluster.device, &stage_opts),
+                key: table_key(identities[l], &mesh, &cluster.device, &stage_opts, &reads),
+                reads,
             }
         })
         .collect()

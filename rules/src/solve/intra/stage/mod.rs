@@ -1,7 +1,8 @@
 //! The intra-op problem of a range of layers on a mesh (ALGORITHMS.md §3): one variable per op
 //! that is not a follower, per parameter (where its weights and its optimizer states live) and
-//! per tensor entering the range; costs from the analytic model; and the plan read back from a
-//! solution.
+//! per tensor entering the range; costs from the analytic model, with the kernel times a
+//! profile measured on an op's tile shapes in place of the modelled ones; and the plan read
+//! back from a solution.
 //!
 //! What the objective counts, per micro-batch:
 //! * every op's kernel on its tile, and the collectives its strategy implies: an all-reduce of
@@ -30,6 +31,7 @@ use crate::cost::analytic::{
 };
 use crate::cost::cluster::{Device, GIB};
 use crate::cost::memory::Precision;
+use crate::cost::profile::{OpSignature, Profile, kernel_name};
 use crate::cost::sharding::{
     AxisSplit, Mesh, Spec, Step, reduce_steps, reshard_steps, steps_time, valid_specs,
 };
@@ -56,7 +58,7 @@ pub enum SolverChoice {
 
 /// How the range is trained.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct StageOptions {
+pub struct StageOptions<'p> {
     /// Micro-batches per step (per-step costs are divided by this).
     pub microbatches: u64,
     /// Micro-batches whose saved activations are live at the peak.
@@ -75,9 +77,13 @@ pub struct StageOptions {
     /// (Megatron-LM's `--gradient-accumulation-fusion`); otherwise a separate kernel adds
     /// each fresh weight gradient to it.
     pub grad_accumulation_fusion: bool,
+    /// Measured kernel times: an op whose tile shapes the profile measured (under the name,
+    /// pass and dtype `autopar profile` gives it) costs the measured time, as in Megatron-LM's
+    /// layer costs.
+    pub profile: Option<&'p Profile>,
 }
 
-impl Default for StageOptions {
+impl Default for StageOptions<'_> {
     fn default() -> Self {
         StageOptions {
             microbatches: 1,
@@ -88,6 +94,7 @@ impl Default for StageOptions {
             time_limit: 60.0,
             max_exact_entries: 4e6,
             grad_accumulation_fusion: true,
+            profile: None,
         }
     }
 }
@@ -414,7 +421,7 @@ pub struct StageModel<'g> {
     mesh: Mesh,
     device: Device,
     layers: Range<usize>,
-    opts: StageOptions,
+    opts: StageOptions<'g>,
     nodes: Vec<OpNode>,
     params: Vec<ParamNode>,
     sources: Vec<SourceNode>,
@@ -472,7 +479,7 @@ impl<'g> StageModel<'g> {
         layers: Range<usize>,
         mesh: Mesh,
         device: &Device,
-        opts: StageOptions,
+        opts: StageOptions<'g>,
     ) -> Result<StageModel<'g>, IntraError> {
         if layers.start >= layers.end || layers.end > graph.layers.len() {
             return Err(IntraError::Range {
@@ -906,14 +913,33 @@ impl<'g> StageModel<'g> {
                 accumulate += separate;
             }
         }
-        let compute = kernel_time(
-            op.kind,
-            op.flops / parts as f64,
-            traffic,
-            &self.device,
-            self.opts.precision.dtype(),
-            gemm,
-        ) + accumulate;
+        let measured = self.opts.profile.and_then(|prof| {
+            let tiles = |ts: &[TensorId], specs: &[Spec]| -> Vec<Vec<u64>> {
+                ts.iter()
+                    .zip(specs)
+                    .map(|(&t, spec)| spec.tile_shape(&g.tensor(t).shape, mesh))
+                    .collect()
+            };
+            let sig = OpSignature {
+                op: kernel_name(op.kind),
+                pass: op.pass,
+                dtype: self.opts.precision.dtype(),
+                inputs: tiles(&op.inputs, &inputs),
+                outputs: tiles(&op.outputs, &outputs),
+            };
+            prof.op_time(&sig).map(|(seconds, _)| seconds)
+        });
+        let kernel = measured.unwrap_or_else(|| {
+            kernel_time(
+                op.kind,
+                op.flops / parts as f64,
+                traffic,
+                &self.device,
+                self.opts.precision.dtype(),
+                gemm,
+            )
+        });
+        let compute = kernel + accumulate;
         let mut comm = Vec::new();
         let mut partial = partial;
         for (j, &t) in op.outputs.iter().enumerate() {
