@@ -3,9 +3,12 @@
 //! layer (embedding, blocks, head), forward and backward, with and without sequence
 //! parallelism, over tensor- and data-parallel meshes.
 
+use autopar_rules::cost::cluster::Cluster;
 use autopar_rules::cost::layer_cost::{KernelOptions, LayerCostContext, Pricing};
 use autopar_rules::cost::profile::{EntryId, Profile};
+use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::cost::tensor_parallel::TpConfig;
+use autopar_rules::model::graph::Graph;
 use autopar_rules::solve::intra::stage::{MegatronSharding, StageModel, StageOptions, StagePlan};
 use autopar_tests::sharding::{lower, mesh};
 
@@ -75,36 +78,27 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
                             ..plain
                         };
                         let lc = ctx.cost(li, &pricing);
-                        let pinned = |opts: StageOptions<'_>| {
-                            StageModel::build(&group, li..li + 1, m, &c.device, opts)
-                                .and_then(|model| {
-                                    model
-                                        .megatron_plan(MegatronSharding {
-                                            sp,
-                                            distributed_optimizer: false,
-                                        })
-                                        .map_err(|e| panic!("{case}: {e}"))
-                                })
-                                .unwrap_or_else(|e| panic!("{case}: {e}"))
-                        };
                         let opts = StageOptions {
                             profile: profile.as_ref(),
                             ..base
                         };
-                        let pinned = pinned(opts);
+                        let plan = pinned(&group, li, m, &c, sp, opts);
                         if profile.is_some() {
-                            let unprofiled = pinned_time(&pinned_plain(&group, li, m, &c, sp));
+                            let analytic = pinned(&group, li, m, &c, sp, base);
+                            let (with, without) = (
+                                plan.forward + plan.backward,
+                                analytic.forward + analytic.backward,
+                            );
                             assert!(
-                                (pinned.forward + pinned.backward - unprofiled).abs()
-                                    > 0.1 * unprofiled,
+                                (with - without).abs() > 0.1 * without,
                                 "{case}: the measured times changed nothing"
                             );
                         }
                         let forward = lc.fwd_compute + lc.fwd_comm;
                         let backward = lc.bwd_compute + lc.bwd_comm;
                         for (what, ilp, megatron) in [
-                            ("forward", pinned.forward, forward),
-                            ("backward", pinned.backward, backward),
+                            ("forward", plan.forward, forward),
+                            ("backward", plan.backward, backward),
                         ] {
                             let rel = (ilp - megatron).abs() / megatron;
                             if rel >= worst.0 {
@@ -127,28 +121,24 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
     (worst.0, worst.1, compared)
 }
 
-/// Layer `li` of `g` pinned to Megatron-LM's specs on `m`, from the analytic model alone.
-fn pinned_plain(
-    g: &autopar_rules::model::graph::Graph,
+/// Layer `li` of `g` pinned to Megatron-LM's specs on `m`.
+fn pinned(
+    g: &Graph,
     li: usize,
-    m: autopar_rules::cost::sharding::Mesh,
-    c: &autopar_rules::cost::cluster::Cluster,
+    m: Mesh,
+    c: &Cluster,
     sp: bool,
+    opts: StageOptions<'_>,
 ) -> StagePlan {
-    StageModel::build(g, li..li + 1, m, &c.device, StageOptions::default())
-        .and_then(|model| {
-            model
-                .megatron_plan(MegatronSharding {
-                    sp,
-                    distributed_optimizer: false,
-                })
-                .map_err(|e| panic!("{e}"))
+    let case = format!("layer {li} on {}x{} sp {sp}", m.shape[0], m.shape[1]);
+    let model = StageModel::build(g, li..li + 1, m, &c.device, opts)
+        .unwrap_or_else(|e| panic!("{case}: {e}"));
+    model
+        .megatron_plan(MegatronSharding {
+            sp,
+            distributed_optimizer: false,
         })
-        .unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn pinned_time(p: &StagePlan) -> f64 {
-    p.forward + p.backward
+        .unwrap_or_else(|e| panic!("{case}: {e}"))
 }
 
 fn check(measured: Option<f64>) {
