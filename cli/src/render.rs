@@ -331,7 +331,12 @@ pub fn plan(p: &Plan, path: Option<&Path>, trace: Option<&Path>) -> String {
 
 /// Which space won and by how much.
 fn spaces(out: &mut String, p: &Plan) {
-    if let Some(why) = &p.spaces.ilp_not_searched {
+    if let Some(why) = p
+        .spaces
+        .ilp_not_searched
+        .as_ref()
+        .or(p.spaces.ilp_no_plan.as_ref())
+    {
         let _ = writeln!(out, "  space     megatron: {why}");
         return;
     }

@@ -306,16 +306,34 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
             plan.spaces.ilp_not_searched = Some(why);
             return Ok(plan);
         }
-        plan.with_ilp(best, t.ilp.space).ok_or_else(|| {
-            format!(
-                "the ILP space has no plan (`space = \"ilp\"`): {}",
-                tried
-                    .iter()
-                    .map(|(mb, why)| format!("micro-batch {mb}: {why}"))
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            )
-        })
+        // Sizes that failed for the same reason are named together.
+        let mut reasons: Vec<(Vec<String>, &str)> = Vec::new();
+        for (mb, why) in &tried {
+            match reasons.iter_mut().find(|(_, w)| *w == why.as_str()) {
+                Some((sizes, _)) => sizes.push(mb.to_string()),
+                None => reasons.push((vec![mb.to_string()], why)),
+            }
+        }
+        let why_none = reasons
+            .iter()
+            .map(|(sizes, why)| {
+                let s = if sizes.len() > 1 { "s" } else { "" };
+                format!("micro-batch size{s} {}: {why}", sizes.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        let searched = t.ilp.space != Space::Megatron;
+        let no_plan =
+            (searched && best.is_none()).then(|| format!("the ILP space has no plan: {why_none}"));
+        match plan.with_ilp(best, t.ilp.space) {
+            Some(mut plan) => {
+                plan.spaces.ilp_no_plan = no_plan;
+                Ok(plan)
+            }
+            None => Err(format!(
+                "the ILP space has no plan (`space = \"ilp\"`): {why_none}"
+            )),
+        }
     });
     let outcome = match planned {
         Ok(plan) => {

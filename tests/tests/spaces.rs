@@ -317,3 +317,46 @@ fn a_kernel_re_measured_re_solves_only_the_tables_that_read_it() {
         explained.stdout
     );
 }
+
+#[test]
+fn an_ilp_space_with_no_plan_says_why() {
+    // 4096-token sequences on two devices of 0.22 GiB: only Megatron-LM's full recomputation
+    // fits, and the ILP space has no recomputation yet.
+    let toml = workspace("space = \"both\"", 4)
+        .replace("max_seq = 256", "max_seq = 4096")
+        .replace("seq_len = 128", "seq_len = 4096")
+        .replace(
+            "gpus_per_node = 2",
+            "gpus_per_node = 2\noverrides = { hbm_gib = 0.22, reserved_gib = 0.001 }",
+        );
+    let ws = TempWorkspace::with_toml(&toml);
+    let r = ws.run(&["build"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let p = plan(&ws);
+    assert_eq!(p["space"], "megatron");
+    assert!(p["spaces"]["ilp"].is_null(), "{}", p["spaces"]);
+    let why = p["spaces"]["ilp_no_plan"].as_str().unwrap_or_default();
+    assert!(
+        why.starts_with("the ILP space has no plan: micro-batch sizes 1, 2, 4, 8: no pipeline"),
+        "{why}"
+    );
+    assert!(
+        r.stdout.contains(&format!("space     megatron: {why}")),
+        "{}",
+        r.stdout
+    );
+
+    // Restricted to the ILP space, the target is infeasible, for the same reason.
+    ws.write(
+        "workspace.toml",
+        &toml.replace("space = \"both\"", "space = \"ilp\""),
+    );
+    let r = ws.run(&["build"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("the ILP space has no plan (`space = \"ilp\"`): micro-batch sizes"),
+        "{}",
+        r.stderr
+    );
+}

@@ -75,6 +75,9 @@ pub struct Spaces {
     pub ilp: Option<SpaceBest>,
     /// Why the ILP space was not searched, when it was too large to search.
     pub ilp_not_searched: Option<String>,
+    /// Why the ILP space, searched, has no plan (per micro-batch size).
+    #[serde(default)]
+    pub ilp_no_plan: Option<String>,
 }
 
 /// A parallel-training plan for one target.
@@ -156,6 +159,7 @@ impl Plan {
                 }),
                 ilp: None,
                 ilp_not_searched: None,
+                ilp_no_plan: None,
             },
             megatron_expressible: true,
             ilp: None,
