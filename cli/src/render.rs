@@ -278,17 +278,24 @@ pub fn plan(p: &Plan, path: Option<&Path>, trace: Option<&Path>) -> String {
     if let Some(ilp) = &p.ilp {
         ilp_plan(&mut out, ilp);
     }
+    // The arguments run the ILP plan when it won and Megatron-LM can express it.
+    let args = format!(
+        "  megatron  {}",
+        wrap_args(&p.megatron_args, "            ", 96)
+    );
+    let ilp_args = p.space == Space::Ilp && p.megatron_expressible;
+    if ilp_args {
+        let _ = writeln!(out, "{args}");
+    }
     if p.space == Space::Ilp {
         let _ = writeln!(out, "  the best Megatron-LM layout:");
     }
     estimate(&mut out, e);
     stages(&mut out, e);
     attempts(&mut out, &p.partitions);
-    let _ = writeln!(
-        out,
-        "  megatron  {}",
-        wrap_args(&p.megatron_args, "            ", 96)
-    );
+    if !ilp_args {
+        let _ = writeln!(out, "{args}");
+    }
     if !p.alternatives.is_empty() {
         let _ = writeln!(out, "  next best");
         for a in &p.alternatives {

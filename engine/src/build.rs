@@ -325,7 +325,7 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
         let searched = t.ilp.space != Space::Megatron;
         let no_plan =
             (searched && best.is_none()).then(|| format!("the ILP space has no plan: {why_none}"));
-        match plan.with_ilp(best, t.ilp.space) {
+        match plan.with_ilp(&model.def, best, t.ilp.space) {
             Some(mut plan) => {
                 plan.spaces.ilp_no_plan = no_plan;
                 Ok(plan)

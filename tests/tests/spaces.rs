@@ -360,3 +360,81 @@ fn an_ilp_space_with_no_plan_says_why() {
         r.stderr
     );
 }
+
+#[test]
+fn an_ilp_plan_megatron_can_run_exports_its_own_arguments() {
+    // A LLaMA-shaped model on one device, from the ILP space only.
+    let toml = workspace("space = \"ilp\"", 4)
+        .replace(
+            "transformer = { hidden = 256, layers = 4, heads = 8, ffn_hidden = 1024, vocab = 8000, max_seq = 256 }",
+            "transformer = { hidden = 256, layers = 4, heads = 8, kv_heads = 2, ffn_hidden = 768, \
+             vocab = 32000, max_seq = 2048, mlp = \"swiglu\", norm = \"rmsnorm\", position = \
+             \"rope\", tied_embeddings = false, bias = \"none\" }",
+        )
+        .replace("gpus_per_node = 2", "gpus_per_node = 1");
+    let ws = TempWorkspace::with_toml(&toml);
+    built(&ws.run(&["build", "--json"]));
+    let p = plan(&ws);
+    assert_eq!(p["space"], "ilp");
+    assert_eq!(
+        p["megatron_expressible"], true,
+        "{}",
+        p["ilp"]["not_megatron"]
+    );
+    let args: Vec<&str> = p["megatron_args"]
+        .as_array()
+        .expect("arguments")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let value = |flag: &str| {
+        args.iter()
+            .position(|a| *a == flag)
+            .and_then(|i| args.get(i + 1).copied())
+            .unwrap_or_default()
+    };
+    let stages = p["ilp"]["stages"].as_array().expect("stages");
+    assert_eq!(
+        value("--pipeline-model-parallel-size"),
+        stages.len().to_string()
+    );
+    assert_eq!(value("--tensor-model-parallel-size"), "1");
+    // One data-parallel rank: Megatron-LM's micro-batch is the ILP space's.
+    assert_eq!(
+        value("--micro-batch-size"),
+        p["ilp"]["micro_batch"].to_string(),
+        "{args:?}"
+    );
+    assert!(
+        p["launch"]
+            .as_str()
+            .unwrap_or_default()
+            .ends_with(&args.join(" ")),
+        "{}",
+        p["launch"]
+    );
+
+    // The same pipeline split unevenly in two stages: Megatron-LM's custom layout.
+    let mut ilp = p["ilp"].clone();
+    let mut first = ilp["stages"][0].clone();
+    let mut second = first.clone();
+    first["layers"] = serde_json::json!([0, 2]);
+    second["layers"] = serde_json::json!([2, 6]);
+    ilp["stages"] = serde_json::json!([first, second]);
+    let ilp: autopar_rules::plan::ilp::IlpPlan = serde_json::from_value(ilp).expect("an ILP plan");
+    let cfg = autopar_rules::model::frontend::parse_hf_config(
+        &std::fs::read_to_string(autopar_tests::repo_root().join("models/llama2-7b.json"))
+            .expect("config"),
+    )
+    .expect("parses");
+    let def = autopar_rules::model::frontend::ModelDef::Transformer(cfg);
+    let training = serde_json::from_value(p["training"].clone()).expect("training options");
+    let args = autopar_rules::plan::format::ilp_megatron_args(&def, &ilp, 8, &training)
+        .expect("Megatron-LM runs it");
+    let joined = args.join(" ");
+    assert!(
+        joined.contains("--pipeline-model-parallel-size 2")
+            && joined.contains("--pipeline-model-parallel-layout Et|t*3L"),
+        "{joined}"
+    );
+}

@@ -115,7 +115,8 @@ pub struct Plan {
     pub search: SearchStats,
     /// How each way of splitting the layers did for the chosen layout.
     pub partitions: Vec<Attempt>,
-    /// Megatron-LM `pretrain_gpt.py` arguments realising the layout.
+    /// Megatron-LM `pretrain_gpt.py` arguments realising the chosen plan: the ILP pipeline
+    /// when it won and Megatron-LM can express it, else the best Megatron-LM layout.
     pub megatron_args: Vec<String>,
     /// A launch line with the process layout.
     pub launch: String,
@@ -133,15 +134,7 @@ impl Plan {
     ) -> Option<Plan> {
         let best = result.best()?.clone();
         let args = megatron_args(def, &best, &training);
-        let launch = format!(
-            "torchrun --nnodes {} --nproc-per-node {} pretrain_gpt.py {}",
-            cluster.nodes,
-            cluster.gpus_per_node,
-            args.iter()
-                .map(|a| shell_quote(a))
-                .collect::<Vec<_>>()
-                .join(" ")
-        );
+        let launch = launch_line(cluster, &args);
         Some(Plan {
             schema: PLAN_SCHEMA,
             rules_version: crate::RULES_VERSION.to_string(),
@@ -193,7 +186,7 @@ impl Plan {
     /// The plan with the ILP space's best recorded (`None`: searched and nothing fits) and
     /// the winner chosen among the spaces `space` allows: the faster, Megatron-LM's on a tie.
     /// `None` when `space` is `ilp` and the ILP space has no plan.
-    pub fn with_ilp(mut self, ilp: Option<IlpPlan>, space: Space) -> Option<Plan> {
+    pub fn with_ilp(mut self, def: &ModelDef, ilp: Option<IlpPlan>, space: Space) -> Option<Plan> {
         let gpus = self.cluster.gpus() as f64;
         let peak = match self.training.precision {
             Precision::Fp32 => self.cluster.device.peak_fp32_flops,
@@ -213,7 +206,15 @@ impl Plan {
         };
         if ilp_wins {
             self.space = Space::Ilp;
-            self.megatron_expressible = ilp.as_ref().is_some_and(|p| p.megatron_expressible);
+            let args = ilp.as_ref().and_then(|p| {
+                ilp_megatron_args(def, p, self.estimate.layout.global_batch, &self.training)
+            });
+            self.megatron_expressible = args.is_some();
+            // Megatron-LM runs the plan itself when it can.
+            if let Some(args) = args {
+                self.launch = launch_line(&self.cluster, &args);
+                self.megatron_args = args;
+            }
         }
         self.ilp = ilp;
         Some(self)
@@ -226,6 +227,19 @@ impl Plan {
             _ => self.estimate.step_time_s,
         }
     }
+}
+
+/// The launch line of Megatron-LM's `pretrain_gpt.py` with `args` on `cluster`.
+fn launch_line(cluster: &Cluster, args: &[String]) -> String {
+    format!(
+        "torchrun --nnodes {} --nproc-per-node {} pretrain_gpt.py {}",
+        cluster.nodes,
+        cluster.gpus_per_node,
+        args.iter()
+            .map(|a| shell_quote(a))
+            .collect::<Vec<_>>()
+            .join(" ")
+    )
 }
 
 /// `arg` as one shell word: unchanged when it holds only characters no shell interprets, else
@@ -309,16 +323,91 @@ pub fn pipeline_layout(chunks: &[ChunkLayers], blocks: &[usize], layers: usize) 
 /// are always given; the architecture flags, the custom pipeline layout and block-wise
 /// recomputation only for transformers (a graph file is not a Megatron-LM GPT model).
 pub fn megatron_args(def: &ModelDef, e: &Estimate, opts: &TrainingOptions) -> Vec<String> {
-    let l = &e.layout;
     let chunks = e.assignment();
     let blocks: Vec<usize> = {
-        let (p, v) = (e.stages.len(), l.interleave as usize);
+        let (p, v) = (e.stages.len(), e.layout.interleave as usize);
         (0..p * v)
             .map(|k| e.stages[k % p].chunks[k / p].blocks)
             .collect()
     };
+    let every_block_recomputed = e
+        .stages
+        .iter()
+        .flat_map(|s| &s.chunks)
+        .all(|c| c.full_recompute == c.blocks);
+    layout_args(
+        def,
+        &e.layout,
+        &chunks,
+        &blocks,
+        every_block_recomputed,
+        opts,
+    )
+}
+
+/// Megatron-LM command-line arguments running an ILP pipeline that Megatron-LM can express
+/// (every stage on the same logical mesh, sharded as one of Megatron-LM's layouts of it), with
+/// its stages' layers; `None` when it cannot.
+pub fn ilp_megatron_args(
+    def: &ModelDef,
+    p: &IlpPlan,
+    global_batch: u64,
+    opts: &TrainingOptions,
+) -> Option<Vec<String>> {
+    let first = p.stages.first()?;
+    let (tp, dp) = (first.megatron.tensor_parallel, first.megatron.data_parallel);
+    if !p.megatron_expressible || dp == 0 || p.micro_batch % dp != 0 {
+        return None;
+    }
+    let layers = p.stages.last()?.layers[1];
+    let chunks: Vec<ChunkLayers> = p
+        .stages
+        .iter()
+        .map(|s| ChunkLayers {
+            first: s.layers[0],
+            last: s.layers[1] - 1,
+            full_recompute: 0,
+        })
+        .collect();
+    // The embedding is the first layer and the output layer the last; the others are blocks.
+    let blocks: Vec<usize> = p
+        .stages
+        .iter()
+        .map(|s| {
+            let [a, b] = s.layers;
+            (b - a) - usize::from(a == 0) - usize::from(b == layers)
+        })
+        .collect();
+    let layout = Layout {
+        tp,
+        pp: p.stages.len() as u64,
+        dp,
+        micro_batch: p.micro_batch / dp,
+        global_batch,
+        interleave: 1,
+        sequence_parallel: first.megatron.sequence_parallel,
+        recompute: Recompute::None,
+        zero: u8::from(
+            p.stages
+                .iter()
+                .flat_map(|s| &s.parameters)
+                .any(|w| w.states != w.weight),
+        ),
+    };
+    Some(layout_args(def, &layout, &chunks, &blocks, false, opts))
+}
+
+/// The arguments of `l` with virtual stages `chunks` holding `blocks` blocks each.
+fn layout_args(
+    def: &ModelDef,
+    l: &Layout,
+    chunks: &[ChunkLayers],
+    blocks: &[usize],
+    every_block_recomputed: bool,
+    opts: &TrainingOptions,
+) -> Vec<String> {
     let layers = chunks.last().map_or(0, |c| c.last + 1);
-    let layout = pipeline_layout(&chunks, &blocks, layers);
+    let layout = pipeline_layout(chunks, blocks, layers);
     let mut a = Args::default();
     a.kv("tensor-model-parallel-size", l.tp);
     a.kv("pipeline-model-parallel-size", l.pp);
@@ -388,12 +477,7 @@ pub fn megatron_args(def: &ModelDef, e: &Estimate, opts: &TrainingOptions) -> Ve
         Recompute::Selective => a.kv("recompute-granularity", "selective"),
         Recompute::Full => {
             a.kv("recompute-granularity", "full");
-            let all = e
-                .stages
-                .iter()
-                .flat_map(|s| &s.chunks)
-                .all(|c| c.full_recompute == c.blocks);
-            if all {
+            if every_block_recomputed {
                 a.kv("recompute-method", "uniform");
                 a.kv("recompute-num-layers", 1);
             } else {

@@ -123,8 +123,14 @@ pub struct MegatronComparison {
     /// Why Megatron-LM cannot shard the stage on its mesh (heads not divisible by the
     /// tensor-parallel degree, ...); `None` when it can.
     pub unavailable: Option<String>,
-    /// Sequence parallelism in the closer of Megatron-LM's two layouts.
+    /// Sequence parallelism in the closest of Megatron-LM's layouts.
     pub sequence_parallel: bool,
+    /// Its tensor-parallel degree.
+    #[serde(default)]
+    pub tensor_parallel: u64,
+    /// Its data-parallel degree.
+    #[serde(default)]
+    pub data_parallel: u64,
     /// Its objective per micro-batch, s.
     pub objective_s: f64,
     /// What the plan saves against it per micro-batch, s.
@@ -396,32 +402,41 @@ fn compare(
         StagePlan::join(parts).ok_or_else(|| "the stage holds no layer".to_string())
     };
     let [a, b] = choice.logical;
-    let mut candidates: Vec<(bool, Result<StagePlan, String>)> = [false, true]
+    // (sequence parallel, [dp, tp], Megatron-LM's plan)
+    let mut candidates: Vec<(bool, [u64; 2], Result<StagePlan, String>)> = [false, true]
         .into_iter()
-        .map(|sp| (sp, pinned(choice.logical, sp)))
+        .map(|sp| (sp, [a, b], pinned(choice.logical, sp)))
         .collect();
     if a == 1 && b > 1 {
-        candidates.push((false, pinned([b, 1], false).map(renamed_to_axis_1)));
+        candidates.push((false, [b, 1], pinned([b, 1], false).map(renamed_to_axis_1)));
     }
     let best = candidates
         .iter()
-        .filter_map(|(sp, r)| r.as_ref().ok().map(|m| (*sp, m, differences(plan, m))))
+        .filter_map(|(sp, degrees, r)| {
+            r.as_ref()
+                .ok()
+                .map(|m| (*sp, *degrees, m, differences(plan, m)))
+        })
         .min_by(|x, y| {
-            (x.2.len(), x.1.objective)
-                .partial_cmp(&(y.2.len(), y.1.objective))
+            (x.3.len(), x.2.objective)
+                .partial_cmp(&(y.3.len(), y.2.objective))
                 .unwrap_or(std::cmp::Ordering::Equal)
         });
     match best {
-        Some((sp, m, differences)) => MegatronComparison {
+        Some((sp, [dp, tp], m, differences)) => MegatronComparison {
             unavailable: None,
             sequence_parallel: sp,
+            tensor_parallel: tp,
+            data_parallel: dp,
             objective_s: m.objective,
             saves_s: m.objective - plan.objective,
             differences,
         },
         None => MegatronComparison {
-            unavailable: candidates.into_iter().find_map(|(_, r)| r.err()),
+            unavailable: candidates.into_iter().find_map(|(_, _, r)| r.err()),
             sequence_parallel: false,
+            tensor_parallel: 0,
+            data_parallel: 0,
             objective_s: f64::INFINITY,
             saves_s: f64::INFINITY,
             differences: Vec::new(),
