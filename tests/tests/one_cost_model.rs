@@ -185,3 +185,15 @@ fn a_mesh_megatron_cannot_use_is_named() {
         "{err}"
     );
 }
+
+#[test]
+fn as_many_sequences_as_heads_are_not_taken_for_them() {
+    // GPT-2's 12 heads and 12 sequences per micro-batch: the output projection's input
+    // [12, 12, s, 64] is heads x width, not batch x width, whatever the sizes.
+    let g = lower("gpt2-small.json", 12, Some(128), 2);
+    for (a, b) in [(2, 1), (1, 2)] {
+        let (m, c) = mesh(a, b);
+        let plan = pinned(&g, 1, m, &c, false, StageOptions::default());
+        assert!(plan.forward > 0.0, "{a}x{b}");
+    }
+}

@@ -112,7 +112,9 @@ fn match_in_order(
 
 /// The axes of `x` that hold a matrix dimension of size `k` (the IR views `x` as `[rows, k]`):
 /// the shortest trailing run with that product, else the smallest set containing the last axis
-/// (heads and head width around the sequence axis). The first of them is where a split goes.
+/// (heads and head width around the sequence axis), of equally small sets the one furthest
+/// from the batch axis (with as many sequences as heads, `[b, h, s, d]` must not read as
+/// `b x d`). The first of them is where a split goes.
 fn k_axes(x: &[u64], k: u64) -> Option<Vec<usize>> {
     let r = x.len();
     let mut prod = 1u64;
@@ -133,7 +135,10 @@ fn k_axes(x: &[u64], k: u64) -> Option<Vec<usize>> {
         }
         let axes: Vec<usize> = (0..r).filter(|i| mask & (1 << i) != 0).collect();
         let p = axes.iter().fold(1u64, |a, &i| a.saturating_mul(x[i]));
-        if p == k && best.as_ref().is_none_or(|b| axes.len() < b.len()) {
+        let better = |b: &Vec<usize>| {
+            axes.len() < b.len() || (axes.len() == b.len() && axes.first() > b.first())
+        };
+        if p == k && best.as_ref().is_none_or(better) {
             best = Some(axes);
         }
     }
