@@ -1,6 +1,8 @@
-//! Benchmark of the build system on the GPT-3 175B target of the default workspace: a cold
-//! build, no-op rebuilds, and a rebuild after the model grows from 96 to 104 layers. Prints a
-//! table of wall time, results solved and peak memory of each `autopar build` process.
+//! Benchmark of the build system on the GPT-3 175B target of the default workspace, then on the
+//! whole default workspace (the ILP space's tables and stage DPs included): a cold build,
+//! no-op rebuilds, and a rebuild after GPT-3 grows from 96 to 104 layers. Prints a table of
+//! wall time, results solved (all, then `sharding` tables and `stages` DPs) and peak memory of
+//! each `autopar build` process.
 //!
 //! `cargo run --release -p autopar-tests --bin autopar-bench-incremental`
 
@@ -15,14 +17,17 @@ struct Row {
     phase: String,
     wall_s: f64,
     solved: u64,
+    tables: u64,
+    stages: u64,
     rss_mib: f64,
 }
 
-fn build(ws: &TempWorkspace) -> Result<Row, String> {
+fn build(ws: &TempWorkspace, targets: &[&str]) -> Result<Row, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let start = Instant::now();
     let out = Command::new(exe)
-        .args([AS_AUTOPAR, "build", "gpt3-175b", "--json"])
+        .args([AS_AUTOPAR, "build", "--json"])
+        .args(targets)
         .current_dir(ws.path())
         .env_remove("AUTOPAR_CACHE_DIR")
         .output()
@@ -37,6 +42,8 @@ fn build(ws: &TempWorkspace) -> Result<Row, String> {
         phase: String::new(),
         wall_s,
         solved: j["solved"].as_u64().unwrap_or(0),
+        tables: j["kinds"]["sharding"]["solved"].as_u64().unwrap_or(0),
+        stages: j["kinds"]["stages"]["solved"].as_u64().unwrap_or(0),
         rss_mib: j["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN) / (1024.0 * 1024.0),
     })
 }
@@ -48,43 +55,61 @@ fn main() -> ExitCode {
         let rest = std::iter::once("autopar".into()).chain(args);
         return autopar_cli::run(rest);
     }
+    for (title, targets) in [
+        (
+            "autopar build gpt3-175b (128 x 8 A100-80GB)",
+            &["gpt3-175b"][..],
+        ),
+        (
+            "autopar build (every target of the default workspace)",
+            &[][..],
+        ),
+    ] {
+        match phases(targets) {
+            Ok(rows) => print(title, &rows),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// Cold build, five no-op rebuilds and the 96 -> 104 edit of `targets` (all when empty) in a
+/// fresh copy of the default workspace.
+fn phases(targets: &[&str]) -> Result<Vec<Row>, String> {
     let ws = TempWorkspace::default_copy();
     let mut rows = Vec::new();
     let mut step = |phase: &str| -> Result<(), String> {
-        let mut row = build(&ws)?;
+        let mut row = build(&ws, targets)?;
         row.phase = phase.to_string();
         rows.push(row);
         Ok(())
     };
-    let result = (|| {
-        step("cold (empty cache)")?;
-        for i in 1..=5 {
-            step(&format!("no-op #{i}"))?;
-        }
-        let model = ws.read("models/gpt3-175b.json");
-        ws.write(
-            "models/gpt3-175b.json",
-            &model.replace("\"n_layer\": 96", "\"n_layer\": 104"),
-        );
-        step("after 96 -> 104 layers")?;
-        Ok::<(), String>(())
-    })();
-    if let Err(e) = result {
-        eprintln!("error: {e}");
-        return ExitCode::FAILURE;
+    step("cold (empty cache)")?;
+    for i in 1..=5 {
+        step(&format!("no-op #{i}"))?;
     }
-    println!(
-        "autopar build gpt3-175b (128 x 8 A100-80GB), {}",
-        repo_root().display()
+    let model = ws.read("models/gpt3-175b.json");
+    ws.write(
+        "models/gpt3-175b.json",
+        &model.replace("\"n_layer\": 96", "\"n_layer\": 104"),
     );
+    step("after 96 -> 104 layers")?;
+    Ok(rows)
+}
+
+fn print(title: &str, rows: &[Row]) {
+    println!("{title}, {}", repo_root().display());
     println!(
-        "{:<24} {:>10} {:>8} {:>10}",
-        "phase", "wall", "solved", "peak RSS"
+        "{:<24} {:>10} {:>8} {:>8} {:>8} {:>10}",
+        "phase", "wall", "solved", "tables", "DPs", "peak RSS"
     );
-    for r in &rows {
+    for r in rows {
         println!(
-            "{:<24} {:>8.3} s {:>8} {:>6.1} MiB",
-            r.phase, r.wall_s, r.solved, r.rss_mib
+            "{:<24} {:>8.3} s {:>8} {:>8} {:>8} {:>6.1} MiB",
+            r.phase, r.wall_s, r.solved, r.tables, r.stages, r.rss_mib
         );
     }
     let mut noop: Vec<f64> = rows
@@ -93,6 +118,7 @@ fn main() -> ExitCode {
         .map(|r| r.wall_s)
         .collect();
     noop.sort_by(f64::total_cmp);
-    println!("no-op median: {:.3} s", noop[noop.len() / 2]);
-    ExitCode::SUCCESS
+    if let Some(median) = noop.get(noop.len() / 2) {
+        println!("no-op median: {median:.3} s\n");
+    }
 }
