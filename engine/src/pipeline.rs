@@ -146,13 +146,14 @@ impl TableSource for CachedTables<'_> {
         let solved = layer_table(graph, layer, mesh, device, opts);
         self.cache.record(kind::SHARDING, Source::Solved);
         // What `profile diff` matches against the entries it changes.
-        let read_signatures = reads
+        let mut read_signatures: Vec<[u8; 32]> = reads
             .iter()
-            .filter_map(|r| match &r.entry {
-                EntryId::Op(sig) => Some(digest(sig).0),
-                EntryId::Collective(..) => None,
+            .map(|r| match &r.entry {
+                EntryId::Op(sig) => digest(sig).0,
+                EntryId::Collective(sig, _) => digest(sig).0,
             })
             .collect();
+        read_signatures.dedup();
         self.note(graph, layer, &mesh, parts, reads, Source::Solved);
         if let Ok(t) = &solved {
             let meta = EntryMeta {

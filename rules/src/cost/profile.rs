@@ -315,6 +315,21 @@ impl Profile {
             .collect()
     }
 
+    /// Every measurement of a collective on a group of `ranks` ranks within one node
+    /// (`internode` false) or across nodes.
+    pub fn collective_points(&self, ranks: u64, internode: bool) -> Vec<ProfileRead> {
+        self.collectives
+            .iter()
+            .filter(|(sig, _)| sig.ranks == ranks && sig.internode == internode)
+            .flat_map(|(sig, points)| {
+                points.iter().map(|(&bytes, &time_us)| ProfileRead {
+                    entry: EntryId::Collective(*sig, bytes),
+                    time_us,
+                })
+            })
+            .collect()
+    }
+
     /// The time of a collective of `bytes`, s, interpolated from the measurements of its
     /// signature, with the measurements it read; `None` if the signature was never measured.
     pub fn collective_time(

@@ -193,10 +193,11 @@ pub fn table_key(
         .with("profile", reads)
 }
 
-/// The measured kernels layer `layer`'s table on `mesh` may read: every entry of the options'
+/// The measurements layer `layer`'s table on `mesh` may read: every kernel of the options'
 /// profile whose name, pass and dtype are one of the layer's ops' and whose operands tile that
-/// op's on the mesh (a superset of what any strategy reads, so a key holding them is never
-/// stale), ordered by entry.
+/// op's on the mesh, and every collective on a group of one mesh axis over that axis's link (a
+/// superset of what any strategy reads, so a key holding them is never stale), ordered by
+/// entry.
 pub fn profile_reads(
     graph: &Graph,
     layer: usize,
@@ -227,6 +228,11 @@ pub fn profile_reads(
             )
         })
         .collect();
+    for a in 0..2 {
+        if mesh.shape[a] > 1 {
+            reads.extend(profile.collective_points(mesh.shape[a], mesh.links[a].internode));
+        }
+    }
     reads.sort_by(|a, b| a.entry.cmp(&b.entry));
     reads.dedup_by(|a, b| a.entry == b.entry);
     reads

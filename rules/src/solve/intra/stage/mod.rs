@@ -31,7 +31,7 @@ use crate::cost::analytic::{
 };
 use crate::cost::cluster::{Device, GIB};
 use crate::cost::memory::Precision;
-use crate::cost::profile::{OpSignature, Profile, kernel_name};
+use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, kernel_name};
 use crate::cost::sharding::{
     AxisSplit, Mesh, Spec, Step, reduce_steps, reshard_steps, steps_time, valid_specs,
 };
@@ -951,7 +951,7 @@ impl<'g> StageModel<'g> {
                 for a in 0..2 {
                     if partial[j] & (1 << a) != 0 {
                         comm.push((
-                            Step::on(Collective::AllReduce, a, tile, mesh),
+                            self.step(Collective::AllReduce, a, tile),
                             Reason::PartialSum,
                             t,
                         ));
@@ -975,7 +975,7 @@ impl<'g> StageModel<'g> {
                     if *on == Some(d) {
                         for _ in 0..reductions {
                             comm.push((
-                                Step::on(Collective::AllReduce, a, rows * bytes, mesh),
+                                self.step(Collective::AllReduce, a, rows * bytes),
                                 Reason::Statistics,
                                 x,
                             ));
@@ -1041,7 +1041,7 @@ impl<'g> StageModel<'g> {
                 let mut v = r.clone();
                 v.outputs[j] = spec;
                 v.comm[k] = (
-                    Step::on(Collective::ReduceScatter, step.axis, step.bytes, &self.mesh),
+                    self.step(Collective::ReduceScatter, step.axis, step.bytes),
                     Reason::PartialSum,
                     *t,
                 );
@@ -1305,7 +1305,12 @@ impl<'g> StageModel<'g> {
             plan.memory.optimizer += memory.optimizer;
             let (w, o) = &p.choices[c];
             let tensor = g.tensor(p.tensor);
-            let steps = reshard_steps(tensor.elements() as f64 * wb, o, w, &self.mesh);
+            let steps = self.measured(reshard_steps(
+                tensor.elements() as f64 * wb,
+                o,
+                w,
+                &self.mesh,
+            ));
             record(
                 &mut plan,
                 &steps,
@@ -1379,10 +1384,10 @@ impl<'g> StageModel<'g> {
         let bytes = tensor.bytes() as f64;
         let from = self.producer_spec(f.from, cu);
         let to = &self.nodes[f.to].realized[cv].inputs[f.input];
-        match self.pending_sum(f, cu) {
+        self.measured(match self.pending_sum(f, cu) {
             0 => reshard_steps(bytes, from, to, &self.mesh),
             partial => reduce_steps(bytes, partial, from, to, &tensor.shape, &self.mesh),
-        }
+        })
     }
 
     /// What a flow's collectives cost on the critical path: all of them, except that the
@@ -1403,7 +1408,7 @@ impl<'g> StageModel<'g> {
         let p = &self.params[w.param];
         let bytes = self.graph.tensor(p.tensor).bytes() as f64;
         let to = &self.nodes[w.to].realized[cv].inputs[w.input];
-        reshard_steps(bytes, &p.choices[cu].0, to, &self.mesh)
+        self.measured(reshard_steps(bytes, &p.choices[cu].0, to, &self.mesh))
     }
 
     fn sync_steps(&self, s: &GradSync, cu: usize, cv: usize) -> Vec<Step> {
@@ -1411,14 +1416,43 @@ impl<'g> StageModel<'g> {
         let tensor = self.graph.tensor(p.tensor);
         let bytes = tensor.elements() as f64 * self.opts.precision.state_bytes().1;
         let r = &self.nodes[s.from].realized[cu];
-        reduce_steps(
+        self.measured(reduce_steps(
             bytes,
             r.partial[s.output],
             &r.outputs[s.output],
             &p.choices[cv].1,
             &tensor.shape,
             &self.mesh,
-        )
+        ))
+    }
+
+    /// Collective `kind` of `bytes` over mesh axis `axis`, timed as [`Self::measure`] says.
+    fn step(&self, kind: Collective, axis: usize, bytes: f64) -> Step {
+        let mut s = Step::on(kind, axis, bytes, &self.mesh);
+        self.measure(&mut s);
+        s
+    }
+
+    /// `steps`, each timed as [`Self::measure`] says.
+    fn measured(&self, mut steps: Vec<Step>) -> Vec<Step> {
+        steps.iter_mut().for_each(|s| self.measure(s));
+        steps
+    }
+
+    /// The time the profile measured for the step's collective, group size and link
+    /// (interpolated in the payload, as the layer costs read it), when it has one.
+    fn measure(&self, s: &mut Step) {
+        let Some(profile) = self.opts.profile else {
+            return;
+        };
+        let sig = CollectiveSignature {
+            collective: s.kind.into(),
+            ranks: self.mesh.shape[s.axis],
+            internode: self.mesh.links[s.axis].internode,
+        };
+        if let Some((seconds, _)) = profile.collective_time(&sig, s.bytes) {
+            s.seconds = seconds;
+        }
     }
 
     /// Per-step time (optimizer update of the shard, gather of updated weights) and memory
@@ -1433,7 +1467,7 @@ impl<'g> StageModel<'g> {
         let update = elements * self.opts.precision.optimizer_traffic()
             / so
             / (self.device.hbm_bandwidth * self.device.hbm_efficiency);
-        let gather = steps_time(&reshard_steps(elements * wb, o, w, &self.mesh));
+        let gather = steps_time(&self.measured(reshard_steps(elements * wb, o, w, &self.mesh)));
         (
             update + gather,
             StageMemory {
