@@ -212,60 +212,74 @@ fn field_changes(
     }
 }
 
+/// Why a result was recomputed, from the components of its key that changed between `old` and
+/// `new`: `say` puts each component in words (the rules version is said here); a key that did
+/// not change means the stored `what` went missing.
+fn reasons(
+    old: &KeyParts,
+    new: &KeyParts,
+    what: &str,
+    mut say: impl FnMut(&str, &mut Vec<String>),
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for name in new.changed_since(old) {
+        match name.as_str() {
+            "rules" => out.push("autopar's planning rules changed (new version)".to_string()),
+            other => say(other, &mut out),
+        }
+    }
+    if out.is_empty() {
+        // Same key but not found: the stored result was evicted or removed.
+        out.push(format!(
+            "inputs unchanged; the stored {what} was missing (evicted, cleaned or corrupt)"
+        ));
+    }
+    out
+}
+
 /// Why a plan was recomputed, from the components of its key that changed.
 pub fn plan_reasons(old: Option<&PlanRecord>, new: &PlanRecord) -> Vec<String> {
     let Some(old) = old else {
         return vec!["first build of this target (no earlier record)".to_string()];
     };
-    let mut out = Vec::new();
-    for name in new.parts.changed_since(&old.parts) {
-        match name.as_str() {
-            "model" => {
-                let mut fields = Vec::new();
-                field_changes("", &old.model, &new.model, &mut fields);
-                let model = |f: &String| {
-                    f.trim_start_matches("transformer.")
-                        .trim_start_matches("graph.")
-                        .to_string()
-                };
-                out.push(format!(
-                    "model edit: {}",
-                    fields.iter().map(model).collect::<Vec<_>>().join("; ")
-                ));
-            }
-            "profile" => {
-                let reads = |r: &PlanRecord| -> Vec<ProfileRead> {
-                    r.profile
-                        .iter()
-                        .map(|(e, t)| ProfileRead {
-                            entry: e.clone(),
-                            time_us: *t,
-                        })
-                        .collect()
-                };
-                out.extend(read_changes(&reads(old), &reads(new)));
-            }
-            "rules" => out.push("autopar's planning rules changed (new version)".to_string()),
-            "cluster" => out.push("cluster edit (shape or device numbers)".to_string()),
-            "training" => out.push("training options changed".to_string()),
-            // The ILP space's options are part of the search space (its default micro-batch
-            // sizes follow the global batch), so both say the same once.
-            "search" | "ilp" => {
-                let why = "search space or global batch changed".to_string();
-                if !out.contains(&why) {
-                    out.push(why);
-                }
-            }
-            other => out.push(format!("{other} changed")),
+    reasons(&old.parts, &new.parts, "plan", |name, out| match name {
+        "model" => {
+            let mut fields = Vec::new();
+            field_changes("", &old.model, &new.model, &mut fields);
+            let model = |f: &String| {
+                f.trim_start_matches("transformer.")
+                    .trim_start_matches("graph.")
+                    .to_string()
+            };
+            out.push(format!(
+                "model edit: {}",
+                fields.iter().map(model).collect::<Vec<_>>().join("; ")
+            ));
         }
-    }
-    if out.is_empty() {
-        // Same key but not found: the stored result was evicted or removed.
-        out.push(
-            "inputs unchanged; the stored plan was missing (evicted, cleaned or corrupt)".into(),
-        );
-    }
-    out
+        "profile" => {
+            let reads = |r: &PlanRecord| -> Vec<ProfileRead> {
+                r.profile
+                    .iter()
+                    .map(|(e, t)| ProfileRead {
+                        entry: e.clone(),
+                        time_us: *t,
+                    })
+                    .collect()
+            };
+            out.extend(read_changes(&reads(old), &reads(new)));
+        }
+        "cluster" => out.push("cluster edit (shape or device numbers)".to_string()),
+        "training" => out.push("training options changed".to_string()),
+        // The ILP space's options are part of the search space (its default micro-batch
+        // sizes follow the global batch), so both say the same once.
+        "search" | "ilp" => {
+            let why = "search space or global batch changed".to_string();
+            if !out.contains(&why) {
+                out.push(why);
+            }
+        }
+        other => out.push(format!("{other} changed")),
+    })
 }
 
 /// Why a layer cost was recomputed.
@@ -273,23 +287,13 @@ pub fn layer_reasons(old: Option<&LayerRecord>, new: &LayerRecord) -> Vec<String
     let Some(old) = old else {
         return vec!["not asked for in the previous build".to_string()];
     };
-    let mut out = Vec::new();
-    for name in new.parts.changed_since(&old.parts) {
-        match name.as_str() {
-            "profile" => out.extend(read_changes(&old.reads, &new.reads)),
-            "subgraph" => out.push("the layer's ops or shapes changed (model edit)".into()),
-            "device" | "link" => out.push("device numbers changed (cluster edit)".into()),
-            "kernels" => out.push("kernel options changed (precision, gradient fusion)".into()),
-            "rules" => out.push("autopar's planning rules changed (new version)".into()),
-            other => out.push(format!("{other} changed")),
-        }
-    }
-    if out.is_empty() {
-        out.push(
-            "inputs unchanged; the stored cost was missing (evicted, cleaned or corrupt)".into(),
-        );
-    }
-    out
+    reasons(&old.parts, &new.parts, "cost", |name, out| match name {
+        "profile" => out.extend(read_changes(&old.reads, &new.reads)),
+        "subgraph" => out.push("the layer's ops or shapes changed (model edit)".into()),
+        "device" | "link" => out.push("device numbers changed (cluster edit)".into()),
+        "kernels" => out.push("kernel options changed (precision, gradient fusion)".into()),
+        other => out.push(format!("{other} changed")),
+    })
 }
 
 /// Why the ILP space's stage DP at one micro-batch size re-ran, from the components of its
@@ -304,9 +308,8 @@ pub fn stages_reasons(previous: Option<&BuildRecord>, new: &StagesRecord) -> Vec
             new.micro_batch
         )];
     };
-    let mut out = Vec::new();
-    for name in new.parts.changed_since(&old.parts) {
-        out.push(match name.as_str() {
+    reasons(&old.parts, &new.parts, "stage DP", |name, out| {
+        out.push(match name {
             "model" => "model edit".to_string(),
             "cluster" => "cluster edit (shape or device numbers)".to_string(),
             "training" => "training options changed".to_string(),
@@ -314,17 +317,9 @@ pub fn stages_reasons(previous: Option<&BuildRecord>, new: &StagesRecord) -> Vec
             "submeshes" => "submesh choices changed (`submeshes`)".to_string(),
             "budget" => "memory budget per device changed".to_string(),
             "profile" => "the target's profile measurements changed".to_string(),
-            "rules" => "autopar's planning rules changed (new version)".to_string(),
             other => format!("{other} changed"),
-        });
-    }
-    if out.is_empty() {
-        out.push(
-            "inputs unchanged; the stored stage DP was missing (evicted, cleaned or corrupt)"
-                .into(),
-        );
-    }
-    out
+        })
+    })
 }
 
 /// Why a layer table was solved, against the table of the same layer and mesh that the
@@ -333,27 +328,16 @@ pub fn table_reasons(old: Option<&TableRecord>, new: &TableRecord) -> Vec<String
     let Some(old) = old else {
         return vec!["not read by the previous build's stage DP".to_string()];
     };
-    let mut out = Vec::new();
-    for name in new.parts.changed_since(&old.parts) {
-        out.push(match name.as_str() {
-            "layer" => "the layer's ops or shapes changed (model edit)".to_string(),
-            "mesh" => "the mesh's link numbers changed (cluster network edit)".to_string(),
-            "device" => "device compute or memory numbers changed (cluster edit)".to_string(),
-            "profile" => {
-                out.extend(read_changes(&old.reads, &new.reads));
-                continue;
-            }
-            "options" => "micro-batches per step, precision or solver options changed".to_string(),
-            "rules" => "autopar's planning rules changed (new version)".to_string(),
-            other => format!("{other} changed"),
-        });
-    }
-    if out.is_empty() {
-        out.push(
-            "inputs unchanged; the stored table was missing (evicted, cleaned or corrupt)".into(),
-        );
-    }
-    out
+    reasons(&old.parts, &new.parts, "table", |name, out| match name {
+        "profile" => out.extend(read_changes(&old.reads, &new.reads)),
+        "layer" => out.push("the layer's ops or shapes changed (model edit)".to_string()),
+        "mesh" => out.push("the mesh's link numbers changed (cluster network edit)".to_string()),
+        "device" => out.push("device compute or memory numbers changed (cluster edit)".to_string()),
+        "options" => {
+            out.push("micro-batches per step, precision or solver options changed".to_string())
+        }
+        other => out.push(format!("{other} changed")),
+    })
 }
 
 #[cfg(test)]
