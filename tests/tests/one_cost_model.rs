@@ -168,7 +168,8 @@ fn pinned_layers_agree_with_the_layer_costs_on_measured_times() {
 
 #[test]
 fn a_mesh_megatron_cannot_use_is_named() {
-    // GPT-2's 12 heads do not split 8 ways: no strategy reads Megatron-LM's head split.
+    // GPT-2's 12 heads do not split 8 ways: the error names the tensor Megatron-LM would
+    // split and the split.
     let g = lower("gpt2-small.json", 1, Some(128), 8);
     let (m, c) = mesh(1, 8);
     let model = StageModel::build(&g, 1..2, m, &c.device, StageOptions::default())
@@ -182,7 +183,10 @@ fn a_mesh_megatron_cannot_use_is_named() {
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(
-        err.contains("has no strategy with Megatron-LM's specs"),
+        err.contains(
+            "op `layers.0.attention.split_qkv`: Megatron-LM would split `layers.0.attention.q` \
+             [1, 12, 128, 64] as RS1RR, which does not divide it on this mesh"
+        ),
         "{err}"
     );
 }

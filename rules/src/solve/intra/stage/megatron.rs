@@ -40,6 +40,23 @@ pub enum PinError {
         /// The specs wanted for its results.
         outputs: String,
     },
+    /// Megatron-LM's spec of an operand splits a dimension by more than it holds (a
+    /// tensor-parallel degree above the number of KV heads, say): Megatron-LM refuses such a
+    /// layout too.
+    #[error(
+        "op `{op}`: Megatron-LM would split `{tensor}` {shape} as {spec}, which does not divide it \
+         on this mesh"
+    )]
+    Indivisible {
+        /// Op name.
+        op: String,
+        /// The operand.
+        tensor: String,
+        /// Its shape.
+        shape: String,
+        /// The spec wanted.
+        spec: String,
+    },
     /// A parameter cannot be held as Megatron-LM holds it.
     #[error("parameter `{name}` cannot be held as {spec} on this mesh")]
     Parameter {
@@ -139,10 +156,28 @@ impl StageModel<'_> {
     pub fn megatron_choice(&self, m: MegatronSharding) -> Result<Vec<usize>, PinError> {
         let g = self.graph;
         let mut choice = vec![usize::MAX; self.var_sizes.len()];
-        let no_strategy = |op: &Op, inputs: &[Spec], outputs: &[Spec]| PinError::Op {
-            op: op.name.clone(),
-            inputs: joined(inputs),
-            outputs: joined(outputs),
+        let no_strategy = |op: &Op, inputs: &[Spec], outputs: &[Spec]| {
+            let operands = op
+                .inputs
+                .iter()
+                .zip(inputs)
+                .chain(op.outputs.iter().zip(outputs));
+            for (&t, spec) in operands {
+                let tensor = g.tensor(t);
+                if !spec.valid_for(&tensor.shape, &self.mesh) {
+                    return PinError::Indivisible {
+                        op: op.name.clone(),
+                        tensor: tensor.name.clone(),
+                        shape: format!("{:?}", tensor.shape),
+                        spec: spec.to_string(),
+                    };
+                }
+            }
+            PinError::Op {
+                op: op.name.clone(),
+                inputs: joined(inputs),
+                outputs: joined(outputs),
+            }
         };
         for node in self.nodes.iter().filter(|n| n.leader.is_none()) {
             let op = g.op(node.op);
