@@ -290,7 +290,14 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
     let trace = ws.trace_path(&t.name);
     let ilp = match t.ilp.space {
         Space::Megatron => IlpOutcome::default(),
-        _ => ilp_search(ws, t, cache, est.capacity(), previous.as_ref()),
+        _ => ilp_search(
+            ws,
+            t,
+            cache,
+            &plan_record.parts,
+            est.capacity(),
+            previous.as_ref(),
+        ),
     };
     let IlpOutcome {
         best,
@@ -386,19 +393,17 @@ fn ilp_budget(ws: &Workspace, t: &Target, capacity: f64) -> f64 {
     capacity - ws.clusters[t.cluster].device.reserved_bytes
 }
 
-/// What every stage DP of a target reads, whatever its micro-batch size.
-fn stages_base(ws: &Workspace, t: &Target) -> KeyParts {
-    let model = &ws.models[t.model];
-    let cluster = &ws.clusters[t.cluster];
-    KeyParts::new("stages")
-        .with("model", &model.def.canonical_json())
-        .with(
-            "cluster",
-            &(cluster.nodes, cluster.gpus_per_node, &cluster.device),
-        )
-        .with("training", &t.options)
-        // Tables key exactly the entries they may read; the DP is cheap beside them.
-        .with("profile", &profile_entries(t))
+/// What every stage DP of a target reads, whatever its micro-batch size: the target's
+/// components (`target`) but its search spaces. The profile stays: tables key exactly the
+/// entries they may read, and the DP is cheap beside them.
+fn stages_base(target: &KeyParts) -> KeyParts {
+    let mut parts = KeyParts::new("stages");
+    for (name, d) in &target.parts {
+        if name != "rules" && name != "search" && name != "ilp" {
+            parts = parts.with_digest(name, *d);
+        }
+    }
+    parts
 }
 
 /// The components of the key of the stage DP at micro-batch size `mb`.
@@ -442,11 +447,13 @@ fn carried_tables(previous: Option<&BuildRecord>, rec: &StagesRecord) -> Vec<Tab
 
 /// Alpa's two levels for every micro-batch size of the target's ILP space, each through the
 /// cache (kind `stages`) under the key of exactly what it reads; its layer tables are cached
-/// apart (kind `sharding`) and shared with every other target and model.
+/// apart (kind `sharding`) and shared with every other target and model. `target`: the
+/// components of the target's key ([`target_parts`]).
 fn ilp_search(
     ws: &Workspace,
     t: &Target,
     cache: &Cache,
+    target: &KeyParts,
     capacity: f64,
     previous: Option<&BuildRecord>,
 ) -> IlpOutcome {
@@ -454,7 +461,7 @@ fn ilp_search(
     let cluster = &ws.clusters[t.cluster];
     let budget = ilp_budget(ws, t, capacity);
     let mut out = IlpOutcome::default();
-    let base = stages_base(ws, t);
+    let base = stages_base(target);
     // Whether the search is small enough, asked once and only when something must be solved
     // (a rebuild that finds every result lowers nothing).
     let mut too_large: Option<Option<String>> = None;
@@ -710,7 +717,7 @@ pub fn dry_run(
                 .with_costs(&probe)
                 .with_profile(t.profile.as_deref());
             let (ilp, ilp_not_searched) =
-                ilp_dry_run(ws, t, cache, est.capacity(), previous.as_ref());
+                ilp_dry_run(ws, t, cache, &parts, est.capacity(), previous.as_ref());
             let plan_cached = cache
                 .peek::<Digest>(parts.key())
                 .is_some_and(|v| cache.contains(v));
@@ -745,6 +752,7 @@ fn ilp_dry_run(
     ws: &Workspace,
     t: &Target,
     cache: &Cache,
+    target: &KeyParts,
     capacity: f64,
     previous: Option<&BuildRecord>,
 ) -> (Vec<StagesDryRun>, Option<String>) {
@@ -754,7 +762,7 @@ fn ilp_dry_run(
     }
     let cluster = &ws.clusters[t.cluster];
     let budget = ilp_budget(ws, t, capacity);
-    let base = stages_base(ws, t);
+    let base = stages_base(target);
     let mut too_large: Option<Option<String>> = None;
     for &mb in &t.ilp.micro_batch {
         let parts = stages_parts(&base, t, mb, budget);
