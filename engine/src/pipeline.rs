@@ -14,7 +14,7 @@ use autopar_rules::cost::profile::{EntryId, ProfileRead};
 use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::Attention;
 use autopar_rules::model::graph::Graph;
-use autopar_rules::solve::intra::chain::{ChainError, LayerTable, layer_table};
+use autopar_rules::solve::intra::chain::{ChainError, Crossings, LayerTable, layer_table_with};
 use autopar_rules::solve::intra::stage::StageOptions;
 use autopar_rules::solve::pipeline::{
     DEFAULT_MAX_EXACT_ENTRIES, PipelineOptions, PipelinePlan, TableSource, plan_pipeline_with,
@@ -130,6 +130,7 @@ impl TableSource for CachedTables<'_> {
     fn table(
         &self,
         graph: &Graph,
+        crossings: &Crossings,
         layer: usize,
         identity: Digest,
         mesh: Mesh,
@@ -143,7 +144,16 @@ impl TableSource for CachedTables<'_> {
             self.note(graph, layer, &mesh, parts, reads, source);
             return Ok(t);
         }
-        let solved = layer_table(graph, layer, mesh, device, opts);
+        let started = Instant::now();
+        let solved = layer_table_with(graph, crossings, layer, mesh, device, opts);
+        tracing::debug!(
+            layer = %graph.layers[layer].name,
+            mesh = ?mesh.shape,
+            eliminations = solved.as_ref().map_or(0, |t| t.solves),
+            states = ?solved.as_ref().map_or((0, 0), |t| (t.before.len(), t.after.len())),
+            seconds = started.elapsed().as_secs_f64(),
+            "solved layer table"
+        );
         self.cache.record(kind::SHARDING, Source::Solved);
         // What `profile diff` matches against the entries it changes.
         let mut read_signatures: Vec<[u8; 32]> = reads

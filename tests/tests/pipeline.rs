@@ -11,7 +11,7 @@ use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef, parse_hf_config};
 use autopar_rules::model::graph::{DType, Graph};
 use autopar_rules::solve::inter::{place, submesh_choices};
-use autopar_rules::solve::intra::chain::{ChainError, LayerTable};
+use autopar_rules::solve::intra::chain::{ChainError, Crossings, LayerTable};
 use autopar_rules::solve::intra::stage::{StageModel, StageOptions};
 use autopar_rules::solve::pipeline::{
     PipelineOptions, Solve, TableSource, layer_classes, layer_identities, logical_meshes,
@@ -195,6 +195,7 @@ impl TableSource for Recording {
     fn table(
         &self,
         graph: &Graph,
+        crossings: &Crossings,
         layer: usize,
         identity: Digest,
         mesh: Mesh,
@@ -203,7 +204,7 @@ impl TableSource for Recording {
     ) -> Result<LayerTable, ChainError> {
         let key = table_key(identity, &mesh, device, &opts, &[]).key();
         self.0.lock().expect("not poisoned").push(key);
-        Solve.table(graph, layer, identity, mesh, device, opts)
+        Solve.table(graph, crossings, layer, identity, mesh, device, opts)
     }
 }
 

@@ -208,8 +208,7 @@ impl StageProblem {
 }
 
 /// Reusable buffers and per-instance tables of the DP.
-struct Dp<'a> {
-    p: &'a StageProblem,
+struct Dp {
     l: usize,
     d: usize,
     sizes: Vec<usize>,
@@ -219,24 +218,62 @@ struct Dp<'a> {
     band: Vec<(usize, usize)>,
     /// Most stages any solution can have.
     s_max: usize,
+    /// Per `(k, i, submesh)` (row-major), the range's usable configurations
+    /// `(cost, max_succ, config)` by cost, then config, each kept only if it allows more
+    /// following stages than every cheaper one: the first whose `max_succ` admits a stage
+    /// count is the cheapest configuration for it. Slices of `choices` between `offsets`.
+    choices: Vec<(f64, i64, u32)>,
+    offsets: Vec<usize>,
 }
 
-impl<'a> Dp<'a> {
-    fn new(p: &'a StageProblem) -> Self {
+impl Dp {
+    fn new(p: &StageProblem) -> Self {
         let l = p.layers;
         let d = p.devices as usize;
         let sizes: Vec<usize> = (0..p.submeshes.len()).map(|s| p.size(s) as usize).collect();
         // Bounded by `validate`'s table-size check.
         let s_max = p.max_stages() as usize;
+        let ranges = l * l * p.submeshes.len();
+        let mut choices = Vec::new();
+        let mut offsets = Vec::with_capacity(ranges + 1);
+        offsets.push(0);
+        let mut configs: Vec<(f64, i64, u32)> = Vec::with_capacity(p.configs);
+        for r in 0..ranges {
+            configs.clear();
+            configs.extend((0..p.configs).filter_map(|c| {
+                let x = r * p.configs + c;
+                (p.cost[x].is_finite() && p.max_succ[x] >= 0).then_some((
+                    p.cost[x],
+                    p.max_succ[x],
+                    c as u32,
+                ))
+            }));
+            configs.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.2.cmp(&b.2)));
+            let mut most = -1;
+            for &choice in &configs {
+                if choice.1 > most {
+                    most = choice.1;
+                    choices.push(choice);
+                }
+            }
+            offsets.push(choices.len());
+        }
         Dp {
-            p,
             l,
             d,
             sizes,
             f: vec![f64::INFINITY; (s_max + 1) * (l + 1) * (d + 1)],
             band: vec![(1, 0); l + 1],
             s_max,
+            choices,
+            offsets,
         }
+    }
+
+    /// The usable configurations of stage `[k, i]` on submesh `sm` (see `choices`).
+    fn configs(&self, k: usize, i: usize, sm: usize) -> &[(f64, i64, u32)] {
+        let r = (k * self.l + i) * self.sizes.len() + sm;
+        &self.choices[self.offsets[r]..self.offsets[r + 1]]
     }
 
     fn row(&self, s: usize, k: usize) -> usize {
@@ -246,18 +283,11 @@ impl<'a> Dp<'a> {
     /// Cheapest configuration of stage `[k, i]` on submesh `sm` within `t_max` that fits with
     /// `s` stages from it to the end.
     fn best(&self, k: usize, i: usize, sm: usize, s: usize, t_max: f64) -> Option<(f64, usize)> {
-        let mut best: Option<(f64, usize)> = None;
-        for c in 0..self.p.configs {
-            let x = self.p.idx(k, i, sm, c);
-            let cost = self.p.cost[x];
-            if cost <= t_max
-                && (s as i64 - 1) <= self.p.max_succ[x]
-                && best.is_none_or(|(b, _)| cost < b)
-            {
-                best = Some((cost, c));
-            }
-        }
-        best
+        let &(cost, _, c) = self
+            .configs(k, i, sm)
+            .iter()
+            .find(|(_, succ, _)| s as i64 - 1 <= *succ)?;
+        (cost <= t_max).then_some((cost, c as usize))
     }
 
     /// Computes, for bound `t_max`, the device counts each suffix can have: at least the fewest
@@ -265,10 +295,9 @@ impl<'a> Dp<'a> {
     fn bands(&mut self, t_max: f64) {
         let (l, d) = (self.l, self.d);
         let usable = |k: usize, i: usize, sm: usize| {
-            (0..self.p.configs).any(|c| {
-                let x = self.p.idx(k, i, sm, c);
-                self.p.cost[x] <= t_max && self.p.max_succ[x] >= 0
-            })
+            self.configs(k, i, sm)
+                .first()
+                .is_some_and(|&(cost, _, _)| cost <= t_max)
         };
         const NONE: usize = usize::MAX;
         let mut suffix = vec![NONE; l + 1];

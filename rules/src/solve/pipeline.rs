@@ -14,7 +14,7 @@
 //! their gradients.
 
 use super::inter::{self, InterError, StageProblem, submesh_choices};
-use super::intra::chain::{self, ChainError, Entry, LayerTable};
+use super::intra::chain::{self, ChainError, Crossings, Entry, LayerTable};
 use super::intra::stage::{StageOptions, StagePlan};
 use crate::canonical::{Digest, KeyParts, digest};
 use crate::cost::cluster::{Cluster, Device};
@@ -240,10 +240,13 @@ pub fn profile_reads(
 
 /// Where layer tables come from: solved here, or through a cache.
 pub trait TableSource: Sync {
-    /// The table of layer `layer` of `graph` (whose identity is `identity`) on `mesh`.
+    /// The table of layer `layer` of `graph` (whose identity is `identity`, whose crossings
+    /// are `crossings`) on `mesh`.
+    #[allow(clippy::too_many_arguments)]
     fn table(
         &self,
         graph: &Graph,
+        crossings: &Crossings,
         layer: usize,
         identity: Digest,
         mesh: Mesh,
@@ -259,13 +262,14 @@ impl TableSource for Solve {
     fn table(
         &self,
         graph: &Graph,
+        crossings: &Crossings,
         layer: usize,
         _identity: Digest,
         mesh: Mesh,
         device: &Device,
         opts: StageOptions,
     ) -> Result<LayerTable, ChainError> {
-        chain::layer_table(graph, layer, mesh, device, opts)
+        chain::layer_table_with(graph, crossings, layer, mesh, device, opts)
     }
 }
 
@@ -276,6 +280,12 @@ pub const MAX_TABLES: u64 = 20_000;
 /// Most range prices one pipeline search computes (layers^2 x mesh choices) before the build
 /// leaves the ILP space out, saying so: GPT-3 175B on every submesh of 128 nodes is 1.7e7.
 pub const MAX_RANGE_PRICES: u64 = 20_000_000;
+
+/// A range's stage cost per micro-batch and the most stages that may follow it.
+type RangePrice = (f64, i64);
+
+/// Most boundary-state entries the range pricing memoizes per mesh choice (24 bytes each).
+const MAX_MEMO_ENTRIES: usize = 1 << 21;
 
 /// Submeshes (hosts x devices per host), and the logical meshes of each.
 type MeshChoices = (Vec<(u64, u64)>, Vec<Vec<[u64; 2]>>);
@@ -383,12 +393,21 @@ pub fn plan_pipeline_with(
     let identities = layer_identities(graph);
     let classes = classes_of(&identities);
     let stage_opts = opts.stage_options(1);
+    let crossings = Crossings::of(graph);
     let solved: Vec<(Job, Result<LayerTable, ChainError>)> =
         jobs(&configs, &distinct_layers(&classes))
             .par_iter()
             .map(|&(s, c, l)| {
                 let mesh = Mesh::logical(cluster, submeshes[s], configs[s][c]);
-                let t = source.table(graph, l, identities[l], mesh, &cluster.device, stage_opts);
+                let t = source.table(
+                    graph,
+                    &crossings,
+                    l,
+                    identities[l],
+                    mesh,
+                    &cluster.device,
+                    stage_opts,
+                );
                 ((s, c, l), t)
             })
             .collect();
@@ -439,24 +458,60 @@ pub fn plan_pipeline_with(
                     }
                 }
             }
+            // A range's price depends only on its sequence of layer classes, and identical
+            // blocks repeat: ranges are walked as paths in a trie of class sequences, each
+            // node chained once (O(L) extensions for [embedding, block x n, head] instead of
+            // O(L^2)), with its best entry per boundary state and the range's price.
             let mut out = vec![(f64::INFINITY, -1i64); layers * layers];
+            let mut child: HashMap<(usize, usize), usize> = HashMap::new();
+            let mut nodes: Vec<(Vec<Entry>, Option<RangePrice>)> = Vec::new();
+            let price = |best: Vec<Entry>| {
+                let e = chain::finish(&best);
+                let priced = most_following(&e, opts, layers).map(|succ| (e.cost, succ));
+                (best, priced)
+            };
+            let mut held = 0usize;
             for k in 0..layers {
                 let Some(first) = table(k) else {
                     continue;
                 };
-                let mut best = chain::start(first);
+                // A memo, not state: dropped when it holds too much (models of many distinct
+                // layers gain little from it).
+                if held > MAX_MEMO_ENTRIES {
+                    child.clear();
+                    nodes.clear();
+                    held = 0;
+                }
+                // Node 0 of `child`'s keys is the root; nodes are numbered from 1.
+                let mut node = match child.get(&(0, classes[k])) {
+                    Some(&n) => n,
+                    None => {
+                        nodes.push(price(chain::start(first)));
+                        held += first.after.len();
+                        child.insert((0, classes[k]), nodes.len());
+                        nodes.len()
+                    }
+                };
                 for i in k..layers {
                     if i > k {
-                        let (Some(link), Some(next)) =
-                            (links.get(&(classes[i - 1], classes[i])), table(i))
-                        else {
-                            break;
+                        node = match child.get(&(node, classes[i])) {
+                            Some(&n) => n,
+                            None => {
+                                let (Some(link), Some(next)) =
+                                    (links.get(&(classes[i - 1], classes[i])), table(i))
+                                else {
+                                    break;
+                                };
+                                let best = chain::extend_linked(&nodes[node - 1].0, link, next);
+                                held += best.len();
+                                nodes.push(price(best));
+                                child.insert((node, classes[i]), nodes.len());
+                                nodes.len()
+                            }
                         };
-                        best = chain::extend_linked(&best, link, next);
                     }
-                    let e = chain::finish(&best);
-                    if let Some(succ) = most_following(&e, opts, layers) {
-                        out[k * layers + i] = (e.cost, succ);
+                    if let Some(priced) = nodes[node - 1].1 {
+                        out[k * layers + i] = priced;
                     }
                 }
             }

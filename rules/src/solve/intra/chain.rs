@@ -125,14 +125,17 @@ impl LayerTable {
     }
 }
 
-/// Which layer makes each tensor and which layers read it.
-struct Crossings {
+/// Which layer makes each tensor and which layers read it: what decides the tensors crossing
+/// each boundary between layers. Computed once per graph ([`Crossings::of`]) and shared by
+/// its layers' tables.
+pub struct Crossings {
     maker: HashMap<TensorId, usize>,
     readers: HashMap<TensorId, BTreeSet<usize>>,
 }
 
 impl Crossings {
-    fn of(graph: &Graph) -> Crossings {
+    /// The crossings of `graph`'s layers.
+    pub fn of(graph: &Graph) -> Crossings {
         let mut maker = HashMap::new();
         let mut readers: HashMap<TensorId, BTreeSet<usize>> = HashMap::new();
         for (l, layer) in graph.layers.iter().enumerate() {
@@ -241,9 +244,20 @@ pub fn layer_table(
     device: &Device,
     opts: StageOptions,
 ) -> Result<LayerTable, ChainError> {
-    let crossings = Crossings::of(graph);
-    crossings.check(graph, &(layer..layer + 1))?;
-    table(graph, &crossings, layer, mesh, device, opts)
+    layer_table_with(graph, &Crossings::of(graph), layer, mesh, device, opts)
+}
+
+/// [`layer_table`] with `graph`'s crossings computed already (a single layer is always a
+/// chain: nothing to check).
+pub fn layer_table_with(
+    graph: &Graph,
+    crossings: &Crossings,
+    layer: usize,
+    mesh: Mesh,
+    device: &Device,
+    opts: StageOptions,
+) -> Result<LayerTable, ChainError> {
+    table(graph, crossings, layer, mesh, device, opts)
 }
 
 fn table(
@@ -376,12 +390,20 @@ fn table(
     Ok(t)
 }
 
+/// Additions below which one elimination fills a table without comparing it with pinning
+/// (about a millisecond).
+const SMALL_WORK: f64 = 1e6;
+
 /// The table of `p` (already reduced; `maps` takes its strategy indices back to the
-/// unreduced problem's) over `keep`, each entry's plan read by `read` in unreduced indices:
-/// one elimination, or, when that would be too wide, one per joint choice of the kept
-/// variables marked `entering` (keeping the entering specs through the whole elimination
-/// multiplies its factors by their domains, since the backward pass reads the layer's input
-/// again). Returns the kept domain sizes, the entries (row-major) and the eliminations run.
+/// unreduced problem's) over `keep`, each entry's plan read by `read` in unreduced indices.
+/// Either one elimination keeping every boundary variable, or one per joint choice of the
+/// kept variables marked `entering` (keeping the entering specs through the whole
+/// elimination multiplies its factors by their domains, since the backward pass reads the
+/// layer's input again; pinned, each elimination is small but every one repeats the buckets
+/// that never see them). Whichever runs fewer additions ([`exact::Size::work`]) among those
+/// that store at most `max_entries`: on 2D meshes the single elimination is usually tens of
+/// times less work. Returns the kept domain sizes, the entries (row-major) and the
+/// eliminations run.
 fn fill<T: Send>(
     p: &Problem,
     maps: &[Vec<usize>],
@@ -398,13 +420,31 @@ fn fill<T: Send>(
             .collect();
         read(&unreduced)
     };
-    match exact::marginal_with(p, keep, max_entries, |c| back(c, None)) {
-        Ok((k, values)) => return Ok((k, values, 1)),
-        Err(Declined::TooWide(_)) => {}
-        Err(e) => return Err(ChainError::TooWide(e)),
-    }
     let k: Vec<usize> = keep.iter().map(|&v| p.k(v)).collect();
     let slots: Vec<usize> = (0..keep.len()).filter(|&i| entering[i]).collect();
+    let pin_count: f64 = slots.iter().map(|&i| k[i] as f64).product();
+    let one_pin = |fixed: &[usize]| -> Vec<Vec<usize>> {
+        let mut domains: Vec<Vec<usize>> =
+            (0..p.vars.len()).map(|v| (0..p.k(v)).collect()).collect();
+        for (&i, &c) in slots.iter().zip(fixed) {
+            domains[keep[i]] = vec![c];
+        }
+        domains
+    };
+    // Every pin has the same shape (each entering domain cut to one value), so one sizes all;
+    // a small single elimination is not worth sizing the alternative.
+    let whole = exact::size_keeping(p, keep);
+    let one_shot = slots.is_empty() || whole.work <= SMALL_WORK || {
+        let pinned = exact::size_keeping(&p.restricted(&one_pin(&vec![0; slots.len()])), keep);
+        whole.work <= pin_count * pinned.work || pinned.stored > max_entries
+    };
+    if one_shot {
+        match exact::marginal_with(p, keep, max_entries, |c| back(c, None)) {
+            Ok((k, values)) => return Ok((k, values, 1)),
+            Err(Declined::TooWide(_)) if !slots.is_empty() => {}
+            Err(e) => return Err(ChainError::TooWide(e)),
+        }
+    }
     // Every joint choice of the entering specs, each its own elimination (in parallel).
     let mut pins: Vec<Vec<usize>> = vec![Vec::new()];
     for &i in &slots {
@@ -422,11 +462,7 @@ fn fill<T: Send>(
     let solved: Vec<(Vec<usize>, Vec<T>)> = pins
         .into_par_iter()
         .map(|fixed| {
-            let mut domains: Vec<Vec<usize>> =
-                (0..p.vars.len()).map(|v| (0..p.k(v)).collect()).collect();
-            for (&i, &c) in slots.iter().zip(&fixed) {
-                domains[keep[i]] = vec![c];
-            }
+            let domains = one_pin(&fixed);
             let (_, values) =
                 exact::marginal_with(&p.restricted(&domains), keep, max_entries, |c| {
                     back(c, Some(&domains))

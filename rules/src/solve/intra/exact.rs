@@ -76,6 +76,24 @@ pub fn width(p: &Problem) -> f64 {
     order_and_width(p).1
 }
 
+/// What an elimination along the min-fill order builds, in factor entries.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Size {
+    /// The largest bucket: its factor's entries times the eliminated variable's domain.
+    pub largest: f64,
+    /// Entries of every factor the min-sum pass makes and keeps until the plans are read
+    /// back (what bounds its memory: an f64 and a u32 each).
+    pub stored: f64,
+    /// Additions the pass runs: every bucket's entries times its members.
+    pub work: f64,
+}
+
+/// The [`Size`] of eliminating every variable of `p` except `keep`.
+pub fn size_keeping(p: &Problem, keep: &[usize]) -> Size {
+    let (order, _) = order_and_width_keeping(p, keep);
+    Elimination::new(p, &order).size()
+}
+
 /// Most points a front may keep before the problem is declared too big for this solver.
 pub const FRONT_CAP: usize = 4096;
 
@@ -173,6 +191,23 @@ impl Elimination {
         }
     }
 
+    /// What this elimination builds.
+    fn size(&self) -> Size {
+        let mut size = Size {
+            largest: 0.0,
+            stored: 0.0,
+            work: 0.0,
+        };
+        for b in &self.buckets {
+            let entries: f64 = b.scope.iter().map(|&v| self.k[v] as f64).product();
+            let bucket = entries * self.k[b.x] as f64;
+            size.largest = size.largest.max(bucket);
+            size.stored += entries;
+            size.work += bucket * b.members.len() as f64;
+        }
+        size
+    }
+
     /// Index of the factor bucket `b` makes.
     fn made(&self, b: usize) -> usize {
         self.scopes.len() - self.buckets.len() + b
@@ -242,12 +277,17 @@ impl Pass {
             let mut arg = vec![0u32; entries];
             let mut sums = vec![0.0f64; kx];
             el.for_each_entry(b, |e, bases| {
-                sums.iter_mut().for_each(|s| *s = 0.0);
-                for ((&f, &base), (_, sx)) in bucket.members.iter().zip(bases).zip(&bucket.strides)
-                {
-                    let t = &values[f];
-                    for (xv, s) in sums.iter_mut().enumerate() {
-                        *s += t[base + xv * sx];
+                // The first member sets the sums, the others add to them; each member's values
+                // for x = 0, 1, ... lie `sx` apart (every member holds x, so `sx >= 1`).
+                let mut members = bucket.members.iter().zip(bases).zip(&bucket.strides);
+                if let Some(((&f, &base), &(_, sx))) = members.next() {
+                    for (s, &v) in sums.iter_mut().zip(values[f][base..].iter().step_by(sx)) {
+                        *s = v;
+                    }
+                }
+                for ((&f, &base), &(_, sx)) in members {
+                    for (s, &v) in sums.iter_mut().zip(values[f][base..].iter().step_by(sx)) {
+                        *s += v;
                     }
                 }
                 let (best, c) = sums
@@ -533,18 +573,21 @@ pub fn marginal(p: &Problem, keep: &[usize], max_entries: f64) -> Result<Margina
 
 /// [`marginal`], reading each joint choice's best plan through `f` (the plan as one choice
 /// per variable of `p`): the kept variables' domain sizes, and `f` of each entry's plan,
-/// row-major over the kept variables.
+/// row-major over the kept variables. `max_entries` bounds the entries the pass stores
+/// ([`Size::stored`]: its memory), the final table over `keep` included.
 pub fn marginal_with<T>(
     p: &Problem,
     keep: &[usize],
     max_entries: f64,
     mut f: impl FnMut(&[usize]) -> T,
 ) -> Result<(Vec<usize>, Vec<T>), Declined> {
-    let (order, w) = order_and_width_keeping(p, keep);
-    if w > max_entries {
-        return Err(Declined::TooWide(w));
-    }
+    let (order, _) = order_and_width_keeping(p, keep);
     let el = Elimination::new(p, &order);
+    let kept: f64 = keep.iter().map(|&v| p.k(v) as f64).product();
+    let stored = el.size().stored + kept;
+    if stored > max_entries {
+        return Err(Declined::TooWide(stored));
+    }
     let pass = Pass::run(p, &el, 0.0);
     let k: Vec<usize> = keep.iter().map(|&v| p.k(v)).collect();
     let entries: usize = k.iter().product();
