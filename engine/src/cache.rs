@@ -183,6 +183,9 @@ pub fn remote_config(
 /// How long a build waits for another `autopar` process to release the local store.
 pub const LOCK_WAIT: Duration = Duration::from_secs(30);
 
+/// Largest result kept in process memory when the local store holds it too.
+const MAX_REMEMBERED_BYTES: usize = 256 * 1024;
+
 /// Results kept in process memory, shareable between the caches of successive builds (`watch`).
 pub type Memory = Arc<Mutex<HashMap<Digest, Arc<Vec<u8>>>>>;
 
@@ -340,7 +343,7 @@ impl Cache {
             match local.get(&key(k)) {
                 Ok(Lookup::Hit(bytes)) => match postcard::from_bytes(&bytes) {
                     Ok(v) => {
-                        lock(&self.memory).insert(k, Arc::new(bytes));
+                        self.remember(k, bytes);
                         return Some((v, Source::Local));
                     }
                     Err(e) => {
@@ -378,7 +381,7 @@ impl Cache {
             ..EntryMeta::default()
         };
         self.store_locally(k, &bytes, &meta);
-        lock(&self.memory).insert(k, Arc::new(bytes));
+        self.remember(k, bytes);
         Some((v, Source::Remote))
     }
 
@@ -425,6 +428,17 @@ impl Cache {
         self.store_locally(k, &bytes, meta);
         if let Some((_, uploader)) = &self.remote {
             uploader.submit(key(k), &meta.kind, bytes.clone());
+        }
+        self.remember(k, bytes);
+    }
+
+    /// Keeps a result in process memory, unless it is large and the local store holds it: a
+    /// 2D mesh's layer table is over a megabyte, read once per build, and a workspace solves
+    /// hundreds of them (`watch` then reads them back from the store).
+    fn remember(&self, k: Digest, bytes: Vec<u8>) {
+        let stored = self.local.is_some() && self.local_writable.load(Ordering::Relaxed);
+        if bytes.len() > MAX_REMEMBERED_BYTES && stored {
+            return;
         }
         lock(&self.memory).insert(k, Arc::new(bytes));
     }

@@ -34,6 +34,10 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(20);
 /// after a write the disk refused (ENOSPC) that flush can wait forever for the write.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Bytes of pages sled keeps in memory (its default is 1 GiB): the build holds the results it
+/// uses itself, so the store's page cache only saves re-reading hot pages.
+const CACHE_CAPACITY: u64 = 64 * 1024 * 1024;
+
 /// Writes are made durable at least this often while a build stores results, so a killed build
 /// keeps all but the last moments of its work (sled's own periodic flusher thread is off: its
 /// panics could not be contained).
@@ -263,6 +267,7 @@ fn open_handle(dir: &Path, generation: u64) -> Result<(Handle, usize), OpenError
                 let db = sled::Config::new()
                     .path(&path)
                     .flush_every_ms(None)
+                    .cache_capacity(CACHE_CAPACITY)
                     .open()?;
                 let handle = Handle {
                     values: db.open_tree("values")?,
@@ -273,6 +278,10 @@ fn open_handle(dir: &Path, generation: u64) -> Result<(Handle, usize), OpenError
                 };
                 let _ = tx.send(Opening::Opened);
                 let entries = handle.values.len();
+                // Flushes count `meta` (cheaper than `values`): walk it here too, under the
+                // open's deadline, so that damage to it is found now and not by a flush that
+                // never returns.
+                let _ = handle.meta.len();
                 Ok((handle, entries))
             });
             let _ = tx.send(Opening::Done(opened));
@@ -517,7 +526,7 @@ impl LocalCache {
         };
         match record::open(key, &bytes) {
             Ok(payload) => {
-                let payload = payload.to_vec();
+                let payload = payload.into_owned();
                 // Last use, for gc; losing it costs nothing but eviction order.
                 if fault::write_error().is_none() {
                     let _ = self.call(|h| h.used.insert(key.0, &now_ms().to_be_bytes()));
@@ -618,7 +627,10 @@ impl LocalCache {
         let entries = self
             .call(|h| {
                 h.db.flush()?;
-                Ok(h.values.len() as u64)
+                // Every write puts a key in `values` and `meta` in one transaction, so their
+                // counts agree; `meta`'s small values make counting it cheap (counting `values`
+                // reads every stored result, hundreds of MB with the ILP space's tables).
+                Ok(h.meta.len() as u64)
             })
             .map_err(self.error("flushing cache"))?;
         seal::write(&self.path, entries)

@@ -5,13 +5,33 @@
 //! bytes that are intact but belong to another key (a shuffled database page, a remote that
 //! answers `ac/<A>` with the entry of `<B>`, a teammate's token used to overwrite an entry)
 //! are rejected exactly like damaged bytes.
+//!
+//! A payload above [`DEFLATE_ABOVE`] bytes is stored deflated (`APZ2`) when that is smaller: a
+//! layer table of a 2D mesh is 1.5 MB of f64 triples that deflate to a sixth, and every build
+//! that opens the store, and every teammate who fetches it, reads the stored bytes. The hash
+//! covers the stored bytes, so damage is found before anything is inflated, and inflating
+//! stops at [`MAX_PAYLOAD`] bytes (a remote cannot hand over a decompression bomb).
+
+use flate2::Compression;
+use flate2::read::DeflateDecoder;
+use flate2::write::DeflateEncoder;
+use std::borrow::Cow;
+use std::io::{Read, Write};
 
 /// Marks a record of this layout. `APV1` was the previous layout (payload hash only).
 const MAGIC: &[u8; 4] = b"APV2";
+/// Marks a record of this layout whose stored payload is deflated.
+const DEFLATED_MAGIC: &[u8; 4] = b"APZ2";
 /// The layout before keys were bound into records.
 const OLD_MAGIC: &[u8; 4] = b"APV1";
-/// Magic, key, then the blake3 of key and payload.
+/// Magic, key, then the blake3 of key and stored payload.
 const HEADER: usize = 4 + 32 + 32;
+
+/// Payloads larger than this are stored deflated.
+pub const DEFLATE_ABOVE: usize = 64 * 1024;
+
+/// Largest payload a deflated record may inflate to.
+pub const MAX_PAYLOAD: u64 = 1 << 30;
 
 /// A cache key: the blake3 of a result's canonical inputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -38,42 +58,82 @@ pub enum RecordError {
     OldLayout,
 }
 
-fn digest(key: &Key, payload: &[u8]) -> [u8; 32] {
+/// The hash a record of layout `magic` holds: over the key and the stored payload, and for a
+/// deflated record its magic too (so damage that turns one layout's magic into the other's is
+/// found like any other).
+fn digest(magic: &[u8; 4], key: &Key, stored: &[u8]) -> [u8; 32] {
     let mut h = blake3::Hasher::new();
     h.update(&key.0);
-    h.update(payload);
+    if magic == DEFLATED_MAGIC {
+        h.update(magic);
+    }
+    h.update(stored);
     *h.finalize().as_bytes()
 }
 
 /// The record of `payload` stored under `key`.
 pub fn seal(key: &Key, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER + payload.len());
-    out.extend_from_slice(MAGIC);
+    match deflate(payload) {
+        Some(deflated) if deflated.len() < payload.len() => frame(DEFLATED_MAGIC, key, &deflated),
+        _ => frame(MAGIC, key, payload),
+    }
+}
+
+fn frame(magic: &[u8; 4], key: &Key, stored: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER + stored.len());
+    out.extend_from_slice(magic);
     out.extend_from_slice(&key.0);
-    out.extend_from_slice(&digest(key, payload));
-    out.extend_from_slice(payload);
+    out.extend_from_slice(&digest(magic, key, stored));
+    out.extend_from_slice(stored);
     out
 }
 
+/// `payload` deflated, when it is large enough to be worth it.
+fn deflate(payload: &[u8]) -> Option<Vec<u8>> {
+    if payload.len() <= DEFLATE_ABOVE {
+        return None;
+    }
+    let mut encoder =
+        DeflateEncoder::new(Vec::with_capacity(payload.len() / 4), Compression::fast());
+    encoder.write_all(payload).ok()?;
+    encoder.finish().ok()
+}
+
 /// The payload of `bytes` if they are an intact record of `key`.
-pub fn open<'b>(key: &Key, bytes: &'b [u8]) -> Result<&'b [u8], RecordError> {
+pub fn open<'b>(key: &Key, bytes: &'b [u8]) -> Result<Cow<'b, [u8]>, RecordError> {
     if bytes.len() >= OLD_MAGIC.len() && &bytes[..4] == OLD_MAGIC {
         return Err(RecordError::OldLayout);
     }
-    if bytes.len() < HEADER || &bytes[..4] != MAGIC {
+    if bytes.len() < HEADER {
         return Err(RecordError::Damaged);
     }
+    let magic = match &bytes[..4] {
+        m if m == MAGIC => MAGIC,
+        m if m == DEFLATED_MAGIC => DEFLATED_MAGIC,
+        _ => return Err(RecordError::Damaged),
+    };
     let mut stored = [0u8; 32];
     stored.copy_from_slice(&bytes[4..36]);
     let stored = Key(stored);
     let payload = &bytes[HEADER..];
-    if digest(&stored, payload) != bytes[36..HEADER] {
+    if digest(magic, &stored, payload) != bytes[36..HEADER] {
         return Err(RecordError::Damaged);
     }
     if stored != *key {
         return Err(RecordError::OtherKey(stored));
     }
-    Ok(payload)
+    if magic == MAGIC {
+        return Ok(Cow::Borrowed(payload));
+    }
+    let mut out = Vec::with_capacity(payload.len().saturating_mul(4));
+    DeflateDecoder::new(payload)
+        .take(MAX_PAYLOAD + 1)
+        .read_to_end(&mut out)
+        .map_err(|_| RecordError::Damaged)?;
+    if out.len() as u64 > MAX_PAYLOAD {
+        return Err(RecordError::Damaged);
+    }
+    Ok(Cow::Owned(out))
 }
 
 #[cfg(test)]
@@ -85,7 +145,7 @@ mod tests {
     fn a_record_opens_under_its_own_key_only() {
         let (a, b) = (Key([1; 32]), Key([2; 32]));
         let r = seal(&a, b"payload");
-        assert_eq!(open(&a, &r), Ok(&b"payload"[..]));
+        assert_eq!(open(&a, &r).as_deref(), Ok(&b"payload"[..]));
         assert_eq!(open(&b, &r), Err(RecordError::OtherKey(a)));
         assert_eq!(open(&a, &r[..10]), Err(RecordError::Damaged));
         assert_eq!(open(&a, b""), Err(RecordError::Damaged));
@@ -94,6 +154,48 @@ mod tests {
         let mut forged = r.clone();
         forged[4..36].copy_from_slice(&b.0);
         assert_eq!(open(&b, &forged), Err(RecordError::Damaged));
+    }
+
+    #[test]
+    fn a_large_payload_is_stored_deflated_and_opens_to_itself() {
+        let k = Key([3; 32]);
+        // A layer table's shape: f64s that repeat.
+        let payload: Vec<u8> = (0..40_000u64)
+            .flat_map(|i| ((i % 97) as f64 * 1e-3).to_le_bytes())
+            .collect();
+        let r = seal(&k, &payload);
+        assert_eq!(&r[..4], DEFLATED_MAGIC);
+        assert!(r.len() < payload.len() / 4, "{} bytes", r.len());
+        assert_eq!(open(&k, &r).as_deref(), Ok(&payload[..]));
+        // Damage to the deflated bytes is found by the hash, before inflating; so is a record
+        // relabelled as the other layout.
+        let mut damaged = r.clone();
+        let last = damaged.len() - 1;
+        damaged[last] ^= 0x40;
+        assert_eq!(open(&k, &damaged), Err(RecordError::Damaged));
+        let mut relabelled = r.clone();
+        relabelled[..4].copy_from_slice(MAGIC);
+        assert_eq!(open(&k, &relabelled), Err(RecordError::Damaged));
+        // Bytes that do not deflate are stored as they are.
+        let noise: Vec<u8> = (0..100_000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+            .collect();
+        let r = seal(&k, &noise);
+        assert_eq!(open(&k, &r).as_deref(), Ok(&noise[..]));
+    }
+
+    #[test]
+    fn a_deflated_record_that_inflates_past_the_limit_is_refused() {
+        let k = Key([4; 32]);
+        // 1 GiB + 1 of zeros deflates to about a megabyte.
+        let mut encoder = DeflateEncoder::new(Vec::new(), Compression::fast());
+        let zeros = vec![0u8; 1 << 20];
+        for _ in 0..1024 {
+            encoder.write_all(&zeros).expect("deflate");
+        }
+        encoder.write_all(&[0]).expect("deflate");
+        let bomb = frame(DEFLATED_MAGIC, &k, &encoder.finish().expect("deflate"));
+        assert_eq!(open(&k, &bomb), Err(RecordError::Damaged));
     }
 
     proptest! {

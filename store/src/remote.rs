@@ -534,7 +534,7 @@ impl Shared {
             )));
         }
         match record::open(key, &blob) {
-            Ok(payload) => Ok(payload.to_vec()),
+            Ok(payload) => Ok(payload.into_owned()),
             Err(RecordError::OldLayout) => {
                 if !self.warned_old.swap(true, Ordering::Relaxed) {
                     tracing::warn!(

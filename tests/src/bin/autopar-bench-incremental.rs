@@ -1,8 +1,9 @@
 //! Benchmark of the build system on the GPT-3 175B target of the default workspace, then on the
-//! whole default workspace (the ILP space's tables and stage DPs included): a cold build,
-//! no-op rebuilds, and a rebuild after GPT-3 grows from 96 to 104 layers. Prints a table of
-//! wall time, results solved (all, then `sharding` tables and `stages` DPs) and peak memory of
-//! each `autopar build` process.
+//! whole default workspace (the ILP space's tables and stage DPs included), then on the default
+//! workspace with every target searching both spaces (`space = "both"`; GPT-3's 128 nodes with
+//! `submeshes = "powers-of-two"`): a cold build, no-op rebuilds, and a rebuild after GPT-3
+//! grows from 96 to 104 layers. Prints a table of wall time, results solved (all, then
+//! `sharding` tables and `stages` DPs) and peak memory of each `autopar build` process.
 //!
 //! `cargo run --release -p autopar-tests --bin autopar-bench-incremental`
 
@@ -55,17 +56,24 @@ fn main() -> ExitCode {
         let rest = std::iter::once("autopar".into()).chain(args);
         return autopar_cli::run(rest);
     }
-    for (title, targets) in [
+    for (title, targets, every_space) in [
         (
             "autopar build gpt3-175b (128 x 8 A100-80GB)",
             &["gpt3-175b"][..],
+            false,
         ),
         (
             "autopar build (every target of the default workspace)",
             &[][..],
+            false,
+        ),
+        (
+            "autopar build (every target of the default workspace, space = \"both\")",
+            &[][..],
+            true,
         ),
     ] {
-        match phases(targets) {
+        match phases(targets, every_space) {
             Ok(rows) => print(title, &rows),
             Err(e) => {
                 eprintln!("error: {e}");
@@ -77,9 +85,13 @@ fn main() -> ExitCode {
 }
 
 /// Cold build, five no-op rebuilds and the 96 -> 104 edit of `targets` (all when empty) in a
-/// fresh copy of the default workspace.
-fn phases(targets: &[&str]) -> Result<Vec<Row>, String> {
+/// fresh copy of the default workspace (every target searching both spaces when
+/// `every_space`).
+fn phases(targets: &[&str], every_space: bool) -> Result<Vec<Row>, String> {
     let ws = TempWorkspace::default_copy();
+    if every_space {
+        ws.write("workspace.toml", &both_spaces(&ws.read("workspace.toml"))?);
+    }
     let mut rows = Vec::new();
     let mut step = |phase: &str| -> Result<(), String> {
         let mut row = build(&ws, targets)?;
@@ -98,6 +110,42 @@ fn phases(targets: &[&str]) -> Result<Vec<Row>, String> {
     );
     step("after 96 -> 104 layers")?;
     Ok(rows)
+}
+
+/// The workspace `text` with every target searching both spaces, and targets on more than 16
+/// nodes using multi-node submeshes of 2, 4, 8 ... nodes only.
+fn both_spaces(text: &str) -> Result<String, String> {
+    let mut ws: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+    let nodes: std::collections::HashMap<String, i64> = ws
+        .get("cluster")
+        .and_then(|c| c.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| {
+            let name = c.get("name")?.as_str()?.to_string();
+            Some((
+                name,
+                c.get("nodes").and_then(|n| n.as_integer()).unwrap_or(1),
+            ))
+        })
+        .collect();
+    let targets = ws
+        .get_mut("target")
+        .and_then(|t| t.as_array_mut())
+        .ok_or("the workspace has no targets")?;
+    for t in targets.iter_mut().filter_map(|t| t.as_table_mut()) {
+        t.insert("space".into(), "both".into());
+        let cluster = t.get("cluster").and_then(|c| c.as_str()).unwrap_or("");
+        if nodes.get(cluster).is_some_and(|&n| n > 16) {
+            let search = t
+                .entry("search")
+                .or_insert_with(|| toml::Table::new().into());
+            if let Some(search) = search.as_table_mut() {
+                search.insert("submeshes".into(), "powers-of-two".into());
+            }
+        }
+    }
+    toml::to_string(&ws).map_err(|e| e.to_string())
 }
 
 fn print(title: &str, rows: &[Row]) {
