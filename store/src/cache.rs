@@ -1050,8 +1050,19 @@ mod tests {
 
     #[test]
     fn damaged_blob_files_never_serve_a_wrong_value() {
-        // Values this large go to sled's `blobs` directory, one file each.
-        let big = |i: u8| vec![i; 200_000];
+        // Values this large go to sled's `blobs` directory, one file each (noise, which
+        // deflating does not shrink).
+        let big = |i: u8| -> Vec<u8> {
+            let mut state = u64::from(i) + 1;
+            (0..200_000)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    state as u8
+                })
+                .collect()
+        };
         for damage in ["flip", "truncate", "empty", "remove", "directory"] {
             let dir = tempfile::tempdir().expect("tempdir");
             {
