@@ -257,17 +257,6 @@ pub fn layer_table_with(
     device: &Device,
     opts: StageOptions,
 ) -> Result<LayerTable, ChainError> {
-    table(graph, crossings, layer, mesh, device, opts)
-}
-
-fn table(
-    graph: &Graph,
-    crossings: &Crossings,
-    layer: usize,
-    mesh: Mesh,
-    device: &Device,
-    opts: StageOptions,
-) -> Result<LayerTable, ChainError> {
     let model = StageModel::build(graph, layer..layer + 1, mesh, device, opts)?;
     let before = match layer {
         0 => Vec::new(),
@@ -509,7 +498,7 @@ pub fn range_tables(
     let crossings = Crossings::of(graph);
     crossings.check(graph, &layers)?;
     layers
-        .map(|l| table(graph, &crossings, l, mesh, device, opts))
+        .map(|l| layer_table_with(graph, &crossings, l, mesh, device, opts))
         .collect()
 }
 
