@@ -79,8 +79,6 @@ pub fn width(p: &Problem) -> f64 {
 /// What an elimination along the min-fill order builds, in factor entries.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Size {
-    /// The largest bucket: its factor's entries times the eliminated variable's domain.
-    pub largest: f64,
     /// Entries of every factor the min-sum pass makes and keeps until the plans are read
     /// back (what bounds its memory: an f64 and a u32 each).
     pub stored: f64,
@@ -194,16 +192,13 @@ impl Elimination {
     /// What this elimination builds.
     fn size(&self) -> Size {
         let mut size = Size {
-            largest: 0.0,
             stored: 0.0,
             work: 0.0,
         };
         for b in &self.buckets {
             let entries: f64 = b.scope.iter().map(|&v| self.k[v] as f64).product();
-            let bucket = entries * self.k[b.x] as f64;
-            size.largest = size.largest.max(bucket);
             size.stored += entries;
-            size.work += bucket * b.members.len() as f64;
+            size.work += entries * self.k[b.x] as f64 * b.members.len() as f64;
         }
         size
     }
