@@ -357,6 +357,10 @@ pub struct PipelineArgs {
     /// Multi-node submeshes only of a power-of-two number of nodes.
     #[arg(long)]
     pub powers_of_two: bool,
+    /// Never recompute layers (by default a stage that fits only with activation
+    /// checkpointing recomputes the fewest seconds of layers that fit).
+    #[arg(long)]
+    pub no_recompute: bool,
     /// Model options.
     #[command(flatten)]
     pub model_options: ModelOptions,

@@ -391,8 +391,16 @@ fn ilp_plan(out: &mut String, p: &IlpPlan) {
     );
     let _ = writeln!(
         out,
-        "            {:>5} {:<36} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9}  vs Megatron-LM",
-        "stage", "layers", "submesh", "logical", "fwd/mb", "bwd/mb", "in flight", "memory"
+        "            {:>5} {:<36} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9}  vs Megatron-LM",
+        "stage",
+        "layers",
+        "submesh",
+        "logical",
+        "fwd/mb",
+        "bwd/mb",
+        "in flight",
+        "recompute",
+        "memory"
     );
     for (j, s) in p.stages.iter().enumerate() {
         let m = &s.megatron;
@@ -410,7 +418,7 @@ fn ilp_plan(out: &mut String, p: &IlpPlan) {
         };
         let _ = writeln!(
             out,
-            "            {:>5} {:<36} {:>8} {:>8} {:>9} {:>9} {:>9} {:>6.1} GiB  {vs}",
+            "            {:>5} {:<36} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>6.1} GiB  {vs}",
             j,
             format!(
                 "{}..{} ({} .. {})",
@@ -421,6 +429,7 @@ fn ilp_plan(out: &mut String, p: &IlpPlan) {
             secs(s.forward_s),
             secs(s.backward_s),
             s.inflight,
+            recomputed(s.recomputed.len(), s.layers[1] - s.layers[0]),
             s.memory_gib
         );
     }
@@ -455,6 +464,15 @@ fn ilp_plan(out: &mut String, p: &IlpPlan) {
             "            ... and {} more (every op's specs: the plan's `ilp.stages[].ops`)",
             groups.len() - SHOWN
         );
+    }
+}
+
+/// How many of a stage's layers are recomputed: `-`, `all` or a count.
+fn recomputed(count: usize, layers: usize) -> String {
+    match count {
+        0 => "-".into(),
+        n if n == layers => "all".into(),
+        n => format!("{n} of {layers}"),
     }
 }
 
@@ -976,7 +994,7 @@ pub fn pipeline(r: &autopar_engine::pipeline::PipelineResult, micro_batch: u64) 
     );
     let _ = writeln!(
         out,
-        "  stage  layers                                     submesh  logical  cost/mb  in flight     memory"
+        "  stage  layers                                     submesh  logical  cost/mb  in flight  recompute     memory"
     );
     for (j, s) in p.stages.iter().enumerate() {
         let first = r.layer_names.get(s.layers[0]).map_or("", String::as_str);
@@ -991,11 +1009,12 @@ pub fn pipeline(r: &autopar_engine::pipeline::PipelineResult, micro_batch: u64) 
         };
         let _ = writeln!(
             out,
-            "  {j:>5}  {names:<42} {:>7}  {:>7}  {:>7}  {:>9}  {:>5.1} GiB",
+            "  {j:>5}  {names:<42} {:>7}  {:>7}  {:>7}  {:>9}  {:>9}  {:>5.1} GiB",
             format!("{}x{}", s.mesh.submesh.0, s.mesh.submesh.1),
             format!("{}x{}", s.mesh.logical[0], s.mesh.logical[1]),
             secs(s.cost),
             s.inflight,
+            recomputed(s.recomputed.len(), s.layers[1] - s.layers[0]),
             s.memory / GIB
         );
     }

@@ -411,6 +411,7 @@ fn stages_parts(base: &KeyParts, t: &Target, mb: u64, budget: f64) -> KeyParts {
     base.clone()
         .with("batch", &(t.global_batch, mb))
         .with("submeshes", &t.ilp.powers_of_two)
+        .with("recompute", &t.ilp.recompute)
         .with("budget", &budget.to_bits())
 }
 
@@ -422,6 +423,7 @@ fn ilp_options(t: &Target, mb: u64, budget: f64) -> PipelineOptions<'_> {
         precision: t.options.precision,
         max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
         powers_of_two: t.ilp.powers_of_two,
+        recompute: t.ilp.recompute,
         profile: t.profile.as_deref(),
     }
 }

@@ -45,6 +45,8 @@ pub struct PipelineRequest {
     pub memory_gib: Option<f64>,
     /// Multi-node submeshes only of a power-of-two number of nodes.
     pub powers_of_two: bool,
+    /// Whether stages may recompute their layers.
+    pub recompute: bool,
 }
 
 /// What `solve pipeline` found.
@@ -240,6 +242,7 @@ pub fn solve_pipeline(
         precision: req.precision,
         max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
         powers_of_two: req.powers_of_two,
+        recompute: req.recompute,
     };
     let source = CachedTables::new(cache, &name);
     let plan = plan_pipeline_with(&graph, &cluster, opts, &source)

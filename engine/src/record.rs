@@ -316,6 +316,7 @@ pub fn stages_reasons(previous: Option<&BuildRecord>, new: &StagesRecord) -> Vec
             "batch" => "global batch changed (micro-batches per step)".to_string(),
             "submeshes" => "submesh choices changed (`submeshes`)".to_string(),
             "budget" => "memory budget per device changed".to_string(),
+            "recompute" => "recomputation allowed or not (`recompute`)".to_string(),
             "profile" => "the target's profile measurements changed".to_string(),
             other => format!("{other} changed"),
         })

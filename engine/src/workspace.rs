@@ -775,6 +775,8 @@ impl Loader<'_> {
             if let Some(m) = s.submeshes {
                 ilp.powers_of_two = matches!(m, Submeshes::PowersOfTwo);
             }
+            // The ILP space recomputes whole layers: Megatron-LM's full recomputation.
+            ilp.recompute = search.recompute.contains(&Recompute::Full);
         }
         let mut used = cluster_profiles[cluster].clone();
         used.extend(self.attach(

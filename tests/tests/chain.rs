@@ -4,7 +4,8 @@
 
 use autopar_rules::model::graph::Graph;
 use autopar_rules::solve::intra::chain::{
-    ChainError, LayerTable, best_path, compose, decode_range, layer_table, range_tables,
+    ChainError, Entry, LayerTable, best_path, boundary_bytes, compose, decode_range, layer_table,
+    range_tables,
 };
 use autopar_rules::solve::intra::stage::{StageModel, StageOptions};
 use autopar_tests::TempWorkspace;
@@ -51,6 +52,44 @@ fn chained(g: &Graph, layers: Range<usize>, a: u64, b: u64) -> Result<f64, Chain
         best.memory
     );
     assert_eq!(plan.layers, [layers.start, layers.end]);
+    // What recomputing the range costs and keeps, read from the tables along the path: the
+    // decoded plan's forward pass and activations; the inputs of each layer, sharded at most
+    // over the whole mesh (unsharded on one device).
+    let (path, _) = best_path(&refs)?.expect("a finite path");
+    let per_layer: Vec<_> = refs
+        .iter()
+        .zip(&states)
+        .map(|(t, &[b, a])| t.entry(b, a))
+        .collect();
+    let sum = per_layer.iter().fold(Entry::ZERO, |x, y| x.plus(*y));
+    for (what, got, want) in [
+        ("forward", path.forward, plan.forward),
+        ("forward per layer", sum.forward, plan.forward),
+        (
+            "activations",
+            path.activations * opts().inflight as f64,
+            plan.memory.activations,
+        ),
+    ] {
+        assert!(
+            (got - want).abs() <= 1e-9 * want.abs().max(1e-30),
+            "{layers:?} on {a}x{b}: {what} {got} vs the decoded plan's {want}"
+        );
+    }
+    let bytes = boundary_bytes(g);
+    for (l, e) in layers.clone().zip(&per_layer) {
+        let entering = l.checked_sub(1).map_or(0.0, |p| bytes[p][0]);
+        let lowest = entering / (a * b) as f64;
+        assert!(
+            e.checkpoint >= lowest * (1.0 - 1e-12) && e.checkpoint <= entering * (1.0 + 1e-12),
+            "layer {l} on {a}x{b}: checkpoint {} outside [{lowest}, {entering}]",
+            e.checkpoint
+        );
+        if a * b == 1 {
+            assert_eq!(e.checkpoint, entering, "layer {l}");
+        }
+        assert_eq!(e.peak_layer, e.activations);
+    }
     Ok(best.cost)
 }
 
@@ -64,7 +103,7 @@ fn chained_layer_tables_equal_the_whole_range_optimum() {
             "tiny-mlp.graph.json",
             1,
             vec![0..2, 1..3, 2..4, 0..4],
-            vec![(1, 2), (2, 1), (2, 2)],
+            vec![(1, 1), (1, 2), (2, 1), (2, 2)],
         ),
         (
             "tiny-mlp.graph.json",
@@ -76,7 +115,7 @@ fn chained_layer_tables_equal_the_whole_range_optimum() {
             "gpt2-small.json",
             2,
             vec![0..2, 1..3, 12..14],
-            vec![(1, 2), (2, 1)],
+            vec![(1, 1), (1, 2), (2, 1)],
         ),
     ];
     for mb in [1, 2] {

@@ -33,6 +33,11 @@ fn cluster(nodes: u64, gpus: u64) -> Cluster {
 
 /// LLaMA-2 7B's shapes with `blocks` blocks.
 fn llama(blocks: u64, micro_batch: u64) -> Graph {
+    llama_seq(blocks, micro_batch, 128)
+}
+
+/// LLaMA-2 7B's shapes with `blocks` blocks on sequences of `seq` tokens.
+fn llama_seq(blocks: u64, micro_batch: u64, seq: u64) -> Graph {
     let path = repo_root().join("models/llama2-7b.json");
     let text = std::fs::read_to_string(path).expect("llama2-7b.json");
     let mut cfg = parse_hf_config(&text).expect("config");
@@ -42,7 +47,7 @@ fn llama(blocks: u64, micro_batch: u64) -> Graph {
             "llama",
             &LowerOptions {
                 micro_batch,
-                seq: 128,
+                seq,
                 dtype: DType::Bf16,
                 attention: Attention::Flash,
                 vocab_multiple: 128,
@@ -58,6 +63,7 @@ fn options(microbatches: u64) -> PipelineOptions<'static> {
         precision: Precision::Bf16,
         max_exact_entries: 4e6,
         powers_of_two: false,
+        recompute: true,
         profile: None,
     }
 }
@@ -360,4 +366,67 @@ fn tables_too_wide_to_solve_are_named_not_dropped_silently() {
         );
     }
     assert!(narrow.step >= full.step * (1.0 - 1e-12));
+}
+
+#[test]
+fn recomputation_fits_budgets_that_nothing_else_fits() {
+    let g = llama_seq(2, 8, 4096);
+    let c = cluster(1, 2);
+    let loose = plan_pipeline(&g, &c, options(8)).expect("plans");
+    assert!(loose.stages.iter().all(|s| s.recomputed.is_empty()));
+    let most = loose.stages.iter().map(|s| s.memory).fold(0.0, f64::max);
+    let mut last = loose.step;
+    let (mut recomputing, mut only_recomputed) = (0, 0);
+    for f in [0.95, 0.9, 0.8, 0.7, 0.6, 0.5] {
+        let budget = most * f;
+        let opts = PipelineOptions {
+            memory_budget: budget,
+            ..options(8)
+        };
+        let Ok(p) = plan_pipeline(&g, &c, opts) else {
+            continue;
+        };
+        // A tighter budget never makes the step faster; every stage fits; a stage's cost is
+        // its plan's without recomputation plus the forward passes it runs again.
+        assert!(p.step >= last * (1.0 - 1e-12), "{f}: {} < {last}", p.step);
+        last = p.step;
+        for s in &p.stages {
+            assert!(s.memory <= budget, "{f}: {s:?}");
+            assert!(
+                (s.cost - (s.plan.objective + s.recompute_s)).abs() <= 1e-9 * s.cost,
+                "{f}: {} vs {} + {}",
+                s.cost,
+                s.plan.objective,
+                s.recompute_s
+            );
+            assert_eq!(s.recomputed.is_empty(), s.recompute_s == 0.0);
+            assert!(
+                s.recomputed
+                    .iter()
+                    .all(|l| (s.layers[0]..s.layers[1]).contains(l))
+            );
+            if !s.recomputed.is_empty() {
+                recomputing += 1;
+                // Recomputing saves memory: without it the stage would not fit.
+                assert!(s.plan.memory.total > budget, "{f}: {s:?}");
+            }
+        }
+        // Without recomputation, no stage recomputes and the plan is no faster.
+        let plain = PipelineOptions {
+            recompute: false,
+            ..opts
+        };
+        match plan_pipeline(&g, &c, plain) {
+            Ok(q) => {
+                assert!(q.stages.iter().all(|s| s.recomputed.is_empty()));
+                assert!(q.step >= p.step * (1.0 - 1e-12));
+            }
+            Err(_) => only_recomputed += 1,
+        }
+    }
+    assert!(recomputing > 0, "no budget needed recomputation");
+    assert!(
+        only_recomputed > 0,
+        "every budget fit without recomputation"
+    );
 }

@@ -318,17 +318,74 @@ fn a_kernel_re_measured_re_solves_only_the_tables_that_read_it() {
     );
 }
 
-#[test]
-fn an_ilp_space_with_no_plan_says_why() {
-    // 4096-token sequences on two devices of 0.22 GiB: only Megatron-LM's full recomputation
-    // fits, and the ILP space has no recomputation yet.
-    let toml = workspace("space = \"both\"", 4)
+/// 4096-token sequences on two devices of 0.22 GiB: only recomputation fits.
+fn tight(extra: &str) -> String {
+    workspace(&format!("space = \"both\"\n{extra}"), 4)
         .replace("max_seq = 256", "max_seq = 4096")
         .replace("seq_len = 128", "seq_len = 4096")
         .replace(
             "gpus_per_node = 2",
             "gpus_per_node = 2\noverrides = { hbm_gib = 0.22, reserved_gib = 0.001 }",
+        )
+}
+
+#[test]
+fn the_ilp_space_recomputes_what_memory_needs() {
+    let ws = TempWorkspace::with_toml(&tight(""));
+    let r = ws.run(&["build"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let p = plan(&ws);
+    // Megatron-LM's layouts fit only with full recomputation of blocks; the ILP plan also
+    // recomputes the output layer (its logits are the largest activations) and wins.
+    assert_eq!(
+        p["spaces"]["megatron"]["summary"]
+            .as_str()
+            .map(|s| s.contains("rc=full")),
+        Some(true),
+        "{}",
+        p["spaces"]
+    );
+    assert_eq!(p["space"], "ilp", "{}", p["spaces"]);
+    let stages = p["ilp"]["stages"].as_array().expect("stages");
+    let recomputed: Vec<&str> = stages
+        .iter()
+        .flat_map(|s| s["recomputed_names"].as_array().expect("names"))
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(recomputed.contains(&"head"), "{recomputed:?}");
+    for s in stages {
+        let usable = 0.22 * 0.9;
+        assert!(
+            s["memory_gib"].as_f64().unwrap_or(f64::INFINITY) <= usable,
+            "{s}"
         );
+        let (n, rs) = (
+            s["recomputed"].as_array().map_or(0, Vec::len),
+            s["recompute_s"].as_f64().unwrap_or(-1.0),
+        );
+        assert_eq!(n > 0, rs > 0.0, "{s}");
+    }
+    assert_eq!(p["megatron_expressible"], false);
+    assert_eq!(
+        p["ilp"]["not_megatron"],
+        "it recomputes `head` (layer 5); Megatron-LM recomputes transformer blocks only"
+    );
+    assert!(r.stdout.contains(" recompute "), "{}", r.stdout);
+
+    // Without full recomputation in the search, neither space fits.
+    ws.write(
+        "workspace.toml",
+        &tight("search = { recompute = [\"none\", \"selective\"] }"),
+    );
+    let r = ws.run(&["build"]);
+    assert_eq!(r.code, 1, "{}", r.stdout);
+}
+
+#[test]
+fn an_ilp_space_with_no_plan_says_why() {
+    // At 8 sequences per micro-batch nothing fits the ILP space, even recomputed; Megatron-LM
+    // recomputes at 1.
+    let toml = tight("search = { ilp_micro_batch = [8] }");
     let ws = TempWorkspace::with_toml(&toml);
     let r = ws.run(&["build"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
@@ -337,7 +394,7 @@ fn an_ilp_space_with_no_plan_says_why() {
     assert!(p["spaces"]["ilp"].is_null(), "{}", p["spaces"]);
     let why = p["spaces"]["ilp_no_plan"].as_str().unwrap_or_default();
     assert!(
-        why.starts_with("the ILP space has no plan: micro-batch sizes 1, 2, 4, 8: no pipeline"),
+        why.starts_with("the ILP space has no plan: micro-batch size 8: no pipeline"),
         "{why}"
     );
     assert!(
@@ -355,7 +412,7 @@ fn an_ilp_space_with_no_plan_says_why() {
     assert_eq!(r.code, 1, "{}", r.stderr);
     assert!(
         r.stderr
-            .contains("the ILP space has no plan (`space = \"ilp\"`): micro-batch sizes"),
+            .contains("the ILP space has no plan (`space = \"ilp\"`): micro-batch size"),
         "{}",
         r.stderr
     );

@@ -251,6 +251,7 @@ pub fn pipeline(
         attention: a.model_options.attention.into(),
         memory_gib: a.memory_gib,
         powers_of_two: a.powers_of_two,
+        recompute: !a.no_recompute,
     };
     // The workspace's cache when there is a workspace; else `--cache-dir`, else memory only.
     let cache = match session.workspace() {

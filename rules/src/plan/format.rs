@@ -5,7 +5,7 @@ use crate::cost::cluster::{Cluster, GIB};
 use crate::cost::memory::Precision;
 use crate::model::frontend::{Attention, Bias, Mlp, ModelDef, Norm, Position};
 use crate::plan::estimate::{ChunkLayers, Estimate};
-use crate::plan::ilp::{IlpPlan, Space};
+use crate::plan::ilp::{IlpPlan, Space, megatron_recompute, stage_blocks};
 use crate::plan::layout::{Layout, Recompute, TrainingOptions};
 use crate::plan::partition::Attempt;
 use crate::plan::search::SearchResult;
@@ -360,24 +360,24 @@ pub fn ilp_megatron_args(
         return None;
     }
     let layers = p.stages.last()?.layers[1];
+    let recompute = megatron_recompute(&p.stages, layers).ok()?;
+    // The embedding is the first layer and the output layer the last; the others are blocks.
+    let blocks: Vec<usize> = p.stages.iter().map(|s| stage_blocks(s, layers)).collect();
     let chunks: Vec<ChunkLayers> = p
         .stages
         .iter()
-        .map(|s| ChunkLayers {
+        .zip(&blocks)
+        .map(|(s, &b)| ChunkLayers {
             first: s.layers[0],
             last: s.layers[1] - 1,
-            full_recompute: 0,
+            full_recompute: recompute.min(b),
         })
         .collect();
-    // The embedding is the first layer and the output layer the last; the others are blocks.
-    let blocks: Vec<usize> = p
-        .stages
-        .iter()
-        .map(|s| {
-            let [a, b] = s.layers;
-            (b - a) - usize::from(a == 0) - usize::from(b == layers)
-        })
-        .collect();
+    let every_block_recomputed = recompute > 0
+        && chunks
+            .iter()
+            .zip(&blocks)
+            .all(|(c, &b)| c.full_recompute == b);
     let layout = Layout {
         tp,
         pp: p.stages.len() as u64,
@@ -386,7 +386,11 @@ pub fn ilp_megatron_args(
         global_batch,
         interleave: 1,
         sequence_parallel: first.megatron.sequence_parallel,
-        recompute: Recompute::None,
+        recompute: if recompute > 0 {
+            Recompute::Full
+        } else {
+            Recompute::None
+        },
         zero: u8::from(
             p.stages
                 .iter()
@@ -394,7 +398,14 @@ pub fn ilp_megatron_args(
                 .any(|w| w.states != w.weight),
         ),
     };
-    Some(layout_args(def, &layout, &chunks, &blocks, false, opts))
+    Some(layout_args(
+        def,
+        &layout,
+        &chunks,
+        &blocks,
+        every_block_recomputed,
+        opts,
+    ))
 }
 
 /// The arguments of `l` with virtual stages `chunks` holding `blocks` blocks each.

@@ -58,6 +58,8 @@ pub struct IlpSearch {
     pub micro_batch: Vec<u64>,
     /// Multi-node submeshes only of a power-of-two number of nodes.
     pub powers_of_two: bool,
+    /// Whether stages may recompute their layers (`full` among the target's `recompute`).
+    pub recompute: bool,
 }
 
 impl IlpSearch {
@@ -78,6 +80,7 @@ impl IlpSearch {
             space: Space::Megatron,
             micro_batch,
             powers_of_two: false,
+            recompute: true,
         }
     }
 }
@@ -164,6 +167,15 @@ pub struct IlpStage {
     pub objective_s: f64,
     /// Micro-batches in flight under 1F1B.
     pub inflight: u64,
+    /// Layers recomputed in the backward pass (indices), the fewest that fit memory.
+    #[serde(default)]
+    pub recomputed: Vec<usize>,
+    /// Their names.
+    #[serde(default)]
+    pub recomputed_names: Vec<String>,
+    /// Of `backward_s`, the recomputation, s.
+    #[serde(default)]
+    pub recompute_s: f64,
     /// Memory per device with those in flight, including the runtime's reserve, GiB.
     pub memory_gib: f64,
     /// Every op's specs.
@@ -304,8 +316,9 @@ pub fn price(
             .map(|c| c.seconds)
             .sum();
         spec.forward[0][j] = plan.forward + send_f;
-        spec.backward[0][j] = plan.backward + send_b;
-        spec.activation[0][j] = plan.memory.activations / st.inflight.max(1) as f64;
+        spec.backward[0][j] = plan.backward + st.recompute_s + send_b;
+        spec.recompute[0][j] = st.recompute_s;
+        spec.activation[0][j] = st.activations;
         let megatron = compare(graph, cluster, st.mesh, opts, st.inflight, plan);
         stages.push(IlpStage {
             layers: st.layers,
@@ -313,13 +326,20 @@ pub fn price(
             last_name: graph.layers[end - 1].name.clone(),
             mesh: st.mesh,
             forward_s: plan.forward + send_f,
-            backward_s: plan.backward + send_b,
+            backward_s: plan.backward + st.recompute_s + send_b,
             p2p_s: send_f + send_b,
             grad_sync_s: sync,
             optimizer_s: (plan.step - sync).max(0.0),
-            objective_s: plan.objective,
+            objective_s: plan.objective + st.recompute_s,
             inflight: st.inflight,
-            memory_gib: (plan.memory.total + cluster.device.reserved_bytes) / GIB,
+            recomputed: st.recomputed.clone(),
+            recomputed_names: st
+                .recomputed
+                .iter()
+                .map(|&l| graph.layers[l].name.clone())
+                .collect(),
+            recompute_s: st.recompute_s,
+            memory_gib: (st.memory + cluster.device.reserved_bytes) / GIB,
             ops: plan
                 .ops
                 .iter()
@@ -349,7 +369,7 @@ pub fn price(
         .map(|(j, s)| s.grad_sync_s - j as f64 * s.backward_s)
         .fold(0.0f64, f64::max);
     let optimizer = stages.iter().map(|s| s.optimizer_s).fold(0.0f64, f64::max);
-    let (megatron_expressible, not_megatron) = expressible(&stages);
+    let (megatron_expressible, not_megatron) = expressible(&stages, graph.layers.len());
     Ok(IlpPlan {
         micro_batch,
         num_microbatches: b,
@@ -486,8 +506,50 @@ fn differences(plan: &StagePlan, megatron: &StagePlan) -> Vec<Difference> {
     ops.chain(weights).collect()
 }
 
-/// Whether Megatron-LM can run the stages, and why not.
-fn expressible(stages: &[IlpStage]) -> (bool, Option<String>) {
+/// The blocks of a stage of a model of `layers` layers (the embedding is the first layer,
+/// the output layer the last): its layers less those two.
+pub fn stage_blocks(stage: &IlpStage, layers: usize) -> usize {
+    let [a, b] = stage.layers;
+    (b - a) - usize::from(a == 0) - usize::from(b == layers)
+}
+
+/// Megatron-LM's `--recompute-num-layers N` of block-wise recomputation that recomputes what
+/// the stages do (the first `min(N, blocks)` blocks of every stage); `Ok(0)` when nothing is
+/// recomputed, and why not when Megatron-LM cannot.
+pub fn megatron_recompute(stages: &[IlpStage], layers: usize) -> Result<usize, String> {
+    for s in stages {
+        let outside = s
+            .recomputed
+            .iter()
+            .zip(&s.recomputed_names)
+            .find(|(l, _)| **l == 0 || **l + 1 == layers);
+        if let Some((l, name)) = outside {
+            return Err(format!(
+                "it recomputes `{name}` (layer {l}); Megatron-LM recomputes transformer blocks only"
+            ));
+        }
+    }
+    let n = stages.iter().map(|s| s.recomputed.len()).max().unwrap_or(0);
+    for s in stages {
+        let blocks = stage_blocks(s, layers);
+        let first_block = s.layers[0] + usize::from(s.layers[0] == 0);
+        let want: Vec<usize> = (first_block..first_block + n.min(blocks)).collect();
+        if s.recomputed != want {
+            return Err(format!(
+                "layers {}..{} recompute {} of their {blocks} blocks where another stage \
+                 recomputes {n}; Megatron-LM's block-wise recomputation recomputes the first \
+                 min(N, blocks) blocks of every stage for one N",
+                s.layers[0],
+                s.layers[1],
+                s.recomputed.len(),
+            ));
+        }
+    }
+    Ok(n)
+}
+
+/// Whether Megatron-LM can run the stages (of a model of `layers` layers), and why not.
+fn expressible(stages: &[IlpStage], layers: usize) -> (bool, Option<String>) {
     let Some(first) = stages.first() else {
         return (false, Some("the plan has no stage".into()));
     };
@@ -525,6 +587,9 @@ fn expressible(stages: &[IlpStage]) -> (bool, Option<String>) {
             Some("some stages use sequence parallelism and others do not".into()),
         );
     }
+    if let Err(why) = megatron_recompute(stages, layers) {
+        return (false, Some(why));
+    }
     if let Some(s) = stages.iter().find(|s| !s.megatron.differences.is_empty()) {
         let d = &s.megatron.differences[0];
         return (
@@ -542,4 +607,70 @@ fn expressible(stages: &[IlpStage]) -> (bool, Option<String>) {
         );
     }
     (true, None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stage of layers `a..b` recomputing `recomputed`.
+    fn stage(a: usize, b: usize, recomputed: &[usize]) -> IlpStage {
+        IlpStage {
+            layers: [a, b],
+            first_name: String::new(),
+            last_name: String::new(),
+            mesh: MeshChoice {
+                submesh: (1, 1),
+                logical: [1, 1],
+            },
+            forward_s: 0.0,
+            backward_s: 0.0,
+            p2p_s: 0.0,
+            grad_sync_s: 0.0,
+            optimizer_s: 0.0,
+            objective_s: 0.0,
+            inflight: 1,
+            recomputed: recomputed.to_vec(),
+            recomputed_names: recomputed.iter().map(|l| format!("layer{l}")).collect(),
+            recompute_s: 0.0,
+            memory_gib: 0.0,
+            ops: Vec::new(),
+            parameters: Vec::new(),
+            megatron: MegatronComparison {
+                unavailable: None,
+                sequence_parallel: false,
+                tensor_parallel: 1,
+                data_parallel: 1,
+                objective_s: 0.0,
+                saves_s: 0.0,
+                differences: Vec::new(),
+            },
+        }
+    }
+
+    #[test]
+    fn megatron_recomputes_the_first_blocks_of_every_stage() {
+        // Embedding (0), blocks 1..=6, output layer (7), in stages 0..3, 3..6, 6..8.
+        let split =
+            |r: [&[usize]; 3]| vec![stage(0, 3, r[0]), stage(3, 6, r[1]), stage(6, 8, r[2])];
+        assert_eq!(megatron_recompute(&split([&[], &[], &[]]), 8), Ok(0));
+        assert_eq!(megatron_recompute(&split([&[1], &[3], &[6]]), 8), Ok(1));
+        // Two per stage: the last stage has one block, recomputed.
+        assert_eq!(
+            megatron_recompute(&split([&[1, 2], &[3, 4], &[6]]), 8),
+            Ok(2)
+        );
+        assert_eq!(
+            megatron_recompute(&split([&[1, 2], &[3, 4, 5], &[6]]), 8),
+            Ok(3)
+        );
+        let err = |r| megatron_recompute(&split(r), 8).unwrap_err();
+        assert!(err([&[1, 2], &[4], &[6]]).starts_with("layers 3..6 recompute 1 of their 3"));
+        assert!(err([&[1], &[3], &[]]).starts_with("layers 6..8 recompute 0 of their 1"));
+        assert_eq!(
+            err([&[], &[], &[7]]),
+            "it recomputes `layer7` (layer 7); Megatron-LM recomputes transformer blocks only"
+        );
+        assert!(err([&[0, 1], &[3], &[6]]).contains("`layer0`"));
+    }
 }

@@ -9,10 +9,16 @@
 //! the micro-batches 1F1B keeps in flight there: a stage whose optimum does not fit is not
 //! used, even where a leaner sharding of it would fit (the tables carry no budget yet).
 //!
+//! Every range is also priced with every layer recomputed ([`Entry::recomputed`]): the stage
+//! DP sees each logical mesh twice, and a stage it takes with recomputation is balanced
+//! afterwards to recompute only the layers its memory needs
+//! ([`crate::solve::balance::layers`]), which only lowers its cost.
+//!
 //! Tied weights (GPT-2's embedding and output layer) are not a chain: a stage holding both is
 //! priced with two copies, as Megatron-LM keeps them on different stages, without the sum of
 //! their gradients.
 
+use super::balance::layers::{RecomputeChoice, least_recompute};
 use super::inter::{self, InterError, StageProblem, submesh_choices};
 use super::intra::chain::{self, ChainError, Crossings, Entry, LayerTable};
 use super::intra::stage::{StageOptions, StagePlan};
@@ -44,6 +50,8 @@ pub struct PipelineOptions<'p> {
     pub max_exact_entries: f64,
     /// Multi-node submeshes only of a power-of-two number of nodes.
     pub powers_of_two: bool,
+    /// Whether stages may recompute their layers (activation checkpointing).
+    pub recompute: bool,
     /// Measured kernel times the layer tables read (see [`StageOptions::profile`]).
     pub profile: Option<&'p Profile>,
 }
@@ -97,7 +105,14 @@ pub struct PipelineStage {
     pub inflight: u64,
     /// Memory per device with those in flight, bytes.
     pub memory: f64,
-    /// The intra-op plan reaching `cost`: every op's and parameter's specs on the logical
+    /// Layers recomputed in the backward pass (balanced: the fewest seconds of
+    /// recomputation that fit the budget).
+    pub recomputed: Vec<usize>,
+    /// Of `cost`, the recomputation, s.
+    pub recompute_s: f64,
+    /// Activations kept per micro-batch in flight, bytes.
+    pub activations: f64,
+    /// The intra-op plan reaching `cost` without recomputation: every op's and parameter's specs on the logical
     /// mesh, with those micro-batches in flight.
     pub plan: StagePlan,
 }
@@ -281,10 +296,14 @@ pub const MAX_TABLES: u64 = 20_000;
 /// leaves the ILP space out, saying so: GPT-3 175B on every submesh of 128 nodes is 1.7e7.
 pub const MAX_RANGE_PRICES: u64 = 20_000_000;
 
-/// A range's stage cost per micro-batch and the most stages that may follow it.
-type RangePrice = (f64, i64);
+/// A range's stage cost per micro-batch and the most stages that may follow it, without
+/// recomputation and with every layer recomputed.
+type RangePrice = [(f64, i64); 2];
 
-/// Most boundary-state entries the range pricing memoizes per mesh choice (24 bytes each).
+/// No stage.
+const UNPRICED: RangePrice = [(f64::INFINITY, -1); 2];
+
+/// Most boundary-state entries the range pricing memoizes per mesh choice (48 bytes each).
 const MAX_MEMO_ENTRIES: usize = 1 << 21;
 
 /// Submeshes (hosts x devices per host), and the logical meshes of each.
@@ -432,8 +451,11 @@ pub fn plan_pipeline_with(
         }
     }
     let solves = tables.values().map(|t| t.solves).sum();
-    // Alpa's tables: cost[((k * L + i) * S + s) * C + c], inclusive ends.
-    let cells = layers * layers * submeshes.len() * width;
+    // Alpa's tables: cost[((k * L + i) * S + s) * C + c], inclusive ends, with C twice the
+    // logical meshes: configuration `2 m + r` is logical mesh `m` with (r = 1) or without
+    // every layer of the stage recomputed.
+    let variants = 2 * width;
+    let cells = layers * layers * submeshes.len() * variants;
     let mut cost = vec![f64::INFINITY; cells];
     let mut max_succ = vec![-1i64; cells];
     // Every range on every mesh choice, one mesh choice per task.
@@ -443,8 +465,9 @@ pub fn plan_pipeline_with(
         .flat_map(|(s, logical)| (0..logical.len()).map(move |c| (s, c)))
         .collect();
     // Per mesh choice, per range (k, i) row-major: the stage's cost and how many stages may
-    // follow it (what Alpa's tables hold; 16 bytes a range, the only per-range state kept).
-    let priced: Vec<Vec<(f64, i64)>> = choices
+    // follow it, without and with recomputation (what Alpa's tables hold; 32 bytes a range,
+    // the only per-range state kept).
+    let priced: Vec<Vec<RangePrice>> = choices
         .par_iter()
         .map(|&(s, c)| {
             let table = |l: usize| tables.get(&(s, c, classes[l]));
@@ -462,12 +485,19 @@ pub fn plan_pipeline_with(
             // blocks repeat: ranges are walked as paths in a trie of class sequences, each
             // node chained once (O(L) extensions for [embedding, block x n, head] instead of
             // O(L^2)), with its best entry per boundary state and the range's price.
-            let mut out = vec![(f64::INFINITY, -1i64); layers * layers];
+            let mut out = vec![UNPRICED; layers * layers];
             let mut child: HashMap<(usize, usize), usize> = HashMap::new();
-            let mut nodes: Vec<(Vec<Entry>, Option<RangePrice>)> = Vec::new();
+            let mut nodes: Vec<(Vec<Entry>, RangePrice)> = Vec::new();
             let price = |best: Vec<Entry>| {
-                let e = chain::finish(&best);
-                let priced = most_following(&e, opts, layers).map(|succ| (e.cost, succ));
+                let plain = chain::finish(&best);
+                let recomputed = chain::finish_recomputed(&best);
+                let mut priced = UNPRICED;
+                let variants = if opts.recompute { 2 } else { 1 };
+                for (slot, e) in priced.iter_mut().zip([plain, recomputed]).take(variants) {
+                    if let Some(succ) = most_following(&e, opts, layers) {
+                        *slot = (e.cost, succ);
+                    }
+                }
                 (best, priced)
             };
             let mut held = 0usize;
@@ -510,25 +540,25 @@ pub fn plan_pipeline_with(
                             }
                         };
                     }
-                    if let Some(priced) = nodes[node - 1].1 {
-                        out[k * layers + i] = priced;
-                    }
+                    out[k * layers + i] = nodes[node - 1].1;
                 }
             }
             Ok(out)
         })
         .collect::<Result<_, ChainError>>()?;
     for (&(s, c), ranges) in choices.iter().zip(priced) {
-        for (range, (t, succ)) in ranges.into_iter().enumerate() {
-            let at = (range * submeshes.len() + s) * width + c;
-            cost[at] = t;
-            max_succ[at] = succ;
+        for (range, prices) in ranges.into_iter().enumerate() {
+            for (r, (t, succ)) in prices.into_iter().enumerate() {
+                let at = (range * submeshes.len() + s) * variants + 2 * c + r;
+                cost[at] = t;
+                max_succ[at] = succ;
+            }
         }
     }
     let problem = StageProblem {
         layers,
         submeshes: submeshes.clone(),
-        configs: width,
+        configs: variants,
         cost,
         max_succ,
         devices: cluster.gpus(),
@@ -541,22 +571,39 @@ pub fn plan_pipeline_with(
         .par_iter()
         .enumerate()
         .map(|(j, st)| {
+            let (config, recompute) = (st.config / 2, st.config % 2 == 1);
             let inflight = ((count - j) as u64).min(opts.microbatches.max(1));
             // The chosen stage's range chained again for its memory and its plan.
             let range: Vec<&LayerTable> = (st.start..=st.end)
                 .map(|l| {
                     tables
-                        .get(&(st.submesh, st.config, classes[l]))
+                        .get(&(st.submesh, config, classes[l]))
                         .ok_or(ChainError::Mismatch(l, l))
                 })
                 .collect::<Result<_, _>>()?;
-            let (e, states) =
-                chain::best_path(&range)?.ok_or(ChainError::Mismatch(st.start, st.end + 1))?;
-            let mesh = Mesh::logical(
-                cluster,
-                submeshes[st.submesh],
-                configs[st.submesh][st.config],
-            );
+            // The path the DP priced: the best without recomputation, its last state the
+            // best recomputed when the stage recomputes.
+            let ending = |e: Entry| if recompute { e.recomputed() } else { e };
+            let (e, states) = chain::best_path_ending(&range, ending)?
+                .ok_or(ChainError::Mismatch(st.start, st.end + 1))?;
+            // Balancing: of a stage the DP priced with every layer recomputed, only the
+            // layers memory needs are recomputed.
+            let per_layer: Vec<Entry> = range
+                .iter()
+                .zip(&states)
+                .map(|(t, &[b, a])| t.entry(b, a))
+                .collect();
+            let every = |r: bool| vec![r; per_layer.len()];
+            let balanced = if recompute {
+                // The DP checked that recomputing every layer fits; only rounding in the
+                // order of the sums could say otherwise here.
+                least_recompute(&per_layer, inflight, opts.memory_budget).unwrap_or_else(|| {
+                    RecomputeChoice::of(&per_layer, inflight, every(true), false)
+                })
+            } else {
+                RecomputeChoice::of(&per_layer, inflight, every(false), true)
+            };
+            let mesh = Mesh::logical(cluster, submeshes[st.submesh], configs[st.submesh][config]);
             let stage_plan = chain::decode_range(
                 graph,
                 st.start..st.end + 1,
@@ -570,17 +617,26 @@ pub fn plan_pipeline_with(
                 layers: [st.start, st.end + 1],
                 mesh: MeshChoice {
                     submesh: submeshes[st.submesh],
-                    logical: configs[st.submesh][st.config],
+                    logical: configs[st.submesh][config],
                 },
-                cost: st.cost,
+                cost: e.cost + balanced.seconds,
                 inflight,
-                memory: e.memory_at(inflight, 1),
+                memory: balanced.memory,
+                recomputed: (st.start..=st.end)
+                    .zip(&balanced.recomputed)
+                    .filter(|(_, r)| **r)
+                    .map(|(l, _)| l)
+                    .collect(),
+                recompute_s: balanced.seconds,
+                activations: balanced.activations,
                 plan: stage_plan,
             })
         })
-        .collect::<Result<_, ChainError>>()?;
+        .collect::<Result<Vec<PipelineStage>, ChainError>>()?;
+    let b = opts.microbatches.max(1) as f64;
+    let slowest = stages.iter().map(|s| s.cost).fold(0.0, f64::max);
     Ok(PipelinePlan {
-        step: plan.cost,
+        step: stages.iter().map(|s| s.cost).sum::<f64>() + (b - 1.0) * slowest,
         stages,
         tables: tables.len(),
         solves,

@@ -105,6 +105,7 @@ fn main() -> ExitCode {
             precision: Precision::Bf16,
             max_exact_entries: 4e6,
             powers_of_two: pow2,
+            recompute: true,
             profile: None,
         };
         // The engine's cached tables, in memory only: the second run finds every table.

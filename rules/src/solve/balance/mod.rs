@@ -26,6 +26,7 @@
 
 mod decompose;
 mod exact;
+pub mod layers;
 
 pub use decompose::{DecomposeError, MemoryRun, MemoryTerms, decompose};
 

@@ -68,7 +68,8 @@ pub struct LayerTable {
 }
 
 /// The least cost of a layer or range for one boundary state, and the memory of the plan
-/// reaching it.
+/// reaching it, with what recomputing its forward pass in the backward pass would cost and
+/// save (activation checkpointing of every layer of the range).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Entry {
     /// Objective per micro-batch, s.
@@ -77,6 +78,15 @@ pub struct Entry {
     pub memory: f64,
     /// Of that memory, the activations saved per micro-batch in flight, bytes.
     pub activations: f64,
+    /// Of the cost, the forward pass (compute, its collectives, the resharding and weight
+    /// gathers feeding it), s: what recomputing the plan's layers adds to the backward pass.
+    pub forward: f64,
+    /// Bytes per device per micro-batch that the layers keep instead of their activations
+    /// when they are recomputed: the tensors entering each layer, as the plan shards them.
+    pub checkpoint: f64,
+    /// The largest single layer's activations per micro-batch, bytes: live while that layer
+    /// is recomputed.
+    pub peak_layer: f64,
 }
 
 impl Entry {
@@ -85,6 +95,9 @@ impl Entry {
         cost: f64::INFINITY,
         memory: f64::INFINITY,
         activations: f64::INFINITY,
+        forward: f64::INFINITY,
+        checkpoint: f64::INFINITY,
+        peak_layer: f64::INFINITY,
     };
 
     /// Nothing: the start of a sum.
@@ -92,6 +105,9 @@ impl Entry {
         cost: 0.0,
         memory: 0.0,
         activations: 0.0,
+        forward: 0.0,
+        checkpoint: 0.0,
+        peak_layer: 0.0,
     };
 
     /// Both together (two parts of one plan).
@@ -100,6 +116,24 @@ impl Entry {
             cost: self.cost + o.cost,
             memory: self.memory + o.memory,
             activations: self.activations + o.activations,
+            forward: self.forward + o.forward,
+            checkpoint: self.checkpoint + o.checkpoint,
+            peak_layer: self.peak_layer.max(o.peak_layer),
+        }
+    }
+
+    /// The same plan with every layer recomputed: each micro-batch in flight keeps only the
+    /// layers' inputs, the backward pass runs the forward again, and the layer being
+    /// recomputed holds its activations meanwhile.
+    pub fn recomputed(self) -> Entry {
+        if !self.cost.is_finite() {
+            return Entry::NONE;
+        }
+        Entry {
+            cost: self.cost + self.forward,
+            memory: self.memory - self.activations + self.checkpoint + self.peak_layer,
+            activations: self.checkpoint,
+            ..self
         }
     }
 
@@ -122,6 +156,11 @@ impl LayerTable {
     /// Index of the pair (`b`, `a`).
     fn at(&self, b: usize, a: usize) -> usize {
         b * self.after.len() + a
+    }
+
+    /// The entry of the pair (`b`, `a`) of boundary states.
+    pub fn entry(&self, b: usize, a: usize) -> Entry {
+        self.entries[self.at(b, a)]
     }
 }
 
@@ -311,7 +350,26 @@ pub fn layer_table_with(
     // Dropping dominated strategies of the other variables keeps every entry of the table.
     let (reduced, maps) = p.without_dominated_except(&keep);
     let activations = model.activation_memory();
-    // Each entry's plan, read in the unreduced problem: cost, memory, activations.
+    let forward = model.forward_problem();
+    // The tensors entering the layer forward (a boundary also carries the gradients the
+    // layer sends back, which it makes).
+    let entering: Vec<(usize, Vec<f64>)> = before
+        .iter()
+        .filter(|&&t| !model.makes(t))
+        .map(|&t| {
+            let (var, specs) = model
+                .spec_variable(t)
+                .ok_or(ChainError::Mismatch(layer, layer))?;
+            let bytes = graph.tensor(t).bytes() as f64;
+            let per_spec = specs
+                .iter()
+                .map(|s| bytes / s.tiles(&mesh) as f64)
+                .collect();
+            Ok((var, per_spec))
+        })
+        .collect::<Result<_, ChainError>>()?;
+    // Each entry's plan, read in the unreduced problem: cost, memory, activations, forward
+    // time and the bytes of the tensors entering the layer.
     let read = |choice: &[usize]| -> Entry {
         let (cost, memory) = p.evaluate(choice);
         let activations = activations.iter().zip(choice).map(|(per, &c)| per[c]).sum();
@@ -319,6 +377,9 @@ pub fn layer_table_with(
             cost,
             memory,
             activations,
+            forward: forward.evaluate(&choice[..forward.vars.len()]).0,
+            checkpoint: entering.iter().map(|(v, per)| per[choice[*v]]).sum(),
+            peak_layer: activations,
         }
     };
     let entering: Vec<bool> = keep
@@ -557,6 +618,14 @@ pub fn finish(best: &[Entry]) -> Entry {
     best.iter().copied().fold(Entry::NONE, Entry::min)
 }
 
+/// The range's best entry with every layer recomputed (free after its last layer): the
+/// cheapest of its plans best without recomputation, each recomputed.
+pub fn finish_recomputed(best: &[Entry]) -> Entry {
+    best.iter()
+        .map(|e| e.recomputed())
+        .fold(Entry::NONE, Entry::min)
+}
+
 /// A path through a range's tables: its entry and, per layer, its `before` and `after` state
 /// indices.
 pub type Path = (Entry, Vec<[usize; 2]>);
@@ -565,6 +634,15 @@ pub type Path = (Entry, Vec<[usize; 2]>);
 /// per layer, the indices of its `before` and `after` states on the path. `None` when no
 /// path has a finite cost.
 pub fn best_path(tables: &[&LayerTable]) -> Result<Option<Path>, ChainError> {
+    best_path_ending(tables, |e| e)
+}
+
+/// [`best_path`] with the last state chosen by `ending` of its entry (e.g. the entry
+/// recomputed, as [`finish_recomputed`] chooses it); the entry returned is the path's own.
+pub fn best_path_ending(
+    tables: &[&LayerTable],
+    ending: impl Fn(Entry) -> Entry,
+) -> Result<Option<Path>, ChainError> {
     let Some(first) = tables.first() else {
         return Ok(Some((Entry::ZERO, Vec::new())));
     };
@@ -608,7 +686,7 @@ pub fn best_path(tables: &[&LayerTable]) -> Result<Option<Path>, ChainError> {
         .enumerate()
         .filter(|(_, e)| e.cost.is_finite())
         .fold(None, |acc: Option<(usize, Entry)>, (a, e)| match acc {
-            Some((_, b)) if !better(&e, &b) => acc,
+            Some((_, b)) if !better(&ending(e), &ending(b)) => acc,
             _ => Some((a, e)),
         })
     else {

@@ -1052,8 +1052,24 @@ impl<'g> StageModel<'g> {
         out
     }
 
+    /// The forward pass's time per micro-batch as a problem over the same variables: the
+    /// forward ops' compute and collectives and the resharding and weight gathers feeding
+    /// them (what recomputing the range costs again in its backward pass). Its `evaluate`
+    /// gives a plan's forward time, as [`StageModel::decode`] counts it.
+    pub fn forward_problem(&self) -> Problem {
+        self.assemble_terms(true)
+    }
+
     /// Sums every term into variable costs and edge tables.
     fn assemble(&self) -> Problem {
+        self.assemble_terms(false)
+    }
+
+    /// Sums the terms into variable costs and edge tables: every term, or only the forward
+    /// pass's (no memory, no per-step terms).
+    fn assemble_terms(&self, forward_only: bool) -> Problem {
+        let g = self.graph;
+        let counted = |n: usize| !forward_only || g.op(self.nodes[n].op).pass == Pass::Forward;
         let b = self.opts.microbatches.max(1) as f64;
         let mut vars: Vec<Var> = self
             .var_sizes
@@ -1064,14 +1080,19 @@ impl<'g> StageModel<'g> {
             })
             .collect();
         let mut edges: Vec<Edge> = Vec::new();
-        for node in &self.nodes {
+        for (n, node) in self.nodes.iter().enumerate() {
+            if !counted(n) {
+                continue;
+            }
             for (c, r) in node.realized.iter().enumerate() {
                 vars[node.var].cost[c] +=
                     r.compute + r.comm.iter().map(|(s, _, _)| s.seconds).sum::<f64>();
-                vars[node.var].memory[c] += r.activations + r.gradients;
+                if !forward_only {
+                    vars[node.var].memory[c] += r.activations + r.gradients;
+                }
             }
         }
-        for p in &self.params {
+        for p in self.params.iter().filter(|_| !forward_only) {
             for c in 0..p.choices.len() {
                 let (time, memory) = self.param_cost(p, c);
                 vars[p.var].cost[c] += time / b;
@@ -1096,18 +1117,18 @@ impl<'g> StageModel<'g> {
                 edges.push(Edge { u, v, cost });
             }
         };
-        for f in &self.flows {
+        for f in self.flows.iter().filter(|f| counted(f.to)) {
             let v = self.nodes[f.to].var;
             let u = self.producer_var(f.from);
             pairwise(u, v, &|cu, cv| {
                 self.flow_time(f, &self.flow_steps(f, cu, cv), cv)
             });
         }
-        for w in &self.uses {
+        for w in self.uses.iter().filter(|w| counted(w.to)) {
             let (u, v) = (self.params[w.param].var, self.nodes[w.to].var);
             pairwise(u, v, &|cu, cv| steps_time(&self.use_steps(w, cu, cv)));
         }
-        for s in &self.syncs {
+        for s in self.syncs.iter().filter(|_| !forward_only) {
             let (u, v) = (self.nodes[s.from].var, self.params[s.param].var);
             pairwise(u, v, &|cu, cv| steps_time(&self.sync_steps(s, cu, cv)) / b);
         }
