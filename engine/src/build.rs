@@ -464,55 +464,72 @@ fn ilp_search(
     let budget = ilp_budget(ws, t, capacity);
     let mut out = IlpOutcome::default();
     let base = stages_base(target);
-    // Whether the search is small enough, asked once and only when something must be solved
-    // (a rebuild that finds every result lowers nothing).
-    let mut too_large: Option<Option<String>> = None;
-    for &mb in &t.ilp.micro_batch {
-        let parts = stages_parts(&base, t, mb, budget);
-        let key = parts.key();
-        let mut rec = StagesRecord {
-            micro_batch: mb,
-            parts,
-            source: Source::Solved,
-            reasons: Vec::new(),
-            tables: Vec::new(),
-        };
-        let found = match cache.lookup::<Result<IlpPlan, String>>(kind::STAGES, key) {
-            Some((found, source)) => {
-                rec.source = source;
-                rec.tables = carried_tables(previous, &rec);
-                found
+    // Each size's stage DP found in the cache, or missing.
+    let looked: Vec<(StagesRecord, Option<Result<IlpPlan, String>>)> = t
+        .ilp
+        .micro_batch
+        .iter()
+        .map(|&mb| {
+            let parts = stages_parts(&base, t, mb, budget);
+            let mut rec = StagesRecord {
+                micro_batch: mb,
+                parts,
+                source: Source::Solved,
+                reasons: Vec::new(),
+                tables: Vec::new(),
+            };
+            let found = cache
+                .lookup::<Result<IlpPlan, String>>(kind::STAGES, rec.parts.key())
+                .map(|(found, source)| {
+                    rec.source = source;
+                    rec.tables = carried_tables(previous, &rec);
+                    found
+                });
+            (rec, found)
+        })
+        .collect();
+    // Too large a search is left out, and the plan says so (never a silent cut); asked only
+    // when something must be solved (a rebuild that finds every result lowers nothing).
+    if looked.iter().any(|(_, found)| found.is_none())
+        && let Some(why) = too_large_search(ws, t)
+    {
+        out.not_searched = Some(why);
+        return out;
+    }
+    // The missing sizes are solved side by side (each stage DP runs on one thread).
+    let results: Vec<(StagesRecord, Result<IlpPlan, String>)> = looked
+        .into_par_iter()
+        .map(|(mut rec, found)| {
+            if let Some(found) = found {
+                return (rec, found);
             }
-            None => {
-                // Too large a search is left out, and the plan says so (never a silent cut).
-                if let Some(why) = too_large.get_or_insert_with(|| too_large_search(ws, t)) {
-                    out.not_searched = Some(why.clone());
-                    return out;
+            let mb = rec.micro_batch;
+            let source = CachedTables::new(cache, &model.name);
+            let solved = ilp_pipeline(ws, t, &source, mb, budget);
+            let meta = EntryMeta {
+                kind: "stages".into(),
+                description: format!(
+                    "stage DP of {} on {}, micro-batch {mb}",
+                    model.name, cluster.device.name
+                ),
+                ..EntryMeta::default()
+            };
+            cache.put(rec.parts.key(), &solved, &meta);
+            cache.record(kind::STAGES, Source::Solved);
+            rec.reasons = stages_reasons(previous, &rec);
+            let old = previous.and_then(|p| p.stages(mb));
+            rec.tables = source.into_records();
+            for table in &mut rec.tables {
+                if table.source == Source::Solved {
+                    let was = old.and_then(|o| o.tables.iter().find(|w| w.slot == table.slot));
+                    table.reasons = table_reasons(was, table);
                 }
-                let source = CachedTables::new(cache, &model.name);
-                let solved = ilp_pipeline(ws, t, &source, mb, budget);
-                let meta = EntryMeta {
-                    kind: "stages".into(),
-                    description: format!(
-                        "stage DP of {} on {}, micro-batch {mb}",
-                        model.name, cluster.device.name
-                    ),
-                    ..EntryMeta::default()
-                };
-                cache.put(key, &solved, &meta);
-                cache.record(kind::STAGES, Source::Solved);
-                rec.reasons = stages_reasons(previous, &rec);
-                let old = previous.and_then(|p| p.stages(mb));
-                rec.tables = source.into_records();
-                for table in &mut rec.tables {
-                    if table.source == Source::Solved {
-                        let was = old.and_then(|o| o.tables.iter().find(|w| w.slot == table.slot));
-                        table.reasons = table_reasons(was, table);
-                    }
-                }
-                solved
             }
-        };
+            (rec, solved)
+        })
+        .collect();
+    for (rec, found) in results {
+        let mb = rec.micro_batch;
         out.records.push(rec);
         match found {
             Ok(p) => {

@@ -7,7 +7,8 @@ use autopar_rules::solve::intra::chain::{
     ChainError, Entry, LayerTable, best_path, boundary_bytes, compose, decode_range, layer_table,
     range_tables,
 };
-use autopar_rules::solve::intra::stage::{StageModel, StageOptions};
+use autopar_rules::solve::intra::stage::{StageModel, StageOptions, StagePlan};
+use autopar_rules::solve::pipeline::layer_classes;
 use autopar_tests::TempWorkspace;
 use autopar_tests::sharding::{lower, mesh};
 use std::ops::Range;
@@ -36,7 +37,18 @@ fn chained(g: &Graph, layers: Range<usize>, a: u64, b: u64) -> Result<f64, Chain
     let (m, c) = mesh(a, b);
     let tables = range_tables(g, layers.clone(), m, &c.device, opts())?;
     let best = compose(&tables)?;
-    let refs: Vec<&LayerTable> = tables.iter().collect();
+    // Identical layers share one table, as in the pipeline search.
+    let classes = layer_classes(g);
+    let refs: Vec<&LayerTable> = layers
+        .clone()
+        .map(|l| {
+            let first = layers
+                .clone()
+                .find(|&k| classes[k] == classes[l])
+                .unwrap_or(l);
+            &tables[first - layers.start]
+        })
+        .collect();
     let (_, states) = best_path(&refs)?.expect("a finite path");
     let plan = decode_range(g, layers.clone(), m, &c.device, opts(), &refs, &states)?;
     assert!(
@@ -52,6 +64,17 @@ fn chained(g: &Graph, layers: Range<usize>, a: u64, b: u64) -> Result<f64, Chain
         best.memory
     );
     assert_eq!(plan.layers, [layers.start, layers.end]);
+    // Identical layers pinned alike are solved once and renamed: the same plan, name for
+    // name, as each layer decoded on its own.
+    let alone = layers
+        .clone()
+        .zip(refs.iter().zip(&states))
+        .map(|(l, (t, s))| decode_range(g, l..l + 1, m, &c.device, opts(), &[t], &[*s]))
+        .collect::<Result<Vec<_>, _>>()?;
+    let alone = StagePlan::join(alone).expect("layers");
+    assert_eq!(plan.ops, alone.ops, "{layers:?} on {a}x{b}");
+    assert_eq!(plan.parameters, alone.parameters, "{layers:?} on {a}x{b}");
+    assert_eq!(plan.collectives, alone.collectives, "{layers:?} on {a}x{b}");
     // What recomputing the range costs and keeps, read from the tables along the path: the
     // decoded plan's forward pass and activations; the inputs of each layer, sharded at most
     // over the whole mesh (unsharded on one device).
@@ -114,7 +137,7 @@ fn chained_layer_tables_equal_the_whole_range_optimum() {
         (
             "gpt2-small.json",
             2,
-            vec![0..2, 1..3, 12..14],
+            vec![0..2, 1..3, 1..5, 12..14],
             vec![(1, 1), (1, 2), (2, 1)],
         ),
     ];

@@ -18,11 +18,12 @@ use crate::cost::analytic::p2p_time;
 use crate::cost::cluster::{Cluster, GIB};
 use crate::cost::sharding::Mesh;
 use crate::model::graph::{Graph, Pass};
-use crate::solve::intra::chain::boundary_bytes;
+use crate::solve::intra::chain::{boundary_bytes, names_between};
 use crate::solve::intra::stage::{MegatronSharding, Phase, StageModel, StagePlan};
-use crate::solve::pipeline::{MeshChoice, PipelineOptions, PipelinePlan, Skipped};
+use crate::solve::pipeline::{MeshChoice, PipelineOptions, PipelinePlan, Skipped, layer_classes};
 use crate::solve::schedule::{Bubble, PipelineSpec, Schedule, ScheduleError, simulate_times};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 
 /// Which space a target's plan is chosen from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -268,6 +269,7 @@ pub fn price(
     let p = pipeline.stages.len();
     let b = opts.microbatches.max(1);
     let crossing = boundary_bytes(graph);
+    let classes = layer_classes(graph);
     let devices: Vec<u64> = pipeline
         .stages
         .iter()
@@ -319,7 +321,7 @@ pub fn price(
         spec.backward[0][j] = plan.backward + st.recompute_s + send_b;
         spec.recompute[0][j] = st.recompute_s;
         spec.activation[0][j] = st.activations;
-        let megatron = compare(graph, cluster, st.mesh, opts, st.inflight, plan);
+        let megatron = compare(graph, &classes, cluster, st.mesh, opts, st.inflight, plan);
         stages.push(IlpStage {
             layers: st.layers,
             first_name: graph.layers[start].name.clone(),
@@ -395,8 +397,10 @@ pub fn price(
 /// (the same devices as a `b x 1` mesh, its splits named for axis 1); the optimizer states
 /// split over the data-parallel axis when the plan splits them. The closest layout (fewest
 /// differences, then the cheaper) is the comparison.
+#[allow(clippy::too_many_arguments)]
 fn compare(
     graph: &Graph,
+    classes: &[usize],
     cluster: &Cluster,
     choice: MeshChoice,
     opts: PipelineOptions,
@@ -407,18 +411,29 @@ fn compare(
     let distributed_optimizer = plan.parameters.iter().any(|w| w.states != w.weight);
     let pinned = |logical: [u64; 2], sp: bool| -> Result<StagePlan, String> {
         let mesh = Mesh::logical(cluster, choice.submesh, logical);
-        let parts = (plan.layers[0]..plan.layers[1])
-            .map(|l| {
-                let model = StageModel::build(graph, l..l + 1, mesh, &cluster.device, stage_opts)
-                    .map_err(|e| e.to_string())?;
-                model
-                    .megatron_plan(MegatronSharding {
-                        sp,
-                        distributed_optimizer,
-                    })
-                    .map_err(|e| e.to_string())
-            })
-            .collect::<Result<Vec<_>, String>>()?;
+        // Identical layers have the same plan: each class is solved once, then renamed.
+        let mut solved: HashMap<usize, (usize, StagePlan)> = HashMap::new();
+        let mut parts = Vec::new();
+        let range = plan.layers[0]..plan.layers[1];
+        for (l, &class) in range.clone().zip(&classes[range]) {
+            if let Some((first, p)) = solved.get(&class) {
+                parts.push(
+                    p.clone()
+                        .renamed(&names_between(graph, *first, l), [l, l + 1]),
+                );
+                continue;
+            }
+            let model = StageModel::build(graph, l..l + 1, mesh, &cluster.device, stage_opts)
+                .map_err(|e| e.to_string())?;
+            let p = model
+                .megatron_plan(MegatronSharding {
+                    sp,
+                    distributed_optimizer,
+                })
+                .map_err(|e| e.to_string())?;
+            solved.insert(class, (l, p.clone()));
+            parts.push(p);
+        }
         StagePlan::join(parts).ok_or_else(|| "the stage holds no layer".to_string())
     };
     let [a, b] = choice.logical;
@@ -664,7 +679,7 @@ mod tests {
             megatron_recompute(&split([&[1, 2], &[3, 4, 5], &[6]]), 8),
             Ok(3)
         );
-        let err = |r| megatron_recompute(&split(r), 8).unwrap_err();
+        let err = |r| megatron_recompute(&split(r), 8).expect_err("not Megatron-LM's");
         assert!(err([&[1, 2], &[4], &[6]]).starts_with("layers 3..6 recompute 1 of their 3"));
         assert!(err([&[1], &[3], &[]]).starts_with("layers 6..8 recompute 0 of their 1"));
         assert_eq!(

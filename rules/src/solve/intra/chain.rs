@@ -721,33 +721,68 @@ pub fn decode_range(
     states: &[[usize; 2]],
 ) -> Result<StagePlan, ChainError> {
     let crossings = Crossings::of(graph);
-    let plans = layers
-        .clone()
-        .zip(tables.iter().zip(states))
-        .map(|(l, (table, &[b, a]))| {
-            let model = StageModel::build(graph, l..l + 1, mesh, device, opts)?;
-            let before = match l {
-                0 => Vec::new(),
-                _ => crossings.boundary(l - 1),
-            };
-            let after = crossings.boundary(l);
-            let wanted = table.before.get(b).map_or(&[][..], Vec::as_slice);
-            let pins = before
-                .iter()
-                .zip(wanted)
-                .chain(after.iter().zip(&table.after[a]));
-            let mut allowed: Vec<Vec<usize>> = model
-                .problem()
-                .vars
-                .iter()
-                .map(|v| (0..v.cost.len()).collect())
-                .collect();
-            for (&t, spec) in pins {
-                let (var, specs) = model.spec_variable(t).ok_or(ChainError::Mismatch(l, l))?;
-                allowed[var].retain(|&i| specs[i] == *spec);
-            }
-            Ok(model.solve_within(&allowed)?)
-        })
-        .collect::<Result<Vec<StagePlan>, ChainError>>()?;
+    // Layers with one table (one class) pinned to the same states have the same plan: each
+    // is solved once and renamed for the others.
+    let mut solved: HashMap<(*const LayerTable, [usize; 2]), (usize, StagePlan)> = HashMap::new();
+    let mut plans = Vec::with_capacity(layers.len());
+    for (l, (table, &[b, a])) in layers.clone().zip(tables.iter().zip(states)) {
+        let key = (*table as *const LayerTable, [b, a]);
+        if let Some((first, plan)) = solved.get(&key) {
+            plans.push(
+                plan.clone()
+                    .renamed(&names_between(graph, *first, l), [l, l + 1]),
+            );
+            continue;
+        }
+        let model = StageModel::build(graph, l..l + 1, mesh, device, opts)?;
+        let before = match l {
+            0 => Vec::new(),
+            _ => crossings.boundary(l - 1),
+        };
+        let after = crossings.boundary(l);
+        let wanted = table.before.get(b).map_or(&[][..], Vec::as_slice);
+        let pins = before
+            .iter()
+            .zip(wanted)
+            .chain(after.iter().zip(&table.after[a]));
+        let mut allowed: Vec<Vec<usize>> = model
+            .problem()
+            .vars
+            .iter()
+            .map(|v| (0..v.cost.len()).collect())
+            .collect();
+        for (&t, spec) in pins {
+            let (var, specs) = model.spec_variable(t).ok_or(ChainError::Mismatch(l, l))?;
+            allowed[var].retain(|&i| specs[i] == *spec);
+        }
+        let plan = model.solve_within(&allowed)?;
+        solved.insert(key, (l, plan.clone()));
+        plans.push(plan);
+    }
     StagePlan::join(plans).ok_or(ChainError::Mismatch(layers.start, layers.end))
+}
+
+/// The names of layer `from`'s ops and of the tensors they read, write and save, mapped to
+/// those of layer `to`, a layer of the same canonical form (the same ops in the same order,
+/// each with its tensors in the same places).
+pub fn names_between(graph: &Graph, from: usize, to: usize) -> HashMap<String, String> {
+    let (a, b) = (&graph.layers[from], &graph.layers[to]);
+    let mut names = HashMap::new();
+    let ops = a.forward.iter().chain(&a.backward);
+    for (&x, &y) in ops.zip(b.forward.iter().chain(&b.backward)) {
+        let (x, y) = (graph.op(x), graph.op(y));
+        names.insert(x.name.clone(), y.name.clone());
+        let tensors = |o: &'_ crate::model::graph::Op| -> Vec<TensorId> {
+            o.inputs
+                .iter()
+                .chain(&o.outputs)
+                .chain(&o.saves)
+                .copied()
+                .collect()
+        };
+        for (s, t) in tensors(x).into_iter().zip(tensors(y)) {
+            names.insert(graph.tensor(s).name.clone(), graph.tensor(t).name.clone());
+        }
+    }
+    names
 }

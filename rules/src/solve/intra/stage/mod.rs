@@ -305,6 +305,29 @@ impl StagePlan {
             .count()
     }
 
+    /// The same plan for another range with the same ops in the same order (an identical
+    /// transformer block): every op, weight and tensor name looked up in `names`, which maps
+    /// this range's names to the other's.
+    pub fn renamed(mut self, names: &HashMap<String, String>, layers: [usize; 2]) -> StagePlan {
+        let rename = |s: &mut String| {
+            if let Some(n) = names.get(s.as_str()) {
+                s.clone_from(n);
+            }
+        };
+        self.layers = layers;
+        for o in &mut self.ops {
+            rename(&mut o.name);
+            if let Some(f) = &mut o.follows {
+                rename(f);
+            }
+        }
+        self.parameters.iter_mut().for_each(|p| rename(&mut p.name));
+        self.collectives
+            .iter_mut()
+            .for_each(|c| rename(&mut c.tensor));
+        self
+    }
+
     /// The plan of consecutive ranges solved apart on one mesh (the layers of a chain, each
     /// with its boundary pinned to the chain's optimum), as one range: times, memory and
     /// solver figures add up, ops, parameters and collectives follow in order. `None` for
