@@ -222,7 +222,9 @@ struct Dp {
     /// `(cost, max_succ, config)` by cost, then config, each kept only if it allows more
     /// following stages than every cheaper one: the first whose `max_succ` admits a stage
     /// count is the cheapest configuration for it. Slices of `choices` between `offsets`.
-    choices: Vec<(f64, i64, u32)>,
+    /// (16 bytes each: the most following stages never exceed the layers, so `i32` holds
+    /// them after clamping.)
+    choices: Vec<(f64, i32, u32)>,
     offsets: Vec<usize>,
 }
 
@@ -237,14 +239,14 @@ impl Dp {
         let mut choices = Vec::new();
         let mut offsets = Vec::with_capacity(ranges + 1);
         offsets.push(0);
-        let mut configs: Vec<(f64, i64, u32)> = Vec::with_capacity(p.configs);
+        let mut configs: Vec<(f64, i32, u32)> = Vec::with_capacity(p.configs);
         for r in 0..ranges {
             configs.clear();
             configs.extend((0..p.configs).filter_map(|c| {
                 let x = r * p.configs + c;
                 (p.cost[x].is_finite() && p.max_succ[x] >= 0).then_some((
                     p.cost[x],
-                    p.max_succ[x],
+                    p.max_succ[x].min(i64::from(i32::MAX)) as i32,
                     c as u32,
                 ))
             }));
@@ -271,7 +273,7 @@ impl Dp {
     }
 
     /// The usable configurations of stage `[k, i]` on submesh `sm` (see `choices`).
-    fn configs(&self, k: usize, i: usize, sm: usize) -> &[(f64, i64, u32)] {
+    fn configs(&self, k: usize, i: usize, sm: usize) -> &[(f64, i32, u32)] {
         let r = (k * self.l + i) * self.sizes.len() + sm;
         &self.choices[self.offsets[r]..self.offsets[r + 1]]
     }
@@ -286,7 +288,7 @@ impl Dp {
         let &(cost, _, c) = self
             .configs(k, i, sm)
             .iter()
-            .find(|(_, succ, _)| s as i64 - 1 <= *succ)?;
+            .find(|(_, succ, _)| s as i64 - 1 <= i64::from(*succ))?;
         (cost <= t_max).then_some((cost, c as usize))
     }
 
@@ -458,23 +460,22 @@ pub fn solve(problem: StageProblem, options: StageOptions) -> Result<StagePlan, 
         layers: p.layers,
         devices: p.devices,
     };
-    let bounds = bottleneck::candidates(p.cost.iter().copied());
     let mut dp = Dp::new(&p);
-    let best = bottleneck::minimize(
-        &bounds,
-        p.microbatches as f64 - 1.0,
-        options.bound_gap,
-        |t| {
-            let (sum, s) = dp.run(t)?;
-            let stages = dp.reconstruct(s, t)?;
-            let max = stages.iter().map(|st| st.cost).fold(0.0, f64::max);
-            Some(bottleneck::Bounded {
-                sum,
-                max,
-                solution: stages,
-            })
-        },
-    )
+    // Only the configurations the DP keeps can be a solution's largest stage.
+    let bounds = bottleneck::candidates(dp.choices.iter().map(|c| c.0));
+    let weight = p.microbatches as f64 - 1.0;
+    // The instance's tables are no longer read (the DP keeps what it needs).
+    drop(p);
+    let best = bottleneck::minimize(&bounds, weight, options.bound_gap, |t| {
+        let (sum, s) = dp.run(t)?;
+        let stages = dp.reconstruct(s, t)?;
+        let max = stages.iter().map(|st| st.cost).fold(0.0, f64::max);
+        Some(bottleneck::Bounded {
+            sum,
+            max,
+            solution: stages,
+        })
+    })
     .ok_or(infeasible)?;
     Ok(StagePlan {
         cost: best.total,
