@@ -97,7 +97,15 @@ impl Diagnostic {
                 expected,
                 found,
             ),
-            Classified::Other(msg) => ("(document)".to_string(), "valid TOML".to_string(), msg),
+            // A syntax error in a key's value names that key; elsewhere (a table header, a
+            // line without a key) the document.
+            Classified::Other(msg) => (
+                key_here
+                    .as_deref()
+                    .map_or_else(|| "(document)".to_string(), qualify),
+                "valid TOML".to_string(),
+                msg,
+            ),
         };
         Diagnostic::at(file, text, offset, field, expected, found)
     }

@@ -303,6 +303,13 @@ fn toml_syntax_error() {
         "workspace.toml:15:10: field `(document)`: expected valid TOML, found unclosed array \
          table, expected `]`",
     );
+    // In a value: the key is named.
+    check(
+        "seq_len = 1024",
+        "seq_len = \"1024",
+        "workspace.toml:20:16: field `target.seq_len`: expected valid TOML, found invalid basic \
+         string, expected `\"`",
+    );
 }
 
 #[test]
