@@ -112,8 +112,8 @@ pub struct PipelineStage {
     pub recompute_s: f64,
     /// Activations kept per micro-batch in flight, bytes.
     pub activations: f64,
-    /// The intra-op plan reaching `cost` without recomputation: every op's and parameter's specs on the logical
-    /// mesh, with those micro-batches in flight.
+    /// The intra-op plan reaching `cost` without recomputation: every op's and parameter's
+    /// specs on the logical mesh, with those micro-batches in flight.
     pub plan: StagePlan,
 }
 
@@ -473,82 +473,7 @@ pub fn plan_pipeline_with(
         let priced: Vec<Vec<RangePrice>> = group
             .par_iter()
             .map(|&(s, c)| {
-                let table = |l: usize| tables.get(&(s, c, classes[l]));
-                // Boundaries matched once per pair of neighbouring classes.
-                let mut links: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
-                for i in 1..layers {
-                    if let (Some(prev), Some(next)) = (table(i - 1), table(i)) {
-                        let pair = (classes[i - 1], classes[i]);
-                        if let std::collections::hash_map::Entry::Vacant(slot) = links.entry(pair) {
-                            slot.insert(
-                                chain::link(prev, next).ok_or(ChainError::Mismatch(i - 1, i))?,
-                            );
-                        }
-                    }
-                }
-                // A range's price depends only on its sequence of layer classes, and identical
-                // blocks repeat: ranges are walked as paths in a trie of class sequences, each
-                // node chained once (O(L) extensions for [embedding, block x n, head] instead of
-                // O(L^2)), with its best entry per boundary state and the range's price.
-                let mut out = vec![UNPRICED; layers * layers];
-                let mut child: HashMap<(usize, usize), usize> = HashMap::new();
-                let mut nodes: Vec<(Vec<Entry>, RangePrice)> = Vec::new();
-                let price = |best: Vec<Entry>| {
-                    let plain = chain::finish(&best);
-                    let recomputed = chain::finish_recomputed(&best);
-                    let mut priced = UNPRICED;
-                    let variants = if opts.recompute { 2 } else { 1 };
-                    for (slot, e) in priced.iter_mut().zip([plain, recomputed]).take(variants) {
-                        if let Some(succ) = most_following(&e, opts, layers) {
-                            *slot = (e.cost, succ);
-                        }
-                    }
-                    (best, priced)
-                };
-                let mut held = 0usize;
-                for k in 0..layers {
-                    let Some(first) = table(k) else {
-                        continue;
-                    };
-                    // A memo, not state: dropped when it holds too much (models of many distinct
-                    // layers gain little from it).
-                    if held > MAX_MEMO_ENTRIES {
-                        child.clear();
-                        nodes.clear();
-                        held = 0;
-                    }
-                    // Node 0 of `child`'s keys is the root; nodes are numbered from 1.
-                    let mut node = match child.get(&(0, classes[k])) {
-                        Some(&n) => n,
-                        None => {
-                            nodes.push(price(chain::start(first)));
-                            held += first.after.len();
-                            child.insert((0, classes[k]), nodes.len());
-                            nodes.len()
-                        }
-                    };
-                    for i in k..layers {
-                        if i > k {
-                            node = match child.get(&(node, classes[i])) {
-                                Some(&n) => n,
-                                None => {
-                                    let (Some(link), Some(next)) =
-                                        (links.get(&(classes[i - 1], classes[i])), table(i))
-                                    else {
-                                        break;
-                                    };
-                                    let best = chain::extend_linked(&nodes[node - 1].0, link, next);
-                                    held += best.len();
-                                    nodes.push(price(best));
-                                    child.insert((node, classes[i]), nodes.len());
-                                    nodes.len()
-                                }
-                            };
-                        }
-                        out[k * layers + i] = nodes[node - 1].1;
-                    }
-                }
-                Ok(out)
+                range_prices(&|l: usize| tables.get(&(s, c, classes[l])), &classes, opts)
             })
             .collect::<Result<_, ChainError>>()?;
         for (&(s, c), ranges) in group.iter().zip(priced) {
@@ -649,6 +574,89 @@ pub fn plan_pipeline_with(
         meshes: configs.iter().map(Vec::len).sum(),
         skipped,
     })
+}
+
+/// Every range's [`RangePrice`] on one mesh choice whose layer `l` has table `table(l)`
+/// (`None`: the layer is not placed there), per range `(k, i)` row-major.
+fn range_prices<'t>(
+    table: &dyn Fn(usize) -> Option<&'t LayerTable>,
+    classes: &[usize],
+    opts: PipelineOptions,
+) -> Result<Vec<RangePrice>, ChainError> {
+    let layers = classes.len();
+    // Boundaries matched once per pair of neighbouring classes.
+    let mut links: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
+    for i in 1..layers {
+        if let (Some(prev), Some(next)) = (table(i - 1), table(i)) {
+            let pair = (classes[i - 1], classes[i]);
+            if let std::collections::hash_map::Entry::Vacant(slot) = links.entry(pair) {
+                slot.insert(chain::link(prev, next).ok_or(ChainError::Mismatch(i - 1, i))?);
+            }
+        }
+    }
+    // A range's price depends only on its sequence of layer classes, and identical blocks
+    // repeat: ranges are walked as paths in a trie of class sequences, each node chained once
+    // (O(L) extensions for [embedding, block x n, head] instead of O(L^2)), with its best
+    // entry per boundary state and the range's price.
+    let mut out = vec![UNPRICED; layers * layers];
+    let mut child: HashMap<(usize, usize), usize> = HashMap::new();
+    let mut nodes: Vec<(Vec<Entry>, RangePrice)> = Vec::new();
+    let variants = if opts.recompute { 2 } else { 1 };
+    let price = |best: Vec<Entry>| {
+        let plain = chain::finish(&best);
+        let recomputed = chain::finish_recomputed(&best);
+        let mut priced = UNPRICED;
+        for (slot, e) in priced.iter_mut().zip([plain, recomputed]).take(variants) {
+            if let Some(succ) = most_following(&e, opts, layers) {
+                *slot = (e.cost, succ);
+            }
+        }
+        (best, priced)
+    };
+    let mut held = 0usize;
+    for k in 0..layers {
+        let Some(first) = table(k) else {
+            continue;
+        };
+        // A memo, not state: dropped when it holds too much (models of many distinct layers
+        // gain little from it).
+        if held > MAX_MEMO_ENTRIES {
+            child.clear();
+            nodes.clear();
+            held = 0;
+        }
+        // Node 0 of `child`'s keys is the root; nodes are numbered from 1.
+        let mut node = match child.get(&(0, classes[k])) {
+            Some(&n) => n,
+            None => {
+                nodes.push(price(chain::start(first)));
+                held += first.after.len();
+                child.insert((0, classes[k]), nodes.len());
+                nodes.len()
+            }
+        };
+        for i in k..layers {
+            if i > k {
+                node = match child.get(&(node, classes[i])) {
+                    Some(&n) => n,
+                    None => {
+                        let (Some(link), Some(next)) =
+                            (links.get(&(classes[i - 1], classes[i])), table(i))
+                        else {
+                            break;
+                        };
+                        let best = chain::extend_linked(&nodes[node - 1].0, link, next);
+                        held += best.len();
+                        nodes.push(price(best));
+                        child.insert((node, classes[i]), nodes.len());
+                        nodes.len()
+                    }
+                };
+            }
+            out[k * layers + i] = nodes[node - 1].1;
+        }
+    }
+    Ok(out)
 }
 
 /// How many stages may follow a stage whose best plan is `e` (built with one micro-batch in
