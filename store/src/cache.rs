@@ -1052,17 +1052,7 @@ mod tests {
     fn damaged_blob_files_never_serve_a_wrong_value() {
         // Values this large go to sled's `blobs` directory, one file each (noise, which
         // deflating does not shrink).
-        let big = |i: u8| -> Vec<u8> {
-            let mut state = u64::from(i) + 1;
-            (0..200_000)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    state as u8
-                })
-                .collect()
-        };
+        let big = |i: u8| crate::noise(u64::from(i) + 1, 200_000);
         for damage in ["flip", "truncate", "empty", "remove", "directory"] {
             let dir = tempfile::tempdir().expect("tempdir");
             {

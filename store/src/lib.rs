@@ -140,6 +140,21 @@ fn temporary_beside(path: &Path) -> Result<(&Path, tempfile::NamedTempFile), Sto
     Ok((dir, tmp))
 }
 
+/// Bytes that deflating does not shrink (xorshift noise from `seed`), for tests of large
+/// values.
+#[cfg(test)]
+pub(crate) fn noise(seed: u64, len: usize) -> Vec<u8> {
+    let mut state = seed.max(1);
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

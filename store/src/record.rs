@@ -177,15 +177,7 @@ mod tests {
         relabelled[..4].copy_from_slice(MAGIC);
         assert_eq!(open(&k, &relabelled), Err(RecordError::Damaged));
         // Bytes that do not deflate are stored as they are.
-        let mut state = 1u64;
-        let noise: Vec<u8> = (0..100_000)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                state as u8
-            })
-            .collect();
+        let noise = crate::noise(1, 100_000);
         let r = seal(&k, &noise);
         assert_eq!(&r[..4], MAGIC);
         assert_eq!(open(&k, &r).as_deref(), Ok(&noise[..]));
