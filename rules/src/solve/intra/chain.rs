@@ -13,7 +13,7 @@
 //! Memory is carried along: each entry keeps the memory of the plan reaching its cost. The
 //! per-device budget is not applied here (a chain's optimum is the unconstrained one).
 
-use super::exact::{self, Declined};
+use super::exact::{self, Declined, Planned};
 use super::problem::{Edge, Problem, Var};
 use super::stage::{IntraError, StageModel, StageOptions, StagePlan};
 use crate::cost::cluster::Device;
@@ -483,13 +483,15 @@ fn fill<T: Send>(
     };
     // Every pin has the same shape (each entering domain cut to one value), so one sizes all;
     // a small single elimination is not worth sizing the alternative.
-    let whole = exact::size_keeping(p, keep);
-    let one_shot = slots.is_empty() || whole.work <= SMALL_WORK || {
-        let pinned = exact::size_keeping(&p.restricted(&one_pin(&vec![0; slots.len()])), keep);
-        whole.work <= pin_count * pinned.work || pinned.stored > max_entries
+    let whole = Planned::keeping(p, keep);
+    let first_pin = p.restricted(&one_pin(&vec![0; slots.len()]));
+    let mut pinned: Option<Planned> = None;
+    let one_shot = slots.is_empty() || whole.size().work <= SMALL_WORK || {
+        let pin = pinned.insert(Planned::keeping(&first_pin, keep));
+        whole.size().work <= pin_count * pin.size().work || pin.size().stored > max_entries
     };
     if one_shot {
-        match exact::marginal_with(p, keep, max_entries, |c| back(c, None)) {
+        match exact::marginal_planned(p, &whole, keep, max_entries, |c| back(c, None)) {
             Ok((k, values)) => return Ok((k, values, 1)),
             Err(Declined::TooWide(_)) if !slots.is_empty() => {}
             Err(e) => return Err(ChainError::TooWide(e)),
@@ -509,12 +511,14 @@ fn fill<T: Send>(
             })
             .collect();
     }
+    // Every pin has the same shape: one plan serves them all.
+    let pinned = pinned.unwrap_or_else(|| Planned::keeping(&first_pin, keep));
     let solved: Vec<(Vec<usize>, Vec<T>)> = pins
         .into_par_iter()
         .map(|fixed| {
             let domains = one_pin(&fixed);
             let (_, values) =
-                exact::marginal_with(&p.restricted(&domains), keep, max_entries, |c| {
+                exact::marginal_planned(&p.restricted(&domains), &pinned, keep, max_entries, |c| {
                     back(c, Some(&domains))
                 })
                 .map_err(ChainError::TooWide)?;

@@ -86,10 +86,23 @@ pub struct Size {
     pub work: f64,
 }
 
-/// The [`Size`] of eliminating every variable of `p` except `keep`.
-pub fn size_keeping(p: &Problem, keep: &[usize]) -> Size {
-    let (order, _) = order_and_width_keeping(p, keep);
-    Elimination::new(p, &order).size()
+/// An elimination of every variable of a problem except some kept ones, planned along the
+/// min-fill order but not run: its [`Size`] decides whether to run it, and it runs with
+/// [`marginal_planned`] on that problem or any other of the same variables, domain sizes and
+/// edges (e.g. the problem with other values pinned).
+pub struct Planned(Elimination);
+
+impl Planned {
+    /// Plans eliminating every variable of `p` except `keep`.
+    pub fn keeping(p: &Problem, keep: &[usize]) -> Planned {
+        let (order, _) = order_and_width_keeping(p, keep);
+        Planned(Elimination::new(p, &order))
+    }
+
+    /// What it builds.
+    pub fn size(&self) -> Size {
+        self.0.size()
+    }
 }
 
 /// Most points a front may keep before the problem is declared too big for this solver.
@@ -574,16 +587,27 @@ pub fn marginal_with<T>(
     p: &Problem,
     keep: &[usize],
     max_entries: f64,
+    f: impl FnMut(&[usize]) -> T,
+) -> Result<(Vec<usize>, Vec<T>), Declined> {
+    marginal_planned(p, &Planned::keeping(p, keep), keep, max_entries, f)
+}
+
+/// [`marginal_with`] along an elimination already planned for `keep` on a problem shaped as
+/// `p` ([`Planned`]).
+pub fn marginal_planned<T>(
+    p: &Problem,
+    planned: &Planned,
+    keep: &[usize],
+    max_entries: f64,
     mut f: impl FnMut(&[usize]) -> T,
 ) -> Result<(Vec<usize>, Vec<T>), Declined> {
-    let (order, _) = order_and_width_keeping(p, keep);
-    let el = Elimination::new(p, &order);
+    let el = &planned.0;
     let kept: f64 = keep.iter().map(|&v| p.k(v) as f64).product();
     let stored = el.size().stored + kept;
     if stored > max_entries {
         return Err(Declined::TooWide(stored));
     }
-    let pass = Pass::run(p, &el, 0.0);
+    let pass = Pass::run(p, el, 0.0);
     let k: Vec<usize> = keep.iter().map(|&v| p.k(v)).collect();
     let entries: usize = k.iter().product();
     let mut out = Vec::with_capacity(entries);
@@ -593,7 +617,7 @@ pub fn marginal_with<T>(
         for (&v, &c) in keep.iter().zip(&joint) {
             choice[v] = c;
         }
-        pass.complete(&el, &mut choice);
+        pass.complete(el, &mut choice);
         out.push(f(&choice));
         for i in (0..joint.len()).rev() {
             joint[i] += 1;
