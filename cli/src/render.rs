@@ -996,7 +996,7 @@ pub fn pipeline(r: &autopar_engine::pipeline::PipelineResult, micro_batch: u64) 
         out,
         "  stage  layers                                     submesh  logical  cost/mb  in flight  recompute     memory"
     );
-    for (j, s) in p.stages.iter().enumerate() {
+    for (j, s) in p.stages.iter().map(|s| &s.priced).enumerate() {
         let first = r.layer_names.get(s.layers[0]).map_or("", String::as_str);
         let last = r
             .layer_names

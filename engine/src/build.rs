@@ -24,12 +24,12 @@ use autopar_rules::cost::layer_cost::{LayerCost, LayerCostContext, Pricing};
 use autopar_rules::model::frontend::LowerOptions;
 use autopar_rules::plan::estimate::{CostSource, Estimator};
 use autopar_rules::plan::format::{Plan, PlanModel};
-use autopar_rules::plan::ilp::{self, IlpPlan, Space};
+use autopar_rules::plan::ilp::{self, IlpCandidate, IlpPlan, Space};
 use autopar_rules::plan::layout::LayoutError;
 use autopar_rules::plan::search::{SearchResult, layer_cost_digest, search};
 use autopar_rules::solve::pipeline::{
-    DEFAULT_MAX_EXACT_ENTRIES, MAX_RANGE_PRICES, MAX_TABLES, PipelineOptions, plan_pipeline_with,
-    search_size, table_requests,
+    DEFAULT_MAX_EXACT_ENTRIES, MAX_RANGE_PRICES, MAX_TABLES, PipelineOptions, decode_pipeline,
+    price_pipeline_with, search_size, table_requests,
 };
 use autopar_rules::solve::schedule::{chrome_trace, simulate, trace_spec};
 use autopar_store::EntryMeta;
@@ -465,7 +465,7 @@ fn ilp_search(
     let mut out = IlpOutcome::default();
     let base = stages_base(target);
     // Each size's stage DP found in the cache, or missing.
-    let looked: Vec<(StagesRecord, Option<Result<IlpPlan, String>>)> = t
+    let looked: Vec<(StagesRecord, Option<Result<IlpCandidate, String>>)> = t
         .ilp
         .micro_batch
         .iter()
@@ -479,7 +479,7 @@ fn ilp_search(
                 tables: Vec::new(),
             };
             let found = cache
-                .lookup::<Result<IlpPlan, String>>(kind::STAGES, rec.parts.key())
+                .lookup::<Result<IlpCandidate, String>>(kind::STAGES, rec.parts.key())
                 .map(|(found, source)| {
                     rec.source = source;
                     rec.tables = carried_tables(previous, &rec);
@@ -497,7 +497,7 @@ fn ilp_search(
         return out;
     }
     // The missing sizes are solved side by side (each stage DP runs on one thread).
-    let results: Vec<(StagesRecord, Result<IlpPlan, String>)> = looked
+    let results: Vec<(StagesRecord, Result<IlpCandidate, String>)> = looked
         .into_par_iter()
         .map(|(mut rec, found)| {
             if let Some(found) = found {
@@ -505,7 +505,7 @@ fn ilp_search(
             }
             let mb = rec.micro_batch;
             let source = CachedTables::new(cache, &model.name);
-            let solved = ilp_pipeline(ws, t, &source, mb, budget);
+            let solved = ilp_candidate(ws, t, &source, mb, budget);
             let meta = EntryMeta {
                 kind: "stages".into(),
                 description: format!(
@@ -528,23 +528,71 @@ fn ilp_search(
             (rec, solved)
         })
         .collect();
+    // The fastest size (the first of equals) is the only one decoded.
+    let mut best: Option<(KeyParts, IlpCandidate)> = None;
     for (rec, found) in results {
-        let mb = rec.micro_batch;
-        out.records.push(rec);
         match found {
-            Ok(p) => {
-                if out
-                    .best
+            Ok(c) => {
+                if best
                     .as_ref()
-                    .is_none_or(|b| p.step_time_s < b.step_time_s)
+                    .is_none_or(|(_, b)| c.step_time_s < b.step_time_s)
                 {
-                    out.best = Some(p);
+                    best = Some((rec.parts.clone(), c));
                 }
             }
+            Err(why) => out.tried.push((rec.micro_batch, why)),
+        }
+        out.records.push(rec);
+    }
+    if let Some((parts, c)) = best {
+        let mb = c.micro_batch;
+        match decoded(ws, t, cache, &parts, c, budget) {
+            Ok(plan) => out.best = Some(plan),
             Err(why) => out.tried.push((mb, why)),
         }
     }
     out
+}
+
+/// The plan of the winning size's pipeline `c` (whose stage DP is stored under `stages`):
+/// every stage decoded and compared with Megatron-LM's sharding, looked up first.
+fn decoded(
+    ws: &Workspace,
+    t: &Target,
+    cache: &Cache,
+    stages: &KeyParts,
+    c: IlpCandidate,
+    budget: f64,
+) -> Result<IlpPlan, String> {
+    let key = KeyParts::new("decode")
+        .with_digest("stages", stages.key())
+        .key();
+    if let Some((found, _)) = cache.lookup::<Result<IlpPlan, String>>(kind::DECODE, key) {
+        return found;
+    }
+    let model = &ws.models[t.model];
+    let cluster = &ws.clusters[t.cluster];
+    let mb = c.micro_batch;
+    let plan = (|| {
+        let graph = ilp_lower(ws, t, mb)?;
+        let opts = ilp_options(t, mb, budget);
+        // The tables were read (and counted) when the size was priced.
+        let source = CachedTables::uncounted(cache, &model.name);
+        let pipeline = decode_pipeline(&graph, cluster, opts, &source, c.pipeline)
+            .map_err(|e| e.to_string())?;
+        ilp::price(&graph, cluster, mb, opts, &pipeline).map_err(|e| e.to_string())
+    })();
+    let meta = EntryMeta {
+        kind: "decode".into(),
+        description: format!(
+            "stages of {} on {}, micro-batch {mb}, decoded",
+            model.name, cluster.device.name
+        ),
+        ..EntryMeta::default()
+    };
+    cache.put(key, &plan, &meta);
+    cache.record(kind::DECODE, Source::Solved);
+    plan
 }
 
 /// Why the target's ILP search is too large to run (`None` when it is not).
@@ -560,20 +608,20 @@ fn too_large_search(ws: &Workspace, t: &Target) -> Option<String> {
     })
 }
 
-/// The ILP space's pipeline for micro-batches of `mb` sequences, priced; the reason when
-/// there is none.
-fn ilp_pipeline(
+/// The ILP space's pipeline for micro-batches of `mb` sequences, priced and simulated; the
+/// reason when there is none.
+fn ilp_candidate(
     ws: &Workspace,
     t: &Target,
     source: &CachedTables<'_>,
     mb: u64,
     budget: f64,
-) -> Result<IlpPlan, String> {
+) -> Result<IlpCandidate, String> {
     let cluster = &ws.clusters[t.cluster];
     let graph = ilp_lower(ws, t, mb)?;
     let opts = ilp_options(t, mb, budget);
-    let pipeline = plan_pipeline_with(&graph, cluster, opts, source).map_err(|e| e.to_string())?;
-    ilp::price(&graph, cluster, mb, opts, &pipeline).map_err(|e| e.to_string())
+    let pipeline = price_pipeline_with(&graph, cluster, opts, source).map_err(|e| e.to_string())?;
+    ilp::candidate(&graph, cluster, mb, opts, pipeline).map_err(|e| e.to_string())
 }
 
 /// The target's model lowered with micro-batches of `mb` sequences, its vocabulary padded for

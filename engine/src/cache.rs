@@ -71,8 +71,10 @@ impl Counts {
 pub mod kind {
     /// A per-layer intra-op table on one logical mesh (an ILP solve).
     pub const SHARDING: &str = "sharding";
-    /// The stage DP over those tables for one micro-batch size.
+    /// The stage DP over those tables for one micro-batch size, balanced and simulated.
     pub const STAGES: &str = "stages";
+    /// The fastest size's stages decoded (every op's specs) and compared with Megatron-LM's.
+    pub const DECODE: &str = "decode";
     /// A layer's cost under one Megatron-LM layout.
     pub const LAYER_COST: &str = "layer-cost";
     /// The Megatron-LM layout search (splits, SAPP balancing and simulation included).

@@ -17,8 +17,8 @@ use autopar_rules::model::graph::Graph;
 use autopar_rules::solve::intra::chain::{ChainError, Crossings, LayerTable, layer_table_with};
 use autopar_rules::solve::intra::stage::StageOptions;
 use autopar_rules::solve::pipeline::{
-    DEFAULT_MAX_EXACT_ENTRIES, PipelineOptions, PipelinePlan, TableSource, plan_pipeline_with,
-    profile_reads, table_key,
+    DEFAULT_MAX_EXACT_ENTRIES, PipelineError, PipelineOptions, PipelinePlan, TableSource,
+    decode_pipeline, price_pipeline_with, profile_reads, table_key,
 };
 use autopar_store::EntryMeta;
 use std::sync::Mutex;
@@ -78,6 +78,8 @@ pub struct CachedTables<'c> {
     cache: &'c Cache,
     model: String,
     records: Mutex<Vec<TableRecord>>,
+    /// Tables found are neither counted nor recorded (read a second time).
+    uncounted: bool,
 }
 
 impl<'c> CachedTables<'c> {
@@ -87,6 +89,16 @@ impl<'c> CachedTables<'c> {
             cache,
             model: model.to_string(),
             records: Mutex::new(Vec::new()),
+            uncounted: false,
+        }
+    }
+
+    /// [`CachedTables::new`] for tables already read and counted once in this build: those
+    /// found are not counted again (a missing one is looked up and solved as usual).
+    pub fn uncounted(cache: &'c Cache, model: &str) -> Self {
+        CachedTables {
+            uncounted: true,
+            ..CachedTables::new(cache, model)
         }
     }
 
@@ -142,6 +154,11 @@ impl TableSource for CachedTables<'_> {
         let reads = profile_reads(graph, layer, &mesh, &opts);
         let parts = table_key(identity, &mesh, device, &opts, &reads);
         let key = parts.key();
+        if self.uncounted
+            && let Some(t) = self.cache.peek::<LayerTable>(key)
+        {
+            return Ok(t);
+        }
         if let Some((t, source)) = self.cache.lookup::<LayerTable>(kind::SHARDING, key) {
             self.note(graph, layer, &mesh, parts, reads, source);
             return Ok(t);
@@ -245,8 +262,17 @@ pub fn solve_pipeline(
         recompute: req.recompute,
     };
     let source = CachedTables::new(cache, &name);
-    let plan = plan_pipeline_with(&graph, &cluster, opts, &source)
-        .map_err(|e| EngineError::Infeasible(e.to_string()))?;
+    let infeasible = |e: PipelineError| EngineError::Infeasible(e.to_string());
+    let priced = price_pipeline_with(&graph, &cluster, opts, &source).map_err(infeasible)?;
+    // Decoding reads the chosen stages' tables again: counted once, above.
+    let plan = decode_pipeline(
+        &graph,
+        &cluster,
+        opts,
+        &CachedTables::uncounted(cache, &name),
+        priced,
+    )
+    .map_err(infeasible)?;
     let after = cache.counts();
     Ok(PipelineResult {
         model: name,

@@ -7,7 +7,7 @@ use autopar_rules::solve::intra::chain::{
     ChainError, Entry, LayerTable, best_path, boundary_bytes, compose, decode_range, layer_table,
     range_tables,
 };
-use autopar_rules::solve::intra::stage::{StageModel, StageOptions, StagePlan};
+use autopar_rules::solve::intra::stage::{Phase, StageModel, StageOptions, StagePlan};
 use autopar_rules::solve::pipeline::layer_classes;
 use autopar_tests::TempWorkspace;
 use autopar_tests::sharding::{lower, mesh};
@@ -88,6 +88,8 @@ fn chained(g: &Graph, layers: Range<usize>, a: u64, b: u64) -> Result<f64, Chain
     for (what, got, want) in [
         ("forward", path.forward, plan.forward),
         ("forward per layer", sum.forward, plan.forward),
+        ("per-step terms", path.step, plan.step),
+        ("per-step collectives", path.sync, step_collectives(&plan)),
         (
             "activations",
             path.activations * opts().inflight as f64,
@@ -114,6 +116,15 @@ fn chained(g: &Graph, layers: Range<usize>, a: u64, b: u64) -> Result<f64, Chain
         assert_eq!(e.peak_layer, e.activations);
     }
     Ok(best.cost)
+}
+
+/// The seconds of a plan's per-step collectives (gradient sync, updated-weight gathers).
+fn step_collectives(plan: &StagePlan) -> f64 {
+    plan.collectives
+        .iter()
+        .filter(|c| c.phase == Phase::Step)
+        .map(|c| c.seconds)
+        .sum()
 }
 
 /// A model file, its micro-batch, the layer ranges and the meshes to compare on.

@@ -12,7 +12,7 @@ use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef, parse_hf
 use autopar_rules::model::graph::{DType, Graph};
 use autopar_rules::solve::inter::{place, submesh_choices};
 use autopar_rules::solve::intra::chain::{ChainError, Crossings, LayerTable};
-use autopar_rules::solve::intra::stage::{StageModel, StageOptions};
+use autopar_rules::solve::intra::stage::{Phase, StageModel, StageOptions};
 use autopar_rules::solve::pipeline::{
     PipelineOptions, Solve, TableSource, layer_classes, layer_identities, logical_meshes,
     plan_pipeline, plan_pipeline_with, table_key, table_requests,
@@ -168,12 +168,12 @@ fn the_pipeline_is_the_exhaustive_optimum() {
         let devices: u64 = plan
             .stages
             .iter()
-            .map(|s| s.mesh.submesh.0 * s.mesh.submesh.1)
+            .map(|s| s.priced.mesh.submesh.0 * s.priced.mesh.submesh.1)
             .sum();
         assert_eq!(devices, c.gpus(), "{name}");
-        assert_eq!(plan.stages.first().map(|s| s.layers[0]), Some(0));
+        assert_eq!(plan.stages.first().map(|s| s.priced.layers[0]), Some(0));
         assert_eq!(
-            plan.stages.last().map(|s| s.layers[1]),
+            plan.stages.last().map(|s| s.priced.layers[1]),
             Some(g.layers.len())
         );
     }
@@ -221,6 +221,9 @@ fn table_requests_are_exactly_the_tables_the_search_asks_for() {
     let asked = Recording(Mutex::new(Vec::new()));
     plan_pipeline_with(&g, &c, options(4), &asked).expect("plans");
     let mut asked = asked.0.into_inner().expect("not poisoned");
+    // Decoding the chosen stages asks for their tables a second time.
+    asked.sort();
+    asked.dedup();
     let requests = table_requests(&g, &c, options(4));
     let mut listed: Vec<Digest> = requests.iter().map(|r| r.key.key()).collect();
     // 3 distinct layers on 1x1 (one logical mesh), 1x2 (two) and 2x2 (three).
@@ -236,7 +239,11 @@ fn a_tight_budget_limits_the_micro_batches_in_flight() {
     let g = llama(2, 1);
     let c = cluster(1, 2);
     let loose = plan_pipeline(&g, &c, options(8)).expect("plans");
-    let most = loose.stages.iter().map(|s| s.memory).fold(0.0, f64::max);
+    let most = loose
+        .stages
+        .iter()
+        .map(|s| s.priced.memory)
+        .fold(0.0, f64::max);
     // Every stage's memory is what its in-flight micro-batches need, within the budget.
     for budget in [most * 0.999, most * 0.5] {
         let opts = PipelineOptions {
@@ -245,7 +252,7 @@ fn a_tight_budget_limits_the_micro_batches_in_flight() {
         };
         match plan_pipeline(&g, &c, opts) {
             Ok(p) => {
-                assert!(p.stages.iter().all(|s| s.memory <= budget), "{p:?}");
+                assert!(p.stages.iter().all(|s| s.priced.memory <= budget), "{p:?}");
                 assert!(p.step >= loose.step * (1.0 - 1e-12));
             }
             Err(e) => assert!(e.to_string().contains("no"), "{e}"),
@@ -357,10 +364,8 @@ fn tables_too_wide_to_solve_are_named_not_dropped_silently() {
             .position(|x| x.name == k.layer)
             .expect("layer");
         assert!(
-            !narrow
-                .stages
-                .iter()
-                .any(|s| s.mesh == k.mesh && (s.layers[0]..s.layers[1]).contains(&l)),
+            !narrow.stages.iter().any(|s| s.priced.mesh == k.mesh
+                && (s.priced.layers[0]..s.priced.layers[1]).contains(&l)),
             "{k:?} in {:?}",
             narrow.stages
         );
@@ -373,8 +378,12 @@ fn recomputation_fits_budgets_that_nothing_else_fits() {
     let g = llama_seq(2, 8, 4096);
     let c = cluster(1, 2);
     let loose = plan_pipeline(&g, &c, options(8)).expect("plans");
-    assert!(loose.stages.iter().all(|s| s.recomputed.is_empty()));
-    let most = loose.stages.iter().map(|s| s.memory).fold(0.0, f64::max);
+    assert!(loose.stages.iter().all(|s| s.priced.recomputed.is_empty()));
+    let most = loose
+        .stages
+        .iter()
+        .map(|s| s.priced.memory)
+        .fold(0.0, f64::max);
     let mut last = loose.step;
     let (mut recomputing, mut only_recomputed) = (0, 0);
     for f in [0.95, 0.9, 0.8, 0.7, 0.6, 0.5] {
@@ -391,21 +400,41 @@ fn recomputation_fits_budgets_that_nothing_else_fits() {
         assert!(p.step >= last * (1.0 - 1e-12), "{f}: {} < {last}", p.step);
         last = p.step;
         for s in &p.stages {
-            assert!(s.memory <= budget, "{f}: {s:?}");
+            assert!(s.priced.memory <= budget, "{f}: {s:?}");
             assert!(
-                (s.cost - (s.plan.objective + s.recompute_s)).abs() <= 1e-9 * s.cost,
+                (s.priced.cost - (s.plan.objective + s.priced.recompute_s)).abs()
+                    <= 1e-9 * s.priced.cost,
                 "{f}: {} vs {} + {}",
-                s.cost,
+                s.priced.cost,
                 s.plan.objective,
-                s.recompute_s
+                s.priced.recompute_s
             );
-            assert_eq!(s.recomputed.is_empty(), s.recompute_s == 0.0);
+            // What the stage was priced with (read from its layers' table entries) is what
+            // its decoded plan says.
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs().max(1e-12);
+            let sync: f64 = s
+                .plan
+                .collectives
+                .iter()
+                .filter(|c| c.phase == Phase::Step)
+                .map(|c| c.seconds)
+                .sum();
+            for (what, priced, decoded) in [
+                ("forward", s.priced.forward, s.plan.forward),
+                ("backward", s.priced.backward, s.plan.backward),
+                ("step", s.priced.step, s.plan.step),
+                ("sync", s.priced.sync, sync),
+            ] {
+                assert!(close(priced, decoded), "{f}: {what} {priced} vs {decoded}");
+            }
+            assert_eq!(s.priced.recomputed.is_empty(), s.priced.recompute_s == 0.0);
             assert!(
-                s.recomputed
+                s.priced
+                    .recomputed
                     .iter()
-                    .all(|l| (s.layers[0]..s.layers[1]).contains(l))
+                    .all(|l| (s.priced.layers[0]..s.priced.layers[1]).contains(l))
             );
-            if !s.recomputed.is_empty() {
+            if !s.priced.recomputed.is_empty() {
                 recomputing += 1;
                 // Recomputing saves memory: without it the stage would not fit.
                 assert!(s.plan.memory.total > budget, "{f}: {s:?}");
@@ -418,7 +447,7 @@ fn recomputation_fits_budgets_that_nothing_else_fits() {
         };
         match plan_pipeline(&g, &c, plain) {
             Ok(q) => {
-                assert!(q.stages.iter().all(|s| s.recomputed.is_empty()));
+                assert!(q.stages.iter().all(|s| s.priced.recomputed.is_empty()));
                 assert!(q.step >= p.step * (1.0 - 1e-12));
             }
             Err(_) => only_recomputed += 1,

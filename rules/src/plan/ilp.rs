@@ -3,7 +3,8 @@
 //! scale, and compared op by op with Megatron-LM's sharding of the same stages.
 //!
 //! Pricing: the stages' forward and backward per micro-batch (compute, op collectives and
-//! resharding, from the decoded intra-op plans), plus the point-to-point transfer of the
+//! resharding, read from the layer tables' entries on the path priced, which are the decoded
+//! plans' own), plus the point-to-point transfer of the
 //! boundary activation and its gradient, go through the same 1F1B simulation as a Megatron
 //! layout; each stage's per-step gradient synchronisation is exposed only beyond the slack
 //! the pipeline's drain leaves it (stage `j` ends its backward passes about `j` backward
@@ -19,9 +20,12 @@ use crate::cost::cluster::{Cluster, GIB};
 use crate::cost::sharding::Mesh;
 use crate::model::graph::{Graph, Pass};
 use crate::solve::intra::chain::{boundary_bytes, names_between};
-use crate::solve::intra::stage::{MegatronSharding, Phase, StageModel, StagePlan};
-use crate::solve::pipeline::{MeshChoice, PipelineOptions, PipelinePlan, Skipped, layer_classes};
+use crate::solve::intra::stage::{MegatronSharding, StageModel, StagePlan};
+use crate::solve::pipeline::{
+    MeshChoice, PipelineOptions, PipelinePlan, PricedPipeline, PricedStage, Skipped, layer_classes,
+};
 use crate::solve::schedule::{Bubble, PipelineSpec, Schedule, ScheduleError, simulate_times};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -257,21 +261,55 @@ impl IlpPlan {
     }
 }
 
-/// Prices `pipeline`, found on `graph` (lowered with `micro_batch` sequences) with `opts`,
-/// on `cluster`.
-pub fn price(
+/// One micro-batch size's pipeline, priced and simulated before its stages are decoded:
+/// what the sizes are compared by.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IlpCandidate {
+    /// Sequences per micro-batch.
+    pub micro_batch: u64,
+    /// Predicted step time, s (the decoded plan's [`IlpPlan::step_time_s`]).
+    pub step_time_s: f64,
+    /// The pipeline.
+    pub pipeline: PricedPipeline,
+}
+
+/// A stage's times as the schedule sees them, s.
+struct StageTiming {
+    forward: f64,
+    backward: f64,
+    p2p: f64,
+    sync: f64,
+    optimizer: f64,
+}
+
+/// The pipeline's simulated step.
+struct Timing {
+    stages: Vec<StageTiming>,
+    makespan: f64,
+    bubble: Bubble,
+    grad_sync: f64,
+    optimizer: f64,
+}
+
+impl Timing {
+    fn step_time(&self) -> f64 {
+        self.makespan + self.grad_sync + self.optimizer
+    }
+}
+
+/// Simulates `stages` (found on `graph` with `opts`) on `cluster`: each stage's forward and
+/// backward per micro-batch (compute, op collectives and resharding, from its layers'
+/// tables), plus the point-to-point transfers of the boundary activation and its gradient,
+/// through 1F1B; then the exposed gradient synchronisation and the slowest optimizer step.
+fn simulate(
     graph: &Graph,
     cluster: &Cluster,
-    micro_batch: u64,
     opts: PipelineOptions,
-    pipeline: &PipelinePlan,
-) -> Result<IlpPlan, ScheduleError> {
-    let p = pipeline.stages.len();
-    let b = opts.microbatches.max(1);
+    stages: &[&PricedStage],
+) -> Result<Timing, ScheduleError> {
+    let p = stages.len();
     let crossing = boundary_bytes(graph);
-    let classes = layer_classes(graph);
-    let devices: Vec<u64> = pipeline
-        .stages
+    let devices: Vec<u64> = stages
         .iter()
         .map(|s| s.mesh.logical[0] * s.mesh.logical[1])
         .collect();
@@ -291,15 +329,14 @@ pub fn price(
     };
     let mut spec = PipelineSpec {
         schedule: Schedule::OneFOneB,
-        microbatches: b as usize,
+        microbatches: opts.microbatches.max(1) as usize,
         forward: vec![vec![0.0; p]],
         backward: vec![vec![0.0; p]],
         recompute: vec![vec![0.0; p]],
         activation: vec![vec![0.0; p]],
     };
-    let mut stages = Vec::with_capacity(p);
-    for (j, st) in pipeline.stages.iter().enumerate() {
-        let plan = &st.plan;
+    let mut timed = Vec::with_capacity(p);
+    for (j, st) in stages.iter().enumerate() {
         let [start, end] = st.layers;
         let send_f = if j + 1 < p {
             transfer(j, j + 1, crossing[end - 1][0])
@@ -311,75 +348,124 @@ pub fn price(
         } else {
             0.0
         };
-        let sync: f64 = plan
-            .collectives
-            .iter()
-            .filter(|c| c.phase == Phase::Step)
-            .map(|c| c.seconds)
-            .sum();
-        spec.forward[0][j] = plan.forward + send_f;
-        spec.backward[0][j] = plan.backward + st.recompute_s + send_b;
+        let t = StageTiming {
+            forward: st.forward + send_f,
+            backward: st.backward + st.recompute_s + send_b,
+            p2p: send_f + send_b,
+            sync: st.sync,
+            optimizer: (st.step - st.sync).max(0.0),
+        };
+        spec.forward[0][j] = t.forward;
+        spec.backward[0][j] = t.backward;
         spec.recompute[0][j] = st.recompute_s;
         spec.activation[0][j] = st.activations;
-        let megatron = compare(graph, &classes, cluster, st.mesh, opts, st.inflight, plan);
-        stages.push(IlpStage {
-            layers: st.layers,
-            first_name: graph.layers[start].name.clone(),
-            last_name: graph.layers[end - 1].name.clone(),
-            mesh: st.mesh,
-            forward_s: plan.forward + send_f,
-            backward_s: plan.backward + st.recompute_s + send_b,
-            p2p_s: send_f + send_b,
-            grad_sync_s: sync,
-            optimizer_s: (plan.step - sync).max(0.0),
-            objective_s: plan.objective + st.recompute_s,
-            inflight: st.inflight,
-            recomputed: st.recomputed.clone(),
-            recomputed_names: st
-                .recomputed
-                .iter()
-                .map(|&l| graph.layers[l].name.clone())
-                .collect(),
-            recompute_s: st.recompute_s,
-            memory_gib: (st.memory + cluster.device.reserved_bytes) / GIB,
-            ops: plan
-                .ops
-                .iter()
-                .map(|o| OpSpecs {
-                    op: o.name.clone(),
-                    pass: o.pass,
-                    inputs: o.inputs.clone(),
-                    outputs: o.outputs.clone(),
-                })
-                .collect(),
-            parameters: plan
-                .parameters
-                .iter()
-                .map(|w| ParamSpecs {
-                    name: w.name.clone(),
-                    weight: w.weight.clone(),
-                    states: w.states.clone(),
-                })
-                .collect(),
-            megatron,
-        });
+        timed.push(t);
     }
     let sim = simulate_times(&spec)?;
-    let grad_sync = stages
+    let grad_sync = timed
         .iter()
         .enumerate()
-        .map(|(j, s)| s.grad_sync_s - j as f64 * s.backward_s)
+        .map(|(j, s)| s.sync - j as f64 * s.backward)
         .fold(0.0f64, f64::max);
-    let optimizer = stages.iter().map(|s| s.optimizer_s).fold(0.0f64, f64::max);
+    let optimizer = timed.iter().map(|s| s.optimizer).fold(0.0f64, f64::max);
+    Ok(Timing {
+        stages: timed,
+        makespan: sim.makespan,
+        bubble: sim.bubble,
+        grad_sync,
+        optimizer,
+    })
+}
+
+/// Simulates `pipeline`, found on `graph` (lowered with `micro_batch` sequences) with
+/// `opts`, on `cluster`.
+pub fn candidate(
+    graph: &Graph,
+    cluster: &Cluster,
+    micro_batch: u64,
+    opts: PipelineOptions,
+    pipeline: PricedPipeline,
+) -> Result<IlpCandidate, ScheduleError> {
+    let stages: Vec<&PricedStage> = pipeline.stages.iter().collect();
+    let step_time_s = simulate(graph, cluster, opts, &stages)?.step_time();
+    Ok(IlpCandidate {
+        micro_batch,
+        step_time_s,
+        pipeline,
+    })
+}
+
+/// Prices `pipeline`, found on `graph` (lowered with `micro_batch` sequences) with `opts`,
+/// on `cluster`, and compares each stage with Megatron-LM's sharding of it.
+pub fn price(
+    graph: &Graph,
+    cluster: &Cluster,
+    micro_batch: u64,
+    opts: PipelineOptions,
+    pipeline: &PipelinePlan,
+) -> Result<IlpPlan, ScheduleError> {
+    let priced: Vec<&PricedStage> = pipeline.stages.iter().map(|s| &s.priced).collect();
+    let timing = simulate(graph, cluster, opts, &priced)?;
+    let classes = layer_classes(graph);
+    let stages: Vec<IlpStage> = pipeline
+        .stages
+        .par_iter()
+        .zip(&timing.stages)
+        .map(|(stage, t)| {
+            let (st, plan) = (&stage.priced, &stage.plan);
+            let [start, end] = st.layers;
+            IlpStage {
+                layers: st.layers,
+                first_name: graph.layers[start].name.clone(),
+                last_name: graph.layers[end - 1].name.clone(),
+                mesh: st.mesh,
+                forward_s: t.forward,
+                backward_s: t.backward,
+                p2p_s: t.p2p,
+                grad_sync_s: t.sync,
+                optimizer_s: t.optimizer,
+                objective_s: st.cost,
+                inflight: st.inflight,
+                recomputed: st.recomputed.clone(),
+                recomputed_names: st
+                    .recomputed
+                    .iter()
+                    .map(|&l| graph.layers[l].name.clone())
+                    .collect(),
+                recompute_s: st.recompute_s,
+                memory_gib: (st.memory + cluster.device.reserved_bytes) / GIB,
+                ops: plan
+                    .ops
+                    .iter()
+                    .map(|o| OpSpecs {
+                        op: o.name.clone(),
+                        pass: o.pass,
+                        inputs: o.inputs.clone(),
+                        outputs: o.outputs.clone(),
+                    })
+                    .collect(),
+                parameters: plan
+                    .parameters
+                    .iter()
+                    .map(|w| ParamSpecs {
+                        name: w.name.clone(),
+                        weight: w.weight.clone(),
+                        states: w.states.clone(),
+                    })
+                    .collect(),
+                megatron: compare(graph, &classes, cluster, st.mesh, opts, st.inflight, plan),
+            }
+        })
+        .collect();
     let (megatron_expressible, not_megatron) = expressible(&stages, graph.layers.len());
     Ok(IlpPlan {
         micro_batch,
-        num_microbatches: b,
-        step_time_s: sim.makespan + grad_sync + optimizer,
-        pipeline_s: sim.makespan,
-        grad_sync_s: grad_sync,
-        optimizer_s: optimizer,
-        bubble: sim.bubble,
+        num_microbatches: opts.microbatches.max(1),
+        step_time_s: timing.step_time(),
+        pipeline_s: timing.makespan,
+        grad_sync_s: timing.grad_sync,
+        optimizer_s: timing.optimizer,
+        bubble: timing.bubble,
         alpa_step_s: pipeline.step,
         memory_per_device_gib: stages.iter().map(|s| s.memory_gib).fold(0.0, f64::max),
         stages,

@@ -92,15 +92,24 @@ pub struct MeshChoice {
     pub logical: [u64; 2],
 }
 
-/// A stage of the pipeline.
+/// A stage the stage DP chose, priced from its layers' tables (its ops not yet decoded).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct PipelineStage {
+pub struct PricedStage {
     /// Layers `start..end`.
     pub layers: [usize; 2],
     /// Where it runs.
     pub mesh: MeshChoice,
     /// Objective per micro-batch, s.
     pub cost: f64,
+    /// Of `cost`, the forward pass per micro-batch (without recomputation), s.
+    pub forward: f64,
+    /// Of `cost`, the backward pass per micro-batch (without recomputation), s.
+    pub backward: f64,
+    /// Per-step terms (gradient synchronisation, optimizer, updated-weight gathers), s per
+    /// step (`cost` holds them divided by the micro-batches).
+    pub step: f64,
+    /// Of `step`, the collectives, s.
+    pub sync: f64,
     /// Micro-batches in flight under 1F1B.
     pub inflight: u64,
     /// Memory per device with those in flight, bytes.
@@ -112,18 +121,30 @@ pub struct PipelineStage {
     pub recompute_s: f64,
     /// Activations kept per micro-batch in flight, bytes.
     pub activations: f64,
-    /// The intra-op plan reaching `cost` without recomputation: every op's and parameter's
-    /// specs on the logical mesh, with those micro-batches in flight.
+    /// Per layer, the `before` and `after` boundary states of the path priced: what
+    /// decoding the stage pins.
+    pub states: Vec<[usize; 2]>,
+}
+
+/// A stage of the pipeline, decoded.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PipelineStage {
+    /// The stage as priced.
+    #[serde(flatten)]
+    pub priced: PricedStage,
+    /// The intra-op plan reaching its cost without recomputation: every op's and
+    /// parameter's specs on the logical mesh, with its micro-batches in flight.
     pub plan: StagePlan,
 }
 
-/// The pipeline found.
+/// A pipeline the stage DP found: its stages, `S` as priced ([`PricedPipeline`]) or decoded
+/// ([`PipelinePlan`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct PipelinePlan {
+pub struct Pipeline<S> {
     /// `sum of stage costs + (B - 1) * largest`, s per step.
     pub step: f64,
     /// The stages, in order.
-    pub stages: Vec<PipelineStage>,
+    pub stages: Vec<S>,
     /// Layer tables solved (distinct layers x mesh choices).
     pub tables: usize,
     /// Eliminations the tables took when they were solved.
@@ -134,6 +155,12 @@ pub struct PipelinePlan {
     /// no stage on that mesh choice holds them.
     pub skipped: Vec<Skipped>,
 }
+
+/// The pipeline priced and balanced, before its stages are decoded.
+pub type PricedPipeline = Pipeline<PricedStage>;
+
+/// The pipeline with every stage decoded.
+pub type PipelinePlan = Pipeline<PipelineStage>;
 
 /// A layer whose table on a mesh choice could not be solved.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -303,7 +330,7 @@ type RangePrice = [(f64, i64); 2];
 /// No stage.
 const UNPRICED: RangePrice = [(f64::INFINITY, -1); 2];
 
-/// Most boundary-state entries the range pricing memoizes per mesh choice (48 bytes each).
+/// Most boundary-state entries the range pricing memoizes per mesh choice (64 bytes each).
 const MAX_MEMO_ENTRIES: usize = 1 << 21;
 
 /// Submeshes (hosts x devices per host), and the logical meshes of each.
@@ -406,6 +433,19 @@ pub fn plan_pipeline_with(
     opts: PipelineOptions,
     source: &dyn TableSource,
 ) -> Result<PipelinePlan, PipelineError> {
+    let priced = price_pipeline_with(graph, cluster, opts, source)?;
+    decode_pipeline(graph, cluster, opts, source, priced)
+}
+
+/// The stage costs of every range on every mesh choice from the tables of `source`, Alpa's
+/// DP over them, and the balancing of the stages it chose: the pipeline priced, its stages
+/// not decoded (what comparing micro-batch sizes needs).
+pub fn price_pipeline_with(
+    graph: &Graph,
+    cluster: &Cluster,
+    opts: PipelineOptions,
+    source: &dyn TableSource,
+) -> Result<PricedPipeline, PipelineError> {
     let layers = graph.layers.len();
     let (submeshes, configs) = mesh_choices(cluster, opts.powers_of_two);
     let width = configs.iter().map(Vec::len).max().unwrap_or(0);
@@ -497,6 +537,7 @@ pub fn plan_pipeline_with(
     };
     let plan = inter::solve(problem, inter::StageOptions::default())?;
     let count = plan.stages.len();
+    let b = opts.microbatches.max(1) as f64;
     let stages = plan
         .stages
         .par_iter()
@@ -504,7 +545,7 @@ pub fn plan_pipeline_with(
         .map(|(j, st)| {
             let (config, recompute) = (st.config / 2, st.config % 2 == 1);
             let inflight = ((count - j) as u64).min(opts.microbatches.max(1));
-            // The chosen stage's range chained again for its memory and its plan.
+            // The chosen stage's range chained again for its memory and its path.
             let range: Vec<&LayerTable> = (st.start..=st.end)
                 .map(|l| {
                     tables
@@ -534,23 +575,17 @@ pub fn plan_pipeline_with(
             } else {
                 RecomputeChoice::of(&per_layer, inflight, every(false), true)
             };
-            let mesh = Mesh::logical(cluster, submeshes[st.submesh], configs[st.submesh][config]);
-            let stage_plan = chain::decode_range(
-                graph,
-                st.start..st.end + 1,
-                mesh,
-                &cluster.device,
-                opts.stage_options(inflight),
-                &range,
-                &states,
-            )?;
-            Ok(PipelineStage {
+            Ok(PricedStage {
                 layers: [st.start, st.end + 1],
                 mesh: MeshChoice {
                     submesh: submeshes[st.submesh],
                     logical: configs[st.submesh][config],
                 },
                 cost: e.cost + balanced.seconds,
+                forward: e.forward,
+                backward: e.cost - e.forward - e.step / b,
+                step: e.step,
+                sync: e.sync,
                 inflight,
                 memory: balanced.memory,
                 recomputed: (st.start..=st.end)
@@ -560,19 +595,76 @@ pub fn plan_pipeline_with(
                     .collect(),
                 recompute_s: balanced.seconds,
                 activations: balanced.activations,
-                plan: stage_plan,
+                states,
             })
         })
-        .collect::<Result<Vec<PipelineStage>, ChainError>>()?;
-    let b = opts.microbatches.max(1) as f64;
+        .collect::<Result<Vec<PricedStage>, ChainError>>()?;
     let slowest = stages.iter().map(|s| s.cost).fold(0.0, f64::max);
-    Ok(PipelinePlan {
+    Ok(Pipeline {
         step: stages.iter().map(|s| s.cost).sum::<f64>() + (b - 1.0) * slowest,
         stages,
         tables: tables.len(),
         solves,
         meshes: configs.iter().map(Vec::len).sum(),
         skipped,
+    })
+}
+
+/// Decodes every stage of `priced` (found by [`price_pipeline_with`] with the same graph,
+/// cluster and options) with the tables of `source`: each layer solved again with its
+/// boundary specs pinned to the path priced, so every op's and weight's specs are known.
+pub fn decode_pipeline(
+    graph: &Graph,
+    cluster: &Cluster,
+    opts: PipelineOptions,
+    source: &dyn TableSource,
+    priced: PricedPipeline,
+) -> Result<PipelinePlan, PipelineError> {
+    let identities = layer_identities(graph);
+    let classes = classes_of(&identities);
+    let crossings = Crossings::of(graph);
+    let stages = priced
+        .stages
+        .into_par_iter()
+        .map(|st| {
+            let mesh = Mesh::logical(cluster, st.mesh.submesh, st.mesh.logical);
+            // Each distinct layer's table once (the tables are built with one micro-batch
+            // in flight).
+            let mut held: HashMap<usize, LayerTable> = HashMap::new();
+            let in_stage = &classes[st.layers[0]..st.layers[1]];
+            for &c in in_stage {
+                if let std::collections::hash_map::Entry::Vacant(slot) = held.entry(c) {
+                    slot.insert(source.table(
+                        graph,
+                        &crossings,
+                        c,
+                        identities[c],
+                        mesh,
+                        &cluster.device,
+                        opts.stage_options(1),
+                    )?);
+                }
+            }
+            let range: Vec<&LayerTable> = in_stage.iter().map(|c| &held[c]).collect();
+            let plan = chain::decode_range(
+                graph,
+                st.layers[0]..st.layers[1],
+                mesh,
+                &cluster.device,
+                opts.stage_options(st.inflight),
+                &range,
+                &st.states,
+            )?;
+            Ok(PipelineStage { priced: st, plan })
+        })
+        .collect::<Result<Vec<PipelineStage>, ChainError>>()?;
+    Ok(Pipeline {
+        step: priced.step,
+        stages,
+        tables: priced.tables,
+        solves: priced.solves,
+        meshes: priced.meshes,
+        skipped: priced.skipped,
     })
 }
 

@@ -188,6 +188,8 @@ mod tests {
             forward,
             checkpoint,
             peak_layer: activations,
+            step: 0.0,
+            sync: 0.0,
         }
     }
 

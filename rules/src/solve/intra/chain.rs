@@ -87,6 +87,11 @@ pub struct Entry {
     /// The largest single layer's activations per micro-batch, bytes: live while that layer
     /// is recomputed.
     pub peak_layer: f64,
+    /// Per-step terms (gradient synchronisation, optimizer, updated-weight gathers), s per
+    /// step: the cost holds them divided by the micro-batches.
+    pub step: f64,
+    /// Of `step`, the collectives (gradient synchronisation and updated-weight gathers), s.
+    pub sync: f64,
 }
 
 impl Entry {
@@ -98,6 +103,8 @@ impl Entry {
         forward: f64::INFINITY,
         checkpoint: f64::INFINITY,
         peak_layer: f64::INFINITY,
+        step: f64::INFINITY,
+        sync: f64::INFINITY,
     };
 
     /// Nothing: the start of a sum.
@@ -108,6 +115,8 @@ impl Entry {
         forward: 0.0,
         checkpoint: 0.0,
         peak_layer: 0.0,
+        step: 0.0,
+        sync: 0.0,
     };
 
     /// Both together (two parts of one plan).
@@ -119,6 +128,8 @@ impl Entry {
             forward: self.forward + o.forward,
             checkpoint: self.checkpoint + o.checkpoint,
             peak_layer: self.peak_layer.max(o.peak_layer),
+            step: self.step + o.step,
+            sync: self.sync + o.sync,
         }
     }
 
@@ -351,6 +362,7 @@ pub fn layer_table_with(
     let (reduced, maps) = p.without_dominated_except(&keep);
     let activations = model.activation_memory();
     let forward = model.forward_problem();
+    let [step, sync] = model.step_problems();
     // The tensors entering the layer forward (a boundary also carries the gradients the
     // layer sends back, which it makes).
     let entering: Vec<(usize, Vec<f64>)> = before
@@ -373,13 +385,16 @@ pub fn layer_table_with(
     let read = |choice: &[usize]| -> Entry {
         let (cost, memory) = p.evaluate(choice);
         let activations = activations.iter().zip(choice).map(|(per, &c)| per[c]).sum();
+        let own = &choice[..forward.vars.len()];
         Entry {
             cost,
             memory,
             activations,
-            forward: forward.evaluate(&choice[..forward.vars.len()]).0,
+            forward: forward.evaluate(own).0,
             checkpoint: entering.iter().map(|(v, per)| per[choice[*v]]).sum(),
             peak_layer: activations,
+            step: step.evaluate(own).0,
+            sync: sync.evaluate(own).0,
         }
     };
     let entering: Vec<bool> = keep
@@ -611,7 +626,11 @@ pub fn extend_linked(best: &[Entry], link: &[usize], next: &LayerTable) -> Vec<E
         }
         let row = &next.entries[b * width..(b + 1) * width];
         for (slot, n) in step.iter_mut().zip(row) {
-            *slot = slot.min(e.plus(*n));
+            // `slot.min(e.plus(n))`, the sum formed only when it wins (most lose).
+            let (cost, memory) = (e.cost + n.cost, e.memory + n.memory);
+            if cost < slot.cost || (cost == slot.cost && memory < slot.memory) {
+                *slot = e.plus(*n);
+            }
         }
     }
     step

@@ -1080,20 +1080,40 @@ impl<'g> StageModel<'g> {
     /// them (what recomputing the range costs again in its backward pass). Its `evaluate`
     /// gives a plan's forward time, as [`StageModel::decode`] counts it.
     pub fn forward_problem(&self) -> Problem {
-        self.assemble_terms(true)
+        self.assemble_terms(Terms::Forward)
+    }
+
+    /// The per-step terms over the same variables, s per step (not divided by the
+    /// micro-batches; no memory): all of them (gradient synchronisation, optimizer,
+    /// updated-weight gathers: a decoded plan's `step`), then only the collectives among them.
+    pub fn step_problems(&self) -> [Problem; 2] {
+        [
+            self.assemble_terms(Terms::Step),
+            self.assemble_terms(Terms::StepCollectives),
+        ]
     }
 
     /// Sums every term into variable costs and edge tables.
     fn assemble(&self) -> Problem {
-        self.assemble_terms(false)
+        self.assemble_terms(Terms::All)
     }
 
-    /// Sums the terms into variable costs and edge tables: every term, or only the forward
-    /// pass's (no memory, no per-step terms).
-    fn assemble_terms(&self, forward_only: bool) -> Problem {
+    /// Sums the `terms` into variable costs and edge tables.
+    fn assemble_terms(&self, terms: Terms) -> Problem {
         let g = self.graph;
-        let counted = |n: usize| !forward_only || g.op(self.nodes[n].op).pass == Pass::Forward;
-        let b = self.opts.microbatches.max(1) as f64;
+        let (per_microbatch, per_step, memory) = match terms {
+            Terms::All => (true, true, true),
+            Terms::Forward => (true, false, false),
+            Terms::Step | Terms::StepCollectives => (false, true, false),
+        };
+        let counted = |n: usize| {
+            per_microbatch && (terms == Terms::All || g.op(self.nodes[n].op).pass == Pass::Forward)
+        };
+        // Per-step terms are spread over the micro-batches in the objective.
+        let b = match terms {
+            Terms::All => self.opts.microbatches.max(1) as f64,
+            _ => 1.0,
+        };
         let mut vars: Vec<Var> = self
             .var_sizes
             .iter()
@@ -1110,16 +1130,21 @@ impl<'g> StageModel<'g> {
             for (c, r) in node.realized.iter().enumerate() {
                 vars[node.var].cost[c] +=
                     r.compute + r.comm.iter().map(|(s, _, _)| s.seconds).sum::<f64>();
-                if !forward_only {
+                if memory {
                     vars[node.var].memory[c] += r.activations + r.gradients;
                 }
             }
         }
-        for p in self.params.iter().filter(|_| !forward_only) {
+        for p in self.params.iter().filter(|_| per_step) {
             for c in 0..p.choices.len() {
-                let (time, memory) = self.param_cost(p, c);
-                vars[p.var].cost[c] += time / b;
-                vars[p.var].memory[c] += memory.weights + memory.optimizer;
+                let (time, m) = self.param_cost(p, c);
+                vars[p.var].cost[c] += match terms {
+                    Terms::StepCollectives => self.param_times(p, c).1,
+                    _ => time / b,
+                };
+                if memory {
+                    vars[p.var].memory[c] += m.weights + m.optimizer;
+                }
             }
         }
         // Pairwise terms, each a table over the two variables' choices (or a diagonal when
@@ -1151,7 +1176,7 @@ impl<'g> StageModel<'g> {
             let (u, v) = (self.params[w.param].var, self.nodes[w.to].var);
             pairwise(u, v, &|cu, cv| steps_time(&self.use_steps(w, cu, cv)));
         }
-        for s in self.syncs.iter().filter(|_| !forward_only) {
+        for s in self.syncs.iter().filter(|_| per_step) {
             let (u, v) = (self.nodes[s.from].var, self.params[s.param].var);
             pairwise(u, v, &|cu, cv| steps_time(&self.sync_steps(s, cu, cv)) / b);
         }
@@ -1508,10 +1533,7 @@ impl<'g> StageModel<'g> {
         let (wb, _, ob) = self.opts.precision.state_bytes();
         let so = o.tiles(&self.mesh) as f64;
         let sw = w.tiles(&self.mesh) as f64;
-        let update = elements * self.opts.precision.optimizer_traffic()
-            / so
-            / (self.device.hbm_bandwidth * self.device.hbm_efficiency);
-        let gather = steps_time(&self.measured(reshard_steps(elements * wb, o, w, &self.mesh)));
+        let (update, gather) = self.param_times(p, c);
         (
             update + gather,
             StageMemory {
@@ -1521,6 +1543,33 @@ impl<'g> StageModel<'g> {
             },
         )
     }
+
+    /// Parameter `p`'s per-step times with strategy `c`: the optimizer's update of its
+    /// shard, and gathering the updated weights into their working spec.
+    fn param_times(&self, p: &ParamNode, c: usize) -> (f64, f64) {
+        let (w, o) = &p.choices[c];
+        let elements = self.graph.tensor(p.tensor).elements() as f64;
+        let wb = self.opts.precision.state_bytes().0;
+        let update = elements * self.opts.precision.optimizer_traffic()
+            / o.tiles(&self.mesh) as f64
+            / (self.device.hbm_bandwidth * self.device.hbm_efficiency);
+        let gather = steps_time(&self.measured(reshard_steps(elements * wb, o, w, &self.mesh)));
+        (update, gather)
+    }
+}
+
+/// Which terms [`StageModel::assemble_terms`] sums.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Terms {
+    /// The objective: every term, per-step ones divided by the micro-batches, with memory.
+    All,
+    /// The forward pass's ops, their collectives, and the resharding and weight gathers
+    /// feeding them.
+    Forward,
+    /// The per-step terms, per step.
+    Step,
+    /// Of those, the collectives.
+    StepCollectives,
 }
 
 /// The activations and gradients made by `ops` whose partial sums can be reduced on the way
