@@ -23,7 +23,7 @@ use autopar_rules::cost::cluster::GIB;
 use autopar_rules::cost::layer_cost::{LayerCost, LayerCostContext, Pricing};
 use autopar_rules::model::frontend::LowerOptions;
 use autopar_rules::plan::estimate::{CostSource, Estimator};
-use autopar_rules::plan::format::{Plan, PlanModel};
+use autopar_rules::plan::format::{Plan, PlanModel, SizeStep};
 use autopar_rules::plan::ilp::{self, IlpCandidate, IlpPlan, Space};
 use autopar_rules::plan::layout::LayoutError;
 use autopar_rules::plan::search::{SearchResult, layer_cost_digest, search};
@@ -304,6 +304,7 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
         tried,
         not_searched,
         records: ilp_records,
+        sizes,
     } = ilp;
     let planned = plan_from(ws, t, &est, &result).and_then(|mut plan| {
         if let Some(why) = not_searched {
@@ -335,6 +336,7 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
         match plan.with_ilp(&model.def, best, t.ilp.space) {
             Some(mut plan) => {
                 plan.spaces.ilp_no_plan = no_plan;
+                plan.spaces.ilp_sizes = sizes;
                 Ok(plan)
             }
             None => Err(format!(
@@ -385,6 +387,8 @@ struct IlpOutcome {
     not_searched: Option<String>,
     /// What each stage DP did, for `explain`.
     records: Vec<StagesRecord>,
+    /// The best step time at each size that has a pipeline.
+    sizes: Vec<SizeStep>,
 }
 
 /// The per-device budget of the ILP space's stages: the runtime's reserve is not part of the
@@ -533,6 +537,10 @@ fn ilp_search(
     for (rec, found) in results {
         match found {
             Ok(c) => {
+                out.sizes.push(SizeStep {
+                    micro_batch: c.micro_batch,
+                    step_time_s: c.step_time_s,
+                });
                 if best
                     .as_ref()
                     .is_none_or(|(_, b)| c.step_time_s < b.step_time_s)

@@ -137,14 +137,43 @@ fn ilp_results_are_cached_per_kind_and_a_model_edit_re_solves_no_table() {
     // meshes, at each of the two micro-batch sizes.
     assert_eq!(kind(&first, "sharding", "solved"), 3 * 3 * 2, "{first}");
     assert_eq!(kind(&first, "stages", "solved"), 2, "one stage DP per size");
+    // Only the fastest size's stages are decoded, and it is the plan's.
+    assert_eq!(kind(&first, "decode", "total"), 1, "{first}");
+    assert_eq!(kind(&first, "decode", "solved"), 1, "{first}");
+    let p = plan(&ws);
+    let sizes: Vec<(u64, f64)> = p["spaces"]["ilp_sizes"]
+        .as_array()
+        .expect("each size's best")
+        .iter()
+        .filter_map(|s| Some((s["micro_batch"].as_u64()?, s["step_time_s"].as_f64()?)))
+        .collect();
+    assert_eq!(sizes.len(), 2, "{sizes:?}");
+    let decoded = &p["ilp"];
+    let at = |mb: u64| sizes.iter().find(|s| s.0 == mb).map(|s| s.1);
+    let mb = decoded["micro_batch"].as_u64().expect("its micro-batch");
+    assert_eq!(decoded["step_time_s"].as_f64(), at(mb), "{sizes:?}");
+    assert!(sizes.iter().all(|&(_, s)| at(mb) <= Some(s)), "{sizes:?}");
+    assert!(
+        p["ilp"]["stages"][0]["ops"]
+            .as_array()
+            .is_some_and(|o| !o.is_empty())
+    );
     assert_eq!(kind(&first, "search", "solved"), 1);
 
     let again = built(&ws.run(&["build", "--json"]));
-    for k in ["sharding", "stages", "search", "layer-cost", "plan"] {
+    for k in [
+        "sharding",
+        "stages",
+        "decode",
+        "search",
+        "layer-cost",
+        "plan",
+    ] {
         assert_eq!(kind(&again, k, "solved"), 0, "{k}: {again}");
     }
     assert_eq!(kind(&again, "plan", "hits_local"), 1);
     assert_eq!(kind(&again, "stages", "hits_local"), 2);
+    assert_eq!(kind(&again, "decode", "hits_local"), 1);
 
     // Two more blocks: the same layers, so no table is solved; the DPs and the search re-run.
     ws.write(
@@ -158,6 +187,7 @@ fn ilp_results_are_cached_per_kind_and_a_model_edit_re_solves_no_table() {
     assert_eq!(kind(&edited, "sharding", "solved"), 0, "{edited}");
     assert_eq!(kind(&edited, "sharding", "hits_local"), 3 * 3 * 2);
     assert_eq!(kind(&edited, "stages", "solved"), 2);
+    assert_eq!(kind(&edited, "decode", "solved"), 1);
     assert_eq!(kind(&edited, "search", "solved"), 1);
     assert_eq!(kind(&edited, "layer-cost", "solved"), 0);
 }

@@ -78,6 +78,19 @@ pub struct Spaces {
     /// Why the ILP space, searched, has no plan (per micro-batch size).
     #[serde(default)]
     pub ilp_no_plan: Option<String>,
+    /// The ILP space's best step time at each micro-batch size that has a pipeline (only the
+    /// fastest is decoded into `ilp`).
+    #[serde(default)]
+    pub ilp_sizes: Vec<SizeStep>,
+}
+
+/// The ILP space's best pipeline at one micro-batch size.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SizeStep {
+    /// Sequences per micro-batch.
+    pub micro_batch: u64,
+    /// Predicted step time, s.
+    pub step_time_s: f64,
 }
 
 /// A parallel-training plan for one target.
@@ -153,6 +166,7 @@ impl Plan {
                 ilp: None,
                 ilp_not_searched: None,
                 ilp_no_plan: None,
+                ilp_sizes: Vec::new(),
             },
             megatron_expressible: true,
             ilp: None,
