@@ -375,6 +375,15 @@ fn spaces(out: &mut String, p: &Plan) {
         secs(lost.1.step_time_s),
         (won.1.step_time_s / lost.1.step_time_s - 1.0) * 100.0
     );
+    if p.spaces.ilp_sizes.len() > 1 {
+        let sizes: Vec<String> = p
+            .spaces
+            .ilp_sizes
+            .iter()
+            .map(|s| format!("{} {}", s.micro_batch, secs(s.step_time_s)))
+            .collect();
+        let _ = writeln!(out, "            ilp by micro-batch: {}", sizes.join(" · "));
+    }
 }
 
 /// The ILP space's pipeline: stages with their meshes, and how they differ from Megatron-LM.
