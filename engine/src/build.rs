@@ -575,22 +575,10 @@ fn decoded(
     let key = KeyParts::new("decode")
         .with_digest("stages", stages.key())
         .key();
-    if let Some((found, _)) = cache.lookup::<Result<IlpPlan, String>>(kind::DECODE, key) {
-        return found;
-    }
     let model = &ws.models[t.model];
     let cluster = &ws.clusters[t.cluster];
     let mb = c.micro_batch;
-    let plan = (|| {
-        let graph = ilp_lower(ws, t, mb)?;
-        let opts = ilp_options(t, mb, budget);
-        // The tables were read (and counted) when the size was priced.
-        let source = CachedTables::uncounted(cache, &model.name);
-        let pipeline = decode_pipeline(&graph, cluster, opts, &source, c.pipeline)
-            .map_err(|e| e.to_string())?;
-        ilp::price(&graph, cluster, mb, opts, &pipeline).map_err(|e| e.to_string())
-    })();
-    let meta = EntryMeta {
+    let meta = || EntryMeta {
         kind: "decode".into(),
         description: format!(
             "stages of {} on {}, micro-batch {mb}, decoded",
@@ -598,9 +586,16 @@ fn decoded(
         ),
         ..EntryMeta::default()
     };
-    cache.put(key, &plan, &meta);
-    cache.record(kind::DECODE, Source::Solved);
-    plan
+    let decode = || -> Result<IlpPlan, String> {
+        let graph = ilp_lower(ws, t, mb)?;
+        let opts = ilp_options(t, mb, budget);
+        // The tables were read (and counted) when the size was priced.
+        let source = CachedTables::uncounted(cache, &model.name);
+        let pipeline = decode_pipeline(&graph, cluster, opts, &source, c.pipeline)
+            .map_err(|e| e.to_string())?;
+        ilp::price(&graph, cluster, mb, opts, &pipeline).map_err(|e| e.to_string())
+    };
+    cache.get_or_solve(kind::DECODE, key, meta, decode).0
 }
 
 /// Why the target's ILP search is too large to run (`None` when it is not).
