@@ -591,9 +591,18 @@ fn decoded(
         let opts = ilp_options(t, mb, budget);
         // The tables were read (and counted) when the size was priced.
         let source = CachedTables::uncounted(cache, &model.name);
+        let started = Instant::now();
         let pipeline = decode_pipeline(&graph, cluster, opts, &source, c.pipeline)
             .map_err(|e| e.to_string())?;
-        ilp::price(&graph, cluster, mb, opts, &pipeline).map_err(|e| e.to_string())
+        let decoded_s = started.elapsed().as_secs_f64();
+        let plan = ilp::price(&graph, cluster, mb, opts, &pipeline).map_err(|e| e.to_string());
+        tracing::debug!(
+            micro_batch = mb,
+            decode_s = decoded_s,
+            compare_s = started.elapsed().as_secs_f64() - decoded_s,
+            "decoded the ILP space's fastest pipeline"
+        );
+        plan
     };
     cache.get_or_solve(kind::DECODE, key, meta, decode).0
 }
@@ -623,7 +632,14 @@ fn ilp_candidate(
     let cluster = &ws.clusters[t.cluster];
     let graph = ilp_lower(ws, t, mb)?;
     let opts = ilp_options(t, mb, budget);
+    let started = Instant::now();
     let pipeline = price_pipeline_with(&graph, cluster, opts, source).map_err(|e| e.to_string())?;
+    tracing::debug!(
+        micro_batch = mb,
+        stages = pipeline.stages.len(),
+        seconds = started.elapsed().as_secs_f64(),
+        "priced the ILP space's pipeline"
+    );
     ilp::candidate(&graph, cluster, mb, opts, pipeline).map_err(|e| e.to_string())
 }
 

@@ -11,11 +11,13 @@ use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef, parse_hf_config};
 use autopar_rules::model::graph::{DType, Graph};
 use autopar_rules::solve::inter::{place, submesh_choices};
-use autopar_rules::solve::intra::chain::{ChainError, Crossings, LayerTable};
+use autopar_rules::solve::intra::chain::{
+    ChainError, Crossings, LayerTable, decode_range, layer_table,
+};
 use autopar_rules::solve::intra::stage::{Phase, StageModel, StageOptions};
 use autopar_rules::solve::pipeline::{
-    PipelineOptions, Solve, TableSource, layer_classes, layer_identities, logical_meshes,
-    plan_pipeline, plan_pipeline_with, table_key, table_requests,
+    MeshChoice, PipelineOptions, Solve, TableSource, layer_classes, layer_identities,
+    logical_meshes, plan_pipeline, plan_pipeline_with, table_key, table_requests,
 };
 use autopar_tests::sharding::lower;
 use autopar_tests::{TempWorkspace, repo_root};
@@ -192,6 +194,59 @@ fn identical_blocks_are_solved_once() {
     // 3 distinct layers on (1,1) x 1 logical mesh and (1,2) x 2.
     assert_eq!(plan.meshes, 3);
     assert_eq!(plan.tables, 9);
+}
+
+#[test]
+fn stages_decoded_together_equal_each_decoded_alone() {
+    // Four one-GPU hosts and many micro-batches: several stages of identical blocks on 1x1,
+    // each with its own micro-batches in flight, share their layers' decoded plans.
+    let g = llama(6, 1);
+    let c = cluster(4, 1);
+    let opts = options(64);
+    let plan = plan_pipeline(&g, &c, opts).expect("plans");
+    let classes = layer_classes(&g);
+    let mut meshes: Vec<MeshChoice> = plan.stages.iter().map(|s| s.priced.mesh).collect();
+    meshes.dedup();
+    assert!(
+        meshes.len() < plan.stages.len(),
+        "stages share a mesh: {meshes:?}"
+    );
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1e-30);
+    for s in &plan.stages {
+        let st = &s.priced;
+        let mesh = Mesh::logical(&c, st.mesh.submesh, st.mesh.logical);
+        let tables: Vec<LayerTable> = (st.layers[0]..st.layers[1])
+            .map(|l| layer_table(&g, classes[l], mesh, &c.device, opts.stage_options(1)))
+            .collect::<Result<_, _>>()
+            .expect("tables");
+        let refs: Vec<&LayerTable> = tables.iter().collect();
+        let alone = decode_range(
+            &g,
+            st.layers[0]..st.layers[1],
+            mesh,
+            &c.device,
+            opts.stage_options(st.inflight),
+            &refs,
+            &st.states,
+        )
+        .expect("decodes");
+        let together = &s.plan;
+        assert_eq!(together.ops, alone.ops, "{:?}", st.layers);
+        assert_eq!(together.parameters, alone.parameters, "{:?}", st.layers);
+        assert_eq!(together.collectives, alone.collectives, "{:?}", st.layers);
+        assert_eq!(together.layers, alone.layers);
+        for (what, a, b) in [
+            ("objective", together.objective, alone.objective),
+            (
+                "activations",
+                together.memory.activations,
+                alone.memory.activations,
+            ),
+            ("memory", together.memory.total, alone.memory.total),
+        ] {
+            assert!(close(a, b), "{:?} {what}: {a} vs {b}", st.layers);
+        }
+    }
 }
 
 /// Solves every table, keeping the key of each it was asked for.

@@ -28,6 +28,7 @@ use crate::solve::schedule::{Bubble, PipelineSpec, Schedule, ScheduleError, simu
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 /// Which space a target's plan is chosen from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -407,6 +408,7 @@ pub fn price(
     let priced: Vec<&PricedStage> = pipeline.stages.iter().map(|s| &s.priced).collect();
     let timing = simulate(graph, cluster, opts, &priced)?;
     let classes = layer_classes(graph);
+    let memo = MegatronMemo::default();
     let stages: Vec<IlpStage> = pipeline
         .stages
         .par_iter()
@@ -453,7 +455,7 @@ pub fn price(
                         states: w.states.clone(),
                     })
                     .collect(),
-                megatron: compare(graph, &classes, cluster, st.mesh, opts, st.inflight, plan),
+                megatron: compare(graph, &classes, cluster, st.mesh, opts, plan, &memo),
             }
         })
         .collect();
@@ -477,6 +479,22 @@ pub fn price(
     })
 }
 
+/// Megatron-LM's plans of single layers, shared by the stages of one plan: per (submesh,
+/// logical mesh, sequence parallel, distributed optimizer, layer class), the first layer
+/// solved and its plan, or why there is none.
+type MegatronMemo = Mutex<MegatronPlans>;
+
+/// The memo's map.
+type MegatronPlans = HashMap<MegatronKey, Result<(usize, StagePlan), String>>;
+
+/// See [`MegatronMemo`].
+type MegatronKey = ((u64, u64), [u64; 2], bool, bool, usize);
+
+/// The memo, even if another stage's thread panicked holding it (it holds finished plans).
+fn lock(memo: &MegatronMemo) -> std::sync::MutexGuard<'_, MegatronPlans> {
+    memo.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The stage's plan against Megatron-LM's layouts of its layers on its logical mesh `a x b`:
 /// data parallel over axis 0 and tensor parallel over axis 1, with and without sequence
 /// parallelism, and, on a `1 x b` mesh, also plain data parallelism over all `b` devices
@@ -490,35 +508,45 @@ fn compare(
     cluster: &Cluster,
     choice: MeshChoice,
     opts: PipelineOptions,
-    inflight: u64,
     plan: &StagePlan,
+    memo: &MegatronMemo,
 ) -> MegatronComparison {
-    let stage_opts = opts.stage_options(inflight);
+    // Megatron-LM's plan pins every spec: neither its time nor its specs depend on the
+    // micro-batches in flight (only its memory, which the comparison does not read).
+    let stage_opts = opts.stage_options(1);
     let distributed_optimizer = plan.parameters.iter().any(|w| w.states != w.weight);
     let pinned = |logical: [u64; 2], sp: bool| -> Result<StagePlan, String> {
         let mesh = Mesh::logical(cluster, choice.submesh, logical);
-        // Identical layers have the same plan: each class is solved once, then renamed.
-        let mut solved: HashMap<usize, (usize, StagePlan)> = HashMap::new();
         let mut parts = Vec::new();
         let range = plan.layers[0]..plan.layers[1];
         for (l, &class) in range.clone().zip(&classes[range]) {
-            if let Some((first, p)) = solved.get(&class) {
-                parts.push(
-                    p.clone()
-                        .renamed(&names_between(graph, *first, l), [l, l + 1]),
-                );
-                continue;
-            }
-            let model = StageModel::build(graph, l..l + 1, mesh, &cluster.device, stage_opts)
-                .map_err(|e| e.to_string())?;
-            let p = model
-                .megatron_plan(MegatronSharding {
-                    sp,
-                    distributed_optimizer,
-                })
-                .map_err(|e| e.to_string())?;
-            solved.insert(class, (l, p.clone()));
-            parts.push(p);
+            // Identical layers have the same plan, in any stage: each class is solved once
+            // per mesh and layout, then renamed.
+            let key = (choice.submesh, logical, sp, distributed_optimizer, class);
+            let known = lock(memo).get(&key).cloned();
+            let (first, p) = match known {
+                Some(found) => found?,
+                None => {
+                    let solved =
+                        StageModel::build(graph, l..l + 1, mesh, &cluster.device, stage_opts)
+                            .map_err(|e| e.to_string())
+                            .and_then(|model| {
+                                model
+                                    .megatron_plan(MegatronSharding {
+                                        sp,
+                                        distributed_optimizer,
+                                    })
+                                    .map_err(|e| e.to_string())
+                            })
+                            .map(|p| (l, p));
+                    lock(memo).insert(key, solved.clone());
+                    solved?
+                }
+            };
+            parts.push(match first == l {
+                true => p,
+                false => p.renamed(&names_between(graph, first, l), [l, l + 1]),
+            });
         }
         StagePlan::join(parts).ok_or_else(|| "the stage holds no layer".to_string())
     };

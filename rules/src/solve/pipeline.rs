@@ -84,7 +84,7 @@ pub enum PipelineError {
 }
 
 /// A submesh and one logical mesh of it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct MeshChoice {
     /// Physical shape: hosts x devices per host.
     pub submesh: (u64, u64),
@@ -613,6 +613,9 @@ pub fn price_pipeline_with(
 /// Decodes every stage of `priced` (found by [`price_pipeline_with`] with the same graph,
 /// cluster and options) with the tables of `source`: each layer solved again with its
 /// boundary specs pinned to the path priced, so every op's and weight's specs are known.
+/// Layers of one class pinned alike on one mesh choice have the same plan, in any stage:
+/// each is solved once, with one micro-batch in flight, and renamed and rescaled for the
+/// others.
 pub fn decode_pipeline(
     graph: &Graph,
     cluster: &Cluster,
@@ -623,38 +626,77 @@ pub fn decode_pipeline(
     let identities = layer_identities(graph);
     let classes = classes_of(&identities);
     let crossings = Crossings::of(graph);
+    let mesh = |m: &MeshChoice| Mesh::logical(cluster, m.submesh, m.logical);
+    // The tables the stages read (they are built with one micro-batch in flight).
+    let mut wanted: Vec<(MeshChoice, usize)> = priced
+        .stages
+        .iter()
+        .flat_map(|st| {
+            classes[st.layers[0]..st.layers[1]]
+                .iter()
+                .map(|&c| (st.mesh, c))
+        })
+        .collect();
+    wanted.sort_unstable_by_key(|&(m, c)| (m.submesh, m.logical, c));
+    wanted.dedup();
+    let tables: HashMap<(MeshChoice, usize), LayerTable> = wanted
+        .into_par_iter()
+        .map(|(m, c)| {
+            let t = source.table(
+                graph,
+                &crossings,
+                c,
+                identities[c],
+                mesh(&m),
+                &cluster.device,
+                opts.stage_options(1),
+            )?;
+            Ok(((m, c), t))
+        })
+        .collect::<Result<_, ChainError>>()?;
+    // Each distinct (mesh choice, class, states) decoded once, at its first layer.
+    type Pinned = (MeshChoice, usize, [usize; 2]);
+    let mut first: HashMap<Pinned, usize> = HashMap::new();
+    for st in &priced.stages {
+        for (l, &state) in (st.layers[0]..st.layers[1]).zip(&st.states) {
+            first.entry((st.mesh, classes[l], state)).or_insert(l);
+        }
+    }
+    let decoded: HashMap<Pinned, (usize, StagePlan)> = first
+        .into_par_iter()
+        .map(|((m, c, state), l)| {
+            let plan = chain::decode_layer(
+                graph,
+                &crossings,
+                l,
+                mesh(&m),
+                &cluster.device,
+                opts.stage_options(1),
+                &tables[&(m, c)],
+                state,
+            )?;
+            Ok(((m, c, state), (l, plan)))
+        })
+        .collect::<Result<_, ChainError>>()?;
     let stages = priced
         .stages
         .into_par_iter()
         .map(|st| {
-            let mesh = Mesh::logical(cluster, st.mesh.submesh, st.mesh.logical);
-            // Each distinct layer's table once (the tables are built with one micro-batch
-            // in flight).
-            let mut held: HashMap<usize, LayerTable> = HashMap::new();
-            let in_stage = &classes[st.layers[0]..st.layers[1]];
-            for &c in in_stage {
-                if let std::collections::hash_map::Entry::Vacant(slot) = held.entry(c) {
-                    slot.insert(source.table(
-                        graph,
-                        &crossings,
-                        c,
-                        identities[c],
-                        mesh,
-                        &cluster.device,
-                        opts.stage_options(1),
-                    )?);
-                }
-            }
-            let range: Vec<&LayerTable> = in_stage.iter().map(|c| &held[c]).collect();
-            let plan = chain::decode_range(
-                graph,
-                st.layers[0]..st.layers[1],
-                mesh,
-                &cluster.device,
-                opts.stage_options(st.inflight),
-                &range,
-                &st.states,
-            )?;
+            let parts: Vec<StagePlan> = (st.layers[0]..st.layers[1])
+                .zip(&st.states)
+                .map(|(l, &state)| {
+                    let (at, plan) = &decoded[&(st.mesh, classes[l], state)];
+                    match *at == l {
+                        true => plan.clone(),
+                        false => plan
+                            .clone()
+                            .renamed(&chain::names_between(graph, *at, l), [l, l + 1]),
+                    }
+                })
+                .collect();
+            let plan = StagePlan::join(parts)
+                .ok_or(ChainError::Mismatch(st.layers[0], st.layers[1]))?
+                .with_inflight(1, st.inflight);
             Ok(PipelineStage { priced: st, plan })
         })
         .collect::<Result<Vec<PipelineStage>, ChainError>>()?;

@@ -748,8 +748,8 @@ pub fn decode_range(
     // is solved once and renamed for the others.
     let mut solved: HashMap<(*const LayerTable, [usize; 2]), (usize, StagePlan)> = HashMap::new();
     let mut plans = Vec::with_capacity(layers.len());
-    for (l, (table, &[b, a])) in layers.clone().zip(tables.iter().zip(states)) {
-        let key = (*table as *const LayerTable, [b, a]);
+    for (l, (table, &state)) in layers.clone().zip(tables.iter().zip(states)) {
+        let key = (*table as *const LayerTable, state);
         if let Some((first, plan)) = solved.get(&key) {
             plans.push(
                 plan.clone()
@@ -757,32 +757,48 @@ pub fn decode_range(
             );
             continue;
         }
-        let model = StageModel::build(graph, l..l + 1, mesh, device, opts)?;
-        let before = match l {
-            0 => Vec::new(),
-            _ => crossings.boundary(l - 1),
-        };
-        let after = crossings.boundary(l);
-        let wanted = table.before.get(b).map_or(&[][..], Vec::as_slice);
-        let pins = before
-            .iter()
-            .zip(wanted)
-            .chain(after.iter().zip(&table.after[a]));
-        let mut allowed: Vec<Vec<usize>> = model
-            .problem()
-            .vars
-            .iter()
-            .map(|v| (0..v.cost.len()).collect())
-            .collect();
-        for (&t, spec) in pins {
-            let (var, specs) = model.spec_variable(t).ok_or(ChainError::Mismatch(l, l))?;
-            allowed[var].retain(|&i| specs[i] == *spec);
-        }
-        let plan = model.solve_within(&allowed)?;
+        let plan = decode_layer(graph, &crossings, l, mesh, device, opts, table, state)?;
         solved.insert(key, (l, plan.clone()));
         plans.push(plan);
     }
     StagePlan::join(plans).ok_or(ChainError::Mismatch(layers.start, layers.end))
+}
+
+/// Layer `l`'s plan on `mesh` with the specs crossing its boundaries pinned to the states
+/// `[b, a]` (`before`, `after` indices) of its `table`: the plan reaching that entry.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_layer(
+    graph: &Graph,
+    crossings: &Crossings,
+    l: usize,
+    mesh: Mesh,
+    device: &Device,
+    opts: StageOptions,
+    table: &LayerTable,
+    [b, a]: [usize; 2],
+) -> Result<StagePlan, ChainError> {
+    let model = StageModel::build(graph, l..l + 1, mesh, device, opts)?;
+    let before = match l {
+        0 => Vec::new(),
+        _ => crossings.boundary(l - 1),
+    };
+    let after = crossings.boundary(l);
+    let wanted = table.before.get(b).map_or(&[][..], Vec::as_slice);
+    let pins = before
+        .iter()
+        .zip(wanted)
+        .chain(after.iter().zip(&table.after[a]));
+    let mut allowed: Vec<Vec<usize>> = model
+        .problem()
+        .vars
+        .iter()
+        .map(|v| (0..v.cost.len()).collect())
+        .collect();
+    for (&t, spec) in pins {
+        let (var, specs) = model.spec_variable(t).ok_or(ChainError::Mismatch(l, l))?;
+        allowed[var].retain(|&i| specs[i] == *spec);
+    }
+    Ok(model.solve_within(&allowed)?)
 }
 
 /// The names of layer `from`'s ops and of the tensors they read, write and save, mapped to

@@ -328,6 +328,16 @@ impl StagePlan {
         self
     }
 
+    /// The same plan with `inflight` micro-batches in flight where it was solved with
+    /// `built_with`: only the saved activations scale (without a budget, the solution does not
+    /// depend on them).
+    pub fn with_inflight(mut self, built_with: u64, inflight: u64) -> StagePlan {
+        let m = &mut self.memory;
+        m.activations *= inflight.max(1) as f64 / built_with.max(1) as f64;
+        m.total = m.activations + m.weights + m.gradients + m.optimizer;
+        self
+    }
+
     /// The plan of consecutive ranges solved apart on one mesh (the layers of a chain, each
     /// with its boundary pinned to the chain's optimum), as one range: times, memory and
     /// solver figures add up, ops, parameters and collectives follow in order. `None` for
