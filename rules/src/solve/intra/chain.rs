@@ -220,6 +220,16 @@ impl Crossings {
         out
     }
 
+    /// Tensors crossing layer `l`'s edges: with layer `l - 1` (none for the first layer),
+    /// then with layer `l + 1`.
+    fn edges(&self, l: usize) -> (Vec<TensorId>, Vec<TensorId>) {
+        let before = match l {
+            0 => Vec::new(),
+            _ => self.boundary(l - 1),
+        };
+        (before, self.boundary(l))
+    }
+
     /// Fails when a tensor (a parameter, an input or an activation) joins two layers of
     /// `range` that are not neighbours.
     fn check(&self, graph: &Graph, range: &Range<usize>) -> Result<(), ChainError> {
@@ -308,11 +318,7 @@ pub fn layer_table_with(
     opts: StageOptions,
 ) -> Result<LayerTable, ChainError> {
     let model = StageModel::build(graph, layer..layer + 1, mesh, device, opts)?;
-    let before = match layer {
-        0 => Vec::new(),
-        _ => crossings.boundary(layer - 1),
-    };
-    let after = crossings.boundary(layer);
+    let (before, after) = crossings.edges(layer);
     // Each crossing tensor's spec gets a variable over its distinct specs: the variable of a
     // tensor entering the layer is one already; a tensor the layer makes gets a new one,
     // joined to its producer's strategy by an edge that allows only the spec that strategy
@@ -778,11 +784,7 @@ pub fn decode_layer(
     [b, a]: [usize; 2],
 ) -> Result<StagePlan, ChainError> {
     let model = StageModel::build(graph, l..l + 1, mesh, device, opts)?;
-    let before = match l {
-        0 => Vec::new(),
-        _ => crossings.boundary(l - 1),
-    };
-    let after = crossings.boundary(l);
+    let (before, after) = crossings.edges(l);
     let wanted = table.before.get(b).map_or(&[][..], Vec::as_slice);
     let pins = before
         .iter()
