@@ -562,6 +562,13 @@ fn ilp_search(
     out
 }
 
+/// The key of the decoded stages of the stage DP stored under `stages`.
+fn decode_key(stages: &KeyParts) -> Digest {
+    KeyParts::new("decode")
+        .with_digest("stages", stages.key())
+        .key()
+}
+
 /// The plan of the winning size's pipeline `c` (whose stage DP is stored under `stages`):
 /// every stage decoded and compared with Megatron-LM's sharding, looked up first.
 fn decoded(
@@ -572,9 +579,7 @@ fn decoded(
     c: IlpCandidate,
     budget: f64,
 ) -> Result<IlpPlan, String> {
-    let key = KeyParts::new("decode")
-        .with_digest("stages", stages.key())
-        .key();
+    let key = decode_key(stages);
     let model = &ws.models[t.model];
     let cluster = &ws.clusters[t.cluster];
     let mb = c.micro_batch;
@@ -737,6 +742,8 @@ pub struct DryRun {
     pub ilp: Vec<StagesDryRun>,
     /// Why the ILP space would not be searched at all.
     pub ilp_not_searched: Option<String>,
+    /// Whether the fastest size's decoded stages are stored (`None`: none would be decoded).
+    pub ilp_decode_cached: Option<bool>,
 }
 
 /// What a build would do for one micro-batch size of a target's ILP space.
@@ -802,7 +809,7 @@ pub fn dry_run(
             let est = Estimator::new(&model.name, &model.def, cluster, t.options)
                 .with_costs(&probe)
                 .with_profile(t.profile.as_deref());
-            let (ilp, ilp_not_searched) =
+            let (ilp, ilp_not_searched, ilp_decode_cached) =
                 ilp_dry_run(ws, t, cache, &parts, est.capacity(), previous.as_ref());
             let plan_cached = cache
                 .peek::<Digest>(parts.key())
@@ -816,6 +823,7 @@ pub fn dry_run(
                 reasons: Vec::new(),
                 ilp,
                 ilp_not_searched,
+                ilp_decode_cached,
             };
             if plan_cached {
                 return out;
@@ -833,7 +841,8 @@ pub fn dry_run(
 }
 
 /// What [`ilp_search`] would do for `t`, looking only: each stage DP that is not stored, with
-/// the layer tables it would solve and why.
+/// the layer tables it would solve and why; why the space would not be searched; and whether
+/// the fastest size's decoded stages are stored (`None`: nothing would be decoded).
 fn ilp_dry_run(
     ws: &Workspace,
     t: &Target,
@@ -841,10 +850,10 @@ fn ilp_dry_run(
     target: &KeyParts,
     capacity: f64,
     previous: Option<&BuildRecord>,
-) -> (Vec<StagesDryRun>, Option<String>) {
+) -> (Vec<StagesDryRun>, Option<String>, Option<bool>) {
     let mut out = Vec::new();
     if t.ilp.space == Space::Megatron {
-        return (out, None);
+        return (out, None, None);
     }
     let cluster = &ws.clusters[t.cluster];
     let budget = ilp_budget(ws, t, capacity);
@@ -861,7 +870,7 @@ fn ilp_dry_run(
         };
         if !dry.cached {
             if let Some(why) = too_large.get_or_insert_with(|| too_large_search(ws, t)) {
-                return (out, Some(why.clone()));
+                return (out, Some(why.clone()), None);
             }
             let rec = StagesRecord {
                 micro_batch: mb,
@@ -894,7 +903,24 @@ fn ilp_dry_run(
         }
         out.push(dry);
     }
-    (out, None)
+    // A size's DP that re-runs is decoded under a new key when it wins; with every DP
+    // stored, the fastest is known (the first of equals, as the build picks it).
+    let decode_cached = match out.iter().all(|d| d.cached) {
+        false => Some(false),
+        true => {
+            let mut best: Option<(f64, KeyParts)> = None;
+            for &mb in &t.ilp.micro_batch {
+                let parts = stages_parts(&base, t, mb, budget);
+                if let Some(Ok(c)) = cache.peek::<Result<IlpCandidate, String>>(parts.key())
+                    && best.as_ref().is_none_or(|(b, _)| c.step_time_s < *b)
+                {
+                    best = Some((c.step_time_s, parts));
+                }
+            }
+            best.map(|(_, parts)| cache.contains(decode_key(&parts)))
+        }
+    };
+    (out, None, decode_cached)
 }
 
 /// The record a build of `t` (whose key has `parts`) would keep for its plan, before it knows

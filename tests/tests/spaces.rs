@@ -233,15 +233,32 @@ fn dry_run_counts_the_ilp_solves_a_network_edit_costs_and_explain_names_them() {
     let cold = built(&cold);
     let stages = &cold["targets"][0]["ilp"][0];
     assert_eq!(stages["stages_cached"], false, "{cold}");
+    assert_eq!(cold["targets"][0]["ilp_decode_cached"], false, "{cold}");
     // Embedding, block and head on 1x1, 1x2, 2x1, 1x4, 2x2 and 4x1.
     assert_eq!(stages["tables_to_solve"], 3 * 6, "{cold}");
     let first = built(&ws.run(&["build", "--json"]));
     assert_eq!(kind(&first, "sharding", "solved"), 3 * 6, "{first}");
+    let again = built(&ws.run(&["build", "--dry-run", "--json"]));
+    assert_eq!(again["targets"][0]["ilp_decode_cached"], true, "{again}");
+    let text = ws.run(&["build", "--dry-run"]);
+    assert!(
+        text.stdout.contains("tiny: cached, nothing to solve"),
+        "{}",
+        text.stdout
+    );
 
     ws.write("workspace.toml", &on_two_nodes(50));
     let dry = built(&ws.run(&["build", "--dry-run", "--json"]));
     let stages = &dry["targets"][0]["ilp"][0];
     assert_eq!(stages["stages_cached"], false, "{dry}");
+    assert_eq!(dry["targets"][0]["ilp_decode_cached"], false, "{dry}");
+    let text = ws.run(&["build", "--dry-run"]);
+    assert!(
+        text.stdout
+            .contains("ILP space: the fastest size's stages would be decoded"),
+        "{}",
+        text.stdout
+    );
     // Only the tables of the four-device meshes read the network across nodes.
     assert_eq!(stages["tables_to_solve"], 3 * 3, "{dry}");
     assert_eq!(stages["tables_cached"], 3 * 3, "{dry}");

@@ -221,13 +221,16 @@ fn dry(ws: &Workspace, args: &BuildArgs, cache: &Cache) -> Result<(), Failure> {
                     "reasons": if r.plan_cached { Vec::new() } else { r.reasons.clone() },
                     "ilp": ilp,
                     "ilp_not_searched": r.ilp_not_searched,
+                    "ilp_decode_cached": r.ilp_decode_cached,
                 })
             })
             .collect();
         return print_json(&json!({ "targets": targets }));
     }
     for r in &runs {
-        let ilp_cached = r.ilp.iter().all(|s| s.cached) && r.ilp_not_searched.is_none();
+        let ilp_cached = r.ilp.iter().all(|s| s.cached)
+            && r.ilp_not_searched.is_none()
+            && r.ilp_decode_cached != Some(false);
         if r.plan_cached && ilp_cached {
             outln!("{}: cached, nothing to solve", r.name);
             continue;
@@ -255,6 +258,9 @@ fn dry(ws: &Workspace, args: &BuildArgs, cache: &Cache) -> Result<(), Failure> {
         }
         if let Some(why) = &r.ilp_not_searched {
             outln!("  ILP space: {why}");
+        }
+        if r.ilp_decode_cached == Some(false) {
+            outln!("  ILP space: the fastest size's stages would be decoded");
         }
     }
     Ok(())
