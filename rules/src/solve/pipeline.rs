@@ -728,6 +728,15 @@ fn range_prices<'t>(
             }
         }
     }
+    // What chaining compares, per class's table.
+    let mut ranks: HashMap<usize, Vec<[f64; 2]>> = HashMap::new();
+    for (l, &class) in classes.iter().enumerate() {
+        if let (Some(t), std::collections::hash_map::Entry::Vacant(slot)) =
+            (table(l), ranks.entry(class))
+        {
+            slot.insert(chain::ranking(t));
+        }
+    }
     // A range's price depends only on its sequence of layer classes, and identical blocks
     // repeat: ranges are walked as paths in a trie of class sequences, each node chained once
     // (O(L) extensions for [embedding, block x n, head] instead of O(L^2)), with its best
@@ -774,12 +783,14 @@ fn range_prices<'t>(
                 node = match child.get(&(node, classes[i])) {
                     Some(&n) => n,
                     None => {
-                        let (Some(link), Some(next)) =
-                            (links.get(&(classes[i - 1], classes[i])), table(i))
-                        else {
+                        let (Some(link), Some(next), Some(rank)) = (
+                            links.get(&(classes[i - 1], classes[i])),
+                            table(i),
+                            ranks.get(&classes[i]),
+                        ) else {
                             break;
                         };
-                        let best = chain::extend_linked(&nodes[node - 1].0, link, next);
+                        let best = chain::extend_linked(&nodes[node - 1].0, link, next, rank);
                         held += best.len();
                         nodes.push(price(best));
                         child.insert((node, classes[i]), nodes.len());

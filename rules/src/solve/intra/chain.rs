@@ -621,25 +621,45 @@ pub fn link(prev: &LayerTable, next: &LayerTable) -> Option<Vec<usize>> {
     prev.after.iter().map(|s| index.get(s).copied()).collect()
 }
 
-/// Best entry per state after `next`, given `best` per state after the table before it, whose
-/// states [`link`] matched to `next`'s.
-pub fn extend_linked(best: &[Entry], link: &[usize], next: &LayerTable) -> Vec<Entry> {
+/// A table's `(cost, memory)` per entry, row-major like its entries: what chaining compares
+/// ([`extend_linked`] reads 16 bytes a candidate instead of a whole entry).
+pub fn ranking(t: &LayerTable) -> Vec<[f64; 2]> {
+    t.entries.iter().map(|e| [e.cost, e.memory]).collect()
+}
+
+/// Best entry per state after `next` (whose [`ranking`] is `next_rank`), given `best` per
+/// state after the table before it, whose states [`link`] matched to `next`'s: the cheapest
+/// sum, ties to less memory, then to the earlier state.
+pub fn extend_linked(
+    best: &[Entry],
+    link: &[usize],
+    next: &LayerTable,
+    next_rank: &[[f64; 2]],
+) -> Vec<Entry> {
     let width = next.after.len();
-    let mut step = vec![Entry::NONE; width];
-    for (&b, e) in link.iter().zip(best) {
+    let mut rank = vec![[f64::INFINITY; 2]; width];
+    let mut from = vec![usize::MAX; width];
+    for (p, (&b, e)) in link.iter().zip(best).enumerate() {
         if !e.cost.is_finite() {
             continue;
         }
-        let row = &next.entries[b * width..(b + 1) * width];
-        for (slot, n) in step.iter_mut().zip(row) {
-            // `slot.min(e.plus(n))`, the sum formed only when it wins (most lose).
-            let (cost, memory) = (e.cost + n.cost, e.memory + n.memory);
-            if cost < slot.cost || (cost == slot.cost && memory < slot.memory) {
-                *slot = e.plus(*n);
+        let row = &next_rank[b * width..(b + 1) * width];
+        for ((slot, at), n) in rank.iter_mut().zip(from.iter_mut()).zip(row) {
+            let (cost, memory) = (e.cost + n[0], e.memory + n[1]);
+            if cost < slot[0] || (cost == slot[0] && memory < slot[1]) {
+                *slot = [cost, memory];
+                *at = p;
             }
         }
     }
-    step
+    // Only the winners' entries are summed whole.
+    from.iter()
+        .enumerate()
+        .map(|(a, &p)| match p {
+            usize::MAX => Entry::NONE,
+            p => best[p].plus(next.entries[link[p] * width + a]),
+        })
+        .collect()
 }
 
 /// The range's best entry (free after its last layer).
