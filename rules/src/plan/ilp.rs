@@ -19,7 +19,7 @@ use crate::cost::analytic::p2p_time;
 use crate::cost::cluster::{Cluster, GIB};
 use crate::cost::sharding::Mesh;
 use crate::model::graph::{Graph, Pass};
-use crate::solve::intra::chain::{boundary_bytes, names_between};
+use crate::solve::intra::chain::{boundary_bytes, moved};
 use crate::solve::intra::stage::{MegatronSharding, StageModel, StagePlan};
 use crate::solve::pipeline::{
     MeshChoice, PipelineOptions, PipelinePlan, PricedPipeline, PricedStage, Skipped, layer_classes,
@@ -543,10 +543,7 @@ fn compare(
                     solved?
                 }
             };
-            parts.push(match first == l {
-                true => p,
-                false => p.renamed(&names_between(graph, first, l), [l, l + 1]),
-            });
+            parts.push(moved(graph, p, first, l));
         }
         StagePlan::join(parts).ok_or_else(|| "the stage holds no layer".to_string())
     };

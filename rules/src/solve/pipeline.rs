@@ -686,12 +686,7 @@ pub fn decode_pipeline(
                 .zip(&st.states)
                 .map(|(l, &state)| {
                     let (at, plan) = &decoded[&(st.mesh, classes[l], state)];
-                    match *at == l {
-                        true => plan.clone(),
-                        false => plan
-                            .clone()
-                            .renamed(&chain::names_between(graph, *at, l), [l, l + 1]),
-                    }
+                    chain::moved(graph, plan.clone(), *at, l)
                 })
                 .collect();
             let plan = StagePlan::join(parts)

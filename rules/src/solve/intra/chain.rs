@@ -777,10 +777,7 @@ pub fn decode_range(
     for (l, (table, &state)) in layers.clone().zip(tables.iter().zip(states)) {
         let key = (*table as *const LayerTable, state);
         if let Some((first, plan)) = solved.get(&key) {
-            plans.push(
-                plan.clone()
-                    .renamed(&names_between(graph, *first, l), [l, l + 1]),
-            );
+            plans.push(moved(graph, plan.clone(), *first, l));
             continue;
         }
         let plan = decode_layer(graph, &crossings, l, mesh, device, opts, table, state)?;
@@ -821,6 +818,15 @@ pub fn decode_layer(
         allowed[var].retain(|&i| specs[i] == *spec);
     }
     Ok(model.solve_within(&allowed)?)
+}
+
+/// `plan`, solved for layer `first`, as the plan of layer `l` of the same class (renamed
+/// unless it is that layer).
+pub fn moved(graph: &Graph, plan: StagePlan, first: usize, l: usize) -> StagePlan {
+    match first == l {
+        true => plan,
+        false => plan.renamed(&names_between(graph, first, l), [l, l + 1]),
+    }
 }
 
 /// The names of layer `from`'s ops and of the tensors they read, write and save, mapped to

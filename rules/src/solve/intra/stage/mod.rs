@@ -1147,11 +1147,13 @@ impl<'g> StageModel<'g> {
         }
         for p in self.params.iter().filter(|_| per_step) {
             for c in 0..p.choices.len() {
+                if terms == Terms::StepCollectives {
+                    // The updated-weight gathers only.
+                    vars[p.var].cost[c] += self.param_times(p, c).1;
+                    continue;
+                }
                 let (time, m) = self.param_cost(p, c);
-                vars[p.var].cost[c] += match terms {
-                    Terms::StepCollectives => self.param_times(p, c).1,
-                    _ => time / b,
-                };
+                vars[p.var].cost[c] += time / b;
                 if memory {
                     vars[p.var].memory[c] += m.weights + m.optimizer;
                 }
