@@ -9,8 +9,8 @@
 //! The store is an accelerator and never a point of failure. Every call into sled goes through
 //! one boundary ([`LocalCache::call`]) that contains sled's panics and classifies its errors: a
 //! damaged database (sled reports corruption, fails to parse its own files, or panics) is moved
-//! aside to `<dir>.corrupt-<ms>` with one warning, and a new, empty one takes its place, at open
-//! or in the middle of a build. A database that cannot be used for other reasons (no permission,
+//! aside to `<dir>.corrupt-<ms>` with one warning, and a new one takes its place: empty at open,
+//! or, in the middle of a build, holding every entry of the old one that still verifies. A database that cannot be used for other reasons (no permission,
 //! a full disk, another process holding it past the wait) is reported, and the caller works
 //! without it. sled's file lock lets one process use a cache at a time; another `autopar` waits
 //! for it (see [`LocalCache::open`]) rather than share it unsafely.
@@ -33,6 +33,10 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long closing the database may take: sled flushes again when its last handle drops, and
 /// after a write the disk refused (ENOSPC) that flush can wait forever for the write.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long copying the entries that still verify out of a database found damaged in the
+/// middle of a build may take (a damaged sled tree can be walked for minutes before it fails).
+const SALVAGE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Bytes of pages sled keeps in memory (its default is 1 GiB): the build holds the results it
 /// uses itself, so the store's page cache only saves re-reading hot pages.
@@ -92,6 +96,10 @@ pub struct Repair {
     pub moved_to: PathBuf,
     /// What was wrong with it.
     pub reason: String,
+    /// Entries that still verified against their keys and were copied into the new database
+    /// (damage found in the middle of a build; a database damaged at open is not read again).
+    #[serde(default)]
+    pub kept: u64,
 }
 
 /// What `verify` found and repaired.
@@ -333,16 +341,73 @@ fn move_aside(dir: &Path, reason: &str) -> Result<Repair, StoreError> {
     let moved_to = PathBuf::from(format!("{}.corrupt-{}", dir.display(), now_ms()));
     std::fs::rename(dir, &moved_to).map_err(err("moving a corrupt cache aside"))?;
     std::fs::create_dir_all(dir).map_err(err("creating cache directory"))?;
-    tracing::warn!(
-        cache = %dir.display(),
-        moved_to = %moved_to.display(),
-        %reason,
-        "the cache database is corrupt; starting a new one"
-    );
     Ok(Repair {
         moved_to,
         reason: reason.to_string(),
+        kept: 0,
     })
+}
+
+/// Says, once, that the database at `dir` was damaged and what became of it.
+fn warn_repaired(dir: &Path, repair: &Repair) {
+    tracing::warn!(
+        cache = %dir.display(),
+        moved_to = %repair.moved_to.display(),
+        reason = %repair.reason,
+        kept = repair.kept,
+        "the cache database is corrupt; starting a new one"
+    );
+}
+
+/// Copies every entry of the damaged database `old` that still verifies against its key, with
+/// its metadata and last use, into `new`, and returns how many it copied. A build that finds
+/// damage halfway keeps what it (and earlier builds) stored before; nothing unverified moves.
+///
+/// It runs on a thread of its own, for at most [`SALVAGE_TIMEOUT`], and stops at the first
+/// error or panic of `old`: what lies past damaged pages is lost, as it was already.
+fn salvage(old: Arc<Handle>, new: Arc<Handle>) -> u64 {
+    let copied = Arc::new(AtomicU64::new(0));
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let counter = copied.clone();
+    let spawned = std::thread::Builder::new()
+        .name("autopar-cache-salvage".into())
+        .spawn(move || {
+            let _ = contain(|| -> sled::Result<()> {
+                for item in old.values.iter() {
+                    let (k, v) = item?;
+                    let Ok(key) = <[u8; 32]>::try_from(k.as_ref()) else {
+                        continue;
+                    };
+                    if record::open(&Key(key), &v).is_err() {
+                        continue;
+                    }
+                    // An entry without readable metadata would be an orphan: left behind.
+                    let Some(meta) = old.meta.get(&k)? else {
+                        continue;
+                    };
+                    if serde_json::from_slice::<EntryMeta>(&meta).is_err() {
+                        continue;
+                    }
+                    let used = old
+                        .used
+                        .get(&k)?
+                        .map_or_else(|| now_ms().to_be_bytes().to_vec(), |u| u.to_vec());
+                    new.values.insert(&k, v)?;
+                    new.meta.insert(&k, meta)?;
+                    new.used.insert(&k, used)?;
+                    counter.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            });
+            let _ = tx.send(());
+        });
+    if spawned.is_ok() && rx.recv_timeout(SALVAGE_TIMEOUT).is_err() {
+        tracing::debug!(
+            "copying out of the damaged cache took more than {} s; stopped waiting",
+            SALVAGE_TIMEOUT.as_secs()
+        );
+    }
+    copied.load(Ordering::Relaxed)
 }
 
 impl LocalCache {
@@ -378,7 +443,9 @@ impl LocalCache {
                 // One repair: a database that is damaged again right after being created new
                 // is not a damaged file but a broken environment.
                 Err(OpenError::Damaged(why)) if repairs.is_empty() => {
-                    repairs.push(move_aside(dir, &why)?);
+                    let repair = move_aside(dir, &why)?;
+                    warn_repaired(dir, &repair);
+                    repairs.push(repair);
                 }
                 Err(OpenError::Damaged(why)) => {
                     return Err(err("opening cache")(std::io::Error::other(why)));
@@ -427,15 +494,33 @@ impl LocalCache {
     }
 
     /// The store boundary: runs `f` on the current database. A panic or a damage error inside
-    /// it replaces the database (see [`LocalCache::replace`]); other errors are passed on.
-    fn call<R>(&self, f: impl FnOnce(&Handle) -> sled::Result<R>) -> Result<R, CallError> {
+    /// it replaces the database (see [`LocalCache::replace`]), and `f` runs once more on the
+    /// new one, which holds every entry that still verified: the caller sees the damage only
+    /// if that fails too. Other errors are passed on.
+    fn call<R>(&self, f: impl Fn(&Handle) -> sled::Result<R>) -> Result<R, CallError> {
+        match self.call_once(&f) {
+            Err(CallError::Damaged(why)) => match self.call_once(&f) {
+                Err(CallError::Io(_)) => Err(CallError::Damaged(why)),
+                again => again,
+            },
+            done => done,
+        }
+    }
+
+    /// [`LocalCache::call`] without the second attempt.
+    fn call_once<R>(&self, f: &impl Fn(&Handle) -> sled::Result<R>) -> Result<R, CallError> {
         let handle = match &*self.state.read().unwrap_or_else(|e| e.into_inner()) {
             State::Open(h) => h.clone(),
             State::Closed(why) => {
                 return Err(CallError::Io(std::io::Error::other(why.clone())));
             }
         };
-        let why = match contain(|| f(&handle)) {
+        let why = match contain(|| {
+            if fault::damaged_now() {
+                panic!("injected damage");
+            }
+            f(&handle)
+        }) {
             Ok(Ok(r)) => return Ok(r),
             Ok(Err(e)) if !is_damage(&e) => {
                 self.refused.store(true, Ordering::Relaxed);
@@ -449,8 +534,9 @@ impl LocalCache {
     }
 
     /// Replaces the damaged database `handle` (unless another caller already did): moves its
-    /// files aside and opens a new, empty one; if that fails too, the store is closed for the
-    /// rest of the process and callers work without it.
+    /// files aside, opens a new one and copies into it the entries that still verify (see
+    /// [`salvage`]); if opening fails too, the store is closed for the rest of the process and
+    /// callers work without it.
     fn replace(&self, handle: Arc<Handle>, why: &str) {
         let mut state = self.state.write().unwrap_or_else(|e| e.into_inner());
         match &*state {
@@ -458,18 +544,17 @@ impl LocalCache {
             _ => return,
         }
         // A damaged sled handle may panic again when dropped (its trees flush on drop), outside
-        // any containment: the state's reference is leaked, so the caller's, dropped here, is
-        // never the last. This happens at most once or twice a process.
-        drop(handle);
+        // any containment: the state's reference is leaked, so the caller's (lent to the
+        // salvage, then dropped) is never the last. This happens at most once or twice a
+        // process.
         let old = std::mem::replace(&mut *state, State::Closed(why.to_string()));
         if let State::Open(h) = old {
             std::mem::forget(h);
         }
         let generation = self.generations.fetch_add(1, Ordering::Relaxed);
         let replaced = move_aside(&self.path, why).and_then(|repair| {
-            lock(&self.repairs).push(repair);
-            open_handle(&self.path, generation)
-                .map(|(h, _)| h)
+            let opened = open_handle(&self.path, generation)
+                .map(|(h, _)| Arc::new(h))
                 .map_err(|e| {
                     let source = match e {
                         OpenError::Locked(e) | OpenError::Unusable(e) => e,
@@ -480,10 +565,18 @@ impl LocalCache {
                         path: self.path.clone(),
                         source,
                     }
-                })
+                });
+            let kept = match &opened {
+                Ok(new) => salvage(handle, new.clone()),
+                Err(_) => 0,
+            };
+            let repair = Repair { kept, ..repair };
+            warn_repaired(&self.path, &repair);
+            lock(&self.repairs).push(repair);
+            opened
         });
         match replaced {
-            Ok(h) => *state = State::Open(Arc::new(h)),
+            Ok(h) => *state = State::Open(h),
             Err(e) => {
                 tracing::warn!("working without the local cache: {e}: {}", e.source);
                 *state = State::Closed(format!("{e}: {}", e.source));
@@ -934,6 +1027,58 @@ mod tests {
             .map(|(k, _)| k.0[0])
             .collect();
         assert_eq!(left, vec![0, 4]);
+    }
+
+    #[test]
+    fn damage_found_mid_build_keeps_every_entry_that_still_verifies() {
+        let parent = tempfile::tempdir().expect("tempdir");
+        let dir = parent.path().join("cache");
+        let c = LocalCache::open(&dir, Duration::ZERO).expect("opens");
+        for i in 0..50u8 {
+            c.put(&Key([i; 32]), &[i; 100], &meta("x")).expect("put");
+        }
+        // One entry damaged in place, one bound to another key, one without metadata: none
+        // of them may move into the new database.
+        c.put_raw(&Key([3; 32]), b"APV2 short").expect("tamper");
+        let other = c.raw(&Key([4; 32])).expect("raw").expect("present");
+        c.put_raw(&Key([5; 32]), &other).expect("swap");
+        c.put_raw(&Key([60; 32]), &record::seal(&Key([60; 32]), b"x"))
+            .expect("orphan");
+        // A read finds the database damaged, as sled's panics on damaged pages do; it is
+        // replaced, and the read runs again on the new one.
+        let calls = AtomicU64::new(0);
+        let read = c.call(|h| {
+            if calls.fetch_add(1, Ordering::Relaxed) == 0 {
+                panic!("damaged page");
+            }
+            h.values.get([7; 32])
+        });
+        assert!(
+            matches!(read, Ok(Some(_))),
+            "the second attempt reads the new database"
+        );
+        let repairs = c.repairs();
+        assert_eq!(repairs.len(), 1);
+        assert_eq!(repairs[0].kept, 48);
+        assert!(repairs[0].moved_to.exists());
+        for i in 0..50u8 {
+            let got = c.get(&Key([i; 32])).expect("get");
+            if i == 3 || i == 5 {
+                assert_eq!(got, Lookup::Miss, "entry {i}");
+            } else {
+                assert_eq!(got, Lookup::Hit(vec![i; 100]), "entry {i}");
+            }
+        }
+        assert_eq!(c.get(&Key([60; 32])).expect("get"), Lookup::Miss);
+        // Metadata and last use came along: nothing for verify to remove, gc still works.
+        assert_eq!(c.stats().expect("stats").entries, 48);
+        assert_eq!(c.verify().expect("verify").removed, 0);
+        // Writes go to the new database and survive reopening it.
+        c.put(&Key([70; 32]), b"after", &meta("x")).expect("put");
+        drop(c);
+        let c = LocalCache::open(&dir, Duration::ZERO).expect("reopens");
+        assert_eq!(c.stats().expect("stats").entries, 49);
+        assert!(c.damage().is_empty(), "{:?}", c.damage());
     }
 
     /// Entries [`reopen_after`] stores: about the size of a build's cache.

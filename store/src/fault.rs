@@ -1,8 +1,10 @@
 //! Fault injection for the failure tests (cargo feature `fault-injection`, which only the test
 //! crate enables): makes every write of the local store fail as a full or read-only disk would,
-//! so that what a build does on such a disk can be tested on any machine, as any user.
+//! or its database fail as a damaged one does in the middle of a build, so that what a build
+//! does then can be tested on any machine, as any user.
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A fault the local store simulates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -10,7 +12,13 @@ pub enum Fault {
     /// Every write fails with this error (`StorageFull` for a full disk, `ReadOnlyFilesystem`
     /// or `PermissionDenied` for a read-only one); reads work.
     WritesFail(std::io::ErrorKind),
+    /// The `n`-th call into the database (counting from 1) fails as sled does on damaged
+    /// pages, once; the calls before and after it work.
+    DamagedAt(u64),
 }
+
+/// Calls into the database so far, for [`Fault::DamagedAt`].
+static CALLS: AtomicU64 = AtomicU64::new(0);
 
 static FAULT: OnceLock<Fault> = OnceLock::new();
 
@@ -21,7 +29,16 @@ pub fn inject(fault: Fault) {
 
 /// The error an injected fault makes a write fail with, if any.
 pub(crate) fn write_error() -> Option<std::io::Error> {
-    FAULT
-        .get()
-        .map(|Fault::WritesFail(kind)| std::io::Error::from(*kind))
+    match FAULT.get() {
+        Some(Fault::WritesFail(kind)) => Some(std::io::Error::from(*kind)),
+        _ => None,
+    }
+}
+
+/// Whether the call into the database about to be made is the one an injected fault damages.
+pub(crate) fn damaged_now() -> bool {
+    match FAULT.get() {
+        Some(Fault::DamagedAt(n)) => CALLS.fetch_add(1, Ordering::Relaxed) + 1 == *n,
+        _ => false,
+    }
 }

@@ -24,6 +24,10 @@ mod fault {
     pub(crate) fn write_error() -> Option<std::io::Error> {
         None
     }
+
+    pub(crate) fn damaged_now() -> bool {
+        false
+    }
 }
 
 use std::io::Write;

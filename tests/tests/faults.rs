@@ -177,6 +177,54 @@ fn damage_to_any_file_of_the_cache_never_changes_a_plan() {
 }
 
 #[test]
+fn damage_found_in_the_middle_of_a_build_keeps_what_still_verifies() {
+    // The reference plans, from an undamaged cold build.
+    let reference = TempWorkspace::default_copy();
+    build_ok(&reference, "reference", &[]);
+    let plans = |ws: &TempWorkspace| -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = std::fs::read_dir(ws.path().join("plans"))
+            .expect("plans")
+            .flatten()
+            .map(|e| {
+                let text = std::fs::read_to_string(e.path()).expect("plan");
+                (e.file_name().to_string_lossy().into_owned(), text)
+            })
+            .collect();
+        out.sort();
+        out
+    };
+    // The database fails as a damaged one does at its N-th call: in a cold build (after some
+    // results were written) and in a warm one (after some were read). Whatever the build
+    // wrote or read before is still found by the next build.
+    let warm = TempWorkspace::default_copy();
+    build_ok(&warm, "warm cache", &[]);
+    for (cold, at) in [(true, 40), (true, 400), (false, 5), (false, 40)] {
+        let case = format!(
+            "{} build damaged at call {at}",
+            if cold { "cold" } else { "warm" }
+        );
+        let ws = TempWorkspace::default_copy();
+        if !cold {
+            copy_dir(
+                &warm.path().join(".autopar/cache"),
+                &ws.path().join(".autopar/cache"),
+            );
+        }
+        let fault = format!("damaged-at:{at}");
+        let r = build_ok(&ws, &case, &[("AUTOPAR_E2E_FAULT", &fault)]);
+        let w = warnings(&r);
+        assert_eq!(w.len(), 1, "{case}: one warning:\n{}", r.stderr);
+        assert!(
+            w[0].contains("corrupt") && w[0].contains("kept="),
+            "{case}: {}",
+            w[0]
+        );
+        assert_eq!(plans(&ws), plans(&reference), "{case}: plans");
+        assert_eq!(solved(&build_ok(&ws, &case, &[])), 0, "{case}: rebuilt");
+    }
+}
+
+#[test]
 fn a_full_disk_costs_the_cache_not_the_build() {
     let ws = TempWorkspace::default_copy();
     // Every write fails with ENOSPC (the store's fault-injection hook), reads work.

@@ -62,9 +62,13 @@ pub fn verify(session: &Session, dir: Option<&Path>, json: bool) -> Result<(), F
     );
     for repair in &r.repairs {
         outln!(
-            "  the database was damaged ({}); moved aside to {} and replaced by a new one",
+            "  the database was damaged ({}); moved aside to {} and replaced by a new one{}",
             repair.reason,
-            repair.moved_to.display()
+            repair.moved_to.display(),
+            match repair.kept {
+                0 => String::new(),
+                n => format!(" holding the {n} entries that still verified"),
+            }
         );
     }
     for damage in &r.damage {

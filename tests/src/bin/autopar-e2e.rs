@@ -3,7 +3,9 @@
 //! process, exit codes and all.
 //!
 //! One addition for the failure tests: `AUTOPAR_E2E_FAULT=enospc` (or `erofs`) makes every
-//! write of the local cache fail as a full (or read-only) disk would.
+//! write of the local cache fail as a full (or read-only) disk would, and
+//! `AUTOPAR_E2E_FAULT=damaged-at:N` makes the N-th call into the cache's database fail as a
+//! damaged database does.
 
 fn main() -> std::process::ExitCode {
     use autopar_store::fault::{Fault, inject};
@@ -11,6 +13,14 @@ fn main() -> std::process::ExitCode {
     match std::env::var("AUTOPAR_E2E_FAULT").as_deref() {
         Ok("enospc") => inject(Fault::WritesFail(ErrorKind::StorageFull)),
         Ok("erofs") => inject(Fault::WritesFail(ErrorKind::ReadOnlyFilesystem)),
+        Ok(other) => {
+            if let Some(n) = other
+                .strip_prefix("damaged-at:")
+                .and_then(|n| n.parse().ok())
+            {
+                inject(Fault::DamagedAt(n));
+            }
+        }
         _ => {}
     }
     autopar_cli::main()
