@@ -771,6 +771,17 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
         o.micro_batch,
         o.seq
     );
+    if let Some(ilp) = &o.ilp {
+        let _ = writeln!(
+            s,
+            "note      the plan chose the ILP space's pipeline ({}, predicted {}); the executor \
+             lowers Megatron-LM layouts only, so this runs the plan's best Megatron-LM layout \
+             (predicted {})",
+            ilp.summary,
+            secs(ilp.step_time_s),
+            secs(o.predicted_step_time_s)
+        );
+    }
     let _ = writeln!(
         s,
         "program   {} in {} ({} kernels over {} virtual stage(s)), key {}",

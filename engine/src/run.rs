@@ -12,7 +12,8 @@ use autopar_rules::canonical::digest;
 use autopar_rules::model::frontend::LowerOptions;
 use autopar_rules::model::graph::{DType, Graph, TensorKind};
 use autopar_rules::plan::estimate::TimeBreakdown;
-use autopar_rules::plan::format::Plan;
+use autopar_rules::plan::format::{Plan, SpaceBest};
+use autopar_rules::plan::ilp::Space;
 use autopar_store::EntryMeta;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -73,6 +74,12 @@ pub struct RunOutcome {
     pub comparable: bool,
     /// Comparison with the single-device run, with `--check`.
     pub check: Option<CheckReport>,
+    /// The space the plan chose. The executor lowers Megatron-LM layouts: when the plan chose
+    /// the ILP space's pipeline, the run is of the plan's best Megatron-LM layout (`estimate`),
+    /// whose prediction `predicted_step_time_s` is, and `ilp` is the pipeline not run.
+    pub plan_space: Space,
+    /// The ILP space's best, when the plan chose it.
+    pub ilp: Option<SpaceBest>,
 }
 
 /// The executor's layout of a stored plan.
@@ -297,5 +304,9 @@ pub fn run_plan(
         cluster: plan.cluster.name.clone(),
         comparable: backend == Backend::Cpu && plan.cluster.device.name == CPU_DEVICE,
         check: report,
+        plan_space: plan.space,
+        ilp: (plan.space == Space::Ilp)
+            .then(|| plan.spaces.ilp.clone())
+            .flatten(),
     })
 }

@@ -194,6 +194,7 @@ model = "tiny-llama"
 cluster = "dgx-h100-1"
 global_batch = 8
 seq_len = 32
+space = "both"
 [target.search]
 tp = [2]
 pp = [2]
@@ -223,6 +224,36 @@ micro_batch = [1]
     // Text output names the measured and predicted step times.
     let text = ws.run(&["run", "tiny-test", "--steps", "1"]);
     assert!(text.stdout.contains("predicted"), "{}", text.stdout);
+    // This plan chose the ILP space's pipeline: the run says that the plan's Megatron-LM
+    // layout runs instead, with both predictions; a plan of the Megatron-LM space says nothing.
+    assert_eq!(j["plan_space"], "ilp", "{j}");
+    let plan: serde_json::Value =
+        serde_json::from_str(&ws.read("plans/tiny-test.json")).expect("plan");
+    assert_eq!(j["ilp"], plan["spaces"]["ilp"]);
+    assert_eq!(j["layout"]["tp"], plan["estimate"]["layout"]["tp"]);
+    assert!(
+        text.stdout
+            .contains("the plan chose the ILP space's pipeline")
+            && text.stdout.contains("Megatron-LM layouts only"),
+        "{}",
+        text.stdout
+    );
+    let mut megatron = plan.clone();
+    megatron["space"] = "megatron".into();
+    ws.write("megatron-plan.json", &megatron.to_string());
+    let m = ws.run(&[
+        "run",
+        "--plan",
+        "megatron-plan.json",
+        "--steps",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(m.code, 0, "{}", m.stderr);
+    assert_eq!(m.json()["plan_space"], "megatron");
+    assert!(m.json()["ilp"].is_null());
+    let text = ws.run(&["run", "--plan", "megatron-plan.json", "--steps", "1"]);
+    assert!(!text.stdout.contains("note"), "{}", text.stdout);
 
     // No GPU stack here (or no CUDA kernels in this build): exit 2 saying what is missing.
     let cuda = ws.run(&["run", "tiny-test", "--backend", "cuda"]);
@@ -240,11 +271,17 @@ micro_batch = [1]
     // Plan files that cannot run: not a plan, another schema, edited to a micro-batch the CPU
     // cannot hold, or to a global batch its micro-batches do not make. Each is refused (exit
     // 2) before anything is allocated, saying why.
+    // Edits go to the Megatron-LM layout run (`estimate`) where it has the field.
     let plan = ws.read("plans/tiny-test.json");
     let edit = |pairs: &[(&str, &str)]| {
         pairs.iter().fold(plan.clone(), |text, (from, to)| {
-            assert!(text.contains(from), "the plan has {from}");
-            text.replacen(from, to, 1)
+            let estimate = text.find("\"estimate\": {").unwrap_or(0);
+            let at = text[estimate..]
+                .find(from)
+                .map(|i| estimate + i)
+                .or_else(|| text.find(from))
+                .unwrap_or_else(|| panic!("the plan has {from}"));
+            format!("{}{to}{}", &text[..at], &text[at + from.len()..])
         })
     };
     let cases = [
