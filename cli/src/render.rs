@@ -771,16 +771,26 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
         o.micro_batch,
         o.seq
     );
-    if let Some(ilp) = &o.ilp {
-        let _ = writeln!(
-            s,
-            "note      the plan chose the ILP space's pipeline ({}, predicted {}); the executor \
-             lowers Megatron-LM layouts only, so this runs the plan's best Megatron-LM layout \
-             (predicted {})",
-            ilp.summary,
-            secs(ilp.step_time_s),
-            secs(o.predicted_step_time_s)
-        );
+    match (&o.ilp, &o.not_run) {
+        (Some(ilp), Some(why)) => {
+            let _ = writeln!(
+                s,
+                "note      the plan chose the ILP space's pipeline ({}, predicted {}), which the \
+                 executor cannot lower yet: {why}; this runs the plan's best Megatron-LM layout \
+                 (predicted {})",
+                ilp.summary,
+                secs(ilp.step_time_s),
+                secs(o.predicted_step_time_s)
+            );
+        }
+        (Some(ilp), None) => {
+            let _ = writeln!(
+                s,
+                "plan      the ILP space's pipeline ({}): every op placed as its specs say",
+                ilp.summary
+            );
+        }
+        _ => {}
     }
     let _ = writeln!(
         s,
@@ -827,13 +837,24 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
         secs(m.communication),
         secs(m.optimizer)
     );
-    let _ = writeln!(
-        s,
-        "predicted compute {} · communication and bubble {} · optimizer {}",
-        secs(p.compute + p.recompute),
-        secs(p.tp_comm + p.p2p + p.zero_comm + p.bubble + p.grad_sync),
-        secs(p.optimizer)
-    );
+    if o.ran == autopar_rules::plan::ilp::Space::Ilp {
+        let _ = writeln!(
+            s,
+            "predicted pipeline {} (kernels, collectives and bubble) · gradient sync {} · \
+             optimizer {}",
+            secs(p.compute),
+            secs(p.grad_sync),
+            secs(p.optimizer)
+        );
+    } else {
+        let _ = writeln!(
+            s,
+            "predicted compute {} · communication and bubble {} · optimizer {}",
+            secs(p.compute + p.recompute),
+            secs(p.tp_comm + p.p2p + p.zero_comm + p.bubble + p.grad_sync),
+            secs(p.optimizer)
+        );
+    }
     if let Some(c) = &o.check {
         let _ = writeln!(
             s,

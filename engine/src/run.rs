@@ -3,6 +3,7 @@
 
 use crate::EngineError;
 use crate::cache::{Cache, Source, kind};
+use crate::executor::placement::State;
 use crate::executor::{
     Backend, CPU_DEVICE, CheckReport, ExecError, ExecLayout, Program, RunOptions, RunResult, check,
     cuda, lower, run_program, summarize,
@@ -10,12 +11,13 @@ use crate::executor::{
 use crate::workspace::Workspace;
 use autopar_rules::canonical::digest;
 use autopar_rules::model::frontend::LowerOptions;
-use autopar_rules::model::graph::{DType, Graph, TensorKind};
+use autopar_rules::model::graph::{DType, Graph, Pass, TensorId, TensorKind};
 use autopar_rules::plan::estimate::TimeBreakdown;
 use autopar_rules::plan::format::{Plan, SpaceBest};
-use autopar_rules::plan::ilp::Space;
+use autopar_rules::plan::ilp::{IlpPlan, OpSpecs, Space};
 use autopar_store::EntryMeta;
 use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 /// Bytes of host memory the CPU backend may use for parameters, gradients and Adam moments of
@@ -63,9 +65,11 @@ pub struct RunOutcome {
     pub result: RunResult,
     /// Median measured step time, s.
     pub measured_step_time_s: f64,
-    /// The plan's predicted step time on its cluster, s.
+    /// The predicted step time of what ran, on the plan's cluster, s.
     pub predicted_step_time_s: f64,
-    /// Where the predicted step time goes.
+    /// Where the predicted step time goes. When an ILP pipeline ran, `compute` is its
+    /// simulated pipeline (kernels, collectives, transfers and bubble together), and
+    /// `grad_sync` and `optimizer` its per-step terms.
     pub predicted_time: TimeBreakdown,
     /// The cluster the prediction is for.
     pub cluster: String,
@@ -74,10 +78,14 @@ pub struct RunOutcome {
     pub comparable: bool,
     /// Comparison with the single-device run, with `--check`.
     pub check: Option<CheckReport>,
-    /// The space the plan chose. The executor lowers Megatron-LM layouts: when the plan chose
-    /// the ILP space's pipeline, the run is of the plan's best Megatron-LM layout (`estimate`),
-    /// whose prediction `predicted_step_time_s` is, and `ilp` is the pipeline not run.
+    /// The space the plan chose.
     pub plan_space: Space,
+    /// The space whose plan ran: the plan's own, or `megatron` when the plan chose an ILP
+    /// pipeline the executor cannot lower yet (its best Megatron-LM layout ran instead, and
+    /// the predictions are that layout's).
+    pub ran: Space,
+    /// Why the plan's ILP pipeline did not run, when it did not.
+    pub not_run: Option<String>,
     /// The ILP space's best, when the plan chose it.
     pub ilp: Option<SpaceBest>,
 }
@@ -98,6 +106,7 @@ pub fn exec_layout(plan: &Plan) -> ExecLayout {
             .map(|s| s.chunks.iter().map(|c| (c.first, c.last)).collect())
             .collect(),
         grad_accumulation_fusion: plan.training.grad_accumulation_fusion,
+        placements: BTreeMap::new(),
     }
 }
 
@@ -127,9 +136,52 @@ pub fn plan_graph(ws: &Workspace, plan: &Plan) -> Result<Graph, EngineError> {
         .map_err(|e| EngineError::Exec(ExecError::Lower(e.to_string())))
 }
 
+/// What `run` executes of a plan.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    /// The plan's model at the micro-batch the run feeds.
+    pub graph: Graph,
+    /// The executor's layout.
+    pub layout: ExecLayout,
+    /// The space whose plan runs: the plan's own, or `megatron` (the plan's best Megatron-LM
+    /// layout) when the plan chose an ILP pipeline the executor cannot lower yet.
+    pub ran: Space,
+    /// Why the plan's ILP pipeline does not run, when it does not.
+    pub not_run: Option<String>,
+}
+
 /// The graph and layout `plan` runs with, refused when they would not fit the CPU backend's
-/// budget: everything [`run_plan`] checks before lowering.
-pub fn prepare(ws: &Workspace, plan: &Plan) -> Result<(Graph, ExecLayout), EngineError> {
+/// budget: everything [`run_plan`] checks before lowering. A plan that chose the ILP space's
+/// pipeline runs it when its stages share one logical mesh with a single axis of more than one
+/// device (its per-op specs become the placements in that axis's group); otherwise its best
+/// Megatron-LM layout runs, and [`Prepared::not_run`] says why.
+pub fn prepare(ws: &Workspace, plan: &Plan) -> Result<Prepared, EngineError> {
+    let not_run = match (plan.space, &plan.ilp) {
+        (Space::Ilp, Some(ilp)) => match ilp_run(ws, plan, ilp) {
+            Ok((graph, layout)) => {
+                check_budget(&graph, &layout, &plan.model.name)?;
+                return Ok(Prepared {
+                    graph,
+                    layout,
+                    ran: Space::Ilp,
+                    not_run: None,
+                });
+            }
+            Err(why) => Some(why),
+        },
+        _ => None,
+    };
+    let (graph, layout) = prepare_megatron(ws, plan)?;
+    Ok(Prepared {
+        graph,
+        layout,
+        ran: Space::Megatron,
+        not_run,
+    })
+}
+
+/// The graph and layout of the plan's best Megatron-LM layout (`estimate`).
+fn prepare_megatron(ws: &Workspace, plan: &Plan) -> Result<(Graph, ExecLayout), EngineError> {
     let (l, m) = (&plan.estimate.layout, plan.estimate.num_microbatches);
     let devices = l.tp.checked_mul(l.pp).and_then(|x| x.checked_mul(l.dp));
     if devices != Some(plan.cluster.gpus()) {
@@ -158,19 +210,192 @@ pub fn prepare(ws: &Workspace, plan: &Plan) -> Result<(Graph, ExecLayout), Engin
     }
     let graph = plan_graph(ws, plan)?;
     let layout = exec_layout(plan);
-    check_size(&graph, &layout, &plan.model.name)?;
-    let flops = (graph.forward_flops() + graph.backward_flops()) * (m as f64) * (l.dp as f64);
+    check_budget(&graph, &layout, &plan.model.name)?;
+    Ok((graph, layout))
+}
+
+/// The graph and layout running `ilp`, the plan's ILP pipeline, or why the executor cannot.
+fn ilp_run(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, ExecLayout), String> {
+    let first = ilp.stages.first().ok_or("the ILP pipeline has no stages")?;
+    let mesh = first.mesh.logical;
+    if let Some(s) = ilp.stages.iter().find(|s| s.mesh.logical != mesh) {
+        return Err(format!(
+            "its stages run on different logical meshes ({}x{} and {}x{}); the executor runs \
+             stages of one mesh so far",
+            mesh[0], mesh[1], s.mesh.logical[0], s.mesh.logical[1]
+        ));
+    }
+    if mesh[0] > 1 && mesh[1] > 1 {
+        return Err(format!(
+            "its stages shard over both axes of a {}x{} logical mesh; the executor lowers \
+             one-axis meshes so far",
+            mesh[0], mesh[1]
+        ));
+    }
+    let axis = usize::from(mesh[1] > 1);
+    let model = ws
+        .model(&plan.model.name)
+        .ok_or_else(|| format!("the workspace declares no model `{}`", plan.model.name))?;
+    // As the build lowered the model for the ILP space (vocabulary padded for any
+    // tensor-parallel degree inside a node), so that the specs' shapes are the graph's.
+    let graph = model
+        .def
+        .lower(
+            &model.name,
+            &LowerOptions {
+                micro_batch: ilp.micro_batch,
+                seq: plan.training.seq,
+                dtype: DType::F32,
+                attention: plan.training.attention,
+                vocab_multiple: plan
+                    .training
+                    .vocab_multiple
+                    .max(1)
+                    .saturating_mul(plan.cluster.gpus_per_node),
+            },
+        )
+        .map_err(|e| e.to_string())?;
+    let chunks = ilp
+        .stages
+        .iter()
+        .map(|s| match s.layers {
+            [a, b] if a < b && b <= graph.layers.len() => Ok(vec![(a, b - 1)]),
+            l => Err(format!(
+                "a stage holds layers {}..{} of a model of {}",
+                l[0],
+                l[1],
+                graph.layers.len()
+            )),
+        })
+        .collect::<Result<_, String>>()?;
+    let tp = (mesh[0] * mesh[1]) as usize;
+    let layout = ExecLayout {
+        tp,
+        pp: ilp.stages.len(),
+        dp: 1,
+        sequence_parallel: false,
+        zero: 0,
+        microbatches: ilp.num_microbatches as usize,
+        chunks,
+        grad_accumulation_fusion: plan.training.grad_accumulation_fusion,
+        placements: if tp > 1 {
+            ilp_placements(&graph, ilp, axis)?
+        } else {
+            BTreeMap::new()
+        },
+    };
+    Ok((graph, layout))
+}
+
+/// The placement of every tensor of the graph in the group of mesh axis `axis`, from the specs
+/// of the ops that write them (a fed input: of the first op that reads it) and of the weights.
+fn ilp_placements(
+    graph: &Graph,
+    ilp: &IlpPlan,
+    axis: usize,
+) -> Result<BTreeMap<String, State>, String> {
+    let state = |spec: &str, t: TensorId| -> Result<State, String> {
+        let tensor = graph.tensor(t);
+        let masks = parse_spec(spec)
+            .filter(|m| m.len() == tensor.shape.len())
+            .ok_or_else(|| {
+                format!(
+                    "spec `{spec}` of `{}` {:?} is not one split (R, S0, S1, S01) per axis",
+                    tensor.name, tensor.shape
+                )
+            })?;
+        Ok(match masks.iter().position(|m| m & (1 << axis) != 0) {
+            Some(k) => State::split(k, &tensor.shape),
+            None => State::Replicated,
+        })
+    };
+    let by_name: HashMap<&str, TensorId> = graph
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.as_str(), TensorId(i as u32)))
+        .collect();
+    let mut out = BTreeMap::new();
+    for stage in &ilp.stages {
+        let specs: HashMap<&str, &OpSpecs> = stage
+            .ops
+            .iter()
+            .filter(|o| o.pass == Pass::Forward)
+            .map(|o| (o.op.as_str(), o))
+            .collect();
+        for layer in &graph.layers[stage.layers[0]..stage.layers[1]] {
+            for &oid in &layer.forward {
+                let op = graph.op(oid);
+                let s = specs
+                    .get(op.name.as_str())
+                    .ok_or_else(|| format!("the plan has no specs for op `{}`", op.name))?;
+                let spec = |list: &[String], k: usize| {
+                    list.get(k).cloned().ok_or_else(|| {
+                        format!("op `{}` has fewer specs than operands and results", op.name)
+                    })
+                };
+                for (k, &t) in op.outputs.iter().enumerate() {
+                    let name = graph.tensor(t).name.clone();
+                    out.insert(name, state(&spec(&s.outputs, k)?, t)?);
+                }
+                for (k, &t) in op.inputs.iter().enumerate() {
+                    let tensor = graph.tensor(t);
+                    if tensor.kind == TensorKind::Input && !out.contains_key(&tensor.name) {
+                        out.insert(tensor.name.clone(), state(&spec(&s.inputs, k)?, t)?);
+                    }
+                }
+            }
+        }
+        for w in &stage.parameters {
+            let t = *by_name
+                .get(w.name.as_str())
+                .ok_or_else(|| format!("the plan's weight `{}` is not in the model", w.name))?;
+            out.insert(w.name.clone(), state(&w.weight, t)?);
+        }
+    }
+    Ok(out)
+}
+
+/// The split of each axis of a spec as written in plans (`S0RS1`: axis 0 over mesh axis 0,
+/// axis 2 over mesh axis 1), as a bit mask of mesh axes; `None` when it is not one.
+fn parse_spec(spec: &str) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut rest = spec;
+    while !rest.is_empty() {
+        let (mask, len) = if rest.starts_with("S01") {
+            (3, 3)
+        } else if rest.starts_with("S0") {
+            (1, 2)
+        } else if rest.starts_with("S1") {
+            (2, 2)
+        } else if rest.starts_with('R') {
+            (0, 1)
+        } else {
+            return None;
+        };
+        out.push(mask);
+        rest = &rest[len..];
+    }
+    Some(out)
+}
+
+/// Refuses a run whose state, activations or arithmetic exceed the CPU backend's budget.
+fn check_budget(graph: &Graph, layout: &ExecLayout, name: &str) -> Result<(), EngineError> {
+    check_size(graph, layout, name)?;
+    let flops = (graph.forward_flops() + graph.backward_flops())
+        * (layout.microbatches as f64)
+        * (layout.dp as f64);
     if flops > CPU_STEP_FLOPS {
         return Err(ExecError::TooLarge(format!(
-            "a step of this plan computes {flops:.2e} floating-point operations ({m} \
+            "a step of this plan computes {flops:.2e} floating-point operations ({} \
              micro-batch(es) of {} on dp{}), above the {CPU_STEP_FLOPS:.0e} the CPU backend runs \
              per step (a few minutes); the CPU backend runs small models and batches (e.g. the \
              default workspace's tiny-llama targets)",
-            l.micro_batch, l.dp
+            layout.microbatches, graph.micro_batch, layout.dp
         ))
         .into());
     }
-    Ok((graph, layout))
+    Ok(())
 }
 
 /// Refuses models whose training state would not fit the CPU backend's budget.
@@ -273,7 +498,28 @@ pub fn run_plan(
     if backend == Backend::Cuda {
         cuda::probe()?;
     }
-    let (graph, layout) = prepare(ws, plan)?;
+    let Prepared {
+        graph,
+        layout,
+        ran,
+        not_run,
+    } = prepare(ws, plan)?;
+    let (predicted_step_time_s, predicted_time) = match (ran, &plan.ilp) {
+        (Space::Ilp, Some(ilp)) => (
+            ilp.step_time_s,
+            TimeBreakdown {
+                compute: ilp.pipeline_s,
+                recompute: 0.0,
+                tp_comm: 0.0,
+                p2p: 0.0,
+                zero_comm: 0.0,
+                bubble: 0.0,
+                grad_sync: ilp.grad_sync_s,
+                optimizer: ilp.optimizer_s,
+            },
+        ),
+        _ => (plan.estimate.step_time_s, plan.estimate.time),
+    };
     let description = format!(
         "program of {} ({}), {}",
         plan.target,
@@ -299,14 +545,32 @@ pub fn run_plan(
         program: info,
         measured_step_time_s: result.median_step_time(),
         result,
-        predicted_step_time_s: plan.estimate.step_time_s,
-        predicted_time: plan.estimate.time,
+        predicted_step_time_s,
+        predicted_time,
         cluster: plan.cluster.name.clone(),
         comparable: backend == Backend::Cpu && plan.cluster.device.name == CPU_DEVICE,
         check: report,
         plan_space: plan.space,
+        ran,
+        not_run,
         ilp: (plan.space == Space::Ilp)
             .then(|| plan.spaces.ilp.clone())
             .flatten(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_spec;
+
+    #[test]
+    fn specs_parse_as_plans_write_them() {
+        assert_eq!(parse_spec("S0RS1"), Some(vec![1, 0, 2]));
+        assert_eq!(parse_spec("S01R"), Some(vec![3, 0]));
+        assert_eq!(parse_spec("R"), Some(vec![0]));
+        assert_eq!(parse_spec(""), Some(vec![]));
+        for bad in ["S2", "S", "X", "RS", "S0S"] {
+            assert_eq!(parse_spec(bad), None, "{bad}");
+        }
+    }
 }

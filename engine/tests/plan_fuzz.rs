@@ -81,7 +81,7 @@ fn check(ws: &Workspace, text: &str) {
     let Ok(plan) = parse_plan("tiny-llama-3d", &path, text) else {
         return;
     };
-    let Ok((graph, layout)) = prepare(ws, &plan) else {
+    let Ok(autopar_engine::run::Prepared { graph, layout, .. }) = prepare(ws, &plan) else {
         return;
     };
     let params = graph.parameter_count() as f64 * 16.0 * layout.dp as f64;
@@ -93,7 +93,8 @@ fn check(ws: &Workspace, text: &str) {
 fn the_unedited_plan_lowers() {
     let (_, ws, text) = fixture();
     let plan = parse_plan("tiny-llama-3d", Path::new("p.json"), text).expect("plan");
-    let (graph, layout) = prepare(ws, &plan).expect("prepare");
+    let prepared = prepare(ws, &plan).expect("prepare");
+    let (graph, layout) = (prepared.graph, prepared.layout);
     assert_eq!(layout.devices(), 8);
     lower(&graph, &layout).expect("lower");
 }

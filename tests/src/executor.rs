@@ -70,5 +70,6 @@ pub fn layout(
         microbatches,
         chunks,
         grad_accumulation_fusion: true,
+        placements: Default::default(),
     }
 }

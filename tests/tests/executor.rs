@@ -211,7 +211,6 @@ micro_batch = [1]
     assert_eq!(r.code, 0, "{}", r.stderr);
     let j = r.json();
     assert_eq!(j["devices"], 8);
-    assert_eq!(j["layout"]["tp"], 2);
     assert_eq!(j["program"]["source"], "lowered");
     assert_eq!(j["check"]["passed"], true, "{j}");
     assert_eq!(j["result"]["losses"].as_array().map(Vec::len), Some(2));
@@ -224,20 +223,70 @@ micro_batch = [1]
     // Text output names the measured and predicted step times.
     let text = ws.run(&["run", "tiny-test", "--steps", "1"]);
     assert!(text.stdout.contains("predicted"), "{}", text.stdout);
-    // This plan chose the ILP space's pipeline: the run says that the plan's Megatron-LM
-    // layout runs instead, with both predictions; a plan of the Megatron-LM space says nothing.
-    assert_eq!(j["plan_space"], "ilp", "{j}");
+
+    // This plan chose the ILP space's pipeline, one stage on a 1x8 mesh, and that runs: every
+    // tensor placed as the plan's specs say (its column- and row-parallel MLP, its
+    // vocabulary-parallel embedding and output), checked against one device above.
     let plan: serde_json::Value =
         serde_json::from_str(&ws.read("plans/tiny-test.json")).expect("plan");
+    assert_eq!(j["plan_space"], "ilp", "{j}");
+    assert_eq!(j["ran"], "ilp", "{j}");
+    assert!(j["not_run"].is_null());
     assert_eq!(j["ilp"], plan["spaces"]["ilp"]);
-    assert_eq!(j["layout"]["tp"], plan["estimate"]["layout"]["tp"]);
+    assert_eq!(j["predicted_step_time_s"], plan["ilp"]["step_time_s"]);
+    let placements = j["layout"]["placements"].as_object().expect("placements");
+    let mut split = 0;
+    for stage in plan["ilp"]["stages"].as_array().expect("stages") {
+        for w in stage["parameters"].as_array().expect("weights") {
+            let spec = w["weight"].as_str().expect("spec");
+            let name = w["name"].as_str().expect("name");
+            let placed = &placements[name];
+            // On a 1x8 mesh only mesh axis 1 divides: `S1` on axis k is a split of axis k.
+            match spec.find("S1") {
+                Some(_) => {
+                    let axis = spec.replace("S1", "s").find('s').expect("axis");
+                    assert_eq!(placed["split"]["axis"], axis, "{name}: {spec} vs {placed}");
+                    split += 1;
+                }
+                None => assert_eq!(placed, "replicated", "{name}: {spec} vs {placed}"),
+            }
+        }
+    }
+    assert!(split > 0, "the plan splits some weights");
     assert!(
-        text.stdout
-            .contains("the plan chose the ILP space's pipeline")
-            && text.stdout.contains("Megatron-LM layouts only"),
+        text.stdout.contains("the ILP space's pipeline") && !text.stdout.contains("note"),
         "{}",
         text.stdout
     );
+    // An ILP pipeline the executor cannot lower yet (here edited onto a 2x4 mesh) runs the
+    // plan's best Megatron-LM layout instead, and says why.
+    let mut wide = plan.clone();
+    for stage in wide["ilp"]["stages"].as_array_mut().expect("stages") {
+        stage["mesh"]["logical"] = serde_json::json!([2, 4]);
+    }
+    ws.write("wide-plan.json", &wide.to_string());
+    let w = ws.run(&["run", "--plan", "wide-plan.json", "--steps", "1", "--json"]);
+    assert_eq!(w.code, 0, "{}", w.stderr);
+    let wj = w.json();
+    assert_eq!(
+        (wj["plan_space"].as_str(), wj["ran"].as_str()),
+        (Some("ilp"), Some("megatron"))
+    );
+    assert!(
+        wj["not_run"]
+            .as_str()
+            .is_some_and(|s| s.contains("both axes")),
+        "{wj}"
+    );
+    assert_eq!(wj["layout"]["tp"], plan["estimate"]["layout"]["tp"]);
+    assert_eq!(wj["predicted_step_time_s"], plan["estimate"]["step_time_s"]);
+    let text = ws.run(&["run", "--plan", "wide-plan.json", "--steps", "1"]);
+    assert!(
+        text.stdout.contains("cannot lower yet") && text.stdout.contains("Megatron-LM layout"),
+        "{}",
+        text.stdout
+    );
+    // A plan of the Megatron-LM space runs its layout and says nothing more.
     let mut megatron = plan.clone();
     megatron["space"] = "megatron".into();
     ws.write("megatron-plan.json", &megatron.to_string());
@@ -250,10 +299,18 @@ micro_batch = [1]
         "--json",
     ]);
     assert_eq!(m.code, 0, "{}", m.stderr);
-    assert_eq!(m.json()["plan_space"], "megatron");
+    assert_eq!(
+        (m.json()["plan_space"].as_str(), m.json()["ran"].as_str()),
+        (Some("megatron"), Some("megatron"))
+    );
     assert!(m.json()["ilp"].is_null());
+    assert_eq!(m.json()["layout"]["tp"], 2);
     let text = ws.run(&["run", "--plan", "megatron-plan.json", "--steps", "1"]);
-    assert!(!text.stdout.contains("note"), "{}", text.stdout);
+    assert!(
+        !text.stdout.contains("note") && !text.stdout.contains("ILP"),
+        "{}",
+        text.stdout
+    );
 
     // No GPU stack here (or no CUDA kernels in this build): exit 2 saying what is missing.
     let cuda = ws.run(&["run", "tiny-test", "--backend", "cuda"]);
@@ -271,8 +328,13 @@ micro_batch = [1]
     // Plan files that cannot run: not a plan, another schema, edited to a micro-batch the CPU
     // cannot hold, or to a global batch its micro-batches do not make. Each is refused (exit
     // 2) before anything is allocated, saying why.
-    // Edits go to the Megatron-LM layout run (`estimate`) where it has the field.
-    let plan = ws.read("plans/tiny-test.json");
+    // Edits go to the Megatron-LM layout run (`estimate`) where it has the field, in the plan
+    // made one of the Megatron-LM space; one edit goes to the ILP pipeline of the plan as built.
+    let built = ws.read("plans/tiny-test.json");
+    let mut ilp_huge: serde_json::Value = serde_json::from_str(&built).expect("plan");
+    ilp_huge["ilp"]["micro_batch"] = 1_000_000.into();
+    let plan = built.replacen("\"space\": \"ilp\"", "\"space\": \"megatron\"", 1);
+    assert_ne!(plan, built, "the plan chose the ILP space");
     let edit = |pairs: &[(&str, &str)]| {
         pairs.iter().fold(plan.clone(), |text, (from, to)| {
             let estimate = text.find("\"estimate\": {").unwrap_or(0);
@@ -309,6 +371,7 @@ micro_batch = [1]
             edit(&[("\"micro_batch\": 1,", "\"micro_batch\": \"one\",")]),
             "field `estimate.layout.micro_batch`: expected u64, found string \"one\"",
         ),
+        ("huge-ilp.json", ilp_huge.to_string(), "GiB of activations"),
         (
             "skewed.json",
             edit(&[("\"global_batch\": 8,", "\"global_batch\": 9,")]),

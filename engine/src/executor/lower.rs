@@ -43,6 +43,12 @@ pub struct ExecLayout {
     /// (Megatron-LM's `--gradient-accumulation-fusion`) instead of producing a fresh gradient
     /// that a separate pass adds.
     pub grad_accumulation_fusion: bool,
+    /// Placements an intra-op plan chose, by tensor name, in the tensor-parallel group (there
+    /// every device of a stage's logical mesh); a tensor it does not name is replicated. Empty:
+    /// Megatron-LM's placements, from the graph's splits. Either way the same rules derive
+    /// every kernel's states and the collectives between them.
+    #[serde(default)]
+    pub placements: BTreeMap<String, State>,
 }
 
 impl ExecLayout {
@@ -57,6 +63,7 @@ impl ExecLayout {
             microbatches,
             chunks: vec![vec![(0, layers.saturating_sub(1))]],
             grad_accumulation_fusion: true,
+            placements: BTreeMap::new(),
         }
     }
 
@@ -70,8 +77,15 @@ impl ExecLayout {
         self.tp * self.pp * self.dp
     }
 
-    /// One-line description, e.g. `dp2 tp2 pp2 v2 sp zero1 m4`.
+    /// One-line description, e.g. `dp2 tp2 pp2 v2 sp zero1 m4`, or `mesh8 pp2 m4 (plan's
+    /// placements)` when an intra-op plan placed the tensors.
     pub fn describe(&self) -> String {
+        if !self.placements.is_empty() {
+            return format!(
+                "mesh{} pp{} m{} (plan's placements)",
+                self.tp, self.pp, self.microbatches
+            );
+        }
         format!(
             "dp{} tp{} pp{} v{}{}{} m{}",
             self.dp,
@@ -302,6 +316,25 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
         let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
         let placement = if tp == 1 {
             State::Replicated
+        } else if !layout.placements.is_empty() {
+            match layout.placements.get(&t.name) {
+                // A split of a fused axis divides each of its parts (whole heads of q, k, v).
+                Some(State::Split { axis, .. }) => State::Split {
+                    axis: *axis,
+                    parts: parts[i]
+                        .clone()
+                        .filter(|_| *axis + 1 == shape.len())
+                        .unwrap_or_else(|| vec![shape.get(*axis).copied().unwrap_or(1)]),
+                },
+                Some(State::Partial) => {
+                    return Err(err(format!(
+                        "`{}` is placed as a partial sum between ops; a placement is \
+                         replicated or split",
+                        t.name
+                    )));
+                }
+                Some(State::Replicated) | None => State::Replicated,
+            }
         } else {
             match t.split {
                 Split::None => State::Replicated,
