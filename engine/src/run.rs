@@ -268,7 +268,19 @@ fn ilp_run(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, ExecLay
             )),
         })
         .collect::<Result<_, String>>()?;
-    let tp = (mesh[0] * mesh[1]) as usize;
+    let gpus = plan.cluster.gpus();
+    let devices = mesh[0]
+        .checked_mul(mesh[1])
+        .filter(|&d| d >= 1 && d.saturating_mul(ilp.stages.len() as u64) <= gpus)
+        .ok_or_else(|| {
+            format!(
+                "{} stage(s) on {}x{} meshes do not fit the {gpus} GPUs of its cluster",
+                ilp.stages.len(),
+                mesh[0],
+                mesh[1]
+            )
+        })?;
+    let tp = devices as usize;
     let layout = ExecLayout {
         tp,
         pp: ilp.stages.len(),

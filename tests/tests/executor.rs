@@ -286,6 +286,21 @@ micro_batch = [1]
         "{}",
         text.stdout
     );
+    // One edited onto more devices than the cluster has is not run as planned either.
+    let mut vast = plan.clone();
+    for stage in vast["ilp"]["stages"].as_array_mut().expect("stages") {
+        stage["mesh"]["logical"] = serde_json::json!([1, 1u64 << 40]);
+    }
+    ws.write("vast-plan.json", &vast.to_string());
+    let v = ws.run(&["run", "--plan", "vast-plan.json", "--steps", "1", "--json"]);
+    assert_eq!(v.code, 0, "{}", v.stderr);
+    assert!(
+        v.json()["not_run"]
+            .as_str()
+            .is_some_and(|s| s.contains("do not fit the 8 GPUs")),
+        "{}",
+        v.stdout
+    );
     // A plan of the Megatron-LM space runs its layout and says nothing more.
     let mut megatron = plan.clone();
     megatron["space"] = "megatron".into();
