@@ -648,8 +648,8 @@ fn ilp_candidate(
     ilp::candidate(&graph, cluster, mb, opts, pipeline).map_err(|e| e.to_string())
 }
 
-/// The target's model lowered with micro-batches of `mb` sequences, its vocabulary padded for
-/// any tensor-parallel degree inside a node.
+/// The target's model lowered as the ILP space lowers it ([`ilp::lower_options`]), with
+/// micro-batches of `mb` sequences.
 fn ilp_lower(
     ws: &Workspace,
     t: &Target,
@@ -657,18 +657,15 @@ fn ilp_lower(
 ) -> Result<autopar_rules::model::graph::Graph, String> {
     let model = &ws.models[t.model];
     let cluster = &ws.clusters[t.cluster];
+    let options = ilp::lower_options(
+        &t.options,
+        cluster.gpus_per_node,
+        mb,
+        t.options.precision.dtype(),
+    );
     model
         .def
-        .lower(
-            &model.name,
-            &LowerOptions {
-                micro_batch: mb,
-                seq: t.options.seq,
-                dtype: t.options.precision.dtype(),
-                attention: t.options.attention,
-                vocab_multiple: t.options.vocab_multiple * cluster.gpus_per_node,
-            },
-        )
+        .lower(&model.name, &options)
         .map_err(|e| e.to_string())
 }
 

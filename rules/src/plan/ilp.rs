@@ -18,7 +18,9 @@
 use crate::cost::analytic::p2p_time;
 use crate::cost::cluster::{Cluster, GIB};
 use crate::cost::sharding::Mesh;
-use crate::model::graph::{Graph, Pass};
+use crate::model::frontend::LowerOptions;
+use crate::model::graph::{DType, Graph, Pass};
+use crate::plan::layout::TrainingOptions;
 use crate::solve::intra::chain::{boundary_bytes, moved};
 use crate::solve::intra::stage::{MegatronSharding, StageModel, StagePlan};
 use crate::solve::pipeline::{
@@ -29,6 +31,25 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::Mutex;
+
+/// How the ILP space lowers a model: micro-batches of `micro_batch` sequences in `dtype`, the
+/// vocabulary padded for any tensor-parallel degree inside a node (`gpus_per_node`), so that one
+/// graph serves every logical mesh. `autopar run` lowers a plan's ILP pipeline with the same
+/// options, so the plan's specs fit its tensors.
+pub fn lower_options(
+    training: &TrainingOptions,
+    gpus_per_node: u64,
+    micro_batch: u64,
+    dtype: DType,
+) -> LowerOptions {
+    LowerOptions {
+        micro_batch,
+        seq: training.seq,
+        dtype,
+        attention: training.attention,
+        vocab_multiple: training.vocab_multiple.max(1).saturating_mul(gpus_per_node),
+    }
+}
 
 /// Which space a target's plan is chosen from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
