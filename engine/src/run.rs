@@ -10,11 +10,12 @@ use crate::executor::{
 };
 use crate::workspace::Workspace;
 use autopar_rules::canonical::digest;
+use autopar_rules::cost::sharding::Spec;
 use autopar_rules::model::frontend::LowerOptions;
 use autopar_rules::model::graph::{DType, Graph, Pass, TensorId, TensorKind};
 use autopar_rules::plan::estimate::TimeBreakdown;
 use autopar_rules::plan::format::{Plan, SpaceBest};
-use autopar_rules::plan::ilp::{IlpPlan, OpSpecs, Space};
+use autopar_rules::plan::ilp::{self, IlpPlan, OpSpecs, Space};
 use autopar_store::EntryMeta;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -236,24 +237,16 @@ fn ilp_run(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, ExecLay
     let model = ws
         .model(&plan.model.name)
         .ok_or_else(|| format!("the workspace declares no model `{}`", plan.model.name))?;
-    // As the build lowered the model for the ILP space (vocabulary padded for any
-    // tensor-parallel degree inside a node), so that the specs' shapes are the graph's.
+    // As the build lowered it, so that the specs' shapes are the graph's.
+    let options = ilp::lower_options(
+        &plan.training,
+        plan.cluster.gpus_per_node,
+        ilp.micro_batch,
+        DType::F32,
+    );
     let graph = model
         .def
-        .lower(
-            &model.name,
-            &LowerOptions {
-                micro_batch: ilp.micro_batch,
-                seq: plan.training.seq,
-                dtype: DType::F32,
-                attention: plan.training.attention,
-                vocab_multiple: plan
-                    .training
-                    .vocab_multiple
-                    .max(1)
-                    .saturating_mul(plan.cluster.gpus_per_node),
-            },
-        )
+        .lower(&model.name, &options)
         .map_err(|e| e.to_string())?;
     let chunks = ilp
         .stages
@@ -308,15 +301,16 @@ fn ilp_placements(
 ) -> Result<BTreeMap<String, State>, String> {
     let state = |spec: &str, t: TensorId| -> Result<State, String> {
         let tensor = graph.tensor(t);
-        let masks = parse_spec(spec)
-            .filter(|m| m.len() == tensor.shape.len())
-            .ok_or_else(|| {
-                format!(
-                    "spec `{spec}` of `{}` {:?} is not one split (R, S0, S1, S01) per axis",
-                    tensor.name, tensor.shape
-                )
-            })?;
-        Ok(match masks.iter().position(|m| m & (1 << axis) != 0) {
+        let spec: Spec = spec
+            .parse()
+            .map_err(|e| format!("`{}` {:?}: {e}", tensor.name, tensor.shape))?;
+        if spec.0.len() != tensor.shape.len() {
+            return Err(format!(
+                "spec `{spec}` of `{}` {:?} does not have one split per axis",
+                tensor.name, tensor.shape
+            ));
+        }
+        Ok(match spec.axis_on(axis) {
             Some(k) => State::split(k, &tensor.shape),
             None => State::Replicated,
         })
@@ -366,29 +360,6 @@ fn ilp_placements(
         }
     }
     Ok(out)
-}
-
-/// The split of each axis of a spec as written in plans (`S0RS1`: axis 0 over mesh axis 0,
-/// axis 2 over mesh axis 1), as a bit mask of mesh axes; `None` when it is not one.
-fn parse_spec(spec: &str) -> Option<Vec<u8>> {
-    let mut out = Vec::new();
-    let mut rest = spec;
-    while !rest.is_empty() {
-        let (mask, len) = if rest.starts_with("S01") {
-            (3, 3)
-        } else if rest.starts_with("S0") {
-            (1, 2)
-        } else if rest.starts_with("S1") {
-            (2, 2)
-        } else if rest.starts_with('R') {
-            (0, 1)
-        } else {
-            return None;
-        };
-        out.push(mask);
-        rest = &rest[len..];
-    }
-    Some(out)
 }
 
 /// Refuses a run whose state, activations or arithmetic exceed the CPU backend's budget.
@@ -569,20 +540,4 @@ pub fn run_plan(
             .then(|| plan.spaces.ilp.clone())
             .flatten(),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_spec;
-
-    #[test]
-    fn specs_parse_as_plans_write_them() {
-        assert_eq!(parse_spec("S0RS1"), Some(vec![1, 0, 2]));
-        assert_eq!(parse_spec("S01R"), Some(vec![3, 0]));
-        assert_eq!(parse_spec("R"), Some(vec![0]));
-        assert_eq!(parse_spec(""), Some(vec![]));
-        for bad in ["S2", "S", "X", "RS", "S0S"] {
-            assert_eq!(parse_spec(bad), None, "{bad}");
-        }
-    }
 }

@@ -131,6 +131,36 @@ impl fmt::Display for Spec {
     }
 }
 
+impl std::str::FromStr for Spec {
+    type Err = String;
+
+    /// A spec as [`fmt::Display`] writes it (`S0RS1`: axis 0 over mesh axis 0, axis 2 over mesh
+    /// axis 1); mesh axes used twice are not checked here ([`Spec::valid_for`] does).
+    fn from_str(text: &str) -> Result<Spec, String> {
+        let mut out = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            let (split, len) = if rest.starts_with("S01") {
+                (AxisSplit::S01, 3)
+            } else if rest.starts_with("S0") {
+                (AxisSplit::S0, 2)
+            } else if rest.starts_with("S1") {
+                (AxisSplit::S1, 2)
+            } else if rest.starts_with('R') {
+                (AxisSplit::R, 1)
+            } else {
+                return Err(format!(
+                    "`{text}` is not a spec: expected one of R, S0, S1, S01 per tensor axis, \
+                     found `{rest}`"
+                ));
+            };
+            out.push(split);
+            rest = &rest[len..];
+        }
+        Ok(Spec(out))
+    }
+}
+
 impl Spec {
     /// Replicated on every axis.
     pub fn replicated(rank: usize) -> Spec {
@@ -329,6 +359,17 @@ mod tests {
         Mesh {
             shape: [a, b],
             links: [link, link],
+        }
+    }
+
+    #[test]
+    fn specs_parse_as_they_are_written() {
+        for spec in valid_specs(&[8, 6, 4], &mesh(2, 4)) {
+            assert_eq!(spec.to_string().parse::<Spec>(), Ok(spec.clone()), "{spec}");
+        }
+        assert_eq!("".parse::<Spec>(), Ok(Spec(vec![])));
+        for bad in ["S2", "S", "X", "RS", "S0S"] {
+            assert!(bad.parse::<Spec>().is_err(), "{bad}");
         }
     }
 
