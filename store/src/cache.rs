@@ -10,9 +10,9 @@
 //! one boundary ([`LocalCache::call`]) that contains sled's panics and classifies its errors: a
 //! damaged database (sled reports corruption, fails to parse its own files, or panics) is moved
 //! aside to `<dir>.corrupt-<ms>` with one warning, and a new one takes its place: empty at open,
-//! or, in the middle of a build, holding every entry of the old one that still verifies. A database that cannot be used for other reasons (no permission,
-//! a full disk, another process holding it past the wait) is reported, and the caller works
-//! without it. sled's file lock lets one process use a cache at a time; another `autopar` waits
+//! or, in the middle of a build, holding every entry of the old one that still verifies. A
+//! database that cannot be used for other reasons (no permission, a full disk, another process
+//! holding it past the wait) is reported, and the caller works without it. sled's file lock lets one process use a cache at a time; another `autopar` waits
 //! for it (see [`LocalCache::open`]) rather than share it unsafely.
 
 use crate::StoreError;
