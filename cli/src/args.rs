@@ -4,6 +4,7 @@ use autopar_rules::cost::memory::Precision;
 use autopar_rules::limits;
 use autopar_rules::model::frontend::Attention;
 use autopar_rules::plan::layout::Recompute;
+use autopar_rules::plan::runtime::Runtime;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
@@ -117,6 +118,20 @@ pub enum Command {
     /// Execute a plan's training steps on synthetic data (CPU threads as virtual devices) and
     /// compare the measured step time with the prediction; --check compares with one device.
     Run(RunArgs),
+    /// Price every run of a file of measured runs (CSV or JSON lines) and report how far the
+    /// predictions are: time and memory errors, rank correlation, out-of-memory verdicts.
+    Validate(ValidateArgs),
+}
+
+/// `autopar validate`.
+#[derive(Debug, Args)]
+pub struct ValidateArgs {
+    /// Measured runs: CSV with a header, or JSON lines (`.jsonl`); columns in the README's
+    /// "Validating predictions".
+    pub runs: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Backends of `autopar run`.
@@ -536,12 +551,35 @@ pub struct ModelOptions {
     /// Sequence length (default: the model's maximum).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_SEQ))]
     pub seq: Option<u64>,
-    /// Numeric precision.
-    #[arg(long, value_enum, default_value = "bf16")]
-    pub precision: PrecisionArg,
-    /// Attention-core implementation.
-    #[arg(long, value_enum, default_value = "flash")]
-    pub attention: AttentionArg,
+    /// Training runtime whose defaults apply (megatron-core, nemo, megatron-deepspeed,
+    /// megatron-2021, torchtitan, llm-foundry): precision, attention kernel, weight-gradient
+    /// accumulation fusion.
+    #[arg(long, default_value = "megatron-core", value_parser = parse_runtime)]
+    pub runtime: Runtime,
+    /// Numeric precision (default: the runtime's).
+    #[arg(long, value_enum)]
+    pub precision: Option<PrecisionArg>,
+    /// Attention-core implementation (default: the runtime's).
+    #[arg(long, value_enum)]
+    pub attention: Option<AttentionArg>,
+}
+
+impl ModelOptions {
+    /// The precision given, else the runtime's.
+    pub fn precision(&self) -> Precision {
+        self.precision
+            .map_or_else(|| self.runtime.precision(), Into::into)
+    }
+
+    /// The attention kernel given, else the runtime's.
+    pub fn attention(&self) -> Attention {
+        self.attention
+            .map_or_else(|| self.runtime.attention(), Into::into)
+    }
+}
+
+fn parse_runtime(s: &str) -> Result<Runtime, String> {
+    Runtime::parse(s).ok_or_else(|| format!("expected one of {}", Runtime::names()))
 }
 
 /// `autopar estimate`.

@@ -1085,3 +1085,140 @@ pub fn pipeline(r: &autopar_engine::pipeline::PipelineResult, micro_batch: u64) 
     );
     out
 }
+
+/// A percentage with its sign, e.g. `+12.5%`.
+fn signed_percent(x: f64) -> String {
+    format!("{:+.1}%", x * 100.0)
+}
+
+/// A layout in a table cell: the degrees, then only the knobs that differ from their default.
+fn layout_cell(l: &Layout) -> String {
+    let mut s = format!("tp{} pp{} dp{} mb{}", l.tp, l.pp, l.dp, l.micro_batch);
+    if l.interleave > 1 {
+        let _ = write!(s, " v{}", l.interleave);
+    }
+    if l.sequence_parallel {
+        s.push_str(" sp");
+    }
+    if l.recompute != Recompute::None {
+        let _ = write!(s, " rc={}", l.recompute.name());
+    }
+    if l.zero > 0 {
+        let _ = write!(s, " zero{}", l.zero);
+    }
+    s
+}
+
+/// `autopar validate`'s report: every run, then the figures.
+pub fn validation(file: &Path, v: &autopar_engine::validate::Validation) -> String {
+    let mut out = format!(
+        "{}: {} measured run{}\n\n",
+        file.display(),
+        v.runs.len(),
+        if v.runs.len() == 1 { "" } else { "s" }
+    );
+    let _ = writeln!(
+        out,
+        "{:>5}  {:<14} {:<15} {:<30} {:>5} {:<18} {:>9} {:>10} {:>7} {:>7} {:>8} {:>7}",
+        "line",
+        "model",
+        "cluster",
+        "layout",
+        "seq",
+        "runtime",
+        "measured",
+        "predicted",
+        "error",
+        "memory",
+        "predicted",
+        "error"
+    );
+    let model_name = |m: &str| {
+        Path::new(m)
+            .file_stem()
+            .map_or_else(|| m.to_string(), |s| s.to_string_lossy().into_owned())
+    };
+    for r in &v.runs {
+        let measured = r
+            .measured_step_time_s
+            .map_or_else(|| "oom".to_string(), secs);
+        let predicted = if r.predicted_oom {
+            format!("{} oom", secs(r.predicted_step_time_s))
+        } else {
+            secs(r.predicted_step_time_s)
+        };
+        let _ = writeln!(
+            out,
+            "{:>5}  {:<14} {:<15} {:<30} {:>5} {:<18} {:>9} {:>10} {:>7} {:>7} {:>8} {:>7}",
+            r.line,
+            model_name(&r.model),
+            r.cluster,
+            layout_cell(&r.layout),
+            r.seq,
+            r.runtime,
+            measured,
+            predicted,
+            r.time_error.map_or_else(|| "-".into(), signed_percent),
+            r.measured_memory_gib
+                .map_or_else(|| "-".into(), |m| format!("{m:.1}G")),
+            format!("{:.1}G", r.predicted_memory_gib),
+            r.memory_error.map_or_else(|| "-".into(), signed_percent),
+        );
+    }
+    let ran = v.runs.iter().filter(|r| r.time_error.is_some()).count();
+    let with_memory = v.runs.iter().filter(|r| r.memory_error.is_some()).count();
+    out.push('\n');
+    let _ = writeln!(
+        out,
+        "mean |time error|    {} over {ran} run{} that ran",
+        v.mean_abs_error
+            .map_or_else(|| "-".into(), |e| format!("{:.1}%", e * 100.0)),
+        if ran == 1 { "" } else { "s" }
+    );
+    let _ = writeln!(
+        out,
+        "mean |memory error|  {}",
+        v.memory_mean_abs_error.map_or_else(
+            || "- (no run gives its memory)".into(),
+            |e| format!("{:.1}% over {with_memory} runs", e * 100.0)
+        )
+    );
+    let agreed = v
+        .runs
+        .iter()
+        .filter(|r| r.measured_oom == r.predicted_oom)
+        .count();
+    let _ = writeln!(
+        out,
+        "out-of-memory verdicts agree on {agreed} of {} runs{}",
+        v.runs.len(),
+        v.oom_agreement
+            .map_or_else(String::new, |a| format!(" ({:.0}%)", a * 100.0))
+    );
+    let ranked: Vec<_> = v.spearman.iter().filter(|g| g.spearman.is_some()).collect();
+    let unranked = v.spearman.len() - ranked.len();
+    if !ranked.is_empty() {
+        out.push_str("rank correlation of time per token (Spearman), per model and cluster:\n");
+        for g in &ranked {
+            let _ = writeln!(
+                out,
+                "  {:<14} {:<15} {:>3} runs  {:+.2}  mean |error| {}",
+                model_name(&g.model),
+                g.cluster,
+                g.runs,
+                g.spearman.unwrap_or(f64::NAN),
+                g.mean_abs_error
+                    .map_or_else(|| "-".into(), |e| format!("{:.1}%", e * 100.0))
+            );
+        }
+    }
+    if unranked > 0 {
+        let _ = writeln!(
+            out,
+            "{unranked} group{} of fewer than 3 runs (or all tied) ha{} no rank correlation",
+            if unranked == 1 { "" } else { "s" },
+            if unranked == 1 { "s" } else { "ve" }
+        );
+    }
+    out
+}

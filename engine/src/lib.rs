@@ -16,9 +16,11 @@ pub mod plans;
 pub mod profiles;
 pub mod record;
 pub mod run;
+pub mod runs;
 pub mod sapp;
 pub mod session;
 pub mod sharding;
+pub mod validate;
 pub mod workspace;
 
 pub use autopar_store::server;

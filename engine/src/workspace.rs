@@ -12,6 +12,7 @@ use autopar_rules::model::frontend::{
 };
 use autopar_rules::plan::ilp::{IlpSearch, Space};
 use autopar_rules::plan::layout::{Recompute, TrainingOptions};
+use autopar_rules::plan::runtime::Runtime;
 use autopar_rules::plan::search::SearchSpace;
 use serde::{Deserialize, Deserializer};
 use std::collections::BTreeMap;
@@ -335,6 +336,8 @@ struct RawTarget {
     attention: Option<Attention>,
     #[serde(default)]
     grad_accumulation_fusion: Option<bool>,
+    #[serde(default)]
+    runtime: Option<Runtime>,
     #[serde(default)]
     vocab_multiple: Option<Positive>,
     #[serde(default)]
@@ -786,6 +789,8 @@ impl Loader<'_> {
             &clusters[cluster].device.name,
         )?);
         let profile = overlay(profiles, &used);
+        // The runtime's defaults, where the target does not set a field itself.
+        let runtime = t.runtime.unwrap_or(Runtime::MegatronCore);
         Ok(Target {
             name: t.name.get_ref().clone(),
             model,
@@ -795,11 +800,13 @@ impl Loader<'_> {
             profile: profile.map(Arc::new),
             options: TrainingOptions {
                 seq,
-                precision: t.precision.unwrap_or(Precision::Bf16),
-                attention: t.attention.unwrap_or(Attention::Flash),
+                precision: t.precision.unwrap_or(runtime.precision()),
+                attention: t.attention.unwrap_or(runtime.attention()),
                 memory_headroom: headroom,
                 vocab_multiple: t.vocab_multiple.map_or(DEFAULT_VOCAB_MULTIPLE, |v| v.0),
-                grad_accumulation_fusion: t.grad_accumulation_fusion.unwrap_or(true),
+                grad_accumulation_fusion: t
+                    .grad_accumulation_fusion
+                    .unwrap_or(runtime.grad_accumulation_fusion()),
             },
             search,
             ilp,

@@ -407,3 +407,69 @@ fn estimate_reads_the_clusters_profiles_as_build_does() {
     assert_eq!(modelled["profiles"], serde_json::json!([]));
     assert_ne!(modelled["step_time_s"], measured["step_time_s"]);
 }
+
+/// A runtime preset sets precision, attention and weight-gradient accumulation fusion as the
+/// table in `rules/src/plan/runtime.rs` says; a flag given explicitly wins; in a workspace, a
+/// target's `runtime` does the same and a misspelt one is a located input error.
+#[test]
+fn runtime_presets_set_what_their_flags_set() {
+    use autopar_rules::model::frontend::Attention;
+    use autopar_rules::plan::runtime::Runtime;
+    let ws = TempWorkspace::default_copy();
+    let base = [
+        "--model",
+        "models/gpt-1.7b.json",
+        "--cluster",
+        "a100-80g:4x8",
+        "--mbs",
+        "16",
+        "--gbs",
+        "512",
+        "--recompute",
+        "full",
+    ];
+    let time = |extra: &[&str]| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        number(&estimate(&ws, &args), "step_time_s")
+    };
+    let mut seen = Vec::new();
+    for r in Runtime::ALL {
+        let mut flags = vec![
+            "--precision",
+            r.precision().name(),
+            "--attention",
+            match r.attention() {
+                Attention::Flash => "flash",
+                Attention::Unfused => "unfused",
+            },
+        ];
+        if !r.grad_accumulation_fusion() {
+            flags.push("--no-grad-accumulation-fusion");
+        }
+        let preset = time(&["--runtime", r.name()]);
+        assert_eq!(preset, time(&flags), "{}", r.name());
+        seen.push(preset);
+    }
+    // The presets differ where their settings do (megatron-core and nemo share theirs).
+    assert_eq!(seen[0], seen[1]);
+    assert_ne!(seen[0], seen[3]);
+    // An explicit flag wins over the preset.
+    assert_eq!(
+        time(&["--runtime", "megatron-2021", "--precision", "bf16"]),
+        time(&["--attention", "unfused", "--no-grad-accumulation-fusion"])
+    );
+
+    let toml = ws.read("workspace.toml");
+    let at = toml.find("global_batch = 1536").expect("the gpt3 target");
+    let edited = format!("{}runtime = \"megatron2021\"\n{}", &toml[..at], &toml[at..]);
+    ws.write("workspace.toml", &edited);
+    let r = ws.run(&["build", "gpt3-175b"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("field `target.runtime`: expected one of `megatron-core`"),
+        "{}",
+        r.stderr
+    );
+}

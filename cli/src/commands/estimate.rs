@@ -32,11 +32,12 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
     };
     let opts = TrainingOptions {
         seq,
-        precision: a.model_options.precision.into(),
-        attention: a.model_options.attention.into(),
+        precision: a.model_options.precision(),
+        attention: a.model_options.attention(),
         memory_headroom: a.memory_headroom,
         vocab_multiple: DEFAULT_VOCAB_MULTIPLE,
-        grad_accumulation_fusion: !a.no_grad_accumulation_fusion,
+        grad_accumulation_fusion: a.model_options.runtime.grad_accumulation_fusion()
+            && !a.no_grad_accumulation_fusion,
     };
     let gpus = cluster.gpus();
     let dp = match a.dp {

@@ -19,8 +19,8 @@ pub fn run(session: &Session, a: &GraphArgs) -> Result<(), Failure> {
         .seq
         .or_else(|| def.max_seq())
         .unwrap_or(FALLBACK_SEQ);
-    let precision: Precision = a.model_options.precision.into();
-    let attention: Attention = a.model_options.attention.into();
+    let precision: Precision = a.model_options.precision();
+    let attention: Attention = a.model_options.attention();
     let g = def
         .lower(
             &name,

@@ -9,6 +9,7 @@ mod plan;
 mod profile;
 mod run;
 mod solve;
+mod validate;
 mod watch;
 
 use crate::Failure;
@@ -63,6 +64,7 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Estimate(a) => estimate::run(&session, a),
         Command::Run(a) => run::run(&session, a, dir),
         Command::Graph(a) => graph::run(&session, a),
+        Command::Validate(a) => validate::run(&session, a),
         Command::Plan {
             command: PlanCommand::Show { target, json },
         } => plan::show(&session, target, *json),

@@ -1,0 +1,579 @@
+//! Measured training runs, as a team records them: one run per CSV row or JSON line, with the
+//! layout it ran and what it measured (`autopar validate`, README "Validating predictions").
+//!
+//! Columns (CSV header, or JSON keys; a missing optional column takes its default):
+//!
+//! | column        | required | meaning |
+//! |---------------|----------|---------|
+//! | `model`       | yes      | a workspace model, or a model file (relative to the working directory or to the runs file) |
+//! | `cluster`     | yes      | a workspace cluster, or `PRESET:NODESxGPUS` |
+//! | `tp` `pp` `dp`| yes      | tensor-, pipeline- and data-parallel degrees |
+//! | `mbs` `gbs`   | yes      | micro-batch and global batch, sequences |
+//! | `step_time_s` | yes      | measured seconds per step, or `oom` for a run that ran out of memory |
+//! | `cp` `ep` `etp` | no (1) | context-, expert- and expert-tensor-parallel degrees (1 until autopar models them) |
+//! | `vp`          | no (1)   | model chunks per pipeline stage |
+//! | `seq`         | no       | sequence length (default: the model's) |
+//! | `sp`          | no (false) | sequence parallelism (`true`/`false`/`1`/`0`) |
+//! | `recompute`   | no (none) | `none`, `selective` or `full` |
+//! | `zero`        | no (0)   | ZeRO stage, or the distributed optimizer as stage 1 |
+//! | `runtime`     | no (megatron-core) | the runtime preset ([`Runtime`]) |
+//! | `precision`   | no       | `bf16`, `fp16` or `fp32` (default: the runtime's) |
+//! | `attention`   | no       | `flash` or `unfused` (default: the runtime's) |
+//! | `memory_gib`  | no       | measured peak memory per GPU, GiB |
+//! | `source` `note` | no     | free text, ignored |
+//!
+//! CSV lines starting with `#` are comments; blank lines are skipped.
+
+use crate::diagnostic::Diagnostic;
+use crate::error::EngineError;
+use autopar_rules::cost::memory::Precision;
+use autopar_rules::limits;
+use autopar_rules::model::frontend::Attention;
+use autopar_rules::plan::layout::{Layout, Recompute};
+use autopar_rules::plan::runtime::Runtime;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Every column a runs file may have.
+pub const COLUMNS: [&str; 22] = [
+    "model",
+    "cluster",
+    "tp",
+    "pp",
+    "dp",
+    "cp",
+    "ep",
+    "etp",
+    "vp",
+    "mbs",
+    "gbs",
+    "seq",
+    "sp",
+    "recompute",
+    "zero",
+    "runtime",
+    "precision",
+    "attention",
+    "step_time_s",
+    "memory_gib",
+    "source",
+    "note",
+];
+
+/// What a run measured of its step time.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MeasuredTime {
+    /// It ran: seconds per step.
+    Seconds(f64),
+    /// It ran out of memory.
+    OutOfMemory,
+}
+
+/// One measured run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeasuredRun {
+    /// 1-based line of the file it came from.
+    pub line: usize,
+    /// Model: workspace name or file.
+    pub model: String,
+    /// Cluster: workspace name or shorthand.
+    pub cluster: String,
+    /// The layout it ran.
+    pub layout: Layout,
+    /// Sequence length, when given.
+    pub seq: Option<u64>,
+    /// Runtime preset.
+    pub runtime: Runtime,
+    /// Precision, when given (else the runtime's).
+    pub precision: Option<Precision>,
+    /// Attention kernel, when given (else the runtime's).
+    pub attention: Option<Attention>,
+    /// Measured step time.
+    pub step_time: MeasuredTime,
+    /// Measured peak memory per GPU, GiB.
+    pub memory_gib: Option<f64>,
+}
+
+/// Reads the runs of `path`: JSON lines when its name ends in `.jsonl` or `.json`, CSV
+/// otherwise.
+pub fn load(path: &Path) -> Result<Vec<MeasuredRun>, EngineError> {
+    let text = crate::input::read_text(path)?;
+    let json = path
+        .extension()
+        .is_some_and(|e| e == "jsonl" || e == "json");
+    parse(path, &text, json)
+}
+
+/// A located input error.
+fn bad(
+    path: &Path,
+    line: usize,
+    field: &str,
+    expected: impl Into<String>,
+    found: impl Into<String>,
+) -> EngineError {
+    EngineError::config(Diagnostic {
+        file: path.to_path_buf(),
+        line: Some(line),
+        column: None,
+        field: field.to_string(),
+        expected: expected.into(),
+        found: found.into(),
+    })
+}
+
+/// One record: its line and its cells by column, as text.
+type Record = (usize, BTreeMap<String, String>);
+
+/// Parses the runs in `text` (the contents of `path`), CSV or JSON lines.
+pub fn parse(path: &Path, text: &str, json: bool) -> Result<Vec<MeasuredRun>, EngineError> {
+    let records = if json {
+        json_records(path, text)?
+    } else {
+        csv_records(path, text)?
+    };
+    if records.is_empty() {
+        return Err(bad(path, 1, "runs", "at least one measured run", "none"));
+    }
+    records
+        .into_iter()
+        .map(|(line, cells)| run(path, line, &cells))
+        .collect()
+}
+
+fn check_column(path: &Path, line: usize, name: &str) -> Result<(), EngineError> {
+    if COLUMNS.contains(&name) {
+        Ok(())
+    } else {
+        Err(bad(
+            path,
+            line,
+            name,
+            format!("a known column ({})", COLUMNS.join(", ")),
+            format!("`{name}`"),
+        ))
+    }
+}
+
+fn csv_records(path: &Path, text: &str) -> Result<Vec<Record>, EngineError> {
+    let mut reader = csv::ReaderBuilder::new()
+        .comment(Some(b'#'))
+        .trim(csv::Trim::All)
+        .from_reader(text.as_bytes());
+    // The reader's own line count skips blank lines, and a record's position is where the
+    // reader began it (before the blank and comment lines it skipped): count from there.
+    let line_of = |p: &csv::Position| {
+        let mut at = (p.byte() as usize).min(text.len());
+        let mut line = text.as_bytes()[..at]
+            .iter()
+            .filter(|&&b| b == b'\n')
+            .count()
+            + 1;
+        while let Some(rest) = text.get(at..) {
+            let this = rest.split('\n').next().unwrap_or("");
+            let skipped = this.trim().is_empty() || this.starts_with('#');
+            if !skipped || this.len() == rest.len() {
+                break;
+            }
+            at += this.len() + 1;
+            line += 1;
+        }
+        line
+    };
+    let csv_error = |e: csv::Error| {
+        let line = e.position().map_or(1, line_of);
+        let found = match e.kind() {
+            csv::ErrorKind::UnequalLengths {
+                expected_len, len, ..
+            } => format!("{len} fields where the header has {expected_len}"),
+            csv::ErrorKind::Utf8 { .. } => "text that is not UTF-8".to_string(),
+            _ => e.to_string(),
+        };
+        bad(
+            path,
+            line,
+            "row",
+            "one comma-separated value per column",
+            found,
+        )
+    };
+    let header_record = reader.headers().map_err(csv_error)?.clone();
+    let header_line = header_record.position().map_or(1, line_of);
+    let header: Vec<String> = header_record.iter().map(str::to_string).collect();
+    for name in &header {
+        check_column(path, header_line, name)?;
+    }
+    let mut out = Vec::new();
+    for record in reader.records() {
+        let record = record.map_err(csv_error)?;
+        let line = record.position().map_or(0, line_of);
+        let cells = header
+            .iter()
+            .zip(record.iter())
+            .filter(|(_, v)| !v.is_empty())
+            .map(|(k, v)| (k.clone(), v.to_string()))
+            .collect();
+        out.push((line, cells));
+    }
+    Ok(out)
+}
+
+fn json_records(path: &Path, text: &str) -> Result<Vec<Record>, EngineError> {
+    let mut out = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = i + 1;
+        let raw = raw.trim();
+        if raw.is_empty() || raw.starts_with('#') {
+            continue;
+        }
+        let value: serde_json::Value = serde_json::from_str(raw)
+            .map_err(|e| bad(path, line, "run", "one JSON object per line", e.to_string()))?;
+        let serde_json::Value::Object(map) = value else {
+            return Err(bad(
+                path,
+                line,
+                "run",
+                "a JSON object",
+                raw.chars().take(40).collect::<String>(),
+            ));
+        };
+        let mut cells = BTreeMap::new();
+        for (k, v) in map {
+            check_column(path, line, &k)?;
+            let text = match v {
+                serde_json::Value::Null => continue,
+                serde_json::Value::String(s) => s,
+                serde_json::Value::Bool(b) => b.to_string(),
+                serde_json::Value::Number(n) => n.to_string(),
+                other => {
+                    return Err(bad(
+                        path,
+                        line,
+                        &k,
+                        "a number, string or boolean",
+                        other.to_string(),
+                    ));
+                }
+            };
+            cells.insert(k, text);
+        }
+        out.push((line, cells));
+    }
+    Ok(out)
+}
+
+/// The run of one record.
+fn run(
+    path: &Path,
+    line: usize,
+    cells: &BTreeMap<String, String>,
+) -> Result<MeasuredRun, EngineError> {
+    let text = |name: &str| -> Result<String, EngineError> {
+        cells.get(name).cloned().ok_or_else(|| {
+            bad(
+                path,
+                line,
+                name,
+                "a value (the column is required)",
+                "nothing",
+            )
+        })
+    };
+    let int = |name: &str, default: Option<u64>, max: u64| -> Result<u64, EngineError> {
+        match (cells.get(name), default) {
+            (None, Some(d)) => Ok(d),
+            (None, None) => Err(bad(
+                path,
+                line,
+                name,
+                "a value (the column is required)",
+                "nothing",
+            )),
+            (Some(v), _) => v
+                .parse::<u64>()
+                .ok()
+                .filter(|n| (1..=max).contains(n))
+                .ok_or_else(|| {
+                    bad(
+                        path,
+                        line,
+                        name,
+                        format!("an integer in 1..={max}"),
+                        format!("`{v}`"),
+                    )
+                }),
+        }
+    };
+    for (name, what) in [
+        ("cp", "context parallelism"),
+        ("ep", "expert parallelism"),
+        ("etp", "expert tensor parallelism"),
+    ] {
+        if int(name, Some(1), limits::MAX_GPUS)? != 1 {
+            return Err(bad(
+                path,
+                line,
+                name,
+                format!("1 (autopar does not model {what} yet)"),
+                format!("`{}`", cells[name]),
+            ));
+        }
+    }
+    let sp = match cells.get("sp").map(String::as_str) {
+        None | Some("false" | "0" | "no") => false,
+        Some("true" | "1" | "yes") => true,
+        Some(v) => return Err(bad(path, line, "sp", "true or false", format!("`{v}`"))),
+    };
+    let recompute = match cells.get("recompute") {
+        None => Recompute::None,
+        Some(v) => Recompute::parse(v).ok_or_else(|| {
+            bad(
+                path,
+                line,
+                "recompute",
+                "none, selective or full",
+                format!("`{v}`"),
+            )
+        })?,
+    };
+    let zero = match cells.get("zero") {
+        None => 0,
+        Some(v) => v
+            .parse::<u8>()
+            .ok()
+            .filter(|z| *z <= 3)
+            .ok_or_else(|| bad(path, line, "zero", "0, 1, 2 or 3", format!("`{v}`")))?,
+    };
+    let runtime = match cells.get("runtime") {
+        None => Runtime::MegatronCore,
+        Some(v) => Runtime::parse(v).ok_or_else(|| {
+            bad(
+                path,
+                line,
+                "runtime",
+                format!("one of {}", Runtime::names()),
+                format!("`{v}`"),
+            )
+        })?,
+    };
+    let precision = match cells.get("precision").map(String::as_str) {
+        None => None,
+        Some("bf16") => Some(Precision::Bf16),
+        Some("fp16") => Some(Precision::Fp16),
+        Some("fp32") => Some(Precision::Fp32),
+        Some(v) => {
+            return Err(bad(
+                path,
+                line,
+                "precision",
+                "bf16, fp16 or fp32",
+                format!("`{v}`"),
+            ));
+        }
+    };
+    let attention = match cells.get("attention").map(String::as_str) {
+        None => None,
+        Some("flash") => Some(Attention::Flash),
+        Some("unfused") => Some(Attention::Unfused),
+        Some(v) => {
+            return Err(bad(
+                path,
+                line,
+                "attention",
+                "flash or unfused",
+                format!("`{v}`"),
+            ));
+        }
+    };
+    let step_time = match text("step_time_s")?.as_str() {
+        "oom" | "OOM" => MeasuredTime::OutOfMemory,
+        v => MeasuredTime::Seconds(
+            v.parse::<f64>()
+                .ok()
+                .filter(|t| t.is_finite() && *t > 0.0)
+                .ok_or_else(|| {
+                    bad(
+                        path,
+                        line,
+                        "step_time_s",
+                        "seconds > 0, or oom",
+                        format!("`{v}`"),
+                    )
+                })?,
+        ),
+    };
+    let memory_gib = match cells.get("memory_gib") {
+        None => None,
+        Some(v) => Some(
+            v.parse::<f64>()
+                .ok()
+                .filter(|m| m.is_finite() && *m > 0.0)
+                .ok_or_else(|| bad(path, line, "memory_gib", "GiB > 0", format!("`{v}`")))?,
+        ),
+    };
+    Ok(MeasuredRun {
+        line,
+        model: text("model")?,
+        cluster: text("cluster")?,
+        layout: Layout {
+            tp: int("tp", None, limits::MAX_GPUS)?,
+            pp: int("pp", None, limits::MAX_GPUS)?,
+            dp: int("dp", None, limits::MAX_GPUS)?,
+            micro_batch: int("mbs", None, limits::MAX_BATCH)?,
+            global_batch: int("gbs", None, limits::MAX_BATCH)?,
+            interleave: int("vp", Some(1), limits::MAX_LAYERS)?,
+            sequence_parallel: sp,
+            recompute,
+            zero,
+        },
+        seq: cells
+            .get("seq")
+            .map(|_| int("seq", None, limits::MAX_SEQ))
+            .transpose()?,
+        runtime,
+        precision,
+        attention,
+        step_time,
+        memory_gib,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const HEADER: &str = "model,cluster,tp,pp,dp,mbs,gbs,step_time_s";
+
+    fn csv(text: &str) -> Result<Vec<MeasuredRun>, EngineError> {
+        parse(Path::new("runs.csv"), text, false)
+    }
+
+    #[test]
+    fn csv_with_defaults_comments_and_every_optional_column() {
+        let runs = csv(&format!(
+            "# a comment\n{HEADER},seq,sp,recompute,zero,vp,runtime,precision,attention,memory_gib,cp,ep,source\n\
+             gpt,a100-80g:2x8,8,2,1,1,64,12.5,2048,true,selective,1,2,megatron-2021,fp16,flash,61.5,1,1,paper\n\
+             \n\
+             gpt,a100-80g:2x8,8,2,1,1,64,oom,,,,,,,,,,,,\n"
+        ))
+        .expect("parses");
+        assert_eq!(runs.len(), 2);
+        let r = &runs[0];
+        assert_eq!(r.line, 3);
+        assert_eq!((r.layout.tp, r.layout.pp, r.layout.dp), (8, 2, 1));
+        assert_eq!((r.layout.interleave, r.layout.zero), (2, 1));
+        assert!(r.layout.sequence_parallel);
+        assert_eq!(r.layout.recompute, Recompute::Selective);
+        assert_eq!(r.seq, Some(2048));
+        assert_eq!(r.runtime, Runtime::Megatron2021);
+        assert_eq!(r.precision, Some(Precision::Fp16));
+        assert_eq!(r.attention, Some(Attention::Flash));
+        assert_eq!(r.step_time, MeasuredTime::Seconds(12.5));
+        assert_eq!(r.memory_gib, Some(61.5));
+        let d = &runs[1];
+        assert_eq!(d.line, 5);
+        assert_eq!(d.step_time, MeasuredTime::OutOfMemory);
+        assert_eq!((d.layout.interleave, d.layout.zero, d.seq), (1, 0, None));
+        assert_eq!(d.runtime, Runtime::MegatronCore);
+        assert_eq!((d.memory_gib, d.attention), (None, None));
+    }
+
+    #[test]
+    fn json_lines_read_like_csv() {
+        let runs = parse(
+            Path::new("runs.jsonl"),
+            "{\"model\":\"gpt\",\"cluster\":\"a100-80g:2x8\",\"tp\":8,\"pp\":2,\"dp\":1,\"mbs\":1,\"gbs\":64,\"step_time_s\":12.5,\"sp\":true,\"memory_gib\":null}\n\n\
+             {\"model\":\"gpt\",\"cluster\":\"c\",\"tp\":1,\"pp\":1,\"dp\":16,\"mbs\":1,\"gbs\":64,\"step_time_s\":\"oom\"}\n",
+            true,
+        )
+        .expect("parses");
+        assert_eq!(runs.len(), 2);
+        assert!(runs[0].layout.sequence_parallel);
+        assert_eq!(runs[1].line, 3);
+        assert_eq!(runs[1].step_time, MeasuredTime::OutOfMemory);
+    }
+
+    /// The message of an input error.
+    fn message(r: Result<Vec<MeasuredRun>, EngineError>) -> String {
+        match r {
+            Ok(runs) => panic!("expected an error, got {runs:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn bad_input_names_line_field_expected_and_found() {
+        let row = "gpt,c,8,2,1,1,64,12.5";
+        for (text, want) in [
+            (
+                format!("{HEADER}\n{}", row.replace("12.5", "fast")),
+                "runs.csv:2: field `step_time_s`: expected seconds > 0, or oom, found `fast`",
+            ),
+            (
+                format!("{HEADER}\n{}", row.replace(",8,", ",0,")),
+                "runs.csv:2: field `tp`: expected an integer in 1..=",
+            ),
+            (
+                format!("{HEADER},cp\n{row},2"),
+                "runs.csv:2: field `cp`: expected 1 (autopar does not model context parallelism yet), found `2`",
+            ),
+            (
+                format!("{HEADER},mb\n{row},2"),
+                "runs.csv:1: field `mb`: expected a known column",
+            ),
+            (
+                format!("{HEADER}\n{row},9"),
+                "runs.csv:2: field `row`: expected one comma-separated value per column, found 9 fields where the header has 8",
+            ),
+            (
+                format!("{HEADER},runtime\n{row},megatron"),
+                "field `runtime`: expected one of megatron-core, nemo",
+            ),
+            (
+                "model,cluster,tp,pp,dp,mbs,gbs\ngpt,c,1,1,1,1,1".to_string(),
+                "runs.csv:2: field `step_time_s`: expected a value (the column is required), found nothing",
+            ),
+            (
+                format!("# only a header\n{HEADER}\n"),
+                "field `runs`: expected at least one measured run, found none",
+            ),
+        ] {
+            let m = message(csv(&text));
+            assert!(m.contains(want), "{text:?}\n  gave {m}\n  want {want}");
+        }
+        let m = message(parse(Path::new("r.jsonl"), "{\"tp\": [1]}\n", true));
+        assert!(
+            m.contains("r.jsonl:1: field `tp`: expected a number, string or boolean, found [1]"),
+            "{m}"
+        );
+        let m = message(parse(Path::new("r.jsonl"), "\n[1, 2]\n", true));
+        assert!(
+            m.contains("r.jsonl:2: field `run`: expected a JSON object"),
+            "{m}"
+        );
+    }
+
+    proptest! {
+        /// Any text, as CSV or as JSON lines, parses or is refused with a located error:
+        /// never a panic.
+        #[test]
+        fn any_text_parses_or_is_refused(text in "[a-z0-9_,.#\"{}:\\[\\] \n-]{0,300}") {
+            for json in [false, true] {
+                if let Err(e) = parse(Path::new("f"), &text, json) {
+                    prop_assert!(e.is_input_error(), "{e}");
+                }
+            }
+        }
+
+        /// A valid row with any degrees reads back what was written.
+        #[test]
+        fn written_rows_read_back(tp in 1u64..64, pp in 1u64..64, dp in 1u64..64, mbs in 1u64..16, t in 0.001f64..1e4) {
+            let runs = csv(&format!("{HEADER}\ngpt,c,{tp},{pp},{dp},{mbs},{},{t}\n", mbs * dp))
+                .expect("parses");
+            prop_assert_eq!((runs[0].layout.tp, runs[0].layout.pp, runs[0].layout.dp), (tp, pp, dp));
+            prop_assert_eq!(runs[0].step_time, MeasuredTime::Seconds(t));
+        }
+    }
+}
