@@ -61,8 +61,7 @@ pub const COLUMNS: [&str; 22] = [
 ];
 
 /// What a run measured of its step time.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum MeasuredTime {
     /// It ran: seconds per step.
     Seconds(f64),
@@ -105,8 +104,8 @@ pub fn load(path: &Path) -> Result<Vec<MeasuredRun>, EngineError> {
     parse(path, &text, json)
 }
 
-/// A located input error.
-fn bad(
+/// An input error at `line` of `path`.
+pub(crate) fn bad(
     path: &Path,
     line: usize,
     field: &str,

@@ -1,9 +1,8 @@
 //! `autopar validate`: every measured run priced as `autopar estimate` prices it, and how far
 //! the predictions are from the measurements (time, memory, ranking, out-of-memory verdicts).
 
-use crate::diagnostic::Diagnostic;
 use crate::error::EngineError;
-use crate::runs::{MeasuredRun, MeasuredTime};
+use crate::runs::{MeasuredRun, MeasuredTime, bad};
 use crate::session::Session;
 use crate::workspace::DEFAULT_VOCAB_MULTIPLE;
 use autopar_rules::cost::cluster::{Cluster, GIB};
@@ -81,18 +80,6 @@ pub struct Validation {
     pub oom_agreement: Option<f64>,
 }
 
-/// A run's place in its file.
-fn located(file: &Path, line: usize, field: &str, expected: &str, found: String) -> EngineError {
-    EngineError::config(Diagnostic {
-        file: file.to_path_buf(),
-        line: Some(line),
-        column: None,
-        field: field.to_string(),
-        expected: expected.to_string(),
-        found,
-    })
-}
-
 /// The model `arg` names: a workspace model, or a file relative to the working directory or
 /// to the runs file's folder.
 fn resolve_model(
@@ -120,7 +107,7 @@ pub fn validate(
     for r in runs {
         if !models.contains_key(r.model.as_str()) {
             let m = resolve_model(session, &r.model, runs_dir).map_err(|e| {
-                located(
+                bad(
                     file,
                     r.line,
                     "model",
@@ -132,7 +119,7 @@ pub fn validate(
         }
         if !clusters.contains_key(r.cluster.as_str()) {
             let c = session.cluster(&r.cluster).map_err(|e| {
-                located(
+                bad(
                     file,
                     r.line,
                     "cluster",
@@ -172,12 +159,12 @@ fn check(
     profile: Option<&Profile>,
 ) -> Result<RunCheck, EngineError> {
     let seq = r.seq.or(def.max_seq()).ok_or_else(|| {
-        located(
+        bad(
             file,
             r.line,
             "seq",
             "a sequence length (the model does not declare one)",
-            "nothing".into(),
+            "nothing",
         )
     })?;
     let opts = TrainingOptions {
@@ -193,7 +180,7 @@ fn check(
         .with_profile(profile)
         .evaluate(&r.layout)
         .map_err(|e| {
-            located(
+            bad(
                 file,
                 r.line,
                 "layout",

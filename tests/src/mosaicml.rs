@@ -21,13 +21,11 @@ pub struct Mpt {
 }
 
 impl Mpt {
-    /// The model as a GPT-2 style HuggingFace config, which autopar reads; its parameter counts
-    /// match the tables' `NumParams` at sequence 2048.
-    pub fn hf_config(&self) -> String {
-        format!(
-            r#"{{"model_type":"gpt2","n_embd":{},"n_layer":{},"n_head":{},"n_positions":2048,"vocab_size":50368,"attn_pdrop":0.0,"embd_pdrop":0.0,"resid_pdrop":0.0}}"#,
-            self.hidden, self.layers, self.heads
-        )
+    /// The model's config in the repository (`models/mpt-*.json`, a GPT-2 style HuggingFace
+    /// config whose parameter count matches the tables' `NumParams` at sequence 2048), as a
+    /// path relative to a copy of the default workspace.
+    pub fn path(&self) -> String {
+        format!("models/{}.json", self.name)
     }
 }
 

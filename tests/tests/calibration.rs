@@ -22,15 +22,6 @@ fn cluster_name(row: &Row) -> String {
     format!("{}-{}x8", row.gpu, row.nodes())
 }
 
-/// Writes the config of every model of `rows` into the workspace.
-fn write_models(ws: &TempWorkspace, rows: &[Row]) {
-    let mut models: Vec<_> = rows.iter().map(|r| r.model).collect();
-    models.dedup();
-    for model in models {
-        ws.write(&format!("{}.json", model.name), &model.hf_config());
-    }
-}
-
 /// Writes a workspace with a cluster for every (GPU, node count) of `rows`, with the matmul
 /// efficiency overridden when `efficiency` is given.
 fn write_workspace(ws: &TempWorkspace, rows: &[Row], efficiency: Option<f64>) {
@@ -60,7 +51,7 @@ fn errors(ws: &TempWorkspace, rows: &[Row], efficiency: Option<f64>) -> Vec<f64>
     write_workspace(ws, rows, efficiency);
     rows.iter()
         .map(|row| {
-            let model = format!("{}.json", row.model.name);
+            let model = row.model.path();
             let mut args = vec!["estimate".to_string()];
             args.extend(row.estimate_args(&model, &cluster_name(row)));
             args.push("--json".into());
@@ -147,7 +138,6 @@ fn report(ws: &TempWorkspace, rows: &[Row]) -> f64 {
 fn check(gpus: &[&str], shipped: f64) {
     let ws = TempWorkspace::default_copy();
     let rows = rows_on(gpus);
-    write_models(&ws, &rows);
     let fitted = fit(&ws, &rows);
     println!("{gpus:?}: fitted matmul efficiency {fitted:.3}, shipped {shipped}");
     assert!((fitted - shipped).abs() <= 0.01, "{fitted} vs {shipped}");

@@ -73,7 +73,7 @@ fn shipped_datasets_are_priced_as_estimate_prices_them() {
     let runs = mosaic["runs"].as_array().expect("runs");
     assert_eq!(runs.len(), ROWS.len());
     for (run, row) in runs.iter().zip(ROWS).step_by(13) {
-        let model = format!("models/{}.json", row.model.name);
+        let model = row.model.path();
         let cluster = format!("{}:{}x8", row.gpu, row.nodes());
         let mut args = row.estimate_args(&model, &cluster);
         // llm-foundry: bf16, flash attention, gradients added per micro-batch.
