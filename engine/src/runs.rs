@@ -161,21 +161,19 @@ fn csv_records(path: &Path, text: &str) -> Result<Vec<Record>, EngineError> {
         .trim(csv::Trim::All)
         .from_reader(text.as_bytes());
     // The reader's own line count skips blank lines, and a record's position is where the
-    // reader began it (before the blank and comment lines it skipped): count from there.
+    // reader began it (before the blank and comment lines it skipped): count from there, by
+    // binary search in the offsets of the line starts.
+    let starts: Vec<usize> = std::iter::once(0)
+        .chain(text.match_indices('\n').map(|(i, _)| i + 1))
+        .collect();
     let line_of = |p: &csv::Position| {
-        let mut at = (p.byte() as usize).min(text.len());
-        let mut line = text.as_bytes()[..at]
-            .iter()
-            .filter(|&&b| b == b'\n')
-            .count()
-            + 1;
-        while let Some(rest) = text.get(at..) {
-            let this = rest.split('\n').next().unwrap_or("");
-            let skipped = this.trim().is_empty() || this.starts_with('#');
-            if !skipped || this.len() == rest.len() {
+        let at = (p.byte() as usize).min(text.len());
+        let mut line = starts.partition_point(|&s| s <= at);
+        while let (Some(&from), Some(&next)) = (starts.get(line - 1), starts.get(line)) {
+            let this = &text[from..next - 1];
+            if !(this.trim().is_empty() || this.starts_with('#')) {
                 break;
             }
-            at += this.len() + 1;
             line += 1;
         }
         line
