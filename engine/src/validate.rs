@@ -5,7 +5,7 @@ use crate::error::EngineError;
 use crate::runs::{MeasuredRun, MeasuredTime, bad};
 use crate::session::Session;
 use crate::workspace::DEFAULT_VOCAB_MULTIPLE;
-use autopar_rules::cost::cluster::{Cluster, GIB};
+use autopar_rules::cost::cluster::Cluster;
 use autopar_rules::cost::profile::Profile;
 use autopar_rules::model::frontend::ModelDef;
 use autopar_rules::plan::accuracy::{mean_abs, relative_error, spearman};
@@ -208,7 +208,7 @@ fn check(
             .memory_gib
             .map(|m| relative_error(e.memory_per_device_gib, m)),
         measured_oom: measured.is_none(),
-        predicted_oom: e.memory_per_device_gib * GIB > e.memory_capacity,
+        predicted_oom: !e.fits,
     })
 }
 
