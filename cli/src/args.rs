@@ -357,7 +357,7 @@ pub struct PipelineArgs {
     /// Workspace model name, or a path to a HuggingFace config.json or a graph file.
     #[arg(long)]
     pub model: String,
-    /// Workspace cluster name or PRESET:NODESxGPUS.
+    /// Workspace cluster name, PRESET:NODESxGPUS or NODE-PRESET:NODES.
     #[arg(long)]
     pub cluster: String,
     /// Sequences per micro-batch.
@@ -405,7 +405,7 @@ pub struct ShardingArgs {
     /// GPU on each of 8 nodes).
     #[arg(long)]
     pub mesh: String,
-    /// Workspace cluster name, PRESET:NODESxGPUS, or a preset name sized to the mesh.
+    /// Workspace cluster name, PRESET:NODESxGPUS, NODE-PRESET:NODES, or a preset name sized to the mesh.
     #[arg(long, default_value = autopar_engine::sharding::DEFAULT_PRESET)]
     pub cluster: String,
     /// Layers I..J (J excluded), I..=J or I, as `autopar graph` numbers them (default: the

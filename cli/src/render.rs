@@ -1,7 +1,7 @@
 //! Human-readable rendering of estimates, plans and graphs.
 
 use autopar_engine::sharding::ShardingResult;
-use autopar_rules::cost::cluster::{Cluster, GIB};
+use autopar_rules::cost::cluster::{Cluster, GIB, Network};
 use autopar_rules::model::graph::{GraphSummary, Pass};
 use autopar_rules::plan::estimate::{Chunk, Estimate, MemoryBreakdown};
 use autopar_rules::plan::format::{Plan, shell_quote};
@@ -224,10 +224,19 @@ pub fn attempts(out: &mut String, tried: &[Attempt]) {
     let _ = writeln!(out, "  splits    {line}");
 }
 
-/// Describes a cluster: `name (N x G preset)`.
+/// Describes a cluster: `name (N x G device, K x R Gb/s per node)`.
 pub fn cluster(c: &Cluster) -> String {
+    let network = if c.nodes > 1 {
+        format!(
+            ", {} x {} Gb/s per node",
+            c.network.nics_per_node,
+            c.network.nic_bandwidth / Network::GBIT
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "{} ({} x {} {})",
+        "{} ({} x {} {}{network})",
         c.name, c.nodes, c.gpus_per_node, c.device.name
     )
 }

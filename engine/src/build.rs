@@ -154,7 +154,12 @@ pub fn target_parts(ws: &Workspace, t: &Target) -> KeyParts {
         .with("model", &model.def.canonical_json())
         .with(
             "cluster",
-            &(cluster.nodes, cluster.gpus_per_node, &cluster.device),
+            &(
+                cluster.nodes,
+                cluster.gpus_per_node,
+                &cluster.device,
+                &cluster.network,
+            ),
         )
         .with("training", &t.options)
         .with("search", &(&t.search, t.global_batch, LAYOUTS_KEPT))

@@ -29,7 +29,7 @@ use std::time::Instant;
 pub struct PipelineRequest {
     /// Workspace model name or model file.
     pub model: String,
-    /// Workspace cluster name or `PRESET:NODESxGPUS`.
+    /// Workspace cluster name, `PRESET:NODESxGPUS` or `NODE-PRESET:NODES`.
     pub cluster: String,
     /// Sequences per micro-batch.
     pub micro_batch: u64,

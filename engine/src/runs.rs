@@ -6,7 +6,7 @@
 //! | column        | required | meaning |
 //! |---------------|----------|---------|
 //! | `model`       | yes      | a workspace model, or a model file (relative to the working directory or to the runs file) |
-//! | `cluster`     | yes      | a workspace cluster, or `PRESET:NODESxGPUS` |
+//! | `cluster`     | yes      | a workspace cluster, `PRESET:NODESxGPUS`, or `NODE-PRESET:NODES` (`dgx-h100:4`) |
 //! | `tp` `pp` `dp`| yes      | tensor-, pipeline- and data-parallel degrees |
 //! | `mbs` `gbs`   | yes      | micro-batch and global batch, sequences |
 //! | `step_time_s` | yes      | measured seconds per step, or `oom` for a run that ran out of memory |

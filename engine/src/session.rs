@@ -94,13 +94,15 @@ impl Session {
             })
     }
 
-    /// A cluster by workspace name, or written `PRESET:NODESxGPUS`.
+    /// A cluster by workspace name, or written `PRESET:NODESxGPUS` (`NODE-PRESET:NODES`).
     pub fn cluster(&self, arg: &str) -> Result<Cluster, EngineError> {
         if arg.contains(':') {
             return parse_cluster_shorthand(arg).map_err(|reason| EngineError::Argument {
                 flag: "--cluster",
                 // The reason names the known presets when the preset is the problem.
-                expected: "PRESET:NODESxGPUS, e.g. a100-80g:4x8".to_string(),
+                expected:
+                    "PRESET:NODESxGPUS or NODE-PRESET:NODES, e.g. a100-80g:4x8 or dgx-h100:16"
+                        .to_string(),
                 found: format!("`{arg}` ({reason})"),
             });
         }

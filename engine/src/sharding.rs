@@ -4,7 +4,7 @@
 use crate::error::EngineError;
 use crate::session::Session;
 use crate::workspace::DEFAULT_VOCAB_MULTIPLE;
-use autopar_rules::cost::cluster::{Cluster, GIB, PRESET_NAMES, preset};
+use autopar_rules::cost::cluster::{Cluster, GIB, cluster_preset_names, node_preset, preset};
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef};
@@ -152,19 +152,21 @@ fn cluster_for(
     b: u64,
 ) -> Result<Cluster, EngineError> {
     let name = arg.unwrap_or(DEFAULT_PRESET);
-    match preset(name) {
-        Some(device) if !name.contains(':') => {
-            // A bare preset: as many 8-GPU nodes as the mesh needs.
-            let gpn = 8;
+    let bare = !name.contains(':') && (preset(name).is_some() || node_preset(name).is_some());
+    match bare {
+        true => {
+            // A bare preset: as many nodes (of 8 GPUs for a device) as the mesh needs.
+            let gpn = node_preset(name).map_or(8, |n| n.gpus_per_node);
             let nodes = if b <= gpn { a } else { (a * b).div_ceil(gpn) };
-            Ok(Cluster {
-                name: format!("{name}:{nodes}x{gpn}"),
-                nodes,
-                gpus_per_node: gpn,
-                device,
-            })
+            Cluster::from_preset(&format!("{name}:{nodes}x{gpn}"), name, nodes, Some(gpn)).map_err(
+                |reason| EngineError::Argument {
+                    flag: "--cluster",
+                    expected: format!("a cluster for mesh {a}x{b}"),
+                    found: reason,
+                },
+            )
         }
-        _ => session.cluster(name).map_err(|e| match e {
+        false => session.cluster(name).map_err(|e| match e {
             EngineError::Unknown {
                 what,
                 name,
@@ -172,7 +174,7 @@ fn cluster_for(
             } => EngineError::Unknown {
                 what,
                 name,
-                expected: format!("{expected}, or a preset name ({})", PRESET_NAMES.join(", ")),
+                expected: format!("{expected}, or a preset name ({})", cluster_preset_names()),
             },
             e => e,
         }),

@@ -123,7 +123,7 @@ pub fn validate(
                     file,
                     r.line,
                     "cluster",
-                    "a workspace cluster or PRESET:NODESxGPUS",
+                    "a workspace cluster, PRESET:NODESxGPUS or NODE-PRESET:NODES",
                     format!("`{}` ({e})", r.cluster),
                 )
             })?;

@@ -2,7 +2,9 @@
 
 use crate::diagnostic::Diagnostic;
 use crate::error::EngineError;
-use autopar_rules::cost::cluster::{Cluster, DEVICE_FIELDS, PRESET_NAMES, preset};
+use autopar_rules::cost::cluster::{
+    Cluster, DEVICE_FIELDS, Network, cluster_preset_names, node_preset, preset,
+};
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::cost::profile::{Profile, parse_profile};
 use autopar_rules::limits;
@@ -311,7 +313,15 @@ struct RawCluster {
     name: Spanned<String>,
     preset: Spanned<String>,
     nodes: Spanned<Positive>,
-    gpus_per_node: Spanned<Positive>,
+    /// Required for a device preset; a node preset carries its own.
+    #[serde(default)]
+    gpus_per_node: Option<Spanned<Positive>>,
+    /// Network adapters per node, replacing the preset's.
+    #[serde(default)]
+    nics_per_node: Option<Spanned<Positive>>,
+    /// Line rate of one adapter in Gb/s, replacing the preset's.
+    #[serde(default)]
+    nic_gbits: Option<Spanned<f64>>,
     /// Device numbers replacing the preset's, checked against [`DEVICE_FIELDS`].
     #[serde(default)]
     overrides: BTreeMap<String, Spanned<f64>>,
@@ -604,21 +614,55 @@ impl Loader<'_> {
 
     fn cluster(&self, raw: &Spanned<RawCluster>) -> Result<Cluster, EngineError> {
         let c = raw.get_ref();
-        let mut device = preset(c.preset.get_ref()).ok_or_else(|| {
-            self.diag(
+        let name = c.preset.get_ref();
+        if preset(name).is_none() && node_preset(name).is_none() {
+            return Err(self.diag(
                 c.preset.span().start,
                 "cluster.preset",
-                format!("one of {}", PRESET_NAMES.join(", ")),
-                format!("\"{}\"", c.preset.get_ref()),
+                format!("one of {}", cluster_preset_names()),
+                format!("\"{name}\""),
+            ));
+        }
+        if c.gpus_per_node.is_none() && node_preset(name).is_none() {
+            return Err(self.diag(
+                raw.span().start,
+                "cluster.gpus_per_node",
+                format!(
+                    "a positive integer (`{name}` is a device preset; a node preset such as \
+                     dgx-a100 carries its own)"
+                ),
+                "nothing".to_string(),
+            ));
+        }
+        let mut cluster = Cluster::from_preset(
+            c.name.get_ref(),
+            name,
+            c.nodes.get_ref().0,
+            c.gpus_per_node.as_ref().map(|g| g.get_ref().0),
+        )
+        .map_err(|reason| {
+            self.diag(
+                c.nodes.span().start,
+                "cluster.nodes",
+                format!("at most {} GPUs in all", limits::MAX_GPUS),
+                reason,
             )
         })?;
         for (key, value) in &c.overrides {
             let Some(field) = DEVICE_FIELDS.iter().find(|f| f.key == key) else {
                 let known: Vec<&str> = DEVICE_FIELDS.iter().map(|f| f.key).collect();
+                let expected = if key == "internode_gbps" {
+                    // The key of earlier versions: the network is now the node's.
+                    "the cluster's `nics_per_node` and `nic_gbits` (adapters per node and Gb/s \
+                     each) in place of a per-GPU network bandwidth"
+                        .to_string()
+                } else {
+                    format!("one of {}", known.join(", "))
+                };
                 return Err(self.diag(
                     value.span().start,
                     &format!("cluster.overrides.{key}"),
-                    format!("one of {}", known.join(", ")),
+                    expected,
                     format!("unknown field `{key}`"),
                 ));
             };
@@ -636,23 +680,23 @@ impl Loader<'_> {
                     v.to_string(),
                 ));
             }
-            *(field.field)(&mut device) = v * field.scale;
+            *(field.field)(&mut cluster.device) = v * field.scale;
         }
-        device.name = c.preset.get_ref().clone();
-        let cluster = Cluster {
-            name: c.name.get_ref().clone(),
-            nodes: c.nodes.get_ref().0,
-            gpus_per_node: c.gpus_per_node.get_ref().0,
-            device,
-        };
-        cluster.check_size().map_err(|reason| {
-            self.diag(
-                c.nodes.span().start,
-                "cluster.nodes",
-                format!("at most {} GPUs in all", limits::MAX_GPUS),
-                reason,
-            )
-        })?;
+        if let Some(n) = &c.nics_per_node {
+            cluster.network.nics_per_node = n.get_ref().0;
+        }
+        if let Some(g) = &c.nic_gbits {
+            let v = *g.get_ref();
+            if !(v.is_finite() && v > 0.0) {
+                return Err(self.diag(
+                    g.span().start,
+                    "cluster.nic_gbits",
+                    "a positive line rate in Gb/s (e.g. 200 for HDR InfiniBand)".to_string(),
+                    v.to_string(),
+                ));
+            }
+            cluster.network.nic_bandwidth = v * Network::GBIT;
+        }
         Ok(cluster)
     }
 

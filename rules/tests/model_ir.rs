@@ -93,12 +93,8 @@ fn megatron_table_models_match_the_papers_formula() {
 
 fn costs(g: &Graph, t: u64, sp: bool) -> Vec<LayerCost> {
     let d = preset("a100-80g").expect("preset");
-    let c = autopar_rules::cost::cluster::Cluster {
-        name: "c".into(),
-        nodes: 1,
-        gpus_per_node: 8,
-        device: d.clone(),
-    };
+    let c = autopar_rules::cost::cluster::Cluster::from_preset("c", "a100-80g", 1, Some(8))
+        .expect("preset");
     let kernels = KernelOptions {
         dtype: DType::F16,
         grad_buffer_bytes: 2.0,

@@ -2,7 +2,7 @@
 //! micro-batch and sequence length, meshes on a preset cluster.
 
 use crate::repo_root;
-use autopar_rules::cost::cluster::{Cluster, preset};
+use autopar_rules::cost::cluster::Cluster;
 use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef};
 use autopar_rules::model::frontend::{parse_graph_file, parse_hf_config};
@@ -51,13 +51,8 @@ pub fn lower(file: &str, micro_batch: u64, seq: Option<u64>, devices: u64) -> Gr
 
 /// An H100 cluster big enough for mesh `a x b`.
 pub fn cluster_for(a: u64, b: u64) -> Cluster {
-    let device = preset("h100-sxm").unwrap_or_else(|| panic!("the h100-sxm preset"));
-    Cluster {
-        name: "h100".into(),
-        nodes: a.max(a * b / 8),
-        gpus_per_node: 8,
-        device,
-    }
+    Cluster::from_preset("h100", "h100-sxm", a.max(a * b / 8), Some(8))
+        .unwrap_or_else(|e| panic!("the h100-sxm preset: {e}"))
 }
 
 /// Mesh `a x b` on [`cluster_for`].

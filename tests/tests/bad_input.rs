@@ -159,7 +159,8 @@ fn unknown_preset() {
         "preset = \"a100-80g\"",
         "preset = \"v100\"",
         "workspace.toml:11:10: field `cluster.preset`: expected one of a100-40g, a100-80g, \
-         h100-sxm, h200, cpu, found \"v100\"",
+         h100-sxm, h200, cpu, dgx-a100, dgx-a100-40g, dgx-h100, dgx-h200, p4d, p4de, found \
+         \"v100\"",
     );
 }
 
@@ -169,7 +170,8 @@ fn unknown_cluster_key() {
         "gpus_per_node = 8",
         "gpus_per_node = 8\nnodez = 2",
         "workspace.toml:14:1: field `cluster.nodez`: expected one of `name`, `preset`, `nodes`, \
-         `gpus_per_node`, `overrides`, `profiles`, found unknown field `nodez`",
+         `gpus_per_node`, `nics_per_node`, `nic_gbits`, `overrides`, `profiles`, found unknown \
+         field `nodez`",
     );
 }
 
@@ -179,7 +181,7 @@ fn unknown_device_override() {
         "gpus_per_node = 8",
         "gpus_per_node = 8\noverrides = { nvlink = 900 }",
         "workspace.toml:14:24: field `cluster.overrides.nvlink`: expected one of sm_count, \
-         peak_bf16_tflops, peak_fp32_tflops, hbm_gib, hbm_tbps, nvlink_gbps, internode_gbps, \
+         peak_bf16_tflops, peak_fp32_tflops, hbm_gib, hbm_tbps, nvlink_gbps, \
          nvlink_latency_us, internode_latency_us, matmul_efficiency, attention_efficiency, \
          hbm_efficiency, nvlink_efficiency, internode_efficiency, kernel_overhead_us, \
          reserved_gib, found unknown field `nvlink`",
@@ -190,9 +192,41 @@ fn unknown_device_override() {
 fn impossible_override() {
     check(
         "gpus_per_node = 8",
-        "gpus_per_node = 8\noverrides = { internode_gbps = 50, matmul_efficiency = 1.5 }",
-        "workspace.toml:14:56: field `cluster.overrides.matmul_efficiency`: expected a fraction \
+        "gpus_per_node = 8\noverrides = { nvlink_gbps = 50, matmul_efficiency = 1.5 }",
+        "workspace.toml:14:53: field `cluster.overrides.matmul_efficiency`: expected a fraction \
          in (0, 1], found 1.5",
+    );
+}
+
+#[test]
+fn the_per_gpu_network_key_of_earlier_versions_points_to_the_node_keys() {
+    check(
+        "gpus_per_node = 8",
+        "gpus_per_node = 8\noverrides = { internode_gbps = 50 }",
+        "workspace.toml:14:32: field `cluster.overrides.internode_gbps`: expected the cluster's \
+         `nics_per_node` and `nic_gbits` (adapters per node and Gb/s each) in place of a per-GPU \
+         network bandwidth, found unknown field `internode_gbps`",
+    );
+}
+
+#[test]
+fn a_device_preset_needs_its_gpus_per_node() {
+    check(
+        "nodes = 1\ngpus_per_node = 8",
+        "nodes = 1",
+        "workspace.toml:9:1: field `cluster.gpus_per_node`: expected a positive integer \
+         (`a100-80g` is a device preset; a node preset such as dgx-a100 carries its own), found \
+         nothing",
+    );
+}
+
+#[test]
+fn a_line_rate_must_be_positive() {
+    check(
+        "gpus_per_node = 8",
+        "gpus_per_node = 8\nnic_gbits = -100",
+        "workspace.toml:14:13: field `cluster.nic_gbits`: expected a positive line rate in Gb/s \
+         (e.g. 200 for HDR InfiniBand), found -100",
     );
 }
 
@@ -358,7 +392,7 @@ fn bad_command_line_values() {
                 "--gbs",
                 "8",
             ],
-            "error: --cluster: expected PRESET:NODESxGPUS, e.g. a100-80g:4x8, found `a100-80g:0x8` (the number of nodes must be a positive integer, found `0`)",
+            "error: --cluster: expected PRESET:NODESxGPUS or NODE-PRESET:NODES, e.g. a100-80g:4x8 or dgx-h100:16, found `a100-80g:0x8` (the number of nodes must be a positive integer, found `0`)",
         ),
         (
             &[

@@ -473,3 +473,73 @@ fn runtime_presets_set_what_their_flags_set() {
         r.stderr
     );
 }
+
+/// A cluster's network is its nodes' adapters: `p4de` (four 100 Gb/s adapters for eight A100
+/// 80GB) prices exactly as a DGX A100 described with those adapters, the shorthand and the
+/// workspace agree, and the data-parallel gradient all-reduce across nodes (one rank per node
+/// under tp 8) takes four times the bandwidth term on a quarter of the network.
+#[test]
+fn the_network_a_cluster_describes_prices_its_collectives() {
+    let ws = TempWorkspace::with_toml(
+        r#"[[model]]
+name = "gpt"
+hf_config = "models/gpt2-small.json"
+
+[[cluster]]
+name = "p4de"
+preset = "p4de"
+nodes = 4
+
+[[cluster]]
+name = "dgx"
+preset = "dgx-a100"
+nodes = 4
+
+[[cluster]]
+name = "dgx-as-p4de"
+preset = "dgx-a100"
+nodes = 4
+nics_per_node = 4
+nic_gbits = 100
+"#,
+    );
+    let layout = [
+        "--tp", "4", "--pp", "1", "--dp", "8", "--mbs", "4", "--gbs", "64",
+    ];
+    let run = |cluster: &str| {
+        let mut args = vec!["--model", "gpt", "--cluster", cluster];
+        args.extend_from_slice(&layout);
+        estimate(&ws, &args)
+    };
+    let (p4de, dgx, described) = (run("p4de"), run("dgx"), run("dgx-as-p4de"));
+    assert_eq!(p4de["time"], described["time"]);
+    assert_eq!(p4de["time"], run("p4de:4")["time"]);
+    assert_eq!(dgx["time"], run("dgx-a100:4")["time"]);
+    assert_eq!(dgx["time"], run("a100-80g:4x8")["time"]);
+    // Two ranks per node over four nodes: 2 (n-1)/n of the gradients over the two ranks'
+    // share of the node's adapters, plus two tree levels of latency.
+    let grads = |j: &serde_json::Value| number(&j["time"], "grad_sync");
+    let latency = 2.0 * 20e-6;
+    let ratio = (grads(&p4de) - latency) / (grads(&dgx) - latency);
+    assert!((ratio - 4.0).abs() < 1e-6, "{ratio}");
+    // Kernels and tensor parallelism inside a node do not see the network.
+    assert_eq!(p4de["time"]["compute"], dgx["time"]["compute"]);
+    assert_eq!(p4de["time"]["tp_comm"], dgx["time"]["tp_comm"]);
+    let text = ws.run(&[
+        "estimate",
+        "--model",
+        "gpt",
+        "--cluster",
+        "p4de",
+        "--tp",
+        "4",
+        "--gbs",
+        "64",
+    ]);
+    assert!(
+        text.stdout
+            .contains("p4de (4 x 8 a100-80g, 4 x 100 Gb/s per node)"),
+        "{}",
+        text.stdout
+    );
+}

@@ -4,8 +4,8 @@
 //! priced by the intra-op solve of its whole range.
 
 use autopar_rules::canonical::Digest;
+use autopar_rules::cost::cluster::Cluster;
 use autopar_rules::cost::cluster::Device;
-use autopar_rules::cost::cluster::{Cluster, preset};
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef, parse_hf_config};
@@ -25,12 +25,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 fn cluster(nodes: u64, gpus: u64) -> Cluster {
-    Cluster {
-        name: "test".into(),
-        nodes,
-        gpus_per_node: gpus,
-        device: preset("h100-sxm").expect("preset"),
-    }
+    Cluster::from_preset("test", "h100-sxm", nodes, Some(gpus)).expect("preset")
 }
 
 /// LLaMA-2 7B's shapes with `blocks` blocks.
@@ -371,7 +366,7 @@ fn a_network_change_invalidates_only_multi_node_tables() {
     let ids = layer_identities(&g);
     let before = cluster(2, 4);
     let mut after = before.clone();
-    after.device.internode_bandwidth *= 2.0;
+    after.network.nic_bandwidth *= 2.0;
     let opts = StageOptions::default();
     let subs = submesh_choices(2, 4, false);
     let mut changed = Vec::new();

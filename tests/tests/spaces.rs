@@ -218,17 +218,14 @@ fn bad_space_options_are_named() {
 #[test]
 fn dry_run_counts_the_ilp_solves_a_network_edit_costs_and_explain_names_them() {
     // Two nodes of two GPUs: submeshes 1x1, 1x2 and 2x2, the last one across nodes.
-    let on_two_nodes = |internode_gbps: u64| {
+    let on_two_nodes = |nic_gbits: u64| {
         workspace(
             "space = \"both\"\n[target.search]\nilp_micro_batch = [2]",
             4,
         )
-        .replace(
-            "nodes = 1",
-            &format!("nodes = 2\noverrides = {{ internode_gbps = {internode_gbps} }}"),
-        )
+        .replace("nodes = 1", &format!("nodes = 2\nnic_gbits = {nic_gbits}"))
     };
-    let ws = TempWorkspace::with_toml(&on_two_nodes(100));
+    let ws = TempWorkspace::with_toml(&on_two_nodes(800));
     let cold = ws.run(&["build", "--dry-run", "--json"]);
     let cold = built(&cold);
     let stages = &cold["targets"][0]["ilp"][0];
@@ -247,7 +244,7 @@ fn dry_run_counts_the_ilp_solves_a_network_edit_costs_and_explain_names_them() {
         text.stdout
     );
 
-    ws.write("workspace.toml", &on_two_nodes(50));
+    ws.write("workspace.toml", &on_two_nodes(400));
     let dry = built(&ws.run(&["build", "--dry-run", "--json"]));
     let stages = &dry["targets"][0]["ilp"][0];
     assert_eq!(stages["stages_cached"], false, "{dry}");

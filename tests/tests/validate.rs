@@ -271,7 +271,7 @@ fn bad_runs_files_are_located_input_errors() {
         ),
         (
             "llama2-7b,v100:1x8,8,1,1,1,8,1.0\n",
-            "runs.csv:2: field `cluster`: expected a workspace cluster or PRESET:NODESxGPUS, found `v100:1x8`",
+            "runs.csv:2: field `cluster`: expected a workspace cluster, PRESET:NODESxGPUS or NODE-PRESET:NODES, found `v100:1x8`",
         ),
         (
             "llama2-7b,a100-80g:1x8,8,1,1,1,8,-1\n",

@@ -24,8 +24,6 @@ pub struct Device {
     pub hbm_bandwidth: f64,
     /// NVLink bandwidth per GPU and direction, bytes/s.
     pub nvlink_bandwidth: f64,
-    /// Network bandwidth between nodes of one GPU's adapter, per direction, bytes/s.
-    pub internode_bandwidth: f64,
     /// Start-up latency of a collective inside a node, s.
     pub nvlink_latency: f64,
     /// Start-up latency of a collective or transfer across nodes, s.
@@ -48,14 +46,13 @@ pub struct Device {
 }
 
 impl Device {
-    /// The device without its name and network numbers: what a result that reads the links
+    /// The device without its name and link numbers: what a result that reads the links
     /// only through a [`Link`] of its own depends on, so that a change
     /// to the network leaves the results of single-node groups as they were.
     pub fn compute_part(&self) -> Device {
         Device {
             name: String::new(),
             nvlink_bandwidth: 0.0,
-            internode_bandwidth: 0.0,
             nvlink_latency: 0.0,
             internode_latency: 0.0,
             nvlink_efficiency: 0.0,
@@ -131,14 +128,6 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         doc: "NVLink bandwidth per GPU and direction",
         fraction: false,
         field: |d| &mut d.nvlink_bandwidth,
-    },
-    DeviceField {
-        key: "internode_gbps",
-        unit: "GB/s",
-        scale: 1e9,
-        doc: "network bandwidth per GPU and direction",
-        fraction: false,
-        field: |d| &mut d.internode_bandwidth,
     },
     DeviceField {
         key: "nvlink_latency_us",
@@ -247,9 +236,9 @@ pub const HOPPER_MATMUL_EFFICIENCY: f64 = 0.58;
 ///
 /// Sources. SM counts, peaks, memory bandwidth and NVLink: NVIDIA A100 and H100/H200 SXM datasheets (NVLink
 /// is quoted there as total bidirectional bandwidth: 600 and 900 GB/s, i.e. 300 and 450 GB/s per
-/// direction). Memory capacity: the total `nvidia-smi` reports. Network: DGX A100 has one
-/// 200 Gb/s HDR InfiniBand adapter per GPU (25 GB/s), DGX H100 one 400 Gb/s NDR adapter per GPU
-/// (50 GB/s). Matmul efficiency: calibrated, see [`AMPERE_MATMUL_EFFICIENCY`].
+/// direction). Memory capacity: the total `nvidia-smi` reports. The network between nodes is the
+/// cluster's ([`Network`]); the efficiency and latency of collectives over it are the device's.
+/// Matmul efficiency: calibrated, see [`AMPERE_MATMUL_EFFICIENCY`].
 /// Attention efficiency: FlashAttention-2 reports 50-73% of A100 peak forward and less backward
 /// (0.6 for the pair); on Hopper FlashAttention-2 reaches ~35% and FlashAttention-3 ~75% forward
 /// (0.55 between them, the fused kernels Megatron-Core uses sit there). Memory efficiency:
@@ -278,7 +267,6 @@ pub fn preset(name: &str) -> Option<Device> {
         hbm_bytes: hbm_mib * MIB,
         hbm_bandwidth: hbm_bw,
         nvlink_bandwidth: 300e9,
-        internode_bandwidth: 25e9,
         nvlink_latency: 10e-6,
         internode_latency: 20e-6,
         matmul_efficiency: AMPERE_MATMUL_EFFICIENCY,
@@ -297,7 +285,6 @@ pub fn preset(name: &str) -> Option<Device> {
         hbm_bytes: hbm_mib * MIB,
         hbm_bandwidth: hbm_bw,
         nvlink_bandwidth: 450e9,
-        internode_bandwidth: 50e9,
         nvlink_latency: 10e-6,
         internode_latency: 20e-6,
         matmul_efficiency: HOPPER_MATMUL_EFFICIENCY,
@@ -321,7 +308,6 @@ pub fn preset(name: &str) -> Option<Device> {
             hbm_bytes: 8.0 * GIB,
             hbm_bandwidth: 30e9,
             nvlink_bandwidth: 5e9,
-            internode_bandwidth: 5e9,
             nvlink_latency: 20e-6,
             internode_latency: 20e-6,
             matmul_efficiency: 0.6,
@@ -336,7 +322,129 @@ pub fn preset(name: &str) -> Option<Device> {
     })
 }
 
-/// A homogeneous cluster: `nodes` nodes of `gpus_per_node` GPUs, NVLink inside a node.
+/// The network between nodes: the adapters of a node that carry GPU traffic (the compute
+/// fabric, not storage or management ports) and their line rate.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Network {
+    /// Adapters per node.
+    pub nics_per_node: u64,
+    /// Line rate of one adapter, per direction, bytes/s.
+    pub nic_bandwidth: f64,
+}
+
+impl Network {
+    /// Bytes/s in a Gb/s (the unit adapters are sold in).
+    pub const GBIT: f64 = 1e9 / 8.0;
+
+    /// The network a bare device preset gets on nodes of `gpus_per_node` GPUs: one adapter per
+    /// GPU at the rate of its generation's DGX (200 Gb/s HDR InfiniBand for A100, 400 Gb/s NDR
+    /// for H100 and H200; see [`NODE_PRESETS`]); the `cpu` device's threads share memory, taken
+    /// as 40 Gb/s.
+    pub fn default_for(device: &str, gpus_per_node: u64) -> Network {
+        let gbit = match device {
+            "a100-40g" | "a100-80g" => 200.0,
+            "cpu" => 40.0,
+            _ => 400.0,
+        };
+        Network {
+            nics_per_node: gpus_per_node,
+            nic_bandwidth: gbit * Network::GBIT,
+        }
+    }
+}
+
+/// A node model: a device preset, its GPUs per node and its network.
+#[derive(Clone, Copy, Debug)]
+pub struct NodePreset {
+    /// Name (`dgx-a100`, ...).
+    pub name: &'static str,
+    /// The device preset of its GPUs.
+    pub device: &'static str,
+    /// GPUs per node.
+    pub gpus_per_node: u64,
+    /// Compute-fabric adapters per node.
+    pub nics_per_node: u64,
+    /// Line rate of one adapter, Gb/s.
+    pub nic_gbits: f64,
+    /// What the node is, with the source of its numbers.
+    pub doc: &'static str,
+}
+
+/// The built-in node presets.
+///
+/// Sources: the NVIDIA DGX A100 and DGX H100/H200 user guides (eight single-port ConnectX-6
+/// 200 Gb/s HDR, or ConnectX-7 400 Gb/s NDR, InfiniBand adapters for the compute fabric, one per
+/// GPU, cabled rail-optimised; the storage adapters are not counted), and the Amazon EC2 P4
+/// instance page (p4d.24xlarge and p4de.24xlarge: eight A100 40 GB or 80 GB and 400 Gb/s of
+/// Elastic Fabric Adapter networking as four 100 Gb/s adapters, two GPUs per adapter).
+pub const NODE_PRESETS: &[NodePreset] = &[
+    NodePreset {
+        name: "dgx-a100",
+        device: "a100-80g",
+        gpus_per_node: 8,
+        nics_per_node: 8,
+        nic_gbits: 200.0,
+        doc: "NVIDIA DGX A100 640GB: 8 x A100 80GB, 8 x 200 Gb/s HDR InfiniBand",
+    },
+    NodePreset {
+        name: "dgx-a100-40g",
+        device: "a100-40g",
+        gpus_per_node: 8,
+        nics_per_node: 8,
+        nic_gbits: 200.0,
+        doc: "NVIDIA DGX A100 320GB: 8 x A100 40GB, 8 x 200 Gb/s HDR InfiniBand",
+    },
+    NodePreset {
+        name: "dgx-h100",
+        device: "h100-sxm",
+        gpus_per_node: 8,
+        nics_per_node: 8,
+        nic_gbits: 400.0,
+        doc: "NVIDIA DGX H100: 8 x H100 SXM 80GB, 8 x 400 Gb/s NDR InfiniBand",
+    },
+    NodePreset {
+        name: "dgx-h200",
+        device: "h200",
+        gpus_per_node: 8,
+        nics_per_node: 8,
+        nic_gbits: 400.0,
+        doc: "NVIDIA DGX H200: 8 x H200 141GB, 8 x 400 Gb/s NDR InfiniBand",
+    },
+    NodePreset {
+        name: "p4d",
+        device: "a100-40g",
+        gpus_per_node: 8,
+        nics_per_node: 4,
+        nic_gbits: 100.0,
+        doc: "AWS p4d.24xlarge: 8 x A100 40GB, 4 x 100 Gb/s EFA (two GPUs per adapter)",
+    },
+    NodePreset {
+        name: "p4de",
+        device: "a100-80g",
+        gpus_per_node: 8,
+        nics_per_node: 4,
+        nic_gbits: 100.0,
+        doc: "AWS p4de.24xlarge: 8 x A100 80GB, 4 x 100 Gb/s EFA (two GPUs per adapter)",
+    },
+];
+
+/// The node preset called `name`.
+pub fn node_preset(name: &str) -> Option<&'static NodePreset> {
+    NODE_PRESETS.iter().find(|n| n.name == name)
+}
+
+/// Every preset name a cluster may start from: the devices, then the nodes.
+pub fn cluster_preset_names() -> String {
+    PRESET_NAMES
+        .iter()
+        .copied()
+        .chain(NODE_PRESETS.iter().map(|n| n.name))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A homogeneous cluster: `nodes` nodes of `gpus_per_node` GPUs, NVLink inside a node, the
+/// nodes joined by `network`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Cluster {
     /// Name (informational).
@@ -347,6 +455,8 @@ pub struct Cluster {
     pub gpus_per_node: u64,
     /// The GPU model.
     pub device: Device,
+    /// The adapters between nodes.
+    pub network: Network,
 }
 
 /// Effective cost parameters of the links a communication group uses.
@@ -364,6 +474,53 @@ pub struct Link {
 }
 
 impl Cluster {
+    /// The cluster `nodes x gpus_per_node` of a device or node preset, with the preset's
+    /// network (a device preset: [`Network::default_for`]). A node preset fixes its GPUs per
+    /// node unless `gpus_per_node` says otherwise; a device preset needs it.
+    pub fn from_preset(
+        name: &str,
+        preset_name: &str,
+        nodes: u64,
+        gpus_per_node: Option<u64>,
+    ) -> Result<Cluster, String> {
+        let (device, gpn, network) = if let Some(node) = node_preset(preset_name) {
+            let device = preset(node.device).ok_or_else(|| {
+                format!(
+                    "node preset `{preset_name}` names an unknown device `{}`",
+                    node.device
+                )
+            })?;
+            let network = Network {
+                nics_per_node: node.nics_per_node,
+                nic_bandwidth: node.nic_gbits * Network::GBIT,
+            };
+            (device, gpus_per_node.unwrap_or(node.gpus_per_node), network)
+        } else if let Some(device) = preset(preset_name) {
+            let gpn = gpus_per_node.ok_or_else(|| {
+                format!(
+                    "`{preset_name}` is a GPU, so the GPUs per node must be given (a node preset \
+                     such as {} carries its own)",
+                    NODE_PRESETS[0].name
+                )
+            })?;
+            (device, gpn, Network::default_for(preset_name, gpn))
+        } else {
+            return Err(format!(
+                "unknown preset `{preset_name}` (known: {})",
+                cluster_preset_names()
+            ));
+        };
+        let cluster = Cluster {
+            name: name.to_string(),
+            nodes,
+            gpus_per_node: gpn,
+            device,
+            network,
+        };
+        cluster.check_size()?;
+        Ok(cluster)
+    }
+
     /// Total number of GPUs.
     pub fn gpus(&self) -> u64 {
         self.nodes.saturating_mul(self.gpus_per_node)
@@ -383,21 +540,36 @@ impl Cluster {
         Ok(())
     }
 
+    /// Network bandwidth one GPU achieves when every GPU of its node sends across nodes at
+    /// once (what SPMD training does: every rank of a layout is in a data-parallel group, and
+    /// all of a stage's ranks send its activations together): the node's adapters shared by its
+    /// GPUs, at the collectives' efficiency. Two GPUs per adapter (AWS p4d) get half an
+    /// adapter each.
+    pub fn network_share(&self) -> f64 {
+        let node = self.network.nics_per_node as f64
+            * self.network.nic_bandwidth
+            * self.device.internode_efficiency;
+        node / self.gpus_per_node.max(1) as f64
+    }
+
     /// Link of a group of `size` ranks `stride` apart, ranks being numbered node by node (the
     /// Megatron-LM order: tensor-parallel ranks adjacent, then data-parallel, then pipeline). The
     /// group stays inside a node when it spans at most one node's worth of consecutive ranks.
     ///
     /// A group that spans nodes with `k` of its ranks on each node runs its ring and tree
-    /// collectives over the `k` network adapters of those GPUs at once (NCCL spreads its channels
+    /// collectives over the network share of those `k` GPUs at once (NCCL spreads its channels
     /// over every adapter it finds; NCCL's maintainers measure 192 GB/s all-reduce bus bandwidth
     /// between DGX A100 nodes of eight 25 GB/s adapters, NVIDIA/nccl#812), up to what NVLink
     /// inside the node carries. All-to-all and point-to-point transfers cannot aggregate
     /// adapters (NVIDIA/nccl-tests#267): each GPU's own traffic to another node goes through its
-    /// own adapter.
+    /// own share. Across `m` nodes the start-up latency grows as `log2 m`: NCCL runs small
+    /// collectives on double binary trees, whose depth is logarithmic in the nodes (NVIDIA,
+    /// "Massively Scale Your Deep Learning Training with NCCL 2.4", 2019).
     pub fn group_link(&self, stride: u64, size: u64) -> Link {
         let d = &self.device;
         let nvlink = d.nvlink_bandwidth * d.nvlink_efficiency;
-        if stride.saturating_mul(size) <= self.gpus_per_node {
+        let gpn = self.gpus_per_node.max(1);
+        if stride.saturating_mul(size) <= gpn {
             Link {
                 latency: d.nvlink_latency,
                 bandwidth: nvlink,
@@ -405,12 +577,13 @@ impl Cluster {
                 internode: false,
             }
         } else {
-            let nic = d.internode_bandwidth * d.internode_efficiency;
-            let per_node = (self.gpus_per_node / stride.max(1)).clamp(1, size);
+            let share = self.network_share();
+            let per_node = (gpn / stride.max(1)).clamp(1, size);
+            let nodes = size.div_ceil(per_node).max(2);
             Link {
-                latency: d.internode_latency,
-                bandwidth: (nic * per_node as f64).min(nvlink.max(nic)),
-                pairwise_bandwidth: nic,
+                latency: d.internode_latency * (nodes as f64).log2().ceil(),
+                bandwidth: (share * per_node as f64).min(nvlink.max(share)),
+                pairwise_bandwidth: share,
                 internode: true,
             }
         }
@@ -427,34 +600,31 @@ impl Cluster {
     }
 }
 
-/// Parses the cluster shorthand `PRESET:NODESxGPUS` (e.g. `a100-80g:48x8`).
+/// Parses the cluster shorthand `PRESET:NODESxGPUS` (e.g. `a100-80g:48x8`), or `NODE:NODES` for
+/// a node preset (e.g. `dgx-h100:16`).
 pub fn parse_cluster_shorthand(s: &str) -> Result<Cluster, String> {
-    let (preset_name, shape) = s
-        .split_once(':')
-        .ok_or_else(|| format!("`{s}` is not of the form PRESET:NODESxGPUS"))?;
-    let device = preset(preset_name).ok_or_else(|| {
-        format!(
-            "unknown device preset `{preset_name}` (known: {})",
-            PRESET_NAMES.join(", ")
-        )
+    let (preset_name, shape) = s.split_once(':').ok_or_else(|| {
+        format!("`{s}` is not of the form PRESET:NODESxGPUS (or NODE-PRESET:NODES)")
     })?;
-    let (n, g) = shape
-        .split_once('x')
-        .ok_or_else(|| format!("`{shape}` is not of the form NODESxGPUS"))?;
     let parse = |v: &str, what: &str| -> Result<u64, String> {
         match v.parse::<u64>() {
             Ok(0) | Err(_) => Err(format!("{what} must be a positive integer, found `{v}`")),
             Ok(x) => Ok(x),
         }
     };
-    let cluster = Cluster {
-        name: s.to_string(),
-        nodes: parse(n, "the number of nodes")?,
-        gpus_per_node: parse(g, "GPUs per node")?,
-        device,
+    let (nodes, gpus) = match shape.split_once('x') {
+        Some((n, g)) => (
+            parse(n, "the number of nodes")?,
+            Some(parse(g, "GPUs per node")?),
+        ),
+        None if node_preset(preset_name).is_some() => (parse(shape, "the number of nodes")?, None),
+        None if preset(preset_name).is_some() => {
+            return Err(format!("`{shape}` is not of the form NODESxGPUS"));
+        }
+        // Unknown presets are reported as such below.
+        None => (parse(shape, "the number of nodes")?, None),
     };
-    cluster.check_size()?;
-    Ok(cluster)
+    Cluster::from_preset(s, preset_name, nodes, gpus)
 }
 
 #[cfg(test)]
@@ -516,9 +686,88 @@ mod tests {
         // NVLink caps the aggregate: 16 adapters of 25 GB/s would exceed it.
         let mut wide = c.clone();
         wide.gpus_per_node = 16;
+        wide.network.nics_per_node = 16;
         assert!(close(wide.group_link(1, 32).bandwidth, nvlink));
         // Inside a node both are NVLink.
         let l = c.group_link(1, 8);
         assert!(close(l.bandwidth, nvlink) && close(l.pairwise_bandwidth, nvlink));
+    }
+
+    #[test]
+    fn gpus_that_share_an_adapter_share_its_bandwidth() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-3 * b;
+        // p4d: four 100 Gb/s adapters for eight GPUs, 5.625 GB/s achieved per GPU.
+        let p4d = parse_cluster_shorthand("p4d:4").expect("valid");
+        assert_eq!((p4d.nodes, p4d.gpus_per_node), (4, 8));
+        assert_eq!(p4d.device.name, "a100-40g");
+        let share = 4.0 * 12.5e9 * 0.9 / 8.0;
+        assert!(close(p4d.network_share(), share));
+        // One rank per node: its share; a whole node's ranks: the node's four adapters.
+        let l = p4d.group_link(8, 4);
+        assert!(close(l.bandwidth, share) && close(l.pairwise_bandwidth, share));
+        assert!(close(p4d.group_link(1, 32).bandwidth, 8.0 * share));
+        // The same GPUs on a DGX (eight 200 Gb/s adapters) get four times as much.
+        let dgx = parse_cluster_shorthand("dgx-a100-40g:4").expect("valid");
+        assert_eq!(dgx.device, p4d.device);
+        assert!(close(dgx.group_link(8, 4).bandwidth, 4.0 * share));
+        // A bare device preset gets the DGX network of its generation.
+        let bare = parse_cluster_shorthand("a100-40g:4x8").expect("valid");
+        assert_eq!(bare.network, dgx.network);
+        assert_eq!(bare.group_link(8, 4), dgx.group_link(8, 4));
+    }
+
+    #[test]
+    fn latency_across_nodes_grows_with_the_depth_of_a_tree_over_them() {
+        let c = parse_cluster_shorthand("dgx-h100:64").expect("valid");
+        let alpha = c.device.internode_latency;
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(close(c.group_link(8, 2).latency, alpha));
+        assert!(close(c.group_link(8, 3).latency, 2.0 * alpha));
+        assert!(close(c.group_link(8, 64).latency, 6.0 * alpha));
+        // Eight ranks per node over 64 nodes: still 64 nodes deep.
+        assert!(close(c.group_link(1, 512).latency, 6.0 * alpha));
+        assert!(close(c.group_link(1, 8).latency, c.device.nvlink_latency));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn shorthand_never_panics_and_sizes_what_it_accepts(
+            name in "(dgx-a100|p4d|a100-80g|h200|cpu|x)",
+            nodes in "[0-9]{0,8}",
+            gpus in proptest::option::of("[0-9]{0,4}"),
+        ) {
+            let text = match &gpus {
+                Some(g) => format!("{name}:{nodes}x{g}"),
+                None => format!("{name}:{nodes}"),
+            };
+            if let Ok(c) = parse_cluster_shorthand(&text) {
+                proptest::prop_assert_eq!(c.nodes.to_string(), nodes.trim_start_matches('0'));
+                proptest::prop_assert!(c.gpus() <= crate::limits::MAX_GPUS);
+                proptest::prop_assert!(c.network_share() > 0.0);
+            }
+        }
+
+        #[test]
+        fn arbitrary_shorthand_never_panics(text in "\\PC{0,40}") {
+            let _ = parse_cluster_shorthand(&text);
+        }
+    }
+
+    #[test]
+    fn node_presets_resolve_and_device_presets_need_their_node_size() {
+        for n in NODE_PRESETS {
+            let c = Cluster::from_preset(n.name, n.name, 2, None).expect("node preset");
+            assert_eq!(c.gpus_per_node, n.gpus_per_node);
+            assert_eq!(c.network.nics_per_node, n.nics_per_node);
+            assert!(preset(n.device).is_some(), "{}", n.name);
+        }
+        let h = parse_cluster_shorthand("dgx-h100:2x4").expect("fewer GPUs per node");
+        assert_eq!((h.gpus_per_node, h.network.nics_per_node), (4, 8));
+        let e = parse_cluster_shorthand("a100-80g:4").expect_err("needs GPUs per node");
+        assert!(e.contains("NODESxGPUS"), "{e}");
+        let e = Cluster::from_preset("x", "a100-80g", 4, None).expect_err("needs GPUs per node");
+        assert!(e.contains("GPUs per node must be given"), "{e}");
+        let e = parse_cluster_shorthand("dgx-b300:4").expect_err("unknown");
+        assert!(e.contains("dgx-a100") && e.contains("h100-sxm"), "{e}");
     }
 }

@@ -645,13 +645,9 @@ mod tests {
     #[test]
     fn identical_blocks_share_a_key_wherever_they_sit() {
         let device = preset("h100-sxm").expect("preset");
-        let link = crate::cost::cluster::Cluster {
-            name: "c".into(),
-            nodes: 1,
-            gpus_per_node: 8,
-            device: device.clone(),
-        }
-        .group_link(1, 2);
+        let link = crate::cost::cluster::Cluster::from_preset("c", "h100-sxm", 1, Some(8))
+            .expect("preset")
+            .group_link(1, 2);
         let p = Pricing {
             tp: TpConfig { t: 2, sp: true },
             device: &device,

@@ -450,7 +450,7 @@ impl Estimator<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cost::cluster::{Cluster, preset};
+    use crate::cost::cluster::Cluster;
     use crate::cost::memory::Precision;
     use crate::model::frontend::{
         Attention, Bias, Mlp, ModelDef, Norm, Position, TransformerConfig,
@@ -478,12 +478,7 @@ mod tests {
     }
 
     fn cluster(gpus: u64) -> Cluster {
-        Cluster {
-            name: "test".into(),
-            nodes: 1,
-            gpus_per_node: gpus,
-            device: preset("h100-sxm").expect("preset"),
-        }
+        Cluster::from_preset("test", "h100-sxm", 1, Some(gpus)).expect("preset")
     }
 
     fn options(headroom: f64) -> TrainingOptions {

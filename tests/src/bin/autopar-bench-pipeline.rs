@@ -7,7 +7,7 @@
 
 use autopar_engine::cache::Cache;
 use autopar_engine::pipeline::CachedTables;
-use autopar_rules::cost::cluster::{Cluster, preset};
+use autopar_rules::cost::cluster::Cluster;
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::solve::pipeline::{PipelineOptions, PipelinePlan, plan_pipeline_with};
 use autopar_tests::sharding::lower;
@@ -88,16 +88,14 @@ fn main() -> ExitCode {
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut failed = false;
     for (name, file, dev, nodes, gpn, gbs, seq, pow2) in targets {
-        let Some(device) = preset(dev) else {
-            eprintln!("{name}: no preset {dev}");
-            return ExitCode::FAILURE;
-        };
-        let cluster = Cluster {
-            name: format!("{dev}:{nodes}x{gpn}"),
-            nodes,
-            gpus_per_node: gpn,
-            device,
-        };
+        let cluster =
+            match Cluster::from_preset(&format!("{dev}:{nodes}x{gpn}"), dev, nodes, Some(gpn)) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("{name}: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
         let graph = lower(file, 1, Some(seq), gpn);
         let opts = PipelineOptions {
             microbatches: gbs,
