@@ -467,9 +467,28 @@ pub struct BalanceArgs {
     /// Write the simulated timeline as a Chrome trace to this file.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Price the plans of this file next to the balanced one (SAPP: -manual): SAPP's
+    /// `offset`, `recompute`, `select_recompute`, `select_comm_recompute` lists, named
+    /// plans or one plan at the top level.
+    #[arg(long, value_name = "PLAN.yaml")]
+    pub manual: Option<PathBuf>,
+    /// Price the even split too (SAPP: -naive [1]): under the yaml's recomputation, with
+    /// none, and with every layer recomputed.
+    #[arg(long, num_args = 0..=1, default_value = "false", default_missing_value = "true",
+          value_parser = parse_switch)]
+    pub naive: bool,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// A switch written SAPP's way (`1`/`0`) or clap's (`true`/`false`).
+fn parse_switch(s: &str) -> Result<bool, String> {
+    match s {
+        "1" | "true" => Ok(true),
+        "0" | "false" => Ok(false),
+        _ => Err("expected 1 or 0 (true or false)".to_string()),
+    }
 }
 
 /// `autopar build`.
@@ -625,6 +644,18 @@ pub struct EstimateArgs {
     /// micro-batch (Megatron-LM before --gradient-accumulation-fusion).
     #[arg(long)]
     pub no_grad_accumulation_fusion: bool,
+    /// Gradients accumulated and reduced in fp32, `true` or `false` (default: the
+    /// runtime's; Megatron's `--accumulate-allreduce-grads-in-fp32`).
+    #[arg(long, value_name = "BOOL")]
+    pub grad_reduce_in_fp32: Option<bool>,
+    /// The data-parallel gradient reduction overlaps the backward, `true` or `false`
+    /// (default: the runtime's; Megatron-Core's `--overlap-grad-reduce`).
+    #[arg(long, value_name = "BOOL")]
+    pub overlap_grad_reduce: Option<bool>,
+    /// The all-gather of updated weights under a sharded optimizer overlaps the next forward,
+    /// `true` or `false` (default: the runtime's; Megatron-Core's `--overlap-param-gather`).
+    #[arg(long, value_name = "BOOL")]
+    pub overlap_param_gather: Option<bool>,
     /// Fraction of device memory kept free.
     #[arg(long, default_value_t = autopar_engine::workspace::DEFAULT_MEMORY_HEADROOM)]
     pub memory_headroom: f64,

@@ -54,12 +54,14 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    // SAPP users write -mb and -mem; clap's short flags are single letters.
+    // SAPP users write -mb, -mem, -manual and -naive; clap's short flags are single letters.
     let args = args.into_iter().map(|a| {
         let a: std::ffi::OsString = a.into();
         match a.to_str() {
             Some("-mb") => "--mb".into(),
             Some("-mem") => "--mem".into(),
+            Some("-manual") => "--manual".into(),
+            Some("-naive") => "--naive".into(),
             _ => a,
         }
     });

@@ -19,6 +19,7 @@
 //! | `runtime`     | no (megatron-core) | the runtime preset ([`Runtime`]) |
 //! | `precision`   | no       | `bf16`, `fp16` or `fp32` (default: the runtime's) |
 //! | `attention`   | no       | `flash` or `unfused` (default: the runtime's) |
+//! | `grad_reduce_in_fp32` `overlap_grad_reduce` `overlap_param_gather` | no | `true`/`false` (default: the runtime's) |
 //! | `memory_gib`  | no       | measured peak memory per GPU, GiB |
 //! | `source` `note` | no     | free text, ignored |
 //!
@@ -35,7 +36,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Every column a runs file may have.
-pub const COLUMNS: [&str; 22] = [
+pub const COLUMNS: [&str; 25] = [
     "model",
     "cluster",
     "tp",
@@ -54,6 +55,9 @@ pub const COLUMNS: [&str; 22] = [
     "runtime",
     "precision",
     "attention",
+    "grad_reduce_in_fp32",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
     "step_time_s",
     "memory_gib",
     "source",
@@ -88,6 +92,12 @@ pub struct MeasuredRun {
     pub precision: Option<Precision>,
     /// Attention kernel, when given (else the runtime's).
     pub attention: Option<Attention>,
+    /// Gradients reduced in fp32, when given (else the runtime's).
+    pub grad_reduce_in_fp32: Option<bool>,
+    /// Gradient reduction overlapped with the backward, when given (else the runtime's).
+    pub overlap_grad_reduce: Option<bool>,
+    /// Weight all-gather overlapped with the forward, when given (else the runtime's).
+    pub overlap_param_gather: Option<bool>,
     /// Measured step time.
     pub step_time: MeasuredTime,
     /// Measured peak memory per GPU, GiB.
@@ -317,11 +327,15 @@ fn run(
             ));
         }
     }
-    let sp = match cells.get("sp").map(String::as_str) {
-        None | Some("false" | "0" | "no") => false,
-        Some("true" | "1" | "yes") => true,
-        Some(v) => return Err(bad(path, line, "sp", "true or false", format!("`{v}`"))),
+    let flag = |name: &str| -> Result<Option<bool>, EngineError> {
+        match cells.get(name).map(String::as_str) {
+            None => Ok(None),
+            Some("false" | "0" | "no") => Ok(Some(false)),
+            Some("true" | "1" | "yes") => Ok(Some(true)),
+            Some(v) => Err(bad(path, line, name, "true or false", format!("`{v}`"))),
+        }
     };
+    let sp = flag("sp")?.unwrap_or(false);
     let recompute = match cells.get("recompute") {
         None => Recompute::None,
         Some(v) => Recompute::parse(v).ok_or_else(|| {
@@ -431,6 +445,9 @@ fn run(
         runtime,
         precision,
         attention,
+        grad_reduce_in_fp32: flag("grad_reduce_in_fp32")?,
+        overlap_grad_reduce: flag("overlap_grad_reduce")?,
+        overlap_param_gather: flag("overlap_param_gather")?,
         step_time,
         memory_gib,
     })

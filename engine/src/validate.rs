@@ -10,7 +10,7 @@ use autopar_rules::cost::profile::Profile;
 use autopar_rules::model::frontend::ModelDef;
 use autopar_rules::plan::accuracy::{mean_abs, relative_error, spearman};
 use autopar_rules::plan::estimate::Estimator;
-use autopar_rules::plan::layout::{Layout, TrainingOptions};
+use autopar_rules::plan::layout::Layout;
 use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -167,15 +167,19 @@ fn check(
             "nothing",
         )
     })?;
-    let opts = TrainingOptions {
-        seq,
-        precision: r.precision.unwrap_or(r.runtime.precision()),
-        attention: r.attention.unwrap_or(r.runtime.attention()),
-        // The verdict compares the need with the whole device: a real run has no headroom.
-        memory_headroom: 0.0,
-        vocab_multiple: DEFAULT_VOCAB_MULTIPLE,
-        grad_accumulation_fusion: r.runtime.grad_accumulation_fusion(),
-    };
+    // The verdict compares the need with the whole device: a real run has no headroom.
+    let mut opts = r
+        .runtime
+        .options(seq, r.precision, r.attention, 0.0, DEFAULT_VOCAB_MULTIPLE);
+    if let Some(fp32) = r.grad_reduce_in_fp32 {
+        opts.grad_reduce_in_fp32 = fp32;
+    }
+    if let Some(overlap) = r.overlap_grad_reduce {
+        opts.overlap_grad_reduce = overlap;
+    }
+    if let Some(overlap) = r.overlap_param_gather {
+        opts.overlap_param_gather = overlap;
+    }
     let e = Estimator::new(name, def, cluster, opts)
         .with_profile(profile)
         .evaluate(&r.layout)

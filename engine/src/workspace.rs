@@ -347,6 +347,12 @@ struct RawTarget {
     #[serde(default)]
     grad_accumulation_fusion: Option<bool>,
     #[serde(default)]
+    grad_reduce_in_fp32: Option<bool>,
+    #[serde(default)]
+    overlap_grad_reduce: Option<bool>,
+    #[serde(default)]
+    overlap_param_gather: Option<bool>,
+    #[serde(default)]
     runtime: Option<Runtime>,
     #[serde(default)]
     vocab_multiple: Option<Positive>,
@@ -842,15 +848,26 @@ impl Loader<'_> {
             global_batch,
             profiles: used,
             profile: profile.map(Arc::new),
-            options: TrainingOptions {
-                seq,
-                precision: t.precision.unwrap_or(runtime.precision()),
-                attention: t.attention.unwrap_or(runtime.attention()),
-                memory_headroom: headroom,
-                vocab_multiple: t.vocab_multiple.map_or(DEFAULT_VOCAB_MULTIPLE, |v| v.0),
-                grad_accumulation_fusion: t
-                    .grad_accumulation_fusion
-                    .unwrap_or(runtime.grad_accumulation_fusion()),
+            options: {
+                let mut o = runtime.options(
+                    seq,
+                    t.precision,
+                    t.attention,
+                    headroom,
+                    t.vocab_multiple.map_or(DEFAULT_VOCAB_MULTIPLE, |v| v.0),
+                );
+                let flags = [
+                    (t.grad_accumulation_fusion, &mut o.grad_accumulation_fusion),
+                    (t.grad_reduce_in_fp32, &mut o.grad_reduce_in_fp32),
+                    (t.overlap_grad_reduce, &mut o.overlap_grad_reduce),
+                    (t.overlap_param_gather, &mut o.overlap_param_gather),
+                ];
+                for (given, field) in flags {
+                    if let Some(v) = given {
+                        *field = v;
+                    }
+                }
+                o
             },
             search,
             ilp,

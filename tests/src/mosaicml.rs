@@ -83,10 +83,25 @@ impl Row {
         self.gpus / 8
     }
 
+    /// Whether the run reduced gradients in fp32: the tables' "MP Mode" is `DEFAULT`
+    /// (Composer's FSDP mixed precision with `reduce_dtype` fp32) on the H100 rows and the
+    /// A100 80GB rows below 70B, `PURE` (bf16) elsewhere.
+    pub fn grad_reduce_in_fp32(&self) -> bool {
+        self.gpu == "h100-sxm" || (self.gpu == "a100-80g" && self.model.name != "mpt-70b")
+    }
+
     /// `autopar estimate` arguments for the run on the cluster named `cluster`, with the model
-    /// written at `model_path`.
+    /// written at `model_path`: llm-foundry's runtime, the run's reduction dtype.
     pub fn estimate_args(&self, model_path: &str, cluster: &str) -> Vec<String> {
         [
+            "--runtime",
+            "llm-foundry",
+            "--grad-reduce-in-fp32",
+            if self.grad_reduce_in_fp32() {
+                "true"
+            } else {
+                "false"
+            },
             "--model",
             model_path,
             "--cluster",

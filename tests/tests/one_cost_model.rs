@@ -24,7 +24,7 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
     let base = StageOptions::default();
     let kernels = KernelOptions {
         dtype: base.precision.dtype(),
-        grad_buffer_bytes: base.precision.state_bytes().1,
+        grad_buffer_bytes: base.state_bytes().grads,
         grad_accumulation_fusion: base.grad_accumulation_fusion,
     };
     // (model, tensor-parallel degrees its heads divide).

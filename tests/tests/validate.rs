@@ -76,7 +76,8 @@ fn shipped_datasets_are_priced_as_estimate_prices_them() {
         let model = row.model.path();
         let cluster = format!("{}:{}x8", row.gpu, row.nodes());
         let mut args = row.estimate_args(&model, &cluster);
-        // llm-foundry: bf16, flash attention, gradients added per micro-batch.
+        // llm-foundry: bf16, flash attention, gradients added per micro-batch, the data-parallel
+        // collectives overlapped (FSDP), spelled out over its preset.
         args.extend(
             [
                 "--precision",
@@ -84,6 +85,10 @@ fn shipped_datasets_are_priced_as_estimate_prices_them() {
                 "--attention",
                 "flash",
                 "--no-grad-accumulation-fusion",
+                "--overlap-grad-reduce",
+                "true",
+                "--overlap-param-gather",
+                "true",
             ]
             .map(String::from),
         );

@@ -30,14 +30,26 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             )));
         }
     };
+    let runtime = a.model_options.runtime;
     let opts = TrainingOptions {
-        seq,
-        precision: a.model_options.precision(),
-        attention: a.model_options.attention(),
-        memory_headroom: a.memory_headroom,
-        vocab_multiple: DEFAULT_VOCAB_MULTIPLE,
-        grad_accumulation_fusion: a.model_options.runtime.grad_accumulation_fusion()
+        grad_accumulation_fusion: runtime.grad_accumulation_fusion()
             && !a.no_grad_accumulation_fusion,
+        grad_reduce_in_fp32: a
+            .grad_reduce_in_fp32
+            .unwrap_or_else(|| runtime.grad_reduce_in_fp32(a.model_options.precision())),
+        overlap_grad_reduce: a
+            .overlap_grad_reduce
+            .unwrap_or(runtime.overlap_grad_reduce()),
+        overlap_param_gather: a
+            .overlap_param_gather
+            .unwrap_or(runtime.overlap_param_gather()),
+        ..runtime.options(
+            seq,
+            Some(a.model_options.precision()),
+            Some(a.model_options.attention()),
+            a.memory_headroom,
+            DEFAULT_VOCAB_MULTIPLE,
+        )
     };
     let gpus = cluster.gpus();
     let dp = match a.dp {

@@ -9,13 +9,13 @@ use autopar_engine::alpa::solve_stages;
 use autopar_engine::cache::{Cache, RemoteFlags, UPLOAD_DEADLINE};
 use autopar_engine::pipeline::{PipelineRequest, solve_pipeline};
 use autopar_engine::plans::write_trace;
-use autopar_engine::sapp::{BalanceOptions, solve_balance};
+use autopar_engine::sapp::{BalanceOptions, ComparedPlan, solve_balance};
 use autopar_engine::session::Session;
 use autopar_engine::sharding::{ShardingRequest, solve_sharding};
 use autopar_rules::cost::cluster::GIB;
-use autopar_rules::solve::balance::{KINDS, RecomputeKind};
+use autopar_rules::solve::balance::{KINDS, RecomputeKind, SappLists};
 use autopar_rules::solve::intra::stage::SolverChoice;
-use autopar_rules::solve::schedule::chrome_trace;
+use autopar_rules::solve::schedule::{Bubble, chrome_trace};
 use serde_json::json;
 use std::path::Path;
 
@@ -77,6 +77,8 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
         interleave: a.interleave as usize,
         memory_mb: a.memory_mb,
         time_limit: a.time_limit.max(0.01),
+        manual: a.manual.clone(),
+        naive: a.naive,
     };
     let r = solve_balance(&a.sapp, &opts)?;
     if let Some(path) = &a.trace {
@@ -101,6 +103,19 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
             "lower_bound": r.plan.lower_bound,
             "memory_terms": r.terms,
             "solve_seconds": r.solve_seconds,
+            "compared": r.compared.iter().map(compared_json).collect::<Vec<_>>(),
+            "non_interleaved": r.non_interleaved.as_ref().map(|(lists, q)| json!({
+                "offset": lists.offset,
+                "recompute": lists.recompute,
+                "select_recompute": lists.select_recompute,
+                "select_comm_recompute": lists.select_comm_recompute,
+                "real": q.bubble.real,
+                "ideal": q.bubble.ideal,
+                "imbalance": q.bubble.imbalance,
+                "recompute_ratio": q.bubble.recompute,
+                "total_time": q.total_time,
+                "peak_memory_mb": q.peak_memory,
+            })),
         }));
     }
     let t = &r.terms;
@@ -137,13 +152,7 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
         r.solve_seconds
     );
     outln!("To put in yaml configuration:");
-    outln!("        offset: {:?}", r.lists.offset);
-    outln!("        recompute: {:?}", r.lists.recompute);
-    outln!("        select_recompute: {:?}", r.lists.select_recompute);
-    outln!(
-        "        select_comm_recompute: {:?}",
-        r.lists.select_comm_recompute
-    );
+    print_lists(&r.lists);
     outln!(
         "{:>5} {:>6} {}  {:>10} {:>10}",
         "stage",
@@ -182,10 +191,120 @@ pub fn balance(a: &BalanceArgs) -> Result<(), Failure> {
         "total time {:.1} (time units of the yaml)",
         r.simulation.makespan
     );
+    if let Some((lists, q)) = &r.non_interleaved {
+        outln!(
+            "note: one chunk per stage does better under the same cap: real bubble {:.4} \
+             (ideal {:.4} + imbalance {:.4} + recompute {:.4}), total time {:.1}, against {:.4} \
+             and {:.1} interleaved; its plan:",
+            q.bubble.real,
+            q.bubble.ideal,
+            q.bubble.imbalance,
+            q.bubble.recompute,
+            q.total_time,
+            b.real,
+            r.simulation.makespan
+        );
+        print_lists(lists);
+    }
+    if !r.compared.is_empty() {
+        outln!("compared under the same cap, simulated the same way:");
+        outln!(
+            "  {:<48} {:>3} {:>8} {:>8} {:>9} {:>9} {:>11} {:>9}",
+            "plan",
+            "v",
+            "real",
+            "ideal",
+            "imbalance",
+            "recompute",
+            "total time",
+            "peak MB"
+        );
+        let row = |name: &str, v: usize, q: &Bubble, total: f64, peak: f64| {
+            outln!(
+                "  {name:<48} {v:>3} {:>8.4} {:>8.4} {:>9.4} {:>9.4} {total:>11.1} {peak:>9.0}",
+                q.real,
+                q.ideal,
+                q.imbalance,
+                q.recompute
+            );
+        };
+        let most = |l: &[f64]| l.iter().copied().fold(0.0, f64::max);
+        row(
+            "autopar (balanced)",
+            a.interleave as usize,
+            b,
+            r.simulation.makespan,
+            most(&r.peak_memory),
+        );
+        for c in &r.compared {
+            match &c.priced {
+                Some(q) => row(
+                    &c.name,
+                    c.interleave,
+                    &q.bubble,
+                    q.total_time,
+                    most(&q.peak_memory),
+                ),
+                None => outln!(
+                    "  {:<48} {:>3} {:>8}",
+                    c.name,
+                    c.interleave,
+                    "not simulated"
+                ),
+            }
+            if c.violations.is_empty() {
+                continue;
+            }
+            outln!("    INVALID: {}", c.violations.join("; "));
+        }
+        for c in &r.compared {
+            outln!("{}:", c.name);
+            print_lists(&c.lists);
+        }
+    }
     if let Some(path) = &a.trace {
         outln!("trace {}", path.display());
     }
     Ok(())
+}
+
+/// A plan's lists in SAPP's yaml convention, ready to paste.
+fn print_lists(lists: &SappLists) {
+    outln!("        offset: {:?}", lists.offset);
+    outln!("        recompute: {:?}", lists.recompute);
+    outln!("        select_recompute: {:?}", lists.select_recompute);
+    outln!(
+        "        select_comm_recompute: {:?}",
+        lists.select_comm_recompute
+    );
+}
+
+/// A compared plan in `solve balance --json`.
+fn compared_json(c: &ComparedPlan) -> serde_json::Value {
+    let mut out = json!({
+        "name": c.name,
+        "interleave": c.interleave,
+        "valid": c.violations.is_empty(),
+        "violations": c.violations,
+        "offset": c.lists.offset,
+        "recompute": c.lists.recompute,
+        "select_recompute": c.lists.select_recompute,
+        "select_comm_recompute": c.lists.select_comm_recompute,
+    });
+    if let (Some(q), Some(map)) = (&c.priced, out.as_object_mut()) {
+        for (k, v) in [
+            ("real", json!(q.bubble.real)),
+            ("ideal", json!(q.bubble.ideal)),
+            ("imbalance", json!(q.bubble.imbalance)),
+            ("recompute_ratio", json!(q.bubble.recompute)),
+            ("total_time", json!(q.total_time)),
+            ("peak_memory_mb", json!(q.peak_memory)),
+            ("objective", json!(q.objective)),
+        ] {
+            map.insert(k.to_string(), v);
+        }
+    }
+    out
 }
 
 pub fn sharding(session: &Session, a: &ShardingArgs) -> Result<(), Failure> {

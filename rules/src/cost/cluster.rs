@@ -220,8 +220,8 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// throughput tables for its MPT models (llm-foundry, `scripts/train/benchmarking/README.md`,
 /// 40 and 80 GB, PyTorch FSDP), keeping the 25 rows whose time goes to matrix products: models
 /// of 7B parameters or more, activation checkpointing on, sequences of at most 2048. It is the
-/// value that makes the median error of those rows zero (0.707; 80 GB rows alone would give
-/// 0.76, 40 GB rows alone 0.70). Megatron-LM's 2021 results (Narayanan et al., Table 1) are not
+/// value that makes the median error of those rows zero (0.710, each row priced with
+/// llm-foundry's runtime settings and its table's gradient reduction dtype). Megatron-LM's 2021 results (Narayanan et al., Table 1) are not
 /// part of the fit and check it. `tests/tests/calibration.rs` repeats the fit.
 pub const AMPERE_MATMUL_EFFICIENCY: f64 = 0.71;
 
@@ -229,8 +229,8 @@ pub const AMPERE_MATMUL_EFFICIENCY: f64 = 0.71;
 /// sustain (dimensionless). `mamf-finder` bounds it from above at 794.5 of 989 TFLOP/s (0.80; H200
 /// has the same GH100 die and clocks). Calibrated by the rule of [`AMPERE_MATMUL_EFFICIENCY`]
 /// on MosaicML's H100 bf16 table: its 8 rows of 7B or more with checkpointing and sequences of at
-/// most 2048 have a median error of zero at 0.584.
-pub const HOPPER_MATMUL_EFFICIENCY: f64 = 0.58;
+/// most 2048 have a median error of zero at 0.592.
+pub const HOPPER_MATMUL_EFFICIENCY: f64 = 0.59;
 
 /// A built-in device by name.
 ///

@@ -43,16 +43,53 @@ impl Precision {
             Precision::Fp32 => 4.0 + 28.0,
         }
     }
+}
 
-    /// Bytes per parameter of (weights, gradients, optimizer states) with Adam:
-    /// mixed precision keeps 16-bit weights and gradients plus fp32 master weights, momentum
-    /// and variance (2 + 2 + 12 = 16 bytes); fp32 keeps fp32 weights, gradients and the two
-    /// moments (4 + 4 + 8 = 16 bytes).
-    pub fn state_bytes(self) -> (f64, f64, f64) {
-        match self {
-            Precision::Bf16 | Precision::Fp16 => (2.0, 2.0, 12.0),
-            Precision::Fp32 => (4.0, 4.0, 8.0),
+/// Bytes per parameter that Adam training keeps: working weights, the gradient buffer the
+/// backward accumulates into (and the data-parallel collectives move), and the optimizer's own
+/// states.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StateBytes {
+    /// Working weights.
+    pub weights: f64,
+    /// Gradient buffer, and bytes per element of the gradient collectives.
+    pub grads: f64,
+    /// Optimizer states: fp32 master weights, Adam's two moments, and an fp32 copy of 16-bit
+    /// gradients when the buffer is not fp32 already.
+    pub optimizer: f64,
+}
+
+impl StateBytes {
+    /// The bytes of `precision`, with gradients accumulated and reduced in fp32 or not.
+    ///
+    /// These are Megatron-LM's counts (README, "Distributed optimizer": 20 bytes per parameter
+    /// for fp16 weights and gradients, 18 for bf16 weights with fp32 gradients, 16 for fp32),
+    /// which DeepSpeed's ZeRO optimizers share: its 16-bit optimizers copy the reduced
+    /// gradients into fp32 partitions before the step (the ZeRO paper's 16 bytes leave that
+    /// copy out).
+    pub fn of(precision: Precision, grads_in_fp32: bool) -> StateBytes {
+        match (precision, grads_in_fp32) {
+            (Precision::Fp32, _) => StateBytes {
+                weights: 4.0,
+                grads: 4.0,
+                optimizer: 8.0,
+            },
+            (_, true) => StateBytes {
+                weights: 2.0,
+                grads: 4.0,
+                optimizer: 12.0,
+            },
+            (_, false) => StateBytes {
+                weights: 2.0,
+                grads: 2.0,
+                optimizer: 16.0,
+            },
         }
+    }
+
+    /// Bytes per parameter in all.
+    pub fn total(self) -> f64 {
+        self.weights + self.grads + self.optimizer
     }
 }
 
@@ -68,24 +105,35 @@ pub struct ModelStates {
 }
 
 /// Model states of `params` parameters on a device with data-parallel degree `dp` under ZeRO
-/// stage `zero`: stage 1 shards the optimizer states over the data-parallel group, stage 2 also
-/// the gradients, stage 3 also the weights.
+/// stage `zero`: stage 1 shards the optimizer states over the data-parallel group (Megatron-LM's
+/// distributed optimizer), stage 2 also the gradients, stage 3 everything.
 ///
-/// Mixed precision: plain 16 Ψ; ZeRO-1 4 Ψ + 12 Ψ/d; ZeRO-2 2 Ψ + 14 Ψ/d; ZeRO-3 16 Ψ/d.
-pub fn model_states(params: f64, precision: Precision, zero: u8, dp: u64) -> ModelStates {
-    let (w, g, o) = precision.state_bytes();
+/// bf16 with fp32 gradients: plain 18 Ψ; ZeRO-1 6 Ψ + 12 Ψ/d; ZeRO-2 2 Ψ + 16 Ψ/d. 16-bit
+/// gradients: 20 Ψ; 4 Ψ + 16 Ψ/d; 2 Ψ + 18 Ψ/d. ZeRO-3 keeps 16 Ψ/d whatever the precision:
+/// FSDP and ZeRO-3 hold one persistent copy of each weight, the fp32 master (the 16-bit
+/// working weights of a layer are gathered for it and freed), its fp32 gradient shard and the
+/// two moments.
+pub fn model_states(params: f64, bytes: StateBytes, zero: u8, dp: u64) -> ModelStates {
     let d = dp.max(1) as f64;
-    let shard = |stage: u8, bytes: f64| {
+    if zero >= 3 {
+        let (w, g) = (bytes.weights, bytes.grads);
+        return ModelStates {
+            weights: w * params / d,
+            grads: g * params / d,
+            optimizer: (16.0 - w - g) * params / d,
+        };
+    }
+    let shard = |stage: u8, b: f64| {
         if zero >= stage {
-            bytes * params / d
+            b * params / d
         } else {
-            bytes * params
+            b * params
         }
     };
     ModelStates {
-        weights: shard(3, w),
-        grads: shard(2, g),
-        optimizer: shard(1, o),
+        weights: bytes.weights * params,
+        grads: shard(2, bytes.grads),
+        optimizer: shard(1, bytes.optimizer),
     }
 }
 
@@ -94,19 +142,48 @@ mod tests {
     use super::*;
 
     #[test]
-    fn zero_stages_match_the_paper() {
+    fn zero_stages_match_megatron_lms_table() {
         let psi = 1e9;
         let d = 64;
-        let total = |z| {
-            let s = model_states(psi, Precision::Bf16, z, d);
+        let df = d as f64;
+        let total = |precision, fp32_grads, z| {
+            let s = model_states(psi, StateBytes::of(precision, fp32_grads), z, d);
             s.weights + s.grads + s.optimizer
         };
-        let df = d as f64;
-        assert_eq!(total(0), 16.0 * psi);
-        assert_eq!(total(1), 4.0 * psi + 12.0 * psi / df);
-        assert_eq!(total(2), 2.0 * psi + 14.0 * psi / df);
-        assert_eq!(total(3), 16.0 * psi / df);
-        let s = model_states(psi, Precision::Fp32, 0, d);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-6 * b;
+        // Megatron-LM's README: non-distributed and distributed optimizer.
+        assert!(close(total(Precision::Fp16, false, 0), 20.0 * psi));
+        assert!(close(
+            total(Precision::Fp16, false, 1),
+            4.0 * psi + 16.0 * psi / df
+        ));
+        assert!(close(total(Precision::Bf16, true, 0), 18.0 * psi));
+        assert!(close(
+            total(Precision::Bf16, true, 1),
+            6.0 * psi + 12.0 * psi / df
+        ));
+        assert!(close(total(Precision::Fp32, true, 0), 16.0 * psi));
+        assert!(close(
+            total(Precision::Fp32, false, 1),
+            8.0 * psi + 8.0 * psi / df
+        ));
+        // ZeRO-2 shards the gradients too; ZeRO-3 (FSDP) 16 bytes, all sharded.
+        assert!(close(
+            total(Precision::Bf16, true, 2),
+            2.0 * psi + 16.0 * psi / df
+        ));
+        assert!(close(
+            total(Precision::Bf16, false, 2),
+            2.0 * psi + 18.0 * psi / df
+        ));
+        for (p, g) in [
+            (Precision::Bf16, true),
+            (Precision::Fp16, false),
+            (Precision::Fp32, true),
+        ] {
+            assert!(close(total(p, g, 3), 16.0 * psi / df));
+        }
+        let s = model_states(psi, StateBytes::of(Precision::Fp32, false), 0, d);
         assert_eq!((s.weights, s.grads, s.optimizer), (4e9, 4e9, 8e9));
     }
 }

@@ -4,7 +4,7 @@
 use crate::cost::analytic::{Collective, collective_time, p2p_time};
 use crate::cost::cluster::{Cluster, GIB, Link};
 use crate::cost::layer_cost::{KernelOptions, LayerCost, LayerCostContext, Pricing};
-use crate::cost::memory::model_states;
+use crate::cost::memory::{StateBytes, model_states};
 use crate::cost::profile::Profile;
 use crate::cost::tensor_parallel::{TpConfig, indivisible_sequence, indivisible_split};
 use crate::model::frontend::{LowerOptions, ModelDef};
@@ -223,6 +223,11 @@ struct StageTime {
     zero: f64,
     /// Backward pass with recomputation (the slack later stages have before stage 0 is done).
     backward: f64,
+    /// Forward pass.
+    forward: f64,
+    /// Parameters of the layer whose gradients the backward finishes last (the stage's first):
+    /// the data-parallel bucket that no backward work can hide.
+    last_bucket: f64,
 }
 
 impl StageTime {
@@ -399,7 +404,7 @@ impl<'a> Estimator<'a> {
     fn kernels(&self) -> KernelOptions {
         KernelOptions {
             dtype: self.opts.precision.dtype(),
-            grad_buffer_bytes: self.opts.precision.state_bytes().1,
+            grad_buffer_bytes: self.opts.state_bytes().grads,
             grad_accumulation_fusion: self.opts.grad_accumulation_fusion,
         }
     }
@@ -587,7 +592,11 @@ impl<'a> Estimator<'a> {
         params: f64,
         l: &Layout,
     ) -> LayerTime {
-        let (weight_bytes, grad_bytes, _) = self.opts.precision.state_bytes();
+        let StateBytes {
+            weights: weight_bytes,
+            grads: grad_bytes,
+            ..
+        } = self.opts.state_bytes();
         let d = l.dp;
         let (saved, recompute) = match kind {
             Recompute::Full => (c.checkpoint, c.fwd_compute + c.fwd_comm),
@@ -690,7 +699,11 @@ impl<'a> Estimator<'a> {
         let m = l.num_microbatches();
         let mu = m as usize;
         let n_chunks = chunks.len();
-        let (weight_bytes, grad_bytes, _) = precision.state_bytes();
+        let StateBytes {
+            weights: weight_bytes,
+            grads: grad_bytes,
+            ..
+        } = self.opts.state_bytes();
         let stage_rank = |j: u64| j * t * d;
         let dp_link = cluster.group_link(t, d);
         let stage_of = |li: usize| -> usize {
@@ -787,6 +800,8 @@ impl<'a> Estimator<'a> {
                 });
             }
             time.backward = stage_chunks.iter().map(|c| c.backward_s).sum();
+            time.forward = stage_chunks.iter().map(|c| c.forward_s).sum();
+            time.last_bucket = Self::held_params(costs, chunks[j].first, &on_stage);
             times.push(time);
 
             // The activation peak: the worst in-flight profile of the stage.
@@ -801,7 +816,7 @@ impl<'a> Estimator<'a> {
                     (bytes, q.iter().sum::<u32>())
                 })
                 .fold((0.0f64, 0u32), |acc, x| if x.0 > acc.0 { x } else { acc });
-            let states = model_states(params, precision, l.zero, d);
+            let states = model_states(params, self.opts.state_bytes(), l.zero, d);
             let gathered = if l.zero == 3 {
                 // The layer being computed and the one prefetched, in full.
                 2.0 * max_layer_params * weight_bytes
@@ -853,23 +868,45 @@ impl<'a> Estimator<'a> {
             .enumerate()
             .fold((0, 0.0), |acc, (i, x)| if x > acc.1 { (i, x) } else { acc });
 
-        // Gradient synchronisation after the last backward of each stage. Stage j finishes
-        // j backward passes before stage 0, so only what exceeds that slack lands on the step.
+        // Data-parallel synchronisation of each stage: the gradient reduction after its last
+        // backward, then, under a sharded optimizer, the all-gather of the updated weights
+        // after the step. Stage j finishes j backward passes before stage 0, so only the
+        // reduction that exceeds that slack lands on the step. Overlapped with the backward
+        // (Megatron-Core's `--overlap-grad-reduce`, FSDP), the reduction also hides behind the
+        // last micro-batch's backward, all but the bucket of the layer the backward finishes
+        // last; overlapped with the forward (`--overlap-param-gather`), the gather hides behind
+        // the next step's first forward, all but that layer's.
         let mut grad_sync = 0.0f64;
         for (j, s) in stages.iter().enumerate() {
             let grads = s.params * grad_bytes;
             let weights = s.params * weight_bytes;
-            let sync = match l.zero {
+            let reduce = match l.zero {
                 0 => collective_time(Collective::AllReduce, d, grads, dp_link),
-                1 => {
-                    collective_time(Collective::ReduceScatter, d, grads, dp_link)
-                        + collective_time(Collective::AllGather, d, weights, dp_link)
-                }
-                2 => collective_time(Collective::AllGather, d, weights, dp_link),
+                1 => collective_time(Collective::ReduceScatter, d, grads, dp_link),
                 _ => 0.0,
             };
-            let slack = j as f64 * times[j].backward;
-            grad_sync = grad_sync.max(sync - slack);
+            let gather = match l.zero {
+                1 | 2 => collective_time(Collective::AllGather, d, weights, dp_link),
+                _ => 0.0,
+            };
+            let t = &times[j];
+            let last = if s.params > 0.0 {
+                (t.last_bucket / s.params).min(1.0)
+            } else {
+                1.0
+            };
+            let reduce = if self.opts.overlap_grad_reduce {
+                (reduce - t.backward).max(reduce * last)
+            } else {
+                reduce
+            };
+            let gather = if self.opts.overlap_param_gather {
+                (gather - t.forward).max(gather * last)
+            } else {
+                gather
+            };
+            let slack = j as f64 * t.backward;
+            grad_sync = grad_sync.max((reduce - slack).max(0.0) + gather);
         }
         // Tied embeddings: first and last stage all-reduce the shared matrix's gradient.
         if p > 1 {

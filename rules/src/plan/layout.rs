@@ -101,6 +101,25 @@ pub struct TrainingOptions {
     /// Weight gradients accumulate inside the weight-gradient products (Megatron-LM's
     /// `--gradient-accumulation-fusion`, its default since 2022).
     pub grad_accumulation_fusion: bool,
+    /// Gradients accumulate and are reduced in fp32 (Megatron-LM's
+    /// `--accumulate-allreduce-grads-in-fp32`, which bf16 turns on; FSDP's `reduce_dtype`).
+    #[serde(default)]
+    pub grad_reduce_in_fp32: bool,
+    /// The data-parallel gradient reduction runs during the last micro-batch's backward
+    /// (Megatron-Core's `--overlap-grad-reduce`; FSDP's per-layer reduce-scatter).
+    #[serde(default)]
+    pub overlap_grad_reduce: bool,
+    /// Under a sharded optimizer, the all-gather of the updated weights runs during the next
+    /// step's forward (Megatron-Core's `--overlap-param-gather`; FSDP's prefetch).
+    #[serde(default)]
+    pub overlap_param_gather: bool,
+}
+
+impl TrainingOptions {
+    /// Bytes per parameter of weights, gradients and optimizer states.
+    pub fn state_bytes(&self) -> crate::cost::memory::StateBytes {
+        crate::cost::memory::StateBytes::of(self.precision, self.grad_reduce_in_fp32)
+    }
 }
 
 /// Why a layout cannot run a model on a cluster.

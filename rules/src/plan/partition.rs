@@ -171,7 +171,7 @@ impl Estimator<'_> {
                  the {MAX_DP_LAYERS} it is run on (the balancer splits identical blocks exactly)"
             ));
         }
-        let (weight_bytes, _, _) = self.options().precision.state_bytes();
+        let weight_bytes = self.options().state_bytes().weights;
         let capacity = self.capacity();
         let reserved = self.cluster().device.reserved_bytes;
         let mut cost = vec![f64::INFINITY; n * n];
@@ -221,7 +221,7 @@ impl Estimator<'_> {
                 if k > 0 {
                     t += self.p2p_time(costs[k].input_bytes, 1, 0, l);
                 }
-                let states = model_states(held_sum, self.options().precision, l.zero, l.dp);
+                let states = model_states(held_sum, self.options().state_bytes(), l.zero, l.dp);
                 let gathered = if l.zero == 3 {
                     let largest = borrowers
                         .iter()
@@ -323,10 +323,10 @@ impl Estimator<'_> {
         }
         let (p, v) = (l.pp as usize, l.interleave as usize);
         let m = l.num_microbatches() as usize;
-        let precision = self.options().precision;
-        let (weight_bytes, _, _) = precision.state_bytes();
+        let bytes = self.options().state_bytes();
+        let weight_bytes = bytes.weights;
         let states = |params: f64| {
-            let s = model_states(params, precision, l.zero, l.dp);
+            let s = model_states(params, bytes, l.zero, l.dp);
             s.weights + s.grads + s.optimizer
         };
         let kinds = [Recompute::None, Recompute::Selective, Recompute::Full];
@@ -489,6 +489,9 @@ mod tests {
             memory_headroom: headroom,
             vocab_multiple: 128,
             grad_accumulation_fusion: true,
+            grad_reduce_in_fp32: true,
+            overlap_grad_reduce: false,
+            overlap_param_gather: false,
         }
     }
 

@@ -1,21 +1,31 @@
 //! Training runtimes: the software a layout runs on, and what of it the cost model prices.
 //!
 //! Two runs of one layout differ by runtime: which attention kernel runs, whether weight
-//! gradients accumulate inside their products, which precision the runtime's recipes use. A
-//! preset sets those [`TrainingOptions`] fields the way each runtime's defaults (or, for
-//! `megatron-2021`, the published scripts) set them; a flag or column given explicitly wins.
+//! gradients accumulate inside their products, in what dtype gradients are reduced, which
+//! data-parallel communication overlaps computation, which precision the runtime's recipes use.
+//! A preset sets those [`TrainingOptions`] fields the way each runtime's defaults (or, for
+//! `megatron-2021` and `nemo`, the published scripts and recipes) set them; a flag or column
+//! given explicitly wins.
 //!
-//! | runtime            | precision | attention | weight-grad accumulation fusion |
-//! |--------------------|-----------|-----------|---------------------------------|
-//! | megatron-core      | bf16      | flash     | yes (`--gradient-accumulation-fusion`, default) |
-//! | nemo               | bf16      | flash     | yes (NeMo runs Megatron-Core)    |
-//! | megatron-deepspeed | bf16      | unfused   | yes (flash is `--use-flash-attn-v2`, opt in) |
-//! | megatron-2021      | fp16      | unfused   | no (Megatron-LM's SC'21 scripts, `run_table_1.sh`) |
-//! | torchtitan         | bf16      | flash     | no (autograd adds each micro-batch's gradient) |
-//! | llm-foundry        | bf16      | flash     | no (Composer + FSDP, Triton flash attention) |
+//! | runtime            | precision | attention | wgrad fusion | grads reduced in | grad reduce overlapped | param gather overlapped |
+//! |--------------------|-----------|-----------|--------------|------------------|------------------------|-------------------------|
+//! | megatron-core      | bf16      | flash     | yes          | fp32 (bf16 sets `--accumulate-allreduce-grads-in-fp32`) | no (`--overlap-grad-reduce` is opt-in) | no (`--overlap-param-gather` is opt-in) |
+//! | nemo               | bf16      | flash     | yes          | fp32 (`grad_reduce_in_fp32=True` in its recipes' DDP config) | yes (`overlap_grad_reduce=True`) | yes (`overlap_param_gather=True`) |
+//! | megatron-deepspeed | bf16      | unfused   | yes          | bf16 (DeepSpeed's `communication_data_type` follows the precision) | no | no |
+//! | megatron-2021      | fp16      | unfused   | no           | fp16 | no | no |
+//! | torchtitan         | bf16      | flash     | no           | fp32 (FSDP2 `MixedPrecisionPolicy`, `mixed_precision_reduce = "float32"`) | yes (FSDP reduce-scatters each layer in the backward) | yes (FSDP prefetches) |
+//! | llm-foundry        | bf16      | flash     | no           | bf16 (FSDP `mixed_precision: PURE`) | yes | yes |
+//!
+//! Weight-gradient accumulation fusion is Megatron's `--gradient-accumulation-fusion`
+//! (default on); Megatron-LM's SC'21 scripts (`run_table_1.sh`) predate it, and autograd in
+//! torchtitan and Composer adds each micro-batch's gradient with a separate kernel. Flash
+//! attention in Megatron-DeepSpeed is `--use-flash-attn-v2`, opt in. Tensor-parallel
+//! communication is never overlapped here: Megatron-Core's `--tp-comm-overlap` needs
+//! Transformer Engine's userbuffers and is off by default.
 
 use crate::cost::memory::Precision;
 use crate::model::frontend::Attention;
+use crate::plan::layout::TrainingOptions;
 use serde::{Deserialize, Serialize};
 
 /// A training runtime whose defaults a layout is priced with.
@@ -83,6 +93,57 @@ impl Runtime {
         match self {
             Runtime::MegatronDeepspeed | Runtime::Megatron2021 => Attention::Unfused,
             _ => Attention::Flash,
+        }
+    }
+
+    /// Whether gradients are accumulated and reduced in fp32 when training in `precision`.
+    pub fn grad_reduce_in_fp32(self, precision: Precision) -> bool {
+        match self {
+            Runtime::MegatronCore | Runtime::Nemo => precision != Precision::Fp16,
+            Runtime::Torchtitan => true,
+            Runtime::MegatronDeepspeed | Runtime::Megatron2021 | Runtime::LlmFoundry => {
+                precision == Precision::Fp32
+            }
+        }
+    }
+
+    /// Whether the data-parallel gradient reduction overlaps the backward.
+    pub fn overlap_grad_reduce(self) -> bool {
+        matches!(
+            self,
+            Runtime::Nemo | Runtime::Torchtitan | Runtime::LlmFoundry
+        )
+    }
+
+    /// Whether the all-gather of updated weights under a sharded optimizer overlaps the next
+    /// forward.
+    pub fn overlap_param_gather(self) -> bool {
+        self.overlap_grad_reduce()
+    }
+
+    /// The training options of this runtime for sequences of `seq` tokens, in `precision`
+    /// and with `attention` where given (else the runtime's), with `memory_headroom` and
+    /// Megatron-LM's vocabulary padding of `vocab_multiple`. Callers overwrite the fields a
+    /// user sets explicitly.
+    pub fn options(
+        self,
+        seq: u64,
+        precision: Option<Precision>,
+        attention: Option<Attention>,
+        memory_headroom: f64,
+        vocab_multiple: u64,
+    ) -> TrainingOptions {
+        let precision = precision.unwrap_or(self.precision());
+        TrainingOptions {
+            seq,
+            precision,
+            attention: attention.unwrap_or(self.attention()),
+            memory_headroom,
+            vocab_multiple,
+            grad_accumulation_fusion: self.grad_accumulation_fusion(),
+            grad_reduce_in_fp32: self.grad_reduce_in_fp32(precision),
+            overlap_grad_reduce: self.overlap_grad_reduce(),
+            overlap_param_gather: self.overlap_param_gather(),
         }
     }
 

@@ -313,6 +313,72 @@ impl BalanceProblem {
             && (0..p).all(|j| self.stage_memory(counts, j) <= self.memory_cap * (1.0 + 1e-9))
     }
 
+    /// Why `counts` is not a plan of this problem, each reason in words (empty when it is
+    /// one): the wrong number of chunks or stages, an empty chunk, another number of layers
+    /// than the model's, a recompute kind whose activation memory the measurements do not
+    /// determine, a stage above the memory cap. Only a plan of the right shape whose chunks
+    /// all hold a layer can be simulated; the other reasons leave it priced but invalid.
+    pub fn violations(&self, counts: &[Vec<[u32; KINDS]>]) -> Vec<String> {
+        let (p, v) = (self.stages, self.interleave);
+        if counts.len() != v || counts.iter().any(|c| c.len() != p) {
+            return vec![format!(
+                "the plan has {} chunk(s) of {:?} stage(s), the problem {v} of {p}",
+                counts.len(),
+                counts.iter().map(Vec::len).collect::<Vec<_>>()
+            )];
+        }
+        let mut why = Vec::new();
+        for (c, chunk) in counts.iter().enumerate() {
+            for (j, n) in chunk.iter().enumerate() {
+                if n.iter().sum::<u32>() == 0 {
+                    why.push(format!("chunk {c} of stage {j} holds no layer"));
+                }
+            }
+        }
+        let total: u64 = counts
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|&n| u64::from(n))
+            .sum();
+        if total != self.layers as u64 {
+            why.push(format!(
+                "the chunks hold {total} layers, the model has {}",
+                self.layers
+            ));
+        }
+        for k in 0..KINDS {
+            let used = counts.iter().flatten().any(|n| n[k] > 0);
+            if used && !self.allowed[k] {
+                why.push(format!(
+                    "it uses `{}` recomputation, whose activation memory the measurements do \
+                     not determine",
+                    RecomputeKind::ALL[k].name()
+                ));
+            }
+        }
+        if why.is_empty() {
+            for j in 0..p {
+                let need = self.stage_memory(counts, j);
+                if need > self.memory_cap * (1.0 + 1e-9) {
+                    why.push(format!(
+                        "stage {j} needs {need:.0}, more than the cap of {:.0}",
+                        self.memory_cap
+                    ));
+                }
+            }
+        }
+        why
+    }
+
+    /// Whether `counts` can be simulated: the problem's shape, a layer in every chunk.
+    pub fn simulable(&self, counts: &[Vec<[u32; KINDS]>]) -> bool {
+        counts.len() == self.interleave
+            && counts
+                .iter()
+                .all(|c| c.len() == self.stages && c.iter().all(|n| n.iter().sum::<u32>() > 0))
+    }
+
     /// The pipeline of `counts` for the simulator (times per chunk, activations per micro-batch).
     pub fn pipeline(&self, counts: &[Vec<[u32; KINDS]>], schedule: Schedule) -> PipelineSpec {
         let (p, v) = (self.stages, self.interleave);

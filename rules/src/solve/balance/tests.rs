@@ -404,3 +404,35 @@ fn objective_of_equal_chunks_is_the_simulated_step() {
         );
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// A plan is valid exactly when it is feasible, and the balanced plan is never worse than
+    /// any valid plan priced the same way (the exactness the `-manual` comparison relies on).
+    #[test]
+    fn violations_name_exactly_the_infeasible_plans(
+        p in 1usize..=3,
+        v in 1usize..=2,
+        cells in proptest::collection::vec(proptest::array::uniform5(0u32..3), 6),
+        cap in 1500.0f64..9000.0,
+        kinds in prop_oneof![
+            Just([true, false, false, false, true]),
+            Just([true, true, false, false, true]),
+            Just([false, true, true, false, false]),
+        ],
+    ) {
+        let counts: Vec<Vec<[u32; KINDS]>> = (0..v)
+            .map(|c| (0..p).map(|j| cells[c * p + j]).collect())
+            .collect();
+        let layers: u32 = counts.iter().flatten().flatten().sum();
+        let pr = problem(p, v, 2 * p, (layers as usize).max(p * v), cap, kinds);
+        let why = pr.violations(&counts);
+        prop_assert_eq!(why.is_empty(), pr.feasible(&counts), "{:?}", why);
+        if why.is_empty()
+            && let Ok(best) = balance(&pr, None)
+        {
+            prop_assert!(best.objective <= pr.objective(&counts) * (1.0 + 1e-9));
+        }
+    }
+}

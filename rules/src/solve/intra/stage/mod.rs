@@ -30,7 +30,7 @@ use crate::cost::analytic::{
     Collective, GemmShape, gradient_accumulation, kernel_time, op_traffic,
 };
 use crate::cost::cluster::{Device, GIB};
-use crate::cost::memory::Precision;
+use crate::cost::memory::{Precision, StateBytes};
 use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, kernel_name};
 use crate::cost::sharding::{
     AxisSplit, Mesh, Spec, Step, reduce_steps, reshard_steps, steps_time, valid_specs,
@@ -96,6 +96,16 @@ impl Default for StageOptions<'_> {
             grad_accumulation_fusion: true,
             profile: None,
         }
+    }
+}
+
+impl StageOptions<'_> {
+    /// Bytes per parameter of weights, gradients and optimizer states. The intra-op problem
+    /// keeps gradients in the working precision: with a wider gradient buffer, composing
+    /// layer tables was found not to reproduce the whole range's optimum exactly (see the
+    /// README, "How a plan is found").
+    pub fn state_bytes(&self) -> StateBytes {
+        StateBytes::of(self.precision, false)
     }
 }
 
@@ -937,7 +947,7 @@ impl<'g> StageModel<'g> {
                 let (extra, separate) = gradient_accumulation(
                     tensor.elements() as f64 / spec.tiles(mesh) as f64,
                     tensor.dtype.bytes() as f64,
-                    self.opts.precision.state_bytes().1,
+                    self.opts.state_bytes().grads,
                     self.opts.grad_accumulation_fusion && op.kind.is_matmul(),
                     &self.device,
                     self.opts.precision.dtype(),
@@ -1024,7 +1034,7 @@ impl<'g> StageModel<'g> {
             .filter(|t| saver.get(t) == Some(&n))
             .map(|&t| tile_bytes(t) * inflight)
             .sum();
-        let grad_bytes = self.opts.precision.state_bytes().1;
+        let grad_bytes = self.opts.state_bytes().grads;
         let gradients: f64 = op
             .outputs
             .iter()
@@ -1377,7 +1387,7 @@ impl<'g> StageModel<'g> {
                 Phase::Step,
             );
         }
-        let wb = self.opts.precision.state_bytes().0;
+        let wb = self.opts.state_bytes().weights;
         for p in &self.params {
             let c = choice[p.var];
             let (time, memory) = self.param_cost(p, c);
@@ -1495,7 +1505,7 @@ impl<'g> StageModel<'g> {
     fn sync_steps(&self, s: &GradSync, cu: usize, cv: usize) -> Vec<Step> {
         let p = &self.params[s.param];
         let tensor = self.graph.tensor(p.tensor);
-        let bytes = tensor.elements() as f64 * self.opts.precision.state_bytes().1;
+        let bytes = tensor.elements() as f64 * self.opts.state_bytes().grads;
         let r = &self.nodes[s.from].realized[cu];
         self.measured(reduce_steps(
             bytes,
@@ -1542,7 +1552,11 @@ impl<'g> StageModel<'g> {
         let (w, o) = &p.choices[c];
         let tensor = self.graph.tensor(p.tensor);
         let elements = tensor.elements() as f64;
-        let (wb, _, ob) = self.opts.precision.state_bytes();
+        let StateBytes {
+            weights: wb,
+            optimizer: ob,
+            ..
+        } = self.opts.state_bytes();
         let so = o.tiles(&self.mesh) as f64;
         let sw = w.tiles(&self.mesh) as f64;
         let (update, gather) = self.param_times(p, c);
@@ -1561,7 +1575,7 @@ impl<'g> StageModel<'g> {
     fn param_times(&self, p: &ParamNode, c: usize) -> (f64, f64) {
         let (w, o) = &p.choices[c];
         let elements = self.graph.tensor(p.tensor).elements() as f64;
-        let wb = self.opts.precision.state_bytes().0;
+        let wb = self.opts.state_bytes().weights;
         let update = elements * self.opts.precision.optimizer_traffic()
             / o.tiles(&self.mesh) as f64
             / (self.device.hbm_bandwidth * self.device.hbm_efficiency);

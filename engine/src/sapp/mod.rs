@@ -8,13 +8,17 @@
 //! or not they also recompute communication); `true` means every layer of the stage; a list of
 //! lists gives several measured runs; head and tail memory come from the first run.
 
+mod compare;
+
+pub use compare::{ComparedPlan, Priced};
+
 use crate::diagnostic::Diagnostic;
 use crate::error::EngineError;
 use autopar_rules::solve::balance::{
     BalanceError, BalancePlan, BalanceProblem, Extra, KINDS, MemoryRun, MemoryTerms,
     SAPP_RECOMPUTE_COEF, SappLists, balance, counts_from_sapp, decompose, even_split, sapp_lists,
 };
-use autopar_rules::solve::schedule::{Bubble, Schedule, Simulation, simulate};
+use autopar_rules::solve::schedule::{Bubble, Simulation};
 use serde::Deserialize;
 use std::path::Path;
 use yaml_serde::Value;
@@ -81,6 +85,19 @@ pub struct SappInput {
     pub times: (f64, f64, f64),
     /// The measured runs.
     pub runs: Vec<MemoryRun>,
+    /// The first run's `recompute`, `select_recompute` and `select_comm_recompute`, as written.
+    pub recompute: [RecomputeSetting; 3],
+}
+
+/// One recompute list of the yaml, as written.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RecomputeSetting {
+    /// `false`, `0` or absent.
+    None,
+    /// `true`: every layer.
+    All,
+    /// Cumulative counts per stage.
+    PerStage(Vec<i64>),
 }
 
 /// What `solve balance` computes.
@@ -104,10 +121,15 @@ pub struct BalanceReport {
     pub bubble: Bubble,
     /// Wall time of the solver, s.
     pub solve_seconds: f64,
+    /// Plans priced next to it (`--manual`, `--naive`), in order.
+    pub compared: Vec<ComparedPlan>,
+    /// With interleaving: the best plan of one chunk per stage under the same cap, when its
+    /// bubble is smaller than the interleaved plan's.
+    pub non_interleaved: Option<(SappLists, Priced)>,
 }
 
 /// Options of `solve balance` (SAPP's command-line flags).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct BalanceOptions {
     /// Pipeline stages to balance for (`-s`).
     pub stages: usize,
@@ -119,6 +141,10 @@ pub struct BalanceOptions {
     pub memory_mb: f64,
     /// Solver time limit, s (`-t`).
     pub time_limit: f64,
+    /// SAPP's `-manual`: a file of plans to price next to the balanced one.
+    pub manual: Option<std::path::PathBuf>,
+    /// SAPP's `-naive`: price the even split too.
+    pub naive: bool,
 }
 
 struct Reader<'a> {
@@ -340,10 +366,21 @@ pub fn parse(file: &Path, text: &str) -> Result<SappInput, EngineError> {
             memories,
         });
     }
+    let setting = |v: Option<&Value>, lists: &[Vec<i64>]| match v {
+        Some(Value::Bool(true)) => RecomputeSetting::All,
+        None | Some(Value::Bool(false)) => RecomputeSetting::None,
+        Some(Value::Number(n)) if n.as_i64() == Some(0) => RecomputeSetting::None,
+        Some(_) => RecomputeSetting::PerStage(lists[0].clone()),
+    };
     Ok(SappInput {
         layers,
         times: (t.head, t.body, t.tail),
         runs: memory_runs,
+        recompute: [
+            setting(full_v, &full),
+            setting(sel_v, &sel),
+            setting(comm_v, &comm),
+        ],
     })
 }
 
@@ -452,36 +489,43 @@ pub fn solve_balance(file: &Path, opts: &BalanceOptions) -> Result<BalanceReport
         other => EngineError::Infeasible(other.to_string()),
     })?;
     let solve_seconds = start.elapsed().as_secs_f64();
-    let spec = problem.pipeline(&plan.counts, Schedule::OneFOneB);
-    let simulation = simulate(&spec).map_err(|e| EngineError::Infeasible(e.to_string()))?;
-    let stage_time = (0..opts.stages)
-        .map(|j| {
-            (0..opts.interleave)
-                .map(|c| spec.forward[c][j] + spec.backward[c][j])
-                .sum()
-        })
-        .collect();
-    let peak_memory = (0..opts.stages)
-        .map(|j| {
-            let static_part = problem.base_memory(j)
-                + plan
-                    .counts
-                    .iter()
-                    .map(|c| c[j].iter().sum::<u32>() as f64)
-                    .sum::<f64>()
-                    * terms.parameter;
-            static_part + simulation.peak_activation[j]
-        })
-        .collect();
+    let (priced, simulation) = compare::price(&problem, &plan.counts)?;
+    let mut compared = Vec::new();
+    if let Some(path) = &opts.manual {
+        compared.extend(compare::manual_plans(path, &problem)?);
+    }
+    if opts.naive {
+        compared.extend(compare::naive_plans(&input, &problem)?);
+    }
+    // Interleaving shortens the ideal bubble but not always the step: compare with the best
+    // plan of one chunk per stage under the same cap.
+    let non_interleaved = if opts.interleave > 1 {
+        let flat = BalanceProblem {
+            interleave: 1,
+            ..problem.clone()
+        };
+        match balance(&flat, None) {
+            Ok(p1) => {
+                let (q, _) = compare::price(&flat, &p1.counts)?;
+                (q.bubble.real < priced.bubble.real)
+                    .then(|| (sapp_lists(&p1.counts, input.layers), q))
+            }
+            Err(_) => None,
+        }
+    } else {
+        None
+    };
     Ok(BalanceReport {
         terms,
         lists: sapp_lists(&plan.counts, input.layers),
-        bubble: simulation.bubble,
+        bubble: priced.bubble,
         problem,
         plan,
         simulation,
-        peak_memory,
-        stage_time,
+        peak_memory: priced.peak_memory,
+        stage_time: priced.stage_time,
         solve_seconds,
+        compared,
+        non_interleaved,
     })
 }
