@@ -121,6 +121,26 @@ pub enum Command {
     /// Price every run of a file of measured runs (CSV or JSON lines) and report how far the
     /// predictions are: time and memory errors, rank correlation, out-of-memory verdicts.
     Validate(ValidateArgs),
+    /// Fit the device numbers (efficiencies, kernel overhead) to measured runs by bounded least
+    /// squares on log step time, report them with leave-one-out errors, and write them as a
+    /// calibration file a cluster reads.
+    Calibrate(CalibrateArgs),
+}
+
+/// `autopar calibrate`.
+#[derive(Debug, Args)]
+pub struct CalibrateArgs {
+    /// Measured runs, as `validate` reads them.
+    pub runs: PathBuf,
+    /// Write the calibration file here (a `[[cluster]]` reads it with `calibration = FILE`).
+    #[arg(short = 'o', long = "output")]
+    pub output: PathBuf,
+    /// The device preset to fit, when the runs ran on several.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `autopar validate`.

@@ -5,6 +5,7 @@
 pub mod alpa;
 pub mod build;
 pub mod cache;
+pub mod calibrate;
 pub mod db;
 pub mod diagnostic;
 pub mod error;

@@ -10,7 +10,7 @@ use autopar_rules::cost::profile::Profile;
 use autopar_rules::model::frontend::ModelDef;
 use autopar_rules::plan::accuracy::{mean_abs, relative_error, spearman};
 use autopar_rules::plan::estimate::Estimator;
-use autopar_rules::plan::layout::Layout;
+use autopar_rules::plan::layout::{Layout, TrainingOptions};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -94,14 +94,40 @@ fn resolve_model(
     session.model(arg)
 }
 
+/// The models and clusters a runs file names, each resolved once.
+pub(crate) struct Resolved<'r> {
+    /// By the file's name: the model's name and definition.
+    pub models: BTreeMap<&'r str, (String, ModelDef)>,
+    /// By the file's name: the cluster and the measured times it prices with.
+    pub clusters: BTreeMap<&'r str, (Cluster, Option<Profile>)>,
+}
+
 /// Prices every run of `runs` (read from `file`) and compares.
 pub fn validate(
     session: &Session,
     file: &Path,
     runs: &[MeasuredRun],
 ) -> Result<Validation, EngineError> {
+    let Resolved { models, clusters } = resolve(session, file, runs)?;
+    let checks: Vec<RunCheck> = runs
+        .par_iter()
+        .map(|r| {
+            let (name, def) = &models[r.model.as_str()];
+            let (cluster, profile) = &clusters[r.cluster.as_str()];
+            check(file, r, name, def, cluster, profile.as_ref())
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(summarize(checks))
+}
+
+/// Resolves every model and cluster `runs` name once, in file order, so an error names its
+/// first line.
+pub(crate) fn resolve<'r>(
+    session: &Session,
+    file: &Path,
+    runs: &'r [MeasuredRun],
+) -> Result<Resolved<'r>, EngineError> {
     let runs_dir = file.parent().unwrap_or(Path::new("."));
-    // Resolve every model and cluster once, in file order, so an error names its first line.
     let mut models: BTreeMap<&str, (String, ModelDef)> = BTreeMap::new();
     let mut clusters: BTreeMap<&str, (Cluster, Option<Profile>)> = BTreeMap::new();
     for r in runs {
@@ -139,18 +165,11 @@ pub fn validate(
             clusters.insert(&r.cluster, (c, profile));
         }
     }
-    let checks: Vec<RunCheck> = runs
-        .par_iter()
-        .map(|r| {
-            let (name, def) = &models[r.model.as_str()];
-            let (cluster, profile) = &clusters[r.cluster.as_str()];
-            check(file, r, name, def, cluster, profile.as_ref())
-        })
-        .collect::<Result<_, _>>()?;
-    Ok(summarize(checks))
+    Ok(Resolved { models, clusters })
 }
 
-fn check(
+/// Prices run `r` of `file` on `cluster` and compares it with what was measured.
+pub(crate) fn check(
     file: &Path,
     r: &MeasuredRun,
     name: &str,
@@ -158,28 +177,7 @@ fn check(
     cluster: &Cluster,
     profile: Option<&Profile>,
 ) -> Result<RunCheck, EngineError> {
-    let seq = r.seq.or(def.max_seq()).ok_or_else(|| {
-        bad(
-            file,
-            r.line,
-            "seq",
-            "a sequence length (the model does not declare one)",
-            "nothing",
-        )
-    })?;
-    // The verdict compares the need with the whole device: a real run has no headroom.
-    let mut opts = r
-        .runtime
-        .options(seq, r.precision, r.attention, 0.0, DEFAULT_VOCAB_MULTIPLE);
-    if let Some(fp32) = r.grad_reduce_in_fp32 {
-        opts.grad_reduce_in_fp32 = fp32;
-    }
-    if let Some(overlap) = r.overlap_grad_reduce {
-        opts.overlap_grad_reduce = overlap;
-    }
-    if let Some(overlap) = r.overlap_param_gather {
-        opts.overlap_param_gather = overlap;
-    }
+    let opts = run_options(file, r, def)?;
     let e = Estimator::new(name, def, cluster, opts)
         .with_profile(profile)
         .evaluate(&r.layout)
@@ -201,7 +199,7 @@ fn check(
         model: r.model.clone(),
         cluster: r.cluster.clone(),
         layout: r.layout,
-        seq,
+        seq: opts.seq,
         runtime: r.runtime.name(),
         measured_step_time_s: measured,
         predicted_step_time_s: e.step_time_s,
@@ -214,6 +212,38 @@ fn check(
         measured_oom: measured.is_none(),
         predicted_oom: !e.fits,
     })
+}
+
+/// The training options run `r` of `file` ran with: its runtime's, with what the file states
+/// explicitly, and no memory headroom (the verdict compares the need with the whole device: a
+/// real run has none).
+pub(crate) fn run_options(
+    file: &Path,
+    r: &MeasuredRun,
+    def: &ModelDef,
+) -> Result<TrainingOptions, EngineError> {
+    let seq = r.seq.or(def.max_seq()).ok_or_else(|| {
+        bad(
+            file,
+            r.line,
+            "seq",
+            "a sequence length (the model does not declare one)",
+            "nothing",
+        )
+    })?;
+    let mut opts = r
+        .runtime
+        .options(seq, r.precision, r.attention, 0.0, DEFAULT_VOCAB_MULTIPLE);
+    if let Some(fp32) = r.grad_reduce_in_fp32 {
+        opts.grad_reduce_in_fp32 = fp32;
+    }
+    if let Some(overlap) = r.overlap_grad_reduce {
+        opts.overlap_grad_reduce = overlap;
+    }
+    if let Some(overlap) = r.overlap_param_gather {
+        opts.overlap_param_gather = overlap;
+    }
+    Ok(opts)
 }
 
 /// The figures over every run.

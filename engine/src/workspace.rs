@@ -3,7 +3,7 @@
 use crate::diagnostic::Diagnostic;
 use crate::error::EngineError;
 use autopar_rules::cost::cluster::{
-    Cluster, DEVICE_FIELDS, Network, cluster_preset_names, node_preset, preset,
+    Cluster, DEVICE_FIELDS, Device, Network, cluster_preset_names, node_preset, preset,
 };
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::cost::profile::{Profile, parse_profile};
@@ -322,11 +322,23 @@ struct RawCluster {
     /// Line rate of one adapter in Gb/s, replacing the preset's.
     #[serde(default)]
     nic_gbits: Option<Spanned<f64>>,
+    /// A file of device numbers `autopar calibrate` fitted, applied before `overrides`.
+    #[serde(default)]
+    calibration: Option<Spanned<String>>,
     /// Device numbers replacing the preset's, checked against [`DEVICE_FIELDS`].
     #[serde(default)]
     overrides: BTreeMap<String, Spanned<f64>>,
     #[serde(default)]
     profiles: Vec<Spanned<String>>,
+}
+
+/// A calibration file (`autopar calibrate -o FILE`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCalibration {
+    device: Spanned<String>,
+    #[serde(default)]
+    overrides: BTreeMap<String, Spanned<f64>>,
 }
 
 #[derive(Deserialize)]
@@ -654,39 +666,20 @@ impl Loader<'_> {
                 reason,
             )
         })?;
+        if let Some(file) = &c.calibration {
+            self.calibration(file, &mut cluster.device)?;
+        }
         for (key, value) in &c.overrides {
-            let Some(field) = DEVICE_FIELDS.iter().find(|f| f.key == key) else {
-                let known: Vec<&str> = DEVICE_FIELDS.iter().map(|f| f.key).collect();
-                let expected = if key == "internode_gbps" {
-                    // The key of earlier versions: the network is now the node's.
-                    "the cluster's `nics_per_node` and `nic_gbits` (adapters per node and Gb/s \
-                     each) in place of a per-GPU network bandwidth"
-                        .to_string()
-                } else {
-                    format!("one of {}", known.join(", "))
-                };
-                return Err(self.diag(
-                    value.span().start,
-                    &format!("cluster.overrides.{key}"),
-                    expected,
-                    format!("unknown field `{key}`"),
-                ));
-            };
-            let v = *value.get_ref();
-            let ok = v.is_finite() && v > 0.0 && (!field.fraction || v <= 1.0);
-            if !ok {
-                return Err(self.diag(
-                    value.span().start,
-                    &format!("cluster.overrides.{key}"),
-                    if field.fraction {
-                        "a fraction in (0, 1]".to_string()
-                    } else {
-                        format!("a positive number of {}", field.unit)
-                    },
-                    v.to_string(),
-                ));
-            }
-            *(field.field)(&mut cluster.device) = v * field.scale;
+            set_device_number(&mut cluster.device, key, *value.get_ref()).map_err(
+                |(expected, found)| {
+                    self.diag(
+                        value.span().start,
+                        &format!("cluster.overrides.{key}"),
+                        expected,
+                        found,
+                    )
+                },
+            )?;
         }
         if let Some(n) = &c.nics_per_node {
             cluster.network.nics_per_node = n.get_ref().0;
@@ -704,6 +697,52 @@ impl Loader<'_> {
             cluster.network.nic_bandwidth = v * Network::GBIT;
         }
         Ok(cluster)
+    }
+
+    /// Applies the calibration file `file` (relative to the workspace) to `device`, whose
+    /// preset it must name.
+    fn calibration(&self, file: &Spanned<String>, device: &mut Device) -> Result<(), EngineError> {
+        let full = self.root.join(file.get_ref());
+        self.read_files.borrow_mut().push(full.clone());
+        let text = (self.read)(&full).map_err(|e| {
+            self.diag(
+                file.span().start,
+                "cluster.calibration",
+                "a readable calibration file (relative to the workspace)",
+                format!("`{}` ({e})", file.get_ref()),
+            )
+        })?;
+        let raw: RawCalibration = toml::from_str(&text)
+            .map_err(|e| EngineError::config(Diagnostic::from_toml(&full, &text, &e)))?;
+        let at = |offset: usize, field: &str, expected: String, found: String| {
+            EngineError::config(Diagnostic::at(
+                &full,
+                &text,
+                Some(offset),
+                field,
+                expected,
+                found,
+            ))
+        };
+        if *raw.device.get_ref() != device.name {
+            return Err(at(
+                raw.device.span().start,
+                "device",
+                format!("the cluster's device `{}`", device.name),
+                format!("\"{}\"", raw.device.get_ref()),
+            ));
+        }
+        for (key, value) in &raw.overrides {
+            set_device_number(device, key, *value.get_ref()).map_err(|(expected, found)| {
+                at(
+                    value.span().start,
+                    &format!("overrides.{key}"),
+                    expected,
+                    found,
+                )
+            })?;
+        }
+        Ok(())
     }
 
     fn target(
@@ -988,6 +1027,34 @@ fn valid_name(name: &str) -> bool {
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+/// Sets the device number `key` (an override key, in its user units) to `v`; or what was
+/// expected and what was found.
+fn set_device_number(device: &mut Device, key: &str, v: f64) -> Result<(), (String, String)> {
+    let Some(field) = DEVICE_FIELDS.iter().find(|f| f.key == key) else {
+        let known: Vec<&str> = DEVICE_FIELDS.iter().map(|f| f.key).collect();
+        let expected = if key == "internode_gbps" {
+            // The key of earlier versions: the network is now the node's.
+            "the cluster's `nics_per_node` and `nic_gbits` (adapters per node and Gb/s each) in \
+             place of a per-GPU network bandwidth"
+                .to_string()
+        } else {
+            format!("one of {}", known.join(", "))
+        };
+        return Err((expected, format!("unknown field `{key}`")));
+    };
+    let ok = v.is_finite() && v > 0.0 && (!field.fraction || v <= 1.0);
+    if !ok {
+        let expected = if field.fraction {
+            "a fraction in (0, 1]".to_string()
+        } else {
+            format!("a positive number of {}", field.unit)
+        };
+        return Err((expected, v.to_string()));
+    }
+    *(field.field)(device) = v * field.scale;
+    Ok(())
 }
 
 /// `profiles[used]` overlaid in order (later files win); `None` when `used` is empty.

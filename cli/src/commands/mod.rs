@@ -2,6 +2,7 @@
 
 mod build;
 mod cache;
+mod calibrate;
 mod estimate;
 mod explain;
 mod graph;
@@ -65,6 +66,7 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Run(a) => run::run(&session, a, dir),
         Command::Graph(a) => graph::run(&session, a),
         Command::Validate(a) => validate::run(&session, a),
+        Command::Calibrate(a) => calibrate::run(&session, a),
         Command::Plan {
             command: PlanCommand::Show { target, json },
         } => plan::show(&session, target, *json),

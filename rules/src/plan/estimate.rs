@@ -330,6 +330,19 @@ impl<'a> Estimator<'a> {
         self
     }
 
+    /// The same estimator starting from graphs another one lowered (of the same model and
+    /// training options: see [`Estimator::graphs`]), so pricing the model on other device
+    /// numbers lowers nothing again.
+    pub fn with_graphs(self, graphs: HashMap<(u64, u64), Arc<Graph>>) -> Self {
+        *lock(&self.graphs) = graphs;
+        self
+    }
+
+    /// The graphs lowered so far, by (micro-batch, vocabulary multiple).
+    pub fn graphs(&self) -> HashMap<(u64, u64), Arc<Graph>> {
+        lock(&self.graphs).clone()
+    }
+
     /// The same estimator with measured times overriding the cost model.
     pub fn with_profile(mut self, profile: Option<&'a Profile>) -> Self {
         self.profile = profile;

@@ -3,6 +3,7 @@
 //! arguments that realise it, and how predictions compare with measured runs.
 
 pub mod accuracy;
+pub mod calibration;
 pub mod estimate;
 pub mod format;
 pub mod ilp;
