@@ -3,16 +3,15 @@
 //! held out of the fit, and written as a file a `[[cluster]]` reads (`calibration = FILE`).
 
 use crate::error::EngineError;
-use crate::runs::bad;
 use crate::runs::{MeasuredRun, MeasuredTime};
 use crate::session::Session;
-use crate::validate::{Resolved, resolve, run_options};
+use crate::validate::{Resolved, layout_error, resolve, run_options};
 use autopar_rules::cost::cluster::Device;
 use autopar_rules::model::graph::Graph;
 use autopar_rules::plan::accuracy::{mean_abs, relative_error};
 use autopar_rules::plan::calibration::{KNOBS, Knob, log_squares, minimise};
 use autopar_rules::plan::estimate::Estimator;
-use autopar_rules::plan::layout::{LayoutError, TrainingOptions};
+use autopar_rules::plan::layout::TrainingOptions;
 use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -287,17 +286,6 @@ pub fn calibrate(
 
 /// An estimator's lowered graphs.
 type Graphs = HashMap<(u64, u64), Arc<Graph>>;
-
-/// A layout of run `r` that cannot run the model on its cluster.
-fn layout_error(file: &Path, r: &MeasuredRun, e: LayoutError) -> EngineError {
-    bad(
-        file,
-        r.line,
-        "layout",
-        "a layout that runs the model on the cluster",
-        e.to_string(),
-    )
-}
 
 /// The calibration file for `c`: the device and the fitted numbers, with what they achieve in
 /// comments. A `[[cluster]]` with `calibration = "FILE"` and the same device reads it.

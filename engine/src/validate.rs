@@ -10,7 +10,7 @@ use autopar_rules::cost::profile::Profile;
 use autopar_rules::model::frontend::ModelDef;
 use autopar_rules::plan::accuracy::{mean_abs, relative_error, spearman};
 use autopar_rules::plan::estimate::Estimator;
-use autopar_rules::plan::layout::{Layout, TrainingOptions};
+use autopar_rules::plan::layout::{Layout, LayoutError, TrainingOptions};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -181,15 +181,7 @@ pub(crate) fn check(
     let e = Estimator::new(name, def, cluster, opts)
         .with_profile(profile)
         .evaluate(&r.layout)
-        .map_err(|e| {
-            bad(
-                file,
-                r.line,
-                "layout",
-                "a layout that runs the model on the cluster",
-                e.to_string(),
-            )
-        })?;
+        .map_err(|e| layout_error(file, r, e))?;
     let measured = match r.step_time {
         MeasuredTime::Seconds(t) => Some(t),
         MeasuredTime::OutOfMemory => None,
@@ -212,6 +204,17 @@ pub(crate) fn check(
         measured_oom: measured.is_none(),
         predicted_oom: !e.fits,
     })
+}
+
+/// A layout of run `r` of `file` that cannot run the model on its cluster.
+pub(crate) fn layout_error(file: &Path, r: &MeasuredRun, e: LayoutError) -> EngineError {
+    bad(
+        file,
+        r.line,
+        "layout",
+        "a layout that runs the model on the cluster",
+        e.to_string(),
+    )
 }
 
 /// The training options run `r` of `file` ran with: its runtime's, with what the file states

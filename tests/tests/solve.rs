@@ -11,15 +11,27 @@ fn example(name: &str) -> String {
 /// `autopar solve balance` on SAPP's published example (`sapp.yaml`, 8 stages, 32
 /// micro-batches) with a memory cap of `mem` MB and `extra` arguments.
 fn balance(ws: &TempWorkspace, mem: &str, extra: &[&str]) -> Run {
+    balance_on(ws, "8", "32", mem, extra)
+}
+
+/// `autopar solve balance` on `sapp.yaml` with `stages`, `microbatches`, a cap of `mem` MB and
+/// `extra` arguments.
+fn balance_on(
+    ws: &TempWorkspace,
+    stages: &str,
+    microbatches: &str,
+    mem: &str,
+    extra: &[&str],
+) -> Run {
     let mut args = vec![
         "solve",
         "balance",
         "--sapp",
         "sapp.yaml",
         "-s",
-        "8",
+        stages,
         "-mb",
-        "32",
+        microbatches,
         "-mem",
         mem,
     ];
@@ -410,20 +422,7 @@ fn interleaved_balancing_reports_how_far_from_proven_it_is() {
 /// `solve balance` on 16 stages and 16 micro-batches (the setting of the plan SAPP's readme
 /// prints) with `extra` arguments.
 fn balance16(ws: &TempWorkspace, mem: &str, extra: &[&str]) -> Run {
-    let mut args = vec![
-        "solve",
-        "balance",
-        "--sapp",
-        "sapp.yaml",
-        "-s",
-        "16",
-        "-mb",
-        "16",
-        "-mem",
-        mem,
-    ];
-    args.extend(extra);
-    ws.run(&args)
+    balance_on(ws, "16", "16", mem, extra)
 }
 
 /// SAPP's `-manual`: its published 16-stage plan, priced with the same memory model and
