@@ -106,14 +106,19 @@ impl Session {
                 found: format!("`{arg}` ({reason})"),
             });
         }
-        let ws = self.named("cluster", arg, "PRESET:NODESxGPUS, e.g. a100-80g:4x8")?;
+        let ws = self.named(
+            "cluster",
+            arg,
+            "PRESET:NODESxGPUS or NODE-PRESET:NODES, e.g. a100-80g:4x8 or dgx-h100:16",
+        )?;
         ws.cluster(arg)
             .cloned()
             .ok_or_else(|| EngineError::Unknown {
                 what: "cluster",
                 name: arg.to_string(),
                 expected: format!(
-                    "a cluster of {} ({}) or PRESET:NODESxGPUS, e.g. a100-80g:4x8",
+                    "a cluster of {} ({}), PRESET:NODESxGPUS or NODE-PRESET:NODES, e.g. a100-80g:4x8 or \
+                     dgx-h100:16",
                     ws.file.display(),
                     ws.clusters
                         .iter()

@@ -171,8 +171,8 @@ fn unknown_cluster_key() {
         "gpus_per_node = 8",
         "gpus_per_node = 8\nnodez = 2",
         "workspace.toml:14:1: field `cluster.nodez`: expected one of `name`, `preset`, `nodes`, \
-         `gpus_per_node`, `nics_per_node`, `nic_gbits`, `overrides`, `profiles`, found unknown \
-         field `nodez`",
+         `gpus_per_node`, `nics_per_node`, `nic_gbits`, `calibration`, `overrides`, `profiles`, \
+         found unknown field `nodez`",
     );
 }
 
