@@ -523,7 +523,30 @@ fn layout_args(
             a.kv("data-parallel-sharding-strategy", "optim_grads_params");
         }
     }
+    runtime_args(&mut a, l, opts);
     a.0
+}
+
+/// What the runtime settings of `opts` take on Megatron-LM's command line, where they differ
+/// from its defaults: weight-gradient accumulation fusion (on by default), the gradients'
+/// reduction dtype (bf16 reduces in fp32 unless `--grad-reduce-in-bf16`; fp16 in fp16 unless
+/// `--accumulate-allreduce-grads-in-fp32`), and the data-parallel overlaps (off by default).
+fn runtime_args(a: &mut Args, l: &Layout, opts: &TrainingOptions) {
+    if !opts.grad_accumulation_fusion {
+        a.flag("no-gradient-accumulation-fusion");
+    }
+    match (opts.precision, opts.grad_reduce_in_fp32) {
+        (Precision::Bf16, false) => a.flag("grad-reduce-in-bf16"),
+        (Precision::Fp16, true) => a.flag("accumulate-allreduce-grads-in-fp32"),
+        _ => {}
+    }
+    if opts.overlap_grad_reduce && l.dp > 1 {
+        a.flag("overlap-grad-reduce");
+    }
+    // The weights' all-gather exists only under a sharded optimizer.
+    if opts.overlap_param_gather && l.dp > 1 && l.zero >= 1 {
+        a.flag("overlap-param-gather");
+    }
 }
 
 #[cfg(test)]
@@ -549,6 +572,51 @@ mod tests {
             });
         }
         (out, next + 1)
+    }
+
+    #[test]
+    fn runtime_settings_become_megatron_flags_only_where_they_leave_its_defaults() {
+        use crate::plan::runtime::Runtime;
+        let layout = |dp: u64, zero: u8| Layout {
+            tp: 1,
+            pp: 1,
+            dp,
+            micro_batch: 1,
+            global_batch: 8,
+            interleave: 1,
+            sequence_parallel: false,
+            recompute: Recompute::None,
+            zero,
+        };
+        let flags = |r: Runtime, dp: u64, zero: u8| -> Vec<String> {
+            let mut a = Args::default();
+            runtime_args(
+                &mut a,
+                &layout(dp, zero),
+                &r.options(2048, None, None, 0.1, 128),
+            );
+            a.0
+        };
+        // Megatron-Core's defaults: nothing to say.
+        assert!(flags(Runtime::MegatronCore, 8, 1).is_empty());
+        // NeMo's recipes overlap both, the gather only with a sharded optimizer.
+        assert_eq!(
+            flags(Runtime::Nemo, 8, 1),
+            ["--overlap-grad-reduce", "--overlap-param-gather"]
+        );
+        assert_eq!(flags(Runtime::Nemo, 8, 0), ["--overlap-grad-reduce"]);
+        assert!(flags(Runtime::Nemo, 1, 1).is_empty());
+        // The 2021 scripts: no fusion, fp16 gradients (Megatron's fp16 default).
+        assert_eq!(
+            flags(Runtime::Megatron2021, 8, 0),
+            ["--no-gradient-accumulation-fusion"]
+        );
+        // bf16 gradients reduced in bf16 say so.
+        let mut o = Runtime::MegatronCore.options(2048, None, None, 0.1, 128);
+        o.grad_reduce_in_fp32 = false;
+        let mut a = Args::default();
+        runtime_args(&mut a, &layout(8, 0), &o);
+        assert_eq!(a.0, ["--grad-reduce-in-bf16"]);
     }
 
     #[test]
