@@ -473,3 +473,45 @@ pub fn naive_plans(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any text is read as plans or refused with an input error: never a panic.
+        #[test]
+        fn any_manual_text_reads_or_is_refused(text in "[a-z0-9_:,\\[\\] \n-]{0,200}") {
+            if let Err(e) = read_manual(Path::new("m.yaml"), &text, 4, 1) {
+                prop_assert!(e.is_input_error(), "{e}");
+            }
+        }
+
+        /// Plans written in SAPP's convention read back as counts that hold the model's layers
+        /// in every chunk, or as the reasons they cannot.
+        #[test]
+        fn written_plans_become_counts_or_reasons(
+            offset in proptest::collection::vec(-3i64..4, 4),
+            select in proptest::collection::vec(0i64..6, 4),
+            comm in proptest::collection::vec(0i64..6, 4),
+        ) {
+            let text = format!(
+                "plan:\n  offset: {offset:?}\n  select_recompute: {select:?}\n  \
+                 select_comm_recompute: {comm:?}\n"
+            );
+            let plans = read_manual(Path::new("m.yaml"), &text, 4, 1).expect("a plan");
+            prop_assert_eq!(plans.len(), 1);
+            let w = &plans[0];
+            let lists = resolve(16, 4, w.offset.clone(), &w.recompute);
+            match counts_of(16, 4, &lists) {
+                Ok(counts) => {
+                    let total: u32 = counts.iter().flatten().flatten().sum();
+                    prop_assert_eq!(total, 16);
+                    prop_assert_eq!(sapp_lists(&counts, 16), lists);
+                }
+                Err(why) => prop_assert!(!why.is_empty()),
+            }
+        }
+    }
+}
