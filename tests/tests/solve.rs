@@ -516,6 +516,25 @@ fn invalid_manual_plans_say_why() {
         why(2)
     );
 
+    // A plan's own interleaving must fit the micro-batches.
+    ws.write("manual.yaml", "two:\n  offset: 0\n  interleave_num: 2\n");
+    let r = balance_on(
+        &ws,
+        "8",
+        "36",
+        "56000",
+        &["-manual", "manual.yaml", "--json"],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let two = &r.json()["compared"][0];
+    assert_eq!(two["interleave"], 2);
+    assert!(
+        two["violations"]
+            .to_string()
+            .contains("multiple of the 8 stages"),
+        "{two}"
+    );
+
     ws.write("manual.yaml", "plan:\n  offset: [1, 2]\n");
     let r = balance(&ws, "56000", &["-manual", "manual.yaml"]);
     assert_eq!(r.code, 2, "{}", r.stdout);

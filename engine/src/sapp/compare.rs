@@ -374,42 +374,19 @@ pub fn manual_plans(file: &Path, base: &BalanceProblem) -> Result<Vec<ComparedPl
         let problem = with_interleave(base, w.interleave);
         let lists = resolve(base.layers, p, w.offset, &w.recompute);
         let counts = counts_of(base.layers, p, &lists);
-        if let Err(why) = problem_shape(&problem) {
+        if let Err(why) = problem.check() {
             out.push(ComparedPlan {
                 name: w.name,
                 interleave: w.interleave,
                 lists,
                 priced: None,
-                violations: vec![why],
+                violations: vec![why.to_string()],
             });
             continue;
         }
         out.push(compared(&problem, w.name, lists, counts)?);
     }
     Ok(out)
-}
-
-/// Why the problem's sizes cannot be simulated (interleaving needs the micro-batches to be a
-/// multiple of the stages).
-fn problem_shape(problem: &BalanceProblem) -> Result<(), String> {
-    let (p, v, m) = (problem.stages, problem.interleave, problem.microbatches);
-    if v > 1 && m % p != 0 {
-        return Err(format!(
-            "interleaving {v} chunks needs the {m} micro-batches to be a multiple of the {p} \
-             stages"
-        ));
-    }
-    if base_layers_too_few(problem) {
-        return Err(format!(
-            "{} layers cannot give each of the {p} x {v} chunks one",
-            problem.layers
-        ));
-    }
-    Ok(())
-}
-
-fn base_layers_too_few(problem: &BalanceProblem) -> bool {
-    problem.layers < problem.stages * problem.interleave
 }
 
 /// SAPP's naive plans: the even split of the layers, under the recomputation the yaml

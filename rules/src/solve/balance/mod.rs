@@ -170,7 +170,9 @@ pub enum BalanceError {
 }
 
 impl BalanceProblem {
-    fn check(&self) -> Result<(), BalanceError> {
+    /// Whether the sizes can make a plan at all: positive sizes, a layer for every chunk,
+    /// micro-batches that interleaving can schedule, an allowed kind with known memory.
+    pub fn check(&self) -> Result<(), BalanceError> {
         let (p, v) = (self.stages, self.interleave);
         if p == 0 || v == 0 || self.microbatches == 0 {
             return Err(BalanceError::Shape(
