@@ -31,7 +31,7 @@ use autopar_rules::cost::memory::Precision;
 use autopar_rules::limits;
 use autopar_rules::model::frontend::Attention;
 use autopar_rules::plan::layout::{Layout, Recompute};
-use autopar_rules::plan::runtime::Runtime;
+use autopar_rules::plan::runtime::{GivenSettings, Runtime};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -92,12 +92,8 @@ pub struct MeasuredRun {
     pub precision: Option<Precision>,
     /// Attention kernel, when given (else the runtime's).
     pub attention: Option<Attention>,
-    /// Gradients reduced in fp32, when given (else the runtime's).
-    pub grad_reduce_in_fp32: Option<bool>,
-    /// Gradient reduction overlapped with the backward, when given (else the runtime's).
-    pub overlap_grad_reduce: Option<bool>,
-    /// Weight all-gather overlapped with the forward, when given (else the runtime's).
-    pub overlap_param_gather: Option<bool>,
+    /// The runtime settings the run states (the others are the runtime's).
+    pub settings: GivenSettings,
     /// Measured step time.
     pub step_time: MeasuredTime,
     /// Measured peak memory per GPU, GiB.
@@ -445,9 +441,12 @@ fn run(
         runtime,
         precision,
         attention,
-        grad_reduce_in_fp32: flag("grad_reduce_in_fp32")?,
-        overlap_grad_reduce: flag("overlap_grad_reduce")?,
-        overlap_param_gather: flag("overlap_param_gather")?,
+        settings: GivenSettings {
+            grad_accumulation_fusion: None,
+            grad_reduce_in_fp32: flag("grad_reduce_in_fp32")?,
+            overlap_grad_reduce: flag("overlap_grad_reduce")?,
+            overlap_param_gather: flag("overlap_param_gather")?,
+        },
         step_time,
         memory_gib,
     })

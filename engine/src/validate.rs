@@ -234,19 +234,14 @@ pub(crate) fn run_options(
             "nothing",
         )
     })?;
-    let mut opts = r
-        .runtime
-        .options(seq, r.precision, r.attention, 0.0, DEFAULT_VOCAB_MULTIPLE);
-    if let Some(fp32) = r.grad_reduce_in_fp32 {
-        opts.grad_reduce_in_fp32 = fp32;
-    }
-    if let Some(overlap) = r.overlap_grad_reduce {
-        opts.overlap_grad_reduce = overlap;
-    }
-    if let Some(overlap) = r.overlap_param_gather {
-        opts.overlap_param_gather = overlap;
-    }
-    Ok(opts)
+    Ok(r.runtime.options(
+        seq,
+        r.precision,
+        r.attention,
+        0.0,
+        DEFAULT_VOCAB_MULTIPLE,
+        r.settings,
+    ))
 }
 
 /// The figures over every run.

@@ -14,7 +14,7 @@ use autopar_rules::model::frontend::{
 };
 use autopar_rules::plan::ilp::{IlpSearch, Space};
 use autopar_rules::plan::layout::{Recompute, TrainingOptions};
-use autopar_rules::plan::runtime::Runtime;
+use autopar_rules::plan::runtime::{GivenSettings, Runtime};
 use autopar_rules::plan::search::SearchSpace;
 use serde::{Deserialize, Deserializer};
 use std::collections::BTreeMap;
@@ -887,27 +887,19 @@ impl Loader<'_> {
             global_batch,
             profiles: used,
             profile: profile.map(Arc::new),
-            options: {
-                let mut o = runtime.options(
-                    seq,
-                    t.precision,
-                    t.attention,
-                    headroom,
-                    t.vocab_multiple.map_or(DEFAULT_VOCAB_MULTIPLE, |v| v.0),
-                );
-                let flags = [
-                    (t.grad_accumulation_fusion, &mut o.grad_accumulation_fusion),
-                    (t.grad_reduce_in_fp32, &mut o.grad_reduce_in_fp32),
-                    (t.overlap_grad_reduce, &mut o.overlap_grad_reduce),
-                    (t.overlap_param_gather, &mut o.overlap_param_gather),
-                ];
-                for (given, field) in flags {
-                    if let Some(v) = given {
-                        *field = v;
-                    }
-                }
-                o
-            },
+            options: runtime.options(
+                seq,
+                t.precision,
+                t.attention,
+                headroom,
+                t.vocab_multiple.map_or(DEFAULT_VOCAB_MULTIPLE, |v| v.0),
+                GivenSettings {
+                    grad_accumulation_fusion: t.grad_accumulation_fusion,
+                    grad_reduce_in_fp32: t.grad_reduce_in_fp32,
+                    overlap_grad_reduce: t.overlap_grad_reduce,
+                    overlap_param_gather: t.overlap_param_gather,
+                },
+            ),
             search,
             ilp,
         })

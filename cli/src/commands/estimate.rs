@@ -9,7 +9,8 @@ use autopar_engine::EngineError;
 use autopar_engine::session::Session;
 use autopar_engine::workspace::DEFAULT_VOCAB_MULTIPLE;
 use autopar_rules::plan::estimate::Estimator;
-use autopar_rules::plan::layout::{Layout, TrainingOptions};
+use autopar_rules::plan::layout::Layout;
+use autopar_rules::plan::runtime::GivenSettings;
 use serde_json::json;
 
 pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
@@ -30,27 +31,19 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             )));
         }
     };
-    let runtime = a.model_options.runtime;
-    let opts = TrainingOptions {
-        grad_accumulation_fusion: runtime.grad_accumulation_fusion()
-            && !a.no_grad_accumulation_fusion,
-        grad_reduce_in_fp32: a
-            .grad_reduce_in_fp32
-            .unwrap_or_else(|| runtime.grad_reduce_in_fp32(a.model_options.precision())),
-        overlap_grad_reduce: a
-            .overlap_grad_reduce
-            .unwrap_or(runtime.overlap_grad_reduce()),
-        overlap_param_gather: a
-            .overlap_param_gather
-            .unwrap_or(runtime.overlap_param_gather()),
-        ..runtime.options(
-            seq,
-            Some(a.model_options.precision()),
-            Some(a.model_options.attention()),
-            a.memory_headroom,
-            DEFAULT_VOCAB_MULTIPLE,
-        )
-    };
+    let opts = a.model_options.runtime.options(
+        seq,
+        Some(a.model_options.precision()),
+        Some(a.model_options.attention()),
+        a.memory_headroom,
+        DEFAULT_VOCAB_MULTIPLE,
+        GivenSettings {
+            grad_accumulation_fusion: a.no_grad_accumulation_fusion.then_some(false),
+            grad_reduce_in_fp32: a.grad_reduce_in_fp32,
+            overlap_grad_reduce: a.overlap_grad_reduce,
+            overlap_param_gather: a.overlap_param_gather,
+        },
+    );
     let gpus = cluster.gpus();
     let dp = match a.dp {
         Some(dp) => dp,

@@ -576,7 +576,7 @@ mod tests {
 
     #[test]
     fn runtime_settings_become_megatron_flags_only_where_they_leave_its_defaults() {
-        use crate::plan::runtime::Runtime;
+        use crate::plan::runtime::{GivenSettings, Runtime};
         let layout = |dp: u64, zero: u8| Layout {
             tp: 1,
             pp: 1,
@@ -593,7 +593,7 @@ mod tests {
             runtime_args(
                 &mut a,
                 &layout(dp, zero),
-                &r.options(2048, None, None, 0.1, 128),
+                &r.options(2048, None, None, 0.1, 128, GivenSettings::default()),
             );
             a.0
         };
@@ -612,8 +612,11 @@ mod tests {
             ["--no-gradient-accumulation-fusion"]
         );
         // bf16 gradients reduced in bf16 say so.
-        let mut o = Runtime::MegatronCore.options(2048, None, None, 0.1, 128);
-        o.grad_reduce_in_fp32 = false;
+        let given = GivenSettings {
+            grad_reduce_in_fp32: Some(false),
+            ..GivenSettings::default()
+        };
+        let o = Runtime::MegatronCore.options(2048, None, None, 0.1, 128, given);
         let mut a = Args::default();
         runtime_args(&mut a, &layout(8, 0), &o);
         assert_eq!(a.0, ["--grad-reduce-in-bf16"]);

@@ -28,6 +28,20 @@ use crate::model::frontend::Attention;
 use crate::plan::layout::TrainingOptions;
 use serde::{Deserialize, Serialize};
 
+/// Runtime settings given explicitly (a target key, a flag, a runs column), each winning over
+/// the runtime's default.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GivenSettings {
+    /// Weight-gradient accumulation fusion.
+    pub grad_accumulation_fusion: Option<bool>,
+    /// Gradients accumulated and reduced in fp32.
+    pub grad_reduce_in_fp32: Option<bool>,
+    /// The gradient reduction overlapped with the backward.
+    pub overlap_grad_reduce: Option<bool>,
+    /// The weight all-gather overlapped with the forward.
+    pub overlap_param_gather: Option<bool>,
+}
+
 /// A training runtime whose defaults a layout is priced with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -122,9 +136,9 @@ impl Runtime {
     }
 
     /// The training options of this runtime for sequences of `seq` tokens, in `precision`
-    /// and with `attention` where given (else the runtime's), with `memory_headroom` and
-    /// Megatron-LM's vocabulary padding of `vocab_multiple`. Callers overwrite the fields a
-    /// user sets explicitly.
+    /// and with `attention` where given (else the runtime's), with `memory_headroom`,
+    /// Megatron-LM's vocabulary padding of `vocab_multiple`, and the `given` settings over the
+    /// runtime's.
     pub fn options(
         self,
         seq: u64,
@@ -132,6 +146,7 @@ impl Runtime {
         attention: Option<Attention>,
         memory_headroom: f64,
         vocab_multiple: u64,
+        given: GivenSettings,
     ) -> TrainingOptions {
         let precision = precision.unwrap_or(self.precision());
         TrainingOptions {
@@ -140,10 +155,18 @@ impl Runtime {
             attention: attention.unwrap_or(self.attention()),
             memory_headroom,
             vocab_multiple,
-            grad_accumulation_fusion: self.grad_accumulation_fusion(),
-            grad_reduce_in_fp32: self.grad_reduce_in_fp32(precision),
-            overlap_grad_reduce: self.overlap_grad_reduce(),
-            overlap_param_gather: self.overlap_param_gather(),
+            grad_accumulation_fusion: given
+                .grad_accumulation_fusion
+                .unwrap_or(self.grad_accumulation_fusion()),
+            grad_reduce_in_fp32: given
+                .grad_reduce_in_fp32
+                .unwrap_or(self.grad_reduce_in_fp32(precision)),
+            overlap_grad_reduce: given
+                .overlap_grad_reduce
+                .unwrap_or(self.overlap_grad_reduce()),
+            overlap_param_gather: given
+                .overlap_param_gather
+                .unwrap_or(self.overlap_param_gather()),
         }
     }
 
