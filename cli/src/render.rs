@@ -780,26 +780,13 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
         o.micro_batch,
         o.seq
     );
-    match (&o.ilp, &o.not_run) {
-        (Some(ilp), Some(why)) => {
-            let _ = writeln!(
-                s,
-                "note      the plan chose the ILP space's pipeline ({}, predicted {}), which the \
-                 executor cannot lower yet: {why}; this runs the plan's best Megatron-LM layout \
-                 (predicted {})",
-                ilp.summary,
-                secs(ilp.step_time_s),
-                secs(o.predicted_step_time_s)
-            );
-        }
-        (Some(ilp), None) => {
-            let _ = writeln!(
-                s,
-                "plan      the ILP space's pipeline ({}): every op placed as its specs say",
-                ilp.summary
-            );
-        }
-        _ => {}
+    if let Some(ilp) = &o.ilp {
+        let _ = writeln!(
+            s,
+            "plan      the ILP space's pipeline ({}): every stage on its logical mesh, every op \
+             placed as its specs say",
+            ilp.summary
+        );
     }
     let _ = writeln!(
         s,
@@ -846,7 +833,7 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
         secs(m.communication),
         secs(m.optimizer)
     );
-    if o.ran == autopar_rules::plan::ilp::Space::Ilp {
+    if o.plan_space == autopar_rules::plan::ilp::Space::Ilp {
         let _ = writeln!(
             s,
             "predicted pipeline {} (kernels, collectives and bubble) · gradient sync {} · \

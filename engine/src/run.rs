@@ -3,7 +3,7 @@
 
 use crate::EngineError;
 use crate::cache::{Cache, Source, kind};
-use crate::executor::placement::State;
+use crate::executor::placement::{Placement, State};
 use crate::executor::{
     Backend, CPU_DEVICE, CheckReport, ExecError, ExecLayout, Program, RunOptions, RunResult, check,
     cuda, lower, run_program, summarize,
@@ -79,14 +79,9 @@ pub struct RunOutcome {
     pub comparable: bool,
     /// Comparison with the single-device run, with `--check`.
     pub check: Option<CheckReport>,
-    /// The space the plan chose.
+    /// The space the plan chose, whose pipeline ran: `ilp` runs every stage on its own
+    /// logical mesh with the plan's specs, `megatron` the plan's Megatron-LM layout.
     pub plan_space: Space,
-    /// The space whose plan ran: the plan's own, or `megatron` when the plan chose an ILP
-    /// pipeline the executor cannot lower yet (its best Megatron-LM layout ran instead, and
-    /// the predictions are that layout's).
-    pub ran: Space,
-    /// Why the plan's ILP pipeline did not run, when it did not.
-    pub not_run: Option<String>,
     /// The ILP space's best, when the plan chose it.
     pub ilp: Option<SpaceBest>,
 }
@@ -107,7 +102,9 @@ pub fn exec_layout(plan: &Plan) -> ExecLayout {
             .map(|s| s.chunks.iter().map(|c| (c.first, c.last)).collect())
             .collect(),
         grad_accumulation_fusion: plan.training.grad_accumulation_fusion,
+        meshes: Vec::new(),
         placements: BTreeMap::new(),
+        states: BTreeMap::new(),
     }
 }
 
@@ -144,41 +141,19 @@ pub struct Prepared {
     pub graph: Graph,
     /// The executor's layout.
     pub layout: ExecLayout,
-    /// The space whose plan runs: the plan's own, or `megatron` (the plan's best Megatron-LM
-    /// layout) when the plan chose an ILP pipeline the executor cannot lower yet.
-    pub ran: Space,
-    /// Why the plan's ILP pipeline does not run, when it does not.
-    pub not_run: Option<String>,
 }
 
 /// The graph and layout `plan` runs with, refused when they would not fit the CPU backend's
 /// budget: everything [`run_plan`] checks before lowering. A plan that chose the ILP space's
-/// pipeline runs it when its stages share one logical mesh with a single axis of more than one
-/// device (its per-op specs become the placements in that axis's group); otherwise its best
-/// Megatron-LM layout runs, and [`Prepared::not_run`] says why.
+/// pipeline runs it, every stage on its own logical mesh with every tensor placed as the plan's
+/// specs say; a plan of the Megatron-LM space runs its layout.
 pub fn prepare(ws: &Workspace, plan: &Plan) -> Result<Prepared, EngineError> {
-    let not_run = match (plan.space, &plan.ilp) {
-        (Space::Ilp, Some(ilp)) => match ilp_run(ws, plan, ilp) {
-            Ok((graph, layout)) => {
-                check_budget(&graph, &layout, &plan.model.name)?;
-                return Ok(Prepared {
-                    graph,
-                    layout,
-                    ran: Space::Ilp,
-                    not_run: None,
-                });
-            }
-            Err(why) => Some(why),
-        },
-        _ => None,
+    let (graph, layout) = match (plan.space, &plan.ilp) {
+        (Space::Ilp, Some(ilp)) => ilp_run(ws, plan, ilp)?,
+        _ => prepare_megatron(ws, plan)?,
     };
-    let (graph, layout) = prepare_megatron(ws, plan)?;
-    Ok(Prepared {
-        graph,
-        layout,
-        ran: Space::Megatron,
-        not_run,
-    })
+    check_budget(&graph, &layout, &plan.model.name)?;
+    Ok(Prepared { graph, layout })
 }
 
 /// The graph and layout of the plan's best Megatron-LM layout (`estimate`).
@@ -209,31 +184,26 @@ fn prepare_megatron(ws: &Workspace, plan: &Plan) -> Result<(Graph, ExecLayout), 
         ))
         .into());
     }
-    let graph = plan_graph(ws, plan)?;
-    let layout = exec_layout(plan);
-    check_budget(&graph, &layout, &plan.model.name)?;
-    Ok((graph, layout))
+    Ok((plan_graph(ws, plan)?, exec_layout(plan)))
 }
 
-/// The graph and layout running `ilp`, the plan's ILP pipeline, or why the executor cannot.
-fn ilp_run(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, ExecLayout), String> {
-    let first = ilp.stages.first().ok_or("the ILP pipeline has no stages")?;
-    let mesh = first.mesh.logical;
-    if let Some(s) = ilp.stages.iter().find(|s| s.mesh.logical != mesh) {
-        return Err(format!(
-            "its stages run on different logical meshes ({}x{} and {}x{}); the executor runs \
-             stages of one mesh so far",
-            mesh[0], mesh[1], s.mesh.logical[0], s.mesh.logical[1]
-        ));
+/// The graph and layout running `ilp`, the plan's ILP pipeline, or why the executor cannot:
+/// every stage on its own logical mesh, every tensor placed as the plan's specs say.
+fn ilp_run(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, ExecLayout), EngineError> {
+    ilp_layout(ws, plan, ilp).map_err(|why| {
+        ExecError::Lower(format!(
+            "the plan's ILP pipeline is inconsistent: {why}; rebuild it with `autopar build {}`",
+            plan.target
+        ))
+        .into()
+    })
+}
+
+/// [`ilp_run`], or what is wrong with the plan.
+fn ilp_layout(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, ExecLayout), String> {
+    if ilp.stages.is_empty() {
+        return Err("the ILP pipeline has no stages".into());
     }
-    if mesh[0] > 1 && mesh[1] > 1 {
-        return Err(format!(
-            "its stages shard over both axes of a {}x{} logical mesh; the executor lowers \
-             one-axis meshes so far",
-            mesh[0], mesh[1]
-        ));
-    }
-    let axis = usize::from(mesh[1] > 1);
     let model = ws
         .model(&plan.model.name)
         .ok_or_else(|| format!("the workspace declares no model `{}`", plan.model.name))?;
@@ -262,20 +232,34 @@ fn ilp_run(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, ExecLay
         })
         .collect::<Result<_, String>>()?;
     let gpus = plan.cluster.gpus();
-    let devices = mesh[0]
-        .checked_mul(mesh[1])
-        .filter(|&d| d >= 1 && d.saturating_mul(ilp.stages.len() as u64) <= gpus)
-        .ok_or_else(|| {
-            format!(
-                "{} stage(s) on {}x{} meshes do not fit the {gpus} GPUs of its cluster",
-                ilp.stages.len(),
-                mesh[0],
-                mesh[1]
-            )
-        })?;
-    let tp = devices as usize;
+    let mut devices = 0u64;
+    for s in &ilp.stages {
+        let [a, b] = s.mesh.logical;
+        devices = a
+            .checked_mul(b)
+            .filter(|&d| d >= 1)
+            .and_then(|d| devices.checked_add(d))
+            .filter(|&d| d <= gpus)
+            .ok_or_else(|| {
+                format!(
+                    "its {} stage(s) on meshes of {} do not fit the {gpus} GPUs of its cluster",
+                    ilp.stages.len(),
+                    ilp.stages
+                        .iter()
+                        .map(|s| format!("{}x{}", s.mesh.logical[0], s.mesh.logical[1]))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })?;
+    }
+    let meshes: Vec<Vec<usize>> = ilp
+        .stages
+        .iter()
+        .map(|s| s.mesh.logical.iter().map(|&n| n as usize).collect())
+        .collect();
+    let (placements, states) = ilp_placements(&graph, ilp, &meshes)?;
     let layout = ExecLayout {
-        tp,
+        tp: 1,
         pp: ilp.stages.len(),
         dp: 1,
         sequence_parallel: false,
@@ -283,38 +267,46 @@ fn ilp_run(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, ExecLay
         microbatches: ilp.num_microbatches as usize,
         chunks,
         grad_accumulation_fusion: plan.training.grad_accumulation_fusion,
-        placements: if tp > 1 {
-            ilp_placements(&graph, ilp, axis)?
-        } else {
-            BTreeMap::new()
-        },
+        meshes,
+        placements,
+        states,
     };
     Ok((graph, layout))
 }
 
-/// The placement of every tensor of the graph in the group of mesh axis `axis`, from the specs
-/// of the ops that write them (a fed input: of the first op that reads it) and of the weights.
+/// A plan's spec of tensor `t` as a placement on a two-axis mesh.
+fn spec_placement(graph: &Graph, spec: &str, t: TensorId) -> Result<Placement, String> {
+    let tensor = graph.tensor(t);
+    let spec: Spec = spec
+        .parse()
+        .map_err(|e| format!("`{}` {:?}: {e}", tensor.name, tensor.shape))?;
+    if spec.0.len() != tensor.shape.len() {
+        return Err(format!(
+            "spec `{spec}` of `{}` {:?} does not have one split per axis",
+            tensor.name, tensor.shape
+        ));
+    }
+    Ok(Placement(
+        (0..2)
+            .map(|a| match spec.axis_on(a) {
+                Some(k) => State::split(k, &tensor.shape),
+                None => State::Replicated,
+            })
+            .collect(),
+    ))
+}
+
+/// Placements from the plan's specs: every tensor as the op that writes it writes it (a fed
+/// input: as the first op reading it reads it), a value that a stage on another mesh receives
+/// as its first reader there reads it (`NAME@STAGE`), every weight by its `weight` spec; and
+/// the optimizer states of every weight by its `states` spec.
+type Placements = BTreeMap<String, Placement>;
+
 fn ilp_placements(
     graph: &Graph,
     ilp: &IlpPlan,
-    axis: usize,
-) -> Result<BTreeMap<String, State>, String> {
-    let state = |spec: &str, t: TensorId| -> Result<State, String> {
-        let tensor = graph.tensor(t);
-        let spec: Spec = spec
-            .parse()
-            .map_err(|e| format!("`{}` {:?}: {e}", tensor.name, tensor.shape))?;
-        if spec.0.len() != tensor.shape.len() {
-            return Err(format!(
-                "spec `{spec}` of `{}` {:?} does not have one split per axis",
-                tensor.name, tensor.shape
-            ));
-        }
-        Ok(match spec.axis_on(axis) {
-            Some(k) => State::split(k, &tensor.shape),
-            None => State::Replicated,
-        })
-    };
+    meshes: &[Vec<usize>],
+) -> Result<(Placements, Placements), String> {
     let by_name: HashMap<&str, TensorId> = graph
         .tensors
         .iter()
@@ -322,7 +314,9 @@ fn ilp_placements(
         .map(|(i, t)| (t.name.as_str(), TensorId(i as u32)))
         .collect();
     let mut out = BTreeMap::new();
-    for stage in &ilp.stages {
+    let mut states = BTreeMap::new();
+    let mut made_in: HashMap<TensorId, usize> = HashMap::new();
+    for (j, stage) in ilp.stages.iter().enumerate() {
         let specs: HashMap<&str, &OpSpecs> = stage
             .ops
             .iter()
@@ -340,15 +334,24 @@ fn ilp_placements(
                         format!("op `{}` has fewer specs than operands and results", op.name)
                     })
                 };
-                for (k, &t) in op.outputs.iter().enumerate() {
-                    let name = graph.tensor(t).name.clone();
-                    out.insert(name, state(&spec(&s.outputs, k)?, t)?);
-                }
                 for (k, &t) in op.inputs.iter().enumerate() {
                     let tensor = graph.tensor(t);
-                    if tensor.kind == TensorKind::Input && !out.contains_key(&tensor.name) {
-                        out.insert(tensor.name.clone(), state(&spec(&s.inputs, k)?, t)?);
+                    let received = made_in
+                        .get(&t)
+                        .is_some_and(|&i| i < j && meshes[i] != meshes[j]);
+                    let name = if received {
+                        format!("{}@{j}", tensor.name)
+                    } else {
+                        tensor.name.clone()
+                    };
+                    if (received || tensor.kind == TensorKind::Input) && !out.contains_key(&name) {
+                        out.insert(name, spec_placement(graph, &spec(&s.inputs, k)?, t)?);
                     }
+                }
+                for (k, &t) in op.outputs.iter().enumerate() {
+                    let name = graph.tensor(t).name.clone();
+                    out.insert(name, spec_placement(graph, &spec(&s.outputs, k)?, t)?);
+                    made_in.insert(t, j);
                 }
             }
         }
@@ -356,10 +359,11 @@ fn ilp_placements(
             let t = *by_name
                 .get(w.name.as_str())
                 .ok_or_else(|| format!("the plan's weight `{}` is not in the model", w.name))?;
-            out.insert(w.name.clone(), state(&w.weight, t)?);
+            out.insert(w.name.clone(), spec_placement(graph, &w.weight, t)?);
+            states.insert(w.name.clone(), spec_placement(graph, &w.states, t)?);
         }
     }
-    Ok(out)
+    Ok((out, states))
 }
 
 /// Refuses a run whose state, activations or arithmetic exceed the CPU backend's budget.
@@ -481,13 +485,8 @@ pub fn run_plan(
     if backend == Backend::Cuda {
         cuda::probe()?;
     }
-    let Prepared {
-        graph,
-        layout,
-        ran,
-        not_run,
-    } = prepare(ws, plan)?;
-    let (predicted_step_time_s, predicted_time) = match (ran, &plan.ilp) {
+    let Prepared { graph, layout } = prepare(ws, plan)?;
+    let (predicted_step_time_s, predicted_time) = match (plan.space, &plan.ilp) {
         (Space::Ilp, Some(ilp)) => (
             ilp.step_time_s,
             TimeBreakdown {
@@ -534,8 +533,6 @@ pub fn run_plan(
         comparable: backend == Backend::Cpu && plan.cluster.device.name == CPU_DEVICE,
         check: report,
         plan_space: plan.space,
-        ran,
-        not_run,
         ilp: (plan.space == Space::Ilp)
             .then(|| plan.spaces.ilp.clone())
             .flatten(),

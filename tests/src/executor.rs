@@ -70,6 +70,8 @@ pub fn layout(
         microbatches,
         chunks,
         grad_accumulation_fusion: true,
+        meshes: Vec::new(),
         placements: Default::default(),
+        states: Default::default(),
     }
 }

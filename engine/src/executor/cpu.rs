@@ -4,7 +4,7 @@
 use super::comm::{Endpoint, Fabric, Payload, Tag};
 use super::kernels::{self, Group};
 use super::lower::{Action, Init, Program, Role};
-use super::placement::{Conversion, State, slice};
+use super::placement::{Conversion, Placement, conversions, shard, slice};
 use super::tensor::Tensor;
 use super::{ExecError, RunOptions};
 use serde::{Deserialize, Serialize};
@@ -28,10 +28,10 @@ const SMALL_SCALE: f32 = 0.1;
 pub struct Coord {
     /// Pipeline stage.
     pub pp: usize,
-    /// Data-parallel rank.
+    /// Data-parallel replica.
     pub dp: usize,
-    /// Tensor-parallel rank.
-    pub tp: usize,
+    /// Index on its stage's mesh (axis 0 major; Megatron-LM's tensor-parallel rank).
+    pub m: usize,
 }
 
 /// What one device measured and, when checking, what it computed.
@@ -63,20 +63,46 @@ pub struct Phases {
     pub optimizer: f64,
 }
 
-/// Megatron-LM's rank order: tensor ranks fastest, then data, then pipeline.
+/// Devices in rank order: stage after stage, replica after replica within a stage, mesh index
+/// fastest (Megatron-LM's order: tensor ranks, then data, then pipeline).
 pub fn rank_of(prog: &Program, c: Coord) -> usize {
     let l = &prog.layout;
-    (c.pp * l.dp + c.dp) * l.tp + c.tp
+    let before: usize = (0..c.pp).map(|j| l.stage_devices(j)).sum();
+    l.dp * before + c.dp * l.stage_devices(c.pp) + c.m
 }
 
 /// The coordinates of device `rank`.
 pub fn coord_of(prog: &Program, rank: usize) -> Coord {
     let l = &prog.layout;
-    Coord {
-        tp: rank % l.tp,
-        dp: (rank / l.tp) % l.dp,
-        pp: rank / (l.tp * l.dp),
+    let mut rest = rank;
+    for pp in 0..l.pp {
+        let n = l.stage_devices(pp);
+        if rest < l.dp * n {
+            return Coord {
+                pp,
+                dp: rest / n,
+                m: rest % n,
+            };
+        }
+        rest -= l.dp * n;
     }
+    Coord { pp: 0, dp: 0, m: 0 }
+}
+
+/// The coordinates on `mesh` of mesh index `m` (axis 0 major).
+pub fn mesh_coords(m: usize, mesh: &[usize]) -> Vec<usize> {
+    let mut out = vec![0; mesh.len()];
+    let mut rest = m;
+    for a in (0..mesh.len()).rev() {
+        out[a] = rest % mesh[a].max(1);
+        rest /= mesh[a].max(1);
+    }
+    out
+}
+
+/// The mesh index of coordinates `at` on `mesh`.
+fn mesh_index(at: &[usize], mesh: &[usize]) -> usize {
+    at.iter().zip(mesh).fold(0, |i, (&c, &n)| i * n + c)
 }
 
 /// A deterministic value in `[-1, 1)` from a seed and a position (splitmix64).
@@ -94,17 +120,6 @@ pub fn noise(parts: &[u64]) -> f32 {
 /// A token id (or label) below `bound` from a noise value `u` in `[-1, 1)`, stored as f32.
 pub fn id_below(u: f32, bound: usize) -> f32 {
     (((u + 1.0) * 0.5 * bound as f32) as usize).min(bound.saturating_sub(1)) as f32
-}
-
-/// Local shape of a value of whole shape `shape` in `state` over `ranks` ranks.
-pub fn local_shape(shape: &[usize], state: &State, ranks: usize) -> Vec<usize> {
-    let mut s = shape.to_vec();
-    if let State::Split { axis, .. } = state
-        && let Some(d) = s.get_mut(*axis)
-    {
-        *d /= ranks;
-    }
-    s
 }
 
 /// The whole initial value of parameter `value`.
@@ -151,29 +166,37 @@ pub struct Device<'p> {
     me: usize,
     at: Coord,
     ep: Endpoint,
-    tp_group: Vec<usize>,
+    /// Its stage's logical mesh and its coordinates on it.
+    mesh: Vec<usize>,
+    coords: Vec<usize>,
+    /// The devices along each mesh axis through this one, in axis order.
+    axis_groups: Vec<Vec<usize>>,
     dp_group: Vec<usize>,
     params: HashMap<u32, Arc<Tensor>>,
+    /// Master weights of the parameters whose optimizer states are placed apart from the
+    /// weight (sharded further inside the mesh), in their states' placement.
+    masters: HashMap<u32, Tensor>,
     grads: HashMap<u32, Tensor>,
-    /// Adam's moments of this rank's range of the parameter bucket.
+    /// Adam's moments of this rank's range of the optimizer-state bucket.
     moments: Option<(Vec<f32>, Vec<f32>)>,
     /// This rank's range of the summed gradient bucket, between sync and update.
     reduced: Vec<f32>,
     updates: u32,
     saved: HashMap<(usize, usize), Saved>,
     inbox: HashMap<(usize, usize, Payload), HashMap<u32, Tensor>>,
-    /// Input gradients of a (chunk, micro-batch) backward, until they are sent.
-    outbox: HashMap<(usize, usize), HashMap<u32, Tensor>>,
+    /// Input gradients of a (chunk, micro-batch) backward, until they are sent, named as the
+    /// previous virtual stage names the values.
+    outbox: HashMap<(usize, usize), Vec<(u32, Tensor)>>,
     report: DeviceReport,
 }
 
-struct TpGroup<'a> {
+struct KernelGroup<'a> {
     ep: &'a mut Endpoint,
     group: &'a [usize],
     rank: usize,
 }
 
-impl Group for TpGroup<'_> {
+impl Group for KernelGroup<'_> {
     fn rank(&self) -> (usize, usize) {
         (self.rank, self.group.len())
     }
@@ -190,28 +213,45 @@ impl<'p> Device<'p> {
     pub fn new(prog: &'p Program, opts: &'p RunOptions, me: usize, fabric: Arc<Fabric>) -> Self {
         let at = coord_of(prog, me);
         let l = &prog.layout;
-        let tp_group = (0..l.tp)
-            .map(|t| rank_of(prog, Coord { tp: t, ..at }))
+        let mesh = l.mesh(at.pp);
+        let coords = mesh_coords(at.m, &mesh);
+        let axis_groups = (0..mesh.len())
+            .map(|a| {
+                (0..mesh[a])
+                    .map(|i| {
+                        let mut c = coords.clone();
+                        c[a] = i;
+                        rank_of(
+                            prog,
+                            Coord {
+                                m: mesh_index(&c, &mesh),
+                                ..at
+                            },
+                        )
+                    })
+                    .collect()
+            })
             .collect();
         let dp_group = (0..l.dp)
             .map(|d| rank_of(prog, Coord { dp: d, ..at }))
             .collect();
         let mut params = HashMap::new();
+        let mut masters = HashMap::new();
         for code in prog.chunks.iter().filter(|c| c.stage == at.pp) {
             for &p in &code.parameters {
                 if params.contains_key(&p) {
                     continue;
                 }
                 let whole = initial_parameter(prog, opts.seed, p);
-                params.insert(
-                    p,
-                    Arc::new(shard(
-                        &whole,
-                        &prog.values[p as usize].placement,
-                        at.tp,
-                        l.tp,
-                    )),
-                );
+                let info = &prog.values[p as usize];
+                params.insert(p, Arc::new(shard(&whole, &info.placement, &coords, &mesh)));
+                if let Some(sp) = info
+                    .state_placement
+                    .as_ref()
+                    .filter(|sp| **sp != info.placement)
+                {
+                    masters.insert(p, shard(&whole, sp, &coords, &mesh));
+                }
             }
         }
         Device {
@@ -220,9 +260,12 @@ impl<'p> Device<'p> {
             me,
             at,
             ep: Endpoint::new(fabric),
-            tp_group,
+            mesh,
+            coords,
+            axis_groups,
             dp_group,
             params,
+            masters,
             grads: HashMap::new(),
             moments: None,
             reduced: Vec::new(),
@@ -232,6 +275,34 @@ impl<'p> Device<'p> {
             outbox: HashMap::new(),
             report: DeviceReport::default(),
         }
+    }
+
+    /// The devices that differ from this one only on mesh axes `axes` (combined major first),
+    /// and this one's index among them.
+    fn kernel_group(&self, axes: &[usize]) -> (Vec<usize>, usize) {
+        let mut group = vec![self.me];
+        let mut index = 0;
+        for &a in axes {
+            let n = self.mesh[a];
+            let mut next = Vec::with_capacity(group.len() * n);
+            for &r in &group {
+                let base = coord_of(self.prog, r);
+                let mut c = mesh_coords(base.m, &self.mesh);
+                for i in 0..n {
+                    c[a] = i;
+                    next.push(rank_of(
+                        self.prog,
+                        Coord {
+                            m: mesh_index(&c, &self.mesh),
+                            ..base
+                        },
+                    ));
+                }
+            }
+            group = next;
+            index = index * n + self.coords[a];
+        }
+        (group, index)
     }
 
     /// Runs every step; returns what was measured.
@@ -270,36 +341,55 @@ impl<'p> Device<'p> {
         let prog = self.prog;
         match action {
             Action::RecvActivations { chunk, microbatch } => {
-                let values = &prog.chunks[chunk].recv;
-                self.receive(values, Payload::Activation, chunk, microbatch)?;
+                let code = &prog.chunks[chunk];
+                let whole = code.reshard;
+                self.receive(
+                    &code.recv_from,
+                    &code.recv,
+                    whole,
+                    Payload::Activation,
+                    chunk,
+                    microbatch,
+                )?;
             }
             Action::Forward { chunk, microbatch } => {
                 return self.forward(chunk, microbatch, step);
             }
             Action::SendActivations { chunk, microbatch } => {
-                let to = self.neighbour(chunk + 1);
+                let next = &prog.chunks[chunk + 1];
+                let to = self.peers(chunk + 1, next.reshard);
                 let saved = self.saved.get(&(chunk, microbatch));
+                let mut out = Vec::new();
                 for &v in &prog.chunks[chunk].send {
                     let t = saved
                         .and_then(|s| s.env.get(&v))
                         .map(|t| Tensor::clone(t))
                         .ok_or_else(|| missing(v, prog))?;
-                    let tag = self.tag(to, Payload::Activation, chunk + 1, microbatch, v);
-                    self.ep.fabric.send(tag, t);
+                    out.push((v, t));
+                }
+                for (v, t) in out {
+                    let t = if next.reshard { self.whole(t, v)? } else { t };
+                    for &r in &to {
+                        let tag = self.tag(r, Payload::Activation, chunk + 1, microbatch, v);
+                        self.ep.fabric.send(tag, t.clone());
+                    }
                 }
             }
             Action::RecvGradients { chunk, microbatch } => {
                 // The gradients of what this chunk sent forward.
                 let values = &prog.chunks[chunk].send;
-                self.receive(values, Payload::Gradient, chunk, microbatch)?;
+                let whole = prog.chunks[chunk + 1].reshard;
+                self.receive(values, values, whole, Payload::Gradient, chunk, microbatch)?;
             }
             Action::Backward { chunk, microbatch } => self.backward(chunk, microbatch)?,
             Action::SendGradients { chunk, microbatch } => {
-                let to = self.neighbour(chunk - 1);
+                let to = self.peers(chunk - 1, prog.chunks[chunk].reshard);
                 let grads = self.outbox.remove(&(chunk, microbatch)).unwrap_or_default();
                 for (v, g) in grads {
-                    let tag = self.tag(to, Payload::Gradient, chunk - 1, microbatch, v);
-                    self.ep.fabric.send(tag, g);
+                    for &r in &to {
+                        let tag = self.tag(r, Payload::Gradient, chunk - 1, microbatch, v);
+                        self.ep.fabric.send(tag, g.clone());
+                    }
                 }
             }
             Action::SyncTied => {
@@ -314,18 +404,30 @@ impl<'p> Device<'p> {
         Ok(0.0)
     }
 
-    /// Receives `payload` of `values` for a micro-batch of a chunk into the inbox.
+    /// Receives `payload` of the values named `tags` by the sender for a micro-batch of a
+    /// chunk into the inbox, as `names`; `whole` values are cut to this device's placement.
     fn receive(
         &mut self,
-        values: &[u32],
+        tags: &[u32],
+        names: &[u32],
+        whole: bool,
         payload: Payload,
         chunk: usize,
         microbatch: usize,
     ) -> Result<(), ExecError> {
         let mut got = HashMap::new();
-        for &v in values {
-            let tag = self.tag(self.me, payload, chunk, microbatch, v);
-            got.insert(v, self.ep.fabric.recv(tag)?);
+        for (&t, &v) in tags.iter().zip(names) {
+            let tag = self.tag(self.me, payload, chunk, microbatch, t);
+            let mut x = self.ep.fabric.recv(tag)?;
+            if whole {
+                x = shard(
+                    &x,
+                    &self.prog.values[v as usize].placement,
+                    &self.coords,
+                    &self.mesh,
+                );
+            }
+            got.insert(v, x);
         }
         self.inbox.insert((chunk, microbatch, payload), got);
         Ok(())
@@ -341,16 +443,28 @@ impl<'p> Device<'p> {
         }
     }
 
-    /// The device holding virtual stage `chunk` with this device's data and tensor ranks.
-    fn neighbour(&self, chunk: usize) -> usize {
-        let pp = self.prog.layout.pp;
-        rank_of(
-            self.prog,
-            Coord {
-                pp: chunk % pp,
-                ..self.at
-            },
-        )
+    /// The devices of virtual stage `chunk` (this device's replica) that this one sends to:
+    /// the device of its own mesh index, or, across a change of mesh (`whole` values), every
+    /// device whose index is this one's modulo this mesh's size, so that each receives once.
+    fn peers(&self, chunk: usize, whole: bool) -> Vec<usize> {
+        let l = &self.prog.layout;
+        let pp = chunk % l.pp;
+        if !whole {
+            return vec![rank_of(self.prog, Coord { pp, ..self.at })];
+        }
+        let mine = self.mesh.iter().product::<usize>().max(1);
+        (0..l.stage_devices(pp))
+            .filter(|m| m % mine == self.at.m)
+            .map(|m| rank_of(self.prog, Coord { pp, m, ..self.at }))
+            .collect()
+    }
+
+    /// The whole of value `v` (this device's piece gathered over its mesh).
+    fn whole(&mut self, t: Tensor, v: u32) -> Result<Tensor, ExecError> {
+        let from = &self.prog.values[v as usize].placement;
+        let convs = conversions(from, &Placement::replicated(self.mesh.len()), &self.mesh)
+            .ok_or_else(|| missing(v, self.prog))?;
+        self.convert(t, &convs)
     }
 
     fn input(&self, v: u32, microbatch: usize, step: usize) -> Tensor {
@@ -373,7 +487,7 @@ impl<'p> Device<'p> {
             shape: info.shape.clone(),
             data,
         };
-        shard(&whole, &info.placement, self.at.tp, l.tp)
+        shard(&whole, &info.placement, &self.coords, &self.mesh)
     }
 
     /// [`Self::convert`] of a shared value: shared further when nothing converts it.
@@ -390,26 +504,32 @@ impl<'p> Device<'p> {
     }
 
     fn convert(&mut self, mut t: Tensor, convs: &[Conversion]) -> Result<Tensor, ExecError> {
+        let bad = || ExecError::Lower("a conversion along a mesh axis the stage lacks".into());
         for c in convs {
+            let a = c.axis();
+            let (group, rank) = (self.axis_groups.get(a).ok_or_else(bad)?, self.coords[a]);
+            let n = group.len();
             t = match c {
-                Conversion::Slice { to } => shard(&t, to, self.at.tp, self.tp_group.len()),
-                Conversion::AllGather { from } => {
-                    let State::Split { axis, parts } = from else {
-                        return Err(ExecError::Lower("gather of an unsplit value".into()));
-                    };
-                    self.ep
-                        .all_gather(&self.tp_group, self.at.tp, t, *axis, parts)?
-                }
-                Conversion::AllReduce => {
-                    self.ep
-                        .all_reduce_sum(&self.tp_group, self.at.tp, &mut t.data)?;
+                Conversion::Slice {
+                    to: super::placement::State::Split { axis, parts },
+                    ..
+                } => slice(&t, *axis, parts, rank, n),
+                Conversion::AllGather {
+                    from: super::placement::State::Split { axis, parts },
+                    ..
+                } => self.ep.all_gather(group, rank, t, *axis, parts)?,
+                Conversion::AllReduce { .. } => {
+                    self.ep.all_reduce_sum(group, rank, &mut t.data)?;
                     t
                 }
-                Conversion::ReduceScatter { to } => {
-                    self.ep
-                        .all_reduce_sum(&self.tp_group, self.at.tp, &mut t.data)?;
-                    shard(&t, to, self.at.tp, self.tp_group.len())
+                Conversion::ReduceScatter {
+                    to: super::placement::State::Split { axis, parts },
+                    ..
+                } => {
+                    self.ep.all_reduce_sum(group, rank, &mut t.data)?;
+                    slice(&t, *axis, parts, rank, n)
                 }
+                _ => return Err(ExecError::Lower(format!("malformed conversion {c:?}"))),
             };
         }
         Ok(t)
@@ -418,7 +538,6 @@ impl<'p> Device<'p> {
     fn forward(&mut self, chunk: usize, microbatch: usize, step: usize) -> Result<f64, ExecError> {
         let prog = self.prog;
         let code = &prog.chunks[chunk];
-        let tp = prog.layout.tp;
         let mut env: HashMap<u32, Arc<Tensor>> = self
             .inbox
             .remove(&(chunk, microbatch, Payload::Activation))
@@ -444,13 +563,14 @@ impl<'p> Device<'p> {
                 .outputs
                 .iter()
                 .zip(&s.out_states)
-                .map(|(&o, st)| local_shape(&prog.values[o as usize].shape, st, tp))
+                .map(|(&o, st)| st.local_shape(&prog.values[o as usize].shape, &self.mesh))
                 .collect();
             let refs: Vec<&Tensor> = inputs.iter().map(|t| &**t).collect();
-            let mut group = TpGroup {
+            let (members, rank) = self.kernel_group(&s.kernel_axes);
+            let mut group = KernelGroup {
                 ep: &mut self.ep,
-                group: &self.tp_group,
-                rank: self.at.tp,
+                group: &members,
+                rank,
             };
             let f = kernels::forward(&s.kernel, &refs, &shapes, &mut group)?;
             let outputs: Vec<Arc<Tensor>> = f.outputs.into_iter().map(Arc::new).collect();
@@ -465,7 +585,7 @@ impl<'p> Device<'p> {
             }));
         }
         let mut loss = 0.0;
-        if chunk + 1 == prog.chunks.len() && self.at.tp == 0 {
+        if chunk + 1 == prog.chunks.len() && self.at.m == 0 {
             loss = env
                 .get(&prog.loss)
                 .and_then(|t| t.data.first())
@@ -517,10 +637,11 @@ impl<'p> Device<'p> {
             let xs: Vec<&Tensor> = c.inputs.iter().map(|t| &**t).collect();
             let ys: Vec<&Tensor> = c.outputs.iter().map(|t| &**t).collect();
             let ds: Vec<&Tensor> = dys.iter().collect();
-            let mut group = TpGroup {
+            let (members, rank) = self.kernel_group(&s.kernel_axes);
+            let mut group = KernelGroup {
                 ep: &mut self.ep,
-                group: &self.tp_group,
-                rank: self.at.tp,
+                group: &members,
+                rank,
             };
             // Under fused accumulation a parameter's gradient so far is lent to the kernel,
             // which adds into it; it needs no conversion (a weight is stored as its products
@@ -571,8 +692,8 @@ impl<'p> Device<'p> {
             }
         }
         if chunk > 0 {
-            let mut out = HashMap::new();
-            for &v in &code.recv {
+            let mut out = Vec::with_capacity(code.recv.len());
+            for (&v, &named) in code.recv.iter().zip(&code.recv_from) {
                 let g = match grads.remove(&v) {
                     Some(g) => g,
                     None => {
@@ -580,7 +701,9 @@ impl<'p> Device<'p> {
                         Tensor::zeros(x.shape.clone())
                     }
                 };
-                out.insert(v, g);
+                // Across a change of mesh the gradient goes back whole.
+                let g = if code.reshard { self.whole(g, v)? } else { g };
+                out.push((named, g));
             }
             self.outbox.insert((chunk, microbatch), out);
         }
@@ -615,12 +738,20 @@ impl<'p> Device<'p> {
         Ok(())
     }
 
-    /// This device's parameters in key order, their total length, and the range of the flat
-    /// bucket this rank updates: all of it, or (ZeRO with several replicas) its shard.
+    /// Length of parameter `k`'s optimizer-state piece on this device.
+    fn state_len(&self, k: u32) -> usize {
+        self.masters
+            .get(&k)
+            .map_or_else(|| self.params.get(&k).map_or(0, |p| p.len()), Tensor::len)
+    }
+
+    /// This device's parameters in key order, the total length of their optimizer-state pieces,
+    /// and the range of that flat bucket this rank updates: all of it, or (ZeRO over several
+    /// replicas) its shard.
     fn bucket(&self) -> (Vec<u32>, usize, Range<usize>) {
         let mut keys: Vec<u32> = self.params.keys().copied().collect();
         keys.sort_unstable();
-        let n: usize = keys.iter().map(|k| self.params[k].len()).sum();
+        let n: usize = keys.iter().map(|&k| self.state_len(k)).sum();
         let dp = self.dp_group.len();
         if self.prog.layout.zero > 0 && dp > 1 {
             let shard = n.div_ceil(dp);
@@ -631,11 +762,34 @@ impl<'p> Device<'p> {
         }
     }
 
-    /// Data-parallel gradient synchronisation over one flat bucket: an all-reduce, or (ZeRO) a
-    /// reduce-scatter that leaves each rank the sum of its shard only.
+    /// Gradient synchronisation. Inside the mesh, every parameter's gradient goes from where
+    /// the backward passes left it (partial sums over the axes that split the batch) to its
+    /// optimizer states' placement: an all-reduce, or a reduce-scatter where the states are
+    /// sharded. Over the replicas, one flat bucket: an all-reduce, or (ZeRO) a reduce-scatter
+    /// that leaves each rank the sum of its shard only.
     fn sync_gradients(&mut self) -> Result<(), ExecError> {
+        let prog = self.prog;
+        let mut keys: Vec<u32> = self.params.keys().copied().collect();
+        keys.sort_unstable();
+        for &k in &keys {
+            let info = &prog.values[k as usize];
+            let from = info.grad_placement.as_ref().unwrap_or(&info.placement);
+            let to = info.state_placement.as_ref().unwrap_or(&info.placement);
+            let g = match self.grads.remove(&k) {
+                Some(g) => g,
+                None => Tensor::zeros(from.local_shape(&info.shape, &self.mesh)),
+            };
+            let convs = conversions(from, to, &self.mesh).ok_or_else(|| {
+                ExecError::Lower(format!(
+                    "no collective takes the gradient of `{}` from {from} to {to}",
+                    info.name
+                ))
+            })?;
+            let g = self.convert(g, &convs)?;
+            self.grads.insert(k, g);
+        }
         if self.dp_group.len() == 1 {
-            // Nothing to reduce: the optimizer reads the gradients where they are.
+            // Nothing more to reduce: the optimizer reads the gradients where they are.
             return Ok(());
         }
         let (keys, n, range) = self.bucket();
@@ -643,7 +797,7 @@ impl<'p> Device<'p> {
         for k in &keys {
             match self.grads.get(k) {
                 Some(g) => flat.extend_from_slice(&g.data),
-                None => flat.extend(std::iter::repeat_n(0.0, self.params[k].len())),
+                None => flat.extend(std::iter::repeat_n(0.0, self.state_len(*k))),
             }
         }
         self.grads.clear();
@@ -664,7 +818,9 @@ impl<'p> Device<'p> {
         Ok(())
     }
 
-    /// Adam on this rank's range of the bucket, then (ZeRO) an all-gather of the parameters.
+    /// Adam on this rank's range of the optimizer-state bucket, then (ZeRO over replicas) an
+    /// all-gather of the states, and (states sharded inside the mesh) an all-gather of each
+    /// master weight into its working weight.
     fn optimizer_step(&mut self) -> Result<(), ExecError> {
         let (keys, n, range) = self.bucket();
         self.updates += 1;
@@ -682,51 +838,76 @@ impl<'p> Device<'p> {
             }
         };
         if range.len() == n {
-            // Every parameter is this rank's to update: in place, from the reduced bucket or,
-            // with one replica, from the gradients themselves.
+            // Every state is this rank's to update: in place, from the reduced bucket or, with
+            // one replica, from the gradients themselves.
             let single = self.dp_group.len() == 1;
             let mut at = 0;
             for k in &keys {
-                if let Some(p) = self.params.get_mut(k) {
-                    let p = Arc::make_mut(p);
-                    let span = at..at + p.len();
-                    at = span.end;
-                    let none;
-                    let g = match (single, self.grads.get(k)) {
-                        (false, _) => &self.reduced[span.clone()],
-                        (true, Some(g)) => &g.data[..],
-                        (true, None) => {
-                            none = vec![0.0; p.len()];
-                            &none[..]
-                        }
-                    };
-                    adam(&mut p.data, g, &mut m[span.clone()], &mut v[span]);
-                }
+                let state: &mut Tensor = match self.masters.get_mut(k) {
+                    Some(master) => master,
+                    None => match self.params.get_mut(k) {
+                        Some(p) => Arc::make_mut(p),
+                        None => continue,
+                    },
+                };
+                let span = at..at + state.len();
+                at = span.end;
+                let none;
+                let g = match (single, self.grads.get(k)) {
+                    (false, _) => &self.reduced[span.clone()],
+                    (true, Some(g)) => &g.data[..],
+                    (true, None) => {
+                        none = vec![0.0; state.len()];
+                        &none[..]
+                    }
+                };
+                adam(&mut state.data, g, &mut m[span.clone()], &mut v[span]);
             }
             self.grads.clear();
-            return Ok(());
-        }
-        let mut flat_p = Vec::with_capacity(n);
-        for k in &keys {
-            flat_p.extend_from_slice(&self.params[k].data);
-        }
-        adam(&mut flat_p[range.clone()], &self.reduced, m, v);
-        let mine = flat_p[range].to_vec();
-        let all = self.ep.exchange(&self.dp_group, self.at.dp, mine)?;
-        let mut at = 0;
-        for piece in all.iter() {
-            let end = (at + piece.len()).min(n);
-            flat_p[at..end].copy_from_slice(&piece[..end - at]);
-            at = end;
-        }
-        let mut at = 0;
-        for k in &keys {
-            if let Some(p) = self.params.get_mut(k) {
-                let p = Arc::make_mut(p);
-                let len = p.len();
-                p.data.copy_from_slice(&flat_p[at..at + len]);
+        } else {
+            let mut flat_p = Vec::with_capacity(n);
+            for k in &keys {
+                match self.masters.get(k) {
+                    Some(master) => flat_p.extend_from_slice(&master.data),
+                    None => flat_p.extend_from_slice(&self.params[k].data),
+                }
+            }
+            adam(&mut flat_p[range.clone()], &self.reduced, m, v);
+            let mine = flat_p[range].to_vec();
+            let all = self.ep.exchange(&self.dp_group, self.at.dp, mine)?;
+            let mut at = 0;
+            for piece in all.iter() {
+                let end = (at + piece.len()).min(n);
+                flat_p[at..end].copy_from_slice(&piece[..end - at]);
+                at = end;
+            }
+            let mut at = 0;
+            for k in &keys {
+                let state: &mut Tensor = match self.masters.get_mut(k) {
+                    Some(master) => master,
+                    None => match self.params.get_mut(k) {
+                        Some(p) => Arc::make_mut(p),
+                        None => continue,
+                    },
+                };
+                let len = state.len();
+                state.data.copy_from_slice(&flat_p[at..at + len]);
                 at += len;
             }
+        }
+        // Working weights from sharded master weights, in key order on every device.
+        let mut sharded: Vec<u32> = self.masters.keys().copied().collect();
+        sharded.sort_unstable();
+        for k in sharded {
+            let info = &self.prog.values[k as usize];
+            let Some(from) = info.state_placement.as_ref() else {
+                continue;
+            };
+            let convs = conversions(from, &info.placement, &self.mesh)
+                .ok_or_else(|| missing(k, self.prog))?;
+            let master = self.masters[&k].clone();
+            let weight = self.convert(master, &convs)?;
+            self.params.insert(k, Arc::new(weight));
         }
         Ok(())
     }
@@ -735,12 +916,4 @@ impl<'p> Device<'p> {
 fn missing(v: u32, prog: &Program) -> ExecError {
     let name = prog.values.get(v as usize).map_or("?", |i| i.name.as_str());
     ExecError::Lower(format!("value `{name}` is not available where it is read"))
-}
-
-/// This rank's piece of a whole tensor in `state`.
-pub fn shard(whole: &Tensor, state: &State, rank: usize, ranks: usize) -> Tensor {
-    match state {
-        State::Split { axis, parts } if ranks > 1 => slice(whole, *axis, parts, rank, ranks),
-        _ => whole.clone(),
-    }
 }

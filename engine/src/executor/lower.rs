@@ -11,28 +11,30 @@
 
 use super::ExecError;
 use super::kernels::Kernel;
-use super::placement::{Conversion, State, conversions, divides};
+use super::placement::{Conversion, Placement, State, conversions};
 use autopar_rules::model::graph::{Graph, OpKind, Split, TensorId, TensorKind};
 use autopar_rules::solve::schedule::{BlockKind, Schedule, stage_program};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Version of the lowered program layout (part of its cache key).
-pub const PROGRAM_VERSION: u32 = 2;
+pub const PROGRAM_VERSION: u32 = 3;
 
 /// The parallel layout a program is lowered for.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ExecLayout {
-    /// Tensor-parallel degree.
+    /// Tensor-parallel degree of Megatron-LM's layouts (the one-axis mesh of every stage when
+    /// `meshes` is empty).
     pub tp: usize,
     /// Pipeline stages.
     pub pp: usize,
-    /// Data-parallel degree.
+    /// Data-parallel replicas of the whole pipeline (Megatron-LM's data parallelism; an
+    /// intra-op plan's data parallelism is a split of the batch on its mesh instead).
     pub dp: usize,
     /// Sequence parallelism in the tensor-parallel group.
     pub sequence_parallel: bool,
-    /// ZeRO stage: 0 all-reduces gradients; 1 and above reduce-scatter them, update a shard of
-    /// the parameters and all-gather them.
+    /// ZeRO stage over the replicas: 0 all-reduces gradients; 1 and above reduce-scatter them,
+    /// update a shard of the parameters and all-gather them.
     pub zero: u8,
     /// Micro-batches per pipeline per step.
     pub microbatches: usize,
@@ -43,12 +45,23 @@ pub struct ExecLayout {
     /// (Megatron-LM's `--gradient-accumulation-fusion`) instead of producing a fresh gradient
     /// that a separate pass adds.
     pub grad_accumulation_fusion: bool,
-    /// Placements an intra-op plan chose, by tensor name, in the tensor-parallel group (there
-    /// every device of a stage's logical mesh); a tensor it does not name is replicated. Empty:
-    /// Megatron-LM's placements, from the graph's splits. Either way the same rules derive
-    /// every kernel's states and the collectives between them.
+    /// The logical mesh of every stage (devices along each axis, axis 0 major) when an intra-op
+    /// plan placed the tensors; stages may differ. Empty: every stage's mesh is the
+    /// tensor-parallel group, `[tp]`.
     #[serde(default)]
-    pub placements: BTreeMap<String, State>,
+    pub meshes: Vec<Vec<usize>>,
+    /// Placements an intra-op plan chose, by tensor name, one state per mesh axis; a tensor it
+    /// does not name is replicated, and `NAME@STAGE` places a value received by a stage whose
+    /// mesh differs from its sender's. Empty: Megatron-LM's placements, from the graph's
+    /// splits. Either way the same rules derive every kernel's states and the collectives
+    /// between them.
+    #[serde(default)]
+    pub placements: BTreeMap<String, Placement>,
+    /// Placements of parameters' optimizer states (master weight and Adam moments) inside the
+    /// mesh, by parameter name (ZeRO-style sharding of an intra-op plan); a parameter it does
+    /// not name keeps its states as its weight is placed.
+    #[serde(default)]
+    pub states: BTreeMap<String, Placement>,
 }
 
 impl ExecLayout {
@@ -63,7 +76,9 @@ impl ExecLayout {
             microbatches,
             chunks: vec![vec![(0, layers.saturating_sub(1))]],
             grad_accumulation_fusion: true,
+            meshes: Vec::new(),
             placements: BTreeMap::new(),
+            states: BTreeMap::new(),
         }
     }
 
@@ -72,18 +87,38 @@ impl ExecLayout {
         self.chunks.first().map_or(0, Vec::len)
     }
 
-    /// Virtual devices.
-    pub fn devices(&self) -> usize {
-        self.tp * self.pp * self.dp
+    /// The logical mesh of pipeline stage `stage`.
+    pub fn mesh(&self, stage: usize) -> Vec<usize> {
+        match self.meshes.get(stage) {
+            Some(m) if !self.meshes.is_empty() => m.clone(),
+            _ => vec![self.tp],
+        }
     }
 
-    /// One-line description, e.g. `dp2 tp2 pp2 v2 sp zero1 m4`, or `mesh8 pp2 m4 (plan's
+    /// Devices of one replica's stage `stage`.
+    pub fn stage_devices(&self, stage: usize) -> usize {
+        self.mesh(stage).iter().product()
+    }
+
+    /// Virtual devices.
+    pub fn devices(&self) -> usize {
+        self.dp * (0..self.pp).map(|j| self.stage_devices(j)).sum::<usize>()
+    }
+
+    /// One-line description, e.g. `dp2 tp2 pp2 v2 sp zero1 m4`, or `meshes 2x2,1x4 m4 (plan's
     /// placements)` when an intra-op plan placed the tensors.
     pub fn describe(&self) -> String {
-        if !self.placements.is_empty() {
+        if !self.placements.is_empty() || !self.meshes.is_empty() {
+            let meshes: Vec<String> = (0..self.pp)
+                .map(|j| {
+                    let m: Vec<String> = self.mesh(j).iter().map(usize::to_string).collect();
+                    m.join("x")
+                })
+                .collect();
             return format!(
-                "mesh{} pp{} m{} (plan's placements)",
-                self.tp, self.pp, self.microbatches
+                "meshes {} m{} (plan's placements)",
+                meshes.join(","),
+                self.microbatches
             );
         }
         format!(
@@ -143,10 +178,19 @@ pub struct ValueInfo {
     pub name: String,
     /// Whole shape.
     pub shape: Vec<usize>,
-    /// Where it lives in the tensor-parallel group between steps.
-    pub placement: State,
+    /// Where it lives on its stage's mesh between steps.
+    pub placement: Placement,
     /// Role.
     pub role: Role,
+    /// A parameter's gradient between the backward passes of a step and the step's
+    /// synchronisation: its placement, partial sums left on the mesh axes where every use
+    /// leaves one (a data-parallel split of the batch), so that they are reduced once per step.
+    #[serde(default)]
+    pub grad_placement: Option<Placement>,
+    /// A parameter's optimizer states (master weight and Adam moments): sharded further than
+    /// the weight under ZeRO-style sharding inside the mesh.
+    #[serde(default)]
+    pub state_placement: Option<Placement>,
 }
 
 /// One kernel with the collectives around it.
@@ -169,8 +213,14 @@ pub struct Step {
     /// Backward: per operand, the collectives taking its gradient to the operand's placement
     /// (`None`: no gradient flows to it).
     pub grad_after: Vec<Option<Vec<Conversion>>>,
-    /// States the kernel writes its results in (their local shapes follow from them).
-    pub out_states: Vec<State>,
+    /// Placements the kernel writes its results in (their local shapes follow from them).
+    pub out_states: Vec<Placement>,
+    /// Placements the kernel writes its operands' gradients in.
+    pub grad_states: Vec<Placement>,
+    /// Mesh axes over which the kernel itself communicates (a vocabulary split over them):
+    /// its group is the devices that differ only on these axes.
+    #[serde(default)]
+    pub kernel_axes: Vec<usize>,
 }
 
 /// The code of one virtual pipeline stage.
@@ -182,8 +232,16 @@ pub struct ChunkCode {
     pub chunk: usize,
     /// Layers (inclusive).
     pub layers: (usize, usize),
-    /// Activations received from the previous virtual stage (sent back as gradients).
+    /// Activations received from the previous virtual stage (sent back as gradients), as
+    /// this stage names them.
     pub recv: Vec<u32>,
+    /// The same activations as the previous virtual stage names them (another value where the
+    /// two stages' meshes differ and the value is placed anew).
+    pub recv_from: Vec<u32>,
+    /// The previous virtual stage runs on another mesh: activations cross whole (gathered on
+    /// the sender's mesh, cut to this stage's placement) and their gradients the same way back,
+    /// Alpa's cross-mesh resharding.
+    pub reshard: bool,
     /// Activations sent to the next virtual stage (their gradients come back).
     pub send: Vec<u32>,
     /// Fed inputs it reads.
@@ -309,55 +367,19 @@ fn err(message: impl Into<String>) -> ExecError {
 /// Lowers `graph` for `layout`.
 pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
     check_layout(graph, layout)?;
-    let tp = layout.tp;
+    let axes = layout.mesh(0).len();
     let parts = split_parts(graph);
     let mut values: Vec<ValueInfo> = Vec::with_capacity(graph.tensors.len());
     for (i, t) in graph.tensors.iter().enumerate() {
         let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
-        let placement = if tp == 1 {
-            State::Replicated
-        } else if !layout.placements.is_empty() {
-            match layout.placements.get(&t.name) {
-                // A split of a fused axis divides each of its parts (whole heads of q, k, v).
-                Some(State::Split { axis, .. }) => State::Split {
-                    axis: *axis,
-                    parts: parts[i]
-                        .clone()
-                        .filter(|_| *axis + 1 == shape.len())
-                        .unwrap_or_else(|| vec![shape.get(*axis).copied().unwrap_or(1)]),
-                },
-                Some(State::Partial) => {
-                    return Err(err(format!(
-                        "`{}` is placed as a partial sum between ops; a placement is \
-                         replicated or split",
-                        t.name
-                    )));
-                }
-                Some(State::Replicated) | None => State::Replicated,
-            }
+        let placement = if layout.placements.is_empty() && layout.meshes.is_empty() {
+            megatron_placement(t.split, &shape, parts[i].as_ref(), layout)
         } else {
-            match t.split {
-                Split::None => State::Replicated,
-                Split::Model(a) => State::Split {
-                    axis: a as usize,
-                    parts: parts[i]
-                        .clone()
-                        .unwrap_or_else(|| vec![shape.get(a as usize).copied().unwrap_or(1)]),
-                },
-                Split::Sequence(a) if layout.sequence_parallel => {
-                    State::split(a as usize, &t.shape)
-                }
-                Split::Sequence(_) => State::Replicated,
+            match layout.placements.get(&t.name) {
+                Some(p) => plan_placement(p, &shape, parts[i].as_ref(), &t.name)?,
+                None => Placement::replicated(axes),
             }
         };
-        if let State::Split { axis, .. } = &placement
-            && (*axis >= shape.len() || !divides(&placement, tp))
-        {
-            return Err(err(format!(
-                "`{}` {:?} cannot be split {tp} ways along axis {axis}",
-                t.name, t.shape
-            )));
-        }
         let role = match t.kind {
             TensorKind::Input => Role::Input {
                 bound: input_bound(graph, TensorId(i as u32)),
@@ -369,11 +391,20 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
                 requires_grad: t.requires_grad,
             },
         };
+        let state_placement = match (&role, layout.states.get(&t.name)) {
+            (Role::Parameter { .. }, Some(p)) => {
+                Some(plan_placement(p, &shape, parts[i].as_ref(), &t.name)?)
+            }
+            (Role::Parameter { .. }, None) => Some(placement.clone()),
+            _ => None,
+        };
         values.push(ValueInfo {
             name: t.name.clone(),
             shape,
             placement,
             role,
+            grad_placement: None,
+            state_placement,
         });
     }
     for v in &values {
@@ -387,7 +418,8 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
         }
     }
 
-    // Virtual stage of every layer.
+    // Virtual stage of every layer, and whether a virtual stage's mesh differs from its
+    // predecessor's (activations then cross whole).
     let pp = layout.pp;
     let mut layer_chunk = vec![0usize; graph.layers.len()];
     for (j, stage) in layout.chunks.iter().enumerate() {
@@ -398,22 +430,76 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
         }
     }
     let virtual_stages = pp * layout.interleave();
+    let reshard: Vec<bool> = (0..virtual_stages)
+        .map(|vs| vs > 0 && layout.mesh(vs % pp) != layout.mesh((vs - 1) % pp))
+        .collect();
 
     let mut steps_of: Vec<Vec<Step>> = vec![Vec::new(); virtual_stages];
     let mut loss = None;
+    // Producer (virtual stage) of every activation so far; values placed anew by the virtual
+    // stage that receives them across a change of mesh.
+    let mut produced_in: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut renamed: BTreeMap<(u32, usize), u32> = BTreeMap::new();
     for (li, layer) in graph.layers.iter().enumerate() {
+        let vs = layer_chunk[li];
+        let mesh = layout.mesh(vs % pp);
         for &oid in &layer.forward {
             let op = graph.op(oid);
             if matches!(op.kind, OpKind::CrossEntropy) {
                 loss = op.outputs.first().map(|t| t.0);
             }
-            let steps = lower_op(graph, oid, &mut values)?;
-            steps_of[layer_chunk[li]].extend(steps);
+            let mut ins = Vec::with_capacity(op.inputs.len());
+            for t in &op.inputs {
+                let v = t.0;
+                let from = produced_in.get(&v).copied();
+                let crosses = from.is_some_and(|f| f < vs && reshard[f + 1..=vs].contains(&true));
+                if !crosses {
+                    ins.push(v);
+                    continue;
+                }
+                if from != Some(vs - 1) {
+                    return Err(err(format!(
+                        "`{}` is read by `{}` more than one stage after it is made, across a \
+                         change of mesh; the executor moves such values one stage at a time",
+                        values[v as usize].name, op.name
+                    )));
+                }
+                let local = match renamed.get(&(v, vs)) {
+                    Some(&l) => l,
+                    None => {
+                        let name = format!("{}@{}", values[v as usize].name, vs % pp);
+                        let shape = values[v as usize].shape.clone();
+                        let placement = match layout.placements.get(&name) {
+                            Some(p) => plan_placement(p, &shape, None, &name)?,
+                            None => Placement::replicated(mesh.len()),
+                        };
+                        values.push(ValueInfo {
+                            name,
+                            placement,
+                            grad_placement: None,
+                            state_placement: None,
+                            ..values[v as usize].clone()
+                        });
+                        let l = (values.len() - 1) as u32;
+                        renamed.insert((v, vs), l);
+                        l
+                    }
+                };
+                ins.push(local);
+            }
+            let steps = lower_op(graph, oid, &ins, &mut values, &mesh)?;
+            for s in &steps {
+                for &o in &s.outputs {
+                    produced_in.insert(o, vs);
+                }
+            }
+            steps_of[vs].extend(steps);
         }
     }
     let loss = loss.ok_or_else(|| err("the model has no cross-entropy loss to train on"))?;
 
-    // Producer and last consumer (virtual stage) of every activation.
+    // Producer and last consumer (virtual stage) of every activation; a value placed anew is
+    // read, as its sender names it, where it is received.
     let mut producer: BTreeMap<u32, usize> = BTreeMap::new();
     let mut last_use: BTreeMap<u32, usize> = BTreeMap::new();
     for (vs, steps) in steps_of.iter().enumerate() {
@@ -426,6 +512,10 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
                 *e = (*e).max(vs);
             }
         }
+    }
+    for &(v, vs) in renamed.keys() {
+        let e = last_use.entry(v).or_insert(vs);
+        *e = (*e).max(vs);
     }
     let crossing = |vs: usize| -> Vec<u32> {
         producer
@@ -454,18 +544,25 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
                 }
             }
         }
+        let recv_from = if vs == 0 { vec![] } else { crossing(vs) };
+        let recv = recv_from
+            .iter()
+            .map(|&v| renamed.get(&(v, vs)).copied().unwrap_or(v))
+            .collect();
         chunks.push(ChunkCode {
             stage,
             chunk,
             layers: layout.chunks[stage][chunk],
-            recv: if vs == 0 { vec![] } else { crossing(vs) },
+            recv,
+            recv_from,
+            reshard: reshard[vs],
             send: crossing(vs + 1),
             inputs: inputs.into_iter().collect(),
             parameters: params.into_iter().collect(),
             steps,
         });
     }
-    let tied = holders
+    let tied: Vec<Tied> = holders
         .into_iter()
         .filter(|(_, s)| s.len() > 1)
         .map(|(value, s)| Tied {
@@ -473,6 +570,19 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
             stages: s.into_iter().collect(),
         })
         .collect();
+    for t in &tied {
+        if t.stages
+            .iter()
+            .any(|&j| layout.mesh(j) != layout.mesh(t.stages[0]))
+        {
+            return Err(err(format!(
+                "`{}` is shared by stages on different meshes; the executor sums a shared \
+                 weight's gradient between stages of one mesh",
+                values[t.value as usize].name
+            )));
+        }
+    }
+    defer_gradient_reductions(&mut values, &mut chunks, &tied, layout)?;
     let stages = (0..pp)
         .map(|j| stage_actions(j, pp, layout.interleave(), layout.microbatches))
         .collect();
@@ -488,9 +598,164 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
     })
 }
 
+/// A tensor's placement in Megatron-LM's layouts: its graph split in the tensor-parallel
+/// group (a sequence split only under sequence parallelism).
+fn megatron_placement(
+    split: Split,
+    shape: &[usize],
+    parts: Option<&Vec<usize>>,
+    layout: &ExecLayout,
+) -> Placement {
+    let state = if layout.tp == 1 {
+        State::Replicated
+    } else {
+        match split {
+            Split::None => State::Replicated,
+            Split::Model(a) => State::Split {
+                axis: a as usize,
+                parts: parts
+                    .cloned()
+                    .unwrap_or_else(|| vec![shape.get(a as usize).copied().unwrap_or(1)]),
+            },
+            Split::Sequence(a) if layout.sequence_parallel => State::Split {
+                axis: a as usize,
+                parts: vec![shape.get(a as usize).copied().unwrap_or(1)],
+            },
+            Split::Sequence(_) => State::Replicated,
+        }
+    };
+    Placement(vec![state])
+}
+
+/// A plan's placement of a tensor: a split of a fused last axis divides each of its parts
+/// (whole heads of q, k, v); partial sums are not a placement between ops.
+fn plan_placement(
+    given: &Placement,
+    shape: &[usize],
+    parts: Option<&Vec<usize>>,
+    name: &str,
+) -> Result<Placement, ExecError> {
+    let states = given
+        .0
+        .iter()
+        .map(|s| match s {
+            State::Split { axis, .. } => Ok(State::Split {
+                axis: *axis,
+                parts: parts
+                    .filter(|_| *axis + 1 == shape.len())
+                    .cloned()
+                    .unwrap_or_else(|| vec![shape.get(*axis).copied().unwrap_or(1)]),
+            }),
+            State::Partial => Err(err(format!(
+                "`{name}` is placed as a partial sum between ops; a placement is replicated \
+                 or split"
+            ))),
+            State::Replicated => Ok(State::Replicated),
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Placement(states))
+}
+
+/// Leaves a parameter's gradient as a partial sum on the mesh axes where every use of it
+/// leaves one (the batch split over the axis), to be reduced once per step by the
+/// synchronisation rather than after every micro-batch; a weight shared between stages is
+/// completed where it is made, since stages sum it as placed. Each use's gradient conversion is
+/// then the one to that placement.
+fn defer_gradient_reductions(
+    values: &mut [ValueInfo],
+    chunks: &mut [ChunkCode],
+    tied: &[Tied],
+    layout: &ExecLayout,
+) -> Result<(), ExecError> {
+    let mut made: BTreeMap<u32, Vec<Placement>> = BTreeMap::new();
+    for code in chunks.iter() {
+        for s in &code.steps {
+            for (&v, g) in s.inputs.iter().zip(&s.grad_states) {
+                if matches!(values[v as usize].role, Role::Parameter { .. }) {
+                    made.entry(v).or_default().push(g.clone());
+                }
+            }
+        }
+    }
+    for (&v, uses) in &made {
+        let info = &mut values[v as usize];
+        let shared = tied.iter().any(|t| t.value == v);
+        let grad = Placement(
+            info.placement
+                .0
+                .iter()
+                .enumerate()
+                .map(|(a, p)| {
+                    if !shared && uses.iter().all(|u| u.0.get(a) == Some(&State::Partial)) {
+                        State::Partial
+                    } else {
+                        p.clone()
+                    }
+                })
+                .collect(),
+        );
+        info.grad_placement = Some(grad);
+    }
+    for code in chunks.iter_mut() {
+        let mesh = layout.mesh(code.stage);
+        for &p in &code.parameters {
+            let info = &values[p as usize];
+            if let Some(why) = info
+                .state_placement
+                .as_ref()
+                .and_then(|sp| sp.misfit(&info.shape, &mesh))
+            {
+                return Err(err(format!(
+                    "the optimizer states of `{}` {:?} cannot be placed so on stage {}'s mesh \
+                     {mesh:?}: {why}",
+                    info.name, info.shape, code.stage
+                )));
+            }
+        }
+        for s in &mut code.steps {
+            for k in 0..s.inputs.len() {
+                let info = &values[s.inputs[k] as usize];
+                let (Some(target), Some(Some(_))) = (&info.grad_placement, s.grad_after.get(k))
+                else {
+                    continue;
+                };
+                s.grad_after[k] = Some(conversions(&s.grad_states[k], target, &mesh).ok_or_else(
+                    || {
+                        err(format!(
+                            "`{}`: no collective takes the gradient of `{}` from {:?} to {:?}",
+                            s.name, info.name, s.grad_states[k], target
+                        ))
+                    },
+                )?);
+            }
+        }
+    }
+    Ok(())
+}
+
 fn check_layout(graph: &Graph, layout: &ExecLayout) -> Result<(), ExecError> {
     if layout.tp == 0 || layout.pp == 0 || layout.dp == 0 || layout.microbatches == 0 {
         return Err(err("degrees and micro-batches must be at least 1"));
+    }
+    if !layout.meshes.is_empty() {
+        let axes = layout.meshes[0].len();
+        if layout.meshes.len() != layout.pp {
+            return Err(err(format!(
+                "{} stage meshes for {} pipeline stages",
+                layout.meshes.len(),
+                layout.pp
+            )));
+        }
+        if let Some(m) = layout
+            .meshes
+            .iter()
+            .find(|m| m.len() != axes || m.is_empty() || m.contains(&0))
+        {
+            return Err(err(format!(
+                "stage mesh {m:?}: every stage's mesh needs the same number (>= 1) of axes, \
+                 each of at least one device"
+            )));
+        }
     }
     if layout.chunks.len() != layout.pp {
         return Err(err(format!(
@@ -642,8 +907,7 @@ fn parameter_init(graph: &Graph, t: TensorId) -> Init {
     Init::Weight
 }
 
-/// A step from the states its kernel reads and writes; collectives follow from the values'
-/// placements.
+/// A kernel with the states it reads and writes along one mesh axis.
 struct Rule {
     kernel: Kernel,
     inputs: Vec<u32>,
@@ -653,16 +917,100 @@ struct Rule {
     grad_states: Vec<State>,
 }
 
+/// A kernel with the placements it reads and writes on the whole mesh.
+struct MeshRule {
+    kernel: Kernel,
+    kernel_axes: Vec<usize>,
+    inputs: Vec<u32>,
+    outputs: Vec<u32>,
+    in_states: Vec<Placement>,
+    out_states: Vec<Placement>,
+    grad_states: Vec<Placement>,
+}
+
+/// Split along `axis` of a tensor of shape `shape`, in one part.
+fn split_whole(axis: usize, shape: &[usize]) -> State {
+    State::Split {
+        axis,
+        parts: vec![shape.get(axis).copied().unwrap_or(1)],
+    }
+}
+
+/// The steps of forward op `oid` reading values `ins` on a stage of mesh `mesh`. Each mesh axis
+/// derives the states its kernel reads and writes from the values' states on that axis, by the
+/// same rules whether one axis (Megatron-LM's tensor-parallel group) or two; the kernel runs on
+/// the pieces the axes leave each device, and the collectives between placements and states
+/// run along each axis in its groups.
 fn lower_op(
     graph: &Graph,
     oid: autopar_rules::model::graph::OpId,
+    ins: &[u32],
     values: &mut Vec<ValueInfo>,
+    mesh: &[usize],
 ) -> Result<Vec<Step>, ExecError> {
     let op = graph.op(oid);
-    let id = |t: &TensorId| t.0;
-    let ins: Vec<u32> = op.inputs.iter().map(id).collect();
-    let outs: Vec<u32> = op.outputs.iter().map(id).collect();
-    let p = |v: u32, values: &[ValueInfo]| values[v as usize].placement.clone();
+    let outs: Vec<u32> = op.outputs.iter().map(|t| t.0).collect();
+    if matches!(op.kind, OpKind::FlashAttention { .. }) {
+        token_major(&mut values[outs[0] as usize]);
+    }
+    // A bias is added after the product's reduction when any mesh axis splits the contraction.
+    let bias_target = match op.kind {
+        OpKind::MatMul { transpose_b } if ins.len() == 3 => {
+            let n_axis = if transpose_b { 0 } else { 1 };
+            let row = values[ins[1] as usize]
+                .placement
+                .0
+                .iter()
+                .any(|s| s.axis().is_some_and(|a| a != n_axis));
+            row.then(|| {
+                values.push(ValueInfo {
+                    name: format!("{}.partial", values[outs[0] as usize].name),
+                    ..values[outs[0] as usize].clone()
+                });
+                (values.len() - 1) as u32
+            })
+        }
+        _ => None,
+    };
+    let per_axis = (0..mesh.len())
+        .map(|a| axis_rules(graph, oid, ins, &outs, values, a, bias_target))
+        .collect::<Result<Vec<_>, _>>()?;
+    merge(&op.name, per_axis)?
+        .into_iter()
+        .map(|r| finish(op.name.as_str(), r, values, mesh))
+        .collect()
+}
+
+/// FlashAttention writes its output token-major, `[b, s, heads, d]`: the output projection
+/// reads it as rows of `heads * d`. The graph's `[b, heads, s, d]` and its placement follow.
+fn token_major(out: &mut ValueInfo) {
+    if out.shape.len() != 4 {
+        return;
+    }
+    out.shape.swap(1, 2);
+    for s in &mut out.placement.0 {
+        if let State::Split { axis, .. } = s
+            && (*axis == 1 || *axis == 2)
+        {
+            *axis = 3 - *axis;
+        }
+    }
+}
+
+/// One mesh axis's rules for an op (`bias_target`: the value a product writes before its bias
+/// is added, when another axis reduces the product first).
+fn axis_rules(
+    graph: &Graph,
+    oid: autopar_rules::model::graph::OpId,
+    ins: &[u32],
+    outs: &[u32],
+    values: &[ValueInfo],
+    axis: usize,
+    bias_target: Option<u32>,
+) -> Result<Vec<Rule>, ExecError> {
+    let op = graph.op(oid);
+    let outs = outs.to_vec();
+    let p = |v: u32, values: &[ValueInfo]| values[v as usize].placement.0[axis].clone();
     let rank_of = |v: u32, values: &[ValueInfo]| values[v as usize].shape.len();
     let rep = State::Replicated;
     let keep_unless = |s: State, bad: &dyn Fn(usize) -> bool| match s.axis() {
@@ -687,20 +1035,45 @@ fn lower_op(
             match p(w, values) {
                 State::Split { axis, parts } if axis == n_axis => {
                     // Column-parallel: the bias is split with the output.
-                    let sb = (has_bias).then(|| p(ins[2], values));
                     let out = State::Split {
                         axis: ry - 1,
                         parts,
                     };
-                    rules.push(matmul_rule(
-                        &ins,
-                        &outs,
-                        transpose_b,
-                        [rep.clone(), p(w, values)],
-                        [State::Partial, p(w, values)],
-                        sb.map(|b| [b.clone(), b]),
-                        out,
-                    ));
+                    let reads = [rep.clone(), p(w, values)];
+                    let grads = [State::Partial, p(w, values)];
+                    match bias_target {
+                        // Another mesh axis reduces the product first: the bias follows.
+                        Some(target) => {
+                            rules.push(matmul_rule(
+                                &[x, w],
+                                &[target],
+                                transpose_b,
+                                reads,
+                                grads,
+                                None,
+                                out,
+                            ));
+                            rules.push(bias_rule(
+                                target,
+                                ins[2],
+                                outs[0],
+                                p(outs[0], values),
+                                rank_of(outs[0], values),
+                            ));
+                        }
+                        None => {
+                            let sb = has_bias.then(|| p(ins[2], values));
+                            rules.push(matmul_rule(
+                                ins,
+                                &outs,
+                                transpose_b,
+                                reads,
+                                grads,
+                                sb.map(|b| [b.clone(), b]),
+                                out,
+                            ));
+                        }
+                    }
                 }
                 State::Split { parts, .. } => {
                     // Row-parallel: partial sums, reduced into the output's placement; the bias
@@ -722,15 +1095,7 @@ fn lower_op(
                             parts,
                         },
                     };
-                    let target = if has_bias {
-                        values.push(ValueInfo {
-                            name: format!("{}.partial", values[outs[0] as usize].name),
-                            ..values[outs[0] as usize].clone()
-                        });
-                        (values.len() - 1) as u32
-                    } else {
-                        outs[0]
-                    };
+                    let target = bias_target.unwrap_or(outs[0]);
                     rules.push(Rule {
                         kernel: Kernel::MatMul {
                             transpose_b,
@@ -743,22 +1108,49 @@ fn lower_op(
                         grad_states: vec![x_state, p(w, values)],
                     });
                     if has_bias {
-                        let s = p(outs[0], values);
-                        rules.push(bias_rule(target, ins[2], outs[0], s));
+                        rules.push(bias_rule(
+                            target,
+                            ins[2],
+                            outs[0],
+                            p(outs[0], values),
+                            rank_of(outs[0], values),
+                        ));
                     }
                 }
                 _ => {
                     let sx = keep_unless(p(x, values), &|a| a + 1 == rx);
                     let wg = partial_if_split(&sx);
-                    rules.push(matmul_rule(
-                        &ins,
-                        &outs,
-                        transpose_b,
-                        [sx.clone(), rep.clone()],
-                        [sx.clone(), wg.clone()],
-                        has_bias.then(|| [rep.clone(), wg]),
-                        sx,
-                    ));
+                    let reads = [sx.clone(), rep.clone()];
+                    let grads = [sx.clone(), wg.clone()];
+                    match bias_target {
+                        Some(target) => {
+                            rules.push(matmul_rule(
+                                &[x, w],
+                                &[target],
+                                transpose_b,
+                                reads,
+                                grads,
+                                None,
+                                sx,
+                            ));
+                            rules.push(bias_rule(
+                                target,
+                                ins[2],
+                                outs[0],
+                                p(outs[0], values),
+                                rank_of(outs[0], values),
+                            ));
+                        }
+                        None => rules.push(matmul_rule(
+                            ins,
+                            &outs,
+                            transpose_b,
+                            reads,
+                            grads,
+                            has_bias.then(|| [rep.clone(), wg]),
+                            sx,
+                        )),
+                    }
                 }
             }
         }
@@ -778,7 +1170,7 @@ fn lower_op(
             };
             rules.push(Rule {
                 kernel: Kernel::BatchMatMul { transpose_b },
-                inputs: ins.clone(),
+                inputs: ins.to_vec(),
                 outputs: outs.clone(),
                 in_states: vec![sa.clone(), sb.clone()],
                 out_states: vec![sc],
@@ -786,42 +1178,34 @@ fn lower_op(
             });
         }
         OpKind::FlashAttention { .. } => {
-            let states: Vec<State> = [ins[0], ins[1], ins[2], outs[0]]
+            // Heads or batch split alike on q, k, v and the output (written token-major,
+            // `[b, s, heads, d]`: its heads are axis 2).
+            let states: Vec<State> = [ins[0], ins[1], ins[2]]
                 .iter()
                 .map(|&v| p(v, values))
                 .collect();
-            let r = rank_of(outs[0], values);
-            let shared = states[0]
-                .axis()
-                .filter(|&a| a + 2 < r && states.iter().all(|s| s.axis() == Some(a)));
-            let mut ss = if shared.is_some() {
-                states
+            let out = p(outs[0], values);
+            let r = rank_of(ins[0], values);
+            let shared = states[0].axis().filter(|&a| {
+                a + 2 < r
+                    && states.iter().all(|s| s.axis() == Some(a))
+                    && out.axis() == Some(if a == 1 { 2 } else { a })
+            });
+            let (ss, so) = if shared.is_some() {
+                (states, out)
             } else {
-                vec![rep.clone(); 4]
+                (vec![rep.clone(); 3], rep.clone())
             };
-            // The kernel writes its output token-major, `[b, s, heads, d]`, as FlashAttention
-            // does: the output projection reads it as rows of `heads * d`.
-            let out = &mut values[outs[0] as usize];
-            if out.shape.len() == 4 {
-                out.shape.swap(1, 2);
-                if let State::Split { axis: 1, parts } = &out.placement {
-                    out.placement = State::Split {
-                        axis: 2,
-                        parts: parts.clone(),
-                    };
-                    ss[3] = out.placement.clone();
-                }
-            }
             let d = values[ins[0] as usize].shape.last().copied().unwrap_or(1);
             rules.push(Rule {
                 kernel: Kernel::Attention {
                     scale: 1.0 / (d as f32).sqrt(),
                 },
-                inputs: ins.clone(),
+                inputs: ins.to_vec(),
                 outputs: outs.clone(),
-                in_states: ss[..3].to_vec(),
-                out_states: vec![ss[3].clone()],
-                grad_states: ss[..3].to_vec(),
+                in_states: ss.clone(),
+                out_states: vec![so],
+                grad_states: ss,
             });
         }
         OpKind::LayerNorm | OpKind::RmsNorm => {
@@ -839,7 +1223,7 @@ fn lower_op(
                 } else {
                     Kernel::RmsNorm
                 },
-                inputs: ins.clone(),
+                inputs: ins.to_vec(),
                 outputs: outs.clone(),
                 in_states,
                 out_states: vec![sx],
@@ -853,7 +1237,7 @@ fn lower_op(
                 Kernel::Rope
             } else {
                 Kernel::Softmax {
-                    scale: softmax_scale(graph, ins[0]),
+                    scale: softmax_scale(graph, op.inputs[0].0),
                 }
             };
             rules.push(unary(kernel, ins[0], outs[0], s));
@@ -889,7 +1273,7 @@ fn lower_op(
             };
             rules.push(Rule {
                 kernel: Kernel::SwiGlu,
-                inputs: ins.clone(),
+                inputs: ins.to_vec(),
                 outputs: outs.clone(),
                 in_states: vec![sx.clone()],
                 out_states: vec![sy],
@@ -904,7 +1288,7 @@ fn lower_op(
                 } else {
                     Kernel::Add
                 },
-                inputs: ins.clone(),
+                inputs: ins.to_vec(),
                 outputs: outs.clone(),
                 in_states: vec![s.clone(), s.clone()],
                 out_states: vec![s.clone()],
@@ -912,21 +1296,40 @@ fn lower_op(
             });
         }
         OpKind::Embedding => {
-            let parallel = matches!(p(ins[1], values), State::Split { axis: 0, .. });
-            let (st, so) = if parallel {
-                (p(ins[1], values), State::Partial)
-            } else {
-                (rep.clone(), rep.clone())
+            // A table split by rows (vocabulary-parallel: partial rows, summed) or by columns
+            // (each rank looks up its columns); a replicated table looks up the ids as they
+            // are split (the batch or the sequence), and its gradient is then a partial sum.
+            let (ids, table) = (ins[0], ins[1]);
+            let st = p(table, values);
+            let ro = rank_of(outs[0], values);
+            let parallel = matches!(st, State::Split { axis: 0, .. });
+            let (sids, st, so, gt) = match &st {
+                State::Split { axis: 0, .. } => (rep.clone(), st.clone(), State::Partial, st),
+                State::Split { axis: 1, .. } => (
+                    rep.clone(),
+                    st.clone(),
+                    split_whole(ro - 1, &values[outs[0] as usize].shape),
+                    st,
+                ),
+                _ => {
+                    let sids = p(ids, values);
+                    let gt = partial_if_split(&sids);
+                    let so = match sids.axis() {
+                        Some(a) => split_whole(a, &values[outs[0] as usize].shape),
+                        None => rep.clone(),
+                    };
+                    (sids, rep.clone(), so, gt)
+                }
             };
             rules.push(Rule {
                 kernel: Kernel::Embedding {
                     vocab_parallel: parallel,
                 },
-                inputs: ins.clone(),
+                inputs: ins.to_vec(),
                 outputs: outs.clone(),
-                in_states: vec![rep.clone(), st.clone()],
+                in_states: vec![sids.clone(), st],
                 out_states: vec![so],
-                grad_states: vec![rep.clone(), st],
+                grad_states: vec![sids, gt],
             });
         }
         OpKind::CrossEntropy => {
@@ -939,7 +1342,7 @@ fn lower_op(
                 kernel: Kernel::CrossEntropy {
                     vocab_parallel: parallel,
                 },
-                inputs: ins.clone(),
+                inputs: ins.to_vec(),
                 outputs: outs.clone(),
                 in_states: vec![sl.clone(), rep.clone()],
                 out_states: vec![rep.clone()],
@@ -999,7 +1402,7 @@ fn lower_op(
             };
             rules.push(Rule {
                 kernel: Kernel::Slice { parts: widths },
-                inputs: ins.clone(),
+                inputs: ins.to_vec(),
                 outputs: outs.clone(),
                 in_states: vec![sx.clone()],
                 out_states: souts,
@@ -1007,7 +1410,7 @@ fn lower_op(
             });
         }
         OpKind::Transpose => {
-            let (a, b) = transpose_axes(graph, ins[0], outs[0]).ok_or_else(|| {
+            let (a, b) = transpose_axes(graph, op.inputs[0].0, outs[0]).ok_or_else(|| {
                 err(format!(
                     "`{}`: cannot tell which two axes the transpose swaps",
                     op.name
@@ -1029,7 +1432,7 @@ fn lower_op(
             };
             rules.push(Rule {
                 kernel: Kernel::Transpose { a, b },
-                inputs: ins.clone(),
+                inputs: ins.to_vec(),
                 outputs: outs.clone(),
                 in_states: vec![sx.clone()],
                 out_states: vec![sy],
@@ -1043,10 +1446,79 @@ fn lower_op(
             )));
         }
     }
-    rules
+    Ok(rules)
+}
+
+/// The rules of every mesh axis as one: the same kernels on the same values, each operand and
+/// result placed by its state on every axis; a kernel communicates along the axes whose rule
+/// splits its vocabulary.
+fn merge(name: &str, per_axis: Vec<Vec<Rule>>) -> Result<Vec<MeshRule>, ExecError> {
+    let mut axes = per_axis.into_iter();
+    let Some(first) = axes.next() else {
+        return Err(err(format!("`{name}`: a mesh of no axes")));
+    };
+    let parallel = |k: &Kernel| {
+        matches!(
+            k,
+            Kernel::Embedding {
+                vocab_parallel: true
+            } | Kernel::CrossEntropy {
+                vocab_parallel: true
+            }
+        )
+    };
+    let mut out: Vec<MeshRule> = first
         .into_iter()
-        .map(|r| finish(op.name.as_str(), r, values))
-        .collect()
+        .map(|r| MeshRule {
+            kernel_axes: if parallel(&r.kernel) { vec![0] } else { vec![] },
+            kernel: r.kernel,
+            inputs: r.inputs,
+            outputs: r.outputs,
+            in_states: r
+                .in_states
+                .into_iter()
+                .map(|s| Placement(vec![s]))
+                .collect(),
+            out_states: r
+                .out_states
+                .into_iter()
+                .map(|s| Placement(vec![s]))
+                .collect(),
+            grad_states: r
+                .grad_states
+                .into_iter()
+                .map(|s| Placement(vec![s]))
+                .collect(),
+        })
+        .collect();
+    for (a, rules) in axes.enumerate().map(|(i, r)| (i + 1, r)) {
+        let same = rules.len() == out.len()
+            && rules.iter().zip(&out).all(|(r, m)| {
+                std::mem::discriminant(&r.kernel) == std::mem::discriminant(&m.kernel)
+                    && r.inputs == m.inputs
+                    && r.outputs == m.outputs
+            });
+        if !same {
+            return Err(err(format!(
+                "`{name}`: its placements on mesh axes 0 and {a} call for different kernels"
+            )));
+        }
+        for (r, m) in rules.into_iter().zip(&mut out) {
+            if parallel(&r.kernel) {
+                m.kernel = r.kernel;
+                m.kernel_axes.push(a);
+            }
+            let push = |to: &mut Vec<Placement>, from: Vec<State>| {
+                for (p, s) in to.iter_mut().zip(from) {
+                    p.0.push(s);
+                }
+            };
+            push(&mut m.in_states, r.in_states);
+            push(&mut m.out_states, r.out_states);
+            push(&mut m.grad_states, r.grad_states);
+        }
+    }
+    Ok(out)
 }
 
 /// A product `x · w (+ bias)` reading `x, w` in `reads` (bias: `bias[0]`), writing `out`, with
@@ -1090,20 +1562,32 @@ fn unary(kernel: Kernel, x: u32, y: u32, s: State) -> Rule {
     }
 }
 
-/// `y = partial-reduced + bias`, in `y`'s placement.
-fn bias_rule(x: u32, bias: u32, y: u32, s: State) -> Rule {
-    let gb = if s.axis().is_some() {
-        State::Partial
-    } else {
-        State::Replicated
+/// `y = reduced product + bias`, in `y`'s state `s`: a bias split with the output's last axis
+/// (a column split on this axis), or replicated, its gradient a partial sum over the rows that
+/// the axis splits.
+fn bias_rule(x: u32, bias: u32, y: u32, s: State, rank: usize) -> Rule {
+    let (read, grad) = match &s {
+        // The output's last axis is the only one a bias broadcasts along.
+        State::Split { axis, parts } if *axis + 1 == rank => (
+            State::Split {
+                axis: 0,
+                parts: parts.clone(),
+            },
+            State::Split {
+                axis: 0,
+                parts: parts.clone(),
+            },
+        ),
+        State::Split { .. } => (State::Replicated, State::Partial),
+        _ => (State::Replicated, State::Replicated),
     };
     Rule {
         kernel: Kernel::BiasAdd,
         inputs: vec![x, bias],
         outputs: vec![y],
-        in_states: vec![s.clone(), State::Replicated],
+        in_states: vec![s.clone(), read],
         out_states: vec![s.clone()],
-        grad_states: vec![s, gb],
+        grad_states: vec![s, grad],
     }
 }
 
@@ -1142,30 +1626,53 @@ fn transpose_axes(graph: &Graph, x: u32, y: u32) -> Option<(usize, usize)> {
     (swaps.len() == 1).then(|| swaps[0])
 }
 
-fn finish(name: &str, r: Rule, values: &[ValueInfo]) -> Result<Step, ExecError> {
-    let conv = |from: &State, to: &State, what: &str| {
-        conversions(from, to).ok_or_else(|| {
+/// A step from the placements its kernel reads and writes: the collectives from each
+/// operand's placement to what the kernel reads, from what it writes to each result's
+/// placement, and the same for the gradients.
+fn finish(
+    name: &str,
+    r: MeshRule,
+    values: &[ValueInfo],
+    mesh: &[usize],
+) -> Result<Step, ExecError> {
+    let fits = |v: u32, p: &Placement| {
+        let info = &values[v as usize];
+        match p.misfit(&info.shape, mesh) {
+            Some(why) => Err(err(format!(
+                "`{name}`: `{}` {:?} cannot be placed {} on a {} mesh: {why}",
+                info.name,
+                info.shape,
+                p,
+                mesh.iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join("x")
+            ))),
+            None => Ok(()),
+        }
+    };
+    let conv = |from: &Placement, to: &Placement, what: &str| {
+        conversions(from, to, mesh).ok_or_else(|| {
             err(format!(
-                "`{name}`: no collective takes {what} from {from:?} to {to:?}"
+                "`{name}`: no collective takes {what} from {from} to {to}"
             ))
         })
     };
     let mut before = Vec::new();
     for (&v, s) in r.inputs.iter().zip(&r.in_states) {
+        fits(v, &values[v as usize].placement)?;
+        fits(v, s)?;
         before.push(conv(&values[v as usize].placement, s, "an operand")?);
     }
     let mut after = Vec::new();
     let mut grad_before = Vec::new();
     for (&v, s) in r.outputs.iter().zip(&r.out_states) {
         let placement = &values[v as usize].placement;
+        fits(v, placement)?;
+        fits(v, s)?;
         after.push(conv(s, placement, "a result")?);
         // The gradient of a partial sum is the gradient of the sum, on every rank.
-        let need = if *s == State::Partial {
-            State::Replicated
-        } else {
-            s.clone()
-        };
-        grad_before.push(conv(placement, &need, "a result's gradient")?);
+        grad_before.push(conv(placement, &s.completed(), "a result's gradient")?);
     }
     let mut grad_after = Vec::new();
     for (&v, s) in r.inputs.iter().zip(&r.grad_states) {
@@ -1176,6 +1683,7 @@ fn finish(name: &str, r: Rule, values: &[ValueInfo]) -> Result<Step, ExecError> 
             Role::Activation { requires_grad } => requires_grad,
         };
         grad_after.push(if flows {
+            fits(v, s)?;
             Some(conv(s, &info.placement, "an operand's gradient")?)
         } else {
             None
@@ -1191,5 +1699,7 @@ fn finish(name: &str, r: Rule, values: &[ValueInfo]) -> Result<Step, ExecError> 
         grad_before,
         grad_after,
         out_states: r.out_states,
+        grad_states: r.grad_states,
+        kernel_axes: r.kernel_axes,
     })
 }

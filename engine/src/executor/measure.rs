@@ -14,9 +14,9 @@
 //! executor's [`Fabric`], every rank starting each run together.
 
 use super::comm::{Endpoint, Fabric};
-use super::cpu::{id_below, noise, shard};
+use super::cpu::{id_below, noise};
 use super::kernels::{Group, Kernel, backward, batch_matmul_grad_b, forward, matmul_weight_grad};
-use super::placement::State;
+use super::placement::slice;
 use super::tensor::Tensor;
 use super::{ExecError, median};
 use autopar_rules::cost::profile::{CollectiveName, OpSignature};
@@ -829,10 +829,6 @@ pub fn time_collective(
     // Whole tensors split along axis 0 in `ranks` equal parts.
     let per = elements / ranks;
     let whole = per * ranks;
-    let split = State::Split {
-        axis: 0,
-        parts: vec![whole],
-    };
     let fabric = Arc::new(Fabric::default());
     let barrier = Arc::new(Barrier::new(ranks));
     // Rank 0 applies the kernels' rule (after a warm-up, at least MIN_RUNS runs and MIN_TIME)
@@ -842,12 +838,11 @@ pub fn time_collective(
     let results: Vec<Result<Vec<f64>, ExecError>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..ranks)
             .map(|rank| {
-                let (fabric, barrier, go_on, group, split) = (
+                let (fabric, barrier, go_on, group) = (
                     fabric.clone(),
                     barrier.clone(),
                     go_on.clone(),
                     group.clone(),
-                    split.clone(),
                 );
                 s.spawn(move || -> Result<Vec<f64>, ExecError> {
                     let mut ep = Endpoint::new(fabric);
@@ -865,7 +860,7 @@ pub fn time_collective(
                                 let mut t = t;
                                 ep.all_reduce_sum(&group, rank, &mut t.data)?;
                                 if what == CollectiveName::ReduceScatter {
-                                    t = shard(&t, &split, rank, ranks);
+                                    t = slice(&t, 0, &[whole], rank, ranks);
                                 }
                                 black_box(t);
                             }

@@ -20,7 +20,7 @@ pub use lower::{ExecLayout, Program, lower};
 use autopar_rules::model::graph::Graph;
 pub use cpu::Phases;
 use cpu::{Coord, Device, DeviceReport, rank_of};
-use placement::{State, gather};
+use placement::{Placement, assemble};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -231,25 +231,27 @@ pub fn summarize(prog: &Program, reports: &[DeviceReport]) -> RunResult {
     }
 }
 
-/// The whole gradient of every parameter at every step, assembled from the devices' shards:
-/// gathered over tensor ranks, summed over data-parallel replicas and over the stages that hold
-/// a copy (before synchronisation each holds a partial sum).
+/// The whole gradient of every parameter at every step, assembled from the devices' pieces:
+/// gathered and summed over each stage's mesh as its gradient was left placed, summed over
+/// data-parallel replicas and over the stages that hold a copy (before synchronisation each
+/// holds a partial sum).
 fn whole_grads(prog: &Program, reports: &[DeviceReport], step: usize) -> BTreeMap<u32, Tensor> {
     let l = &prog.layout;
     let mut out: BTreeMap<u32, Tensor> = BTreeMap::new();
     for pp in 0..l.pp {
         for dp in 0..l.dp {
-            let first = &reports[rank_of(prog, Coord { pp, dp, tp: 0 })];
+            let first = &reports[rank_of(prog, Coord { pp, dp, m: 0 })];
             let Some(grads) = first.grads.get(step) else {
                 continue;
             };
             for &v in grads.keys() {
-                let pieces: Vec<&Tensor> = (0..l.tp)
-                    .filter_map(|tp| {
-                        reports[rank_of(prog, Coord { pp, dp, tp })].grads[step].get(&v)
-                    })
-                    .collect();
-                let whole = assemble(prog, v, &pieces);
+                let info = &prog.values[v as usize];
+                let placement = info.grad_placement.as_ref().unwrap_or(&info.placement);
+                let Some(whole) =
+                    whole_of(prog, pp, dp, placement, |r| r.grads[step].get(&v), reports)
+                else {
+                    continue;
+                };
                 match out.get_mut(&v) {
                     Some(acc) => acc.add_assign(&whole),
                     None => {
@@ -262,31 +264,37 @@ fn whole_grads(prog: &Program, reports: &[DeviceReport], step: usize) -> BTreeMa
     out
 }
 
-fn assemble(prog: &Program, v: u32, pieces: &[&Tensor]) -> Tensor {
-    match &prog.values[v as usize].placement {
-        State::Split { axis, parts } if pieces.len() > 1 => gather(pieces, *axis, parts),
-        _ => pieces[0].clone(),
-    }
+/// A value's whole from the pieces that the devices of replica `dp` of stage `pp` hold in
+/// `placement` (`None` when a device lacks its piece).
+fn whole_of<'r>(
+    prog: &Program,
+    pp: usize,
+    dp: usize,
+    placement: &Placement,
+    piece: impl Fn(&'r DeviceReport) -> Option<&'r Tensor>,
+    reports: &'r [DeviceReport],
+) -> Option<Tensor> {
+    let mesh = prog.layout.mesh(pp);
+    let pieces: Option<Vec<&Tensor>> = (0..prog.layout.stage_devices(pp))
+        .map(|m| piece(&reports[rank_of(prog, Coord { pp, dp, m })]))
+        .collect();
+    Some(assemble(&pieces?, placement, &mesh))
 }
 
-/// Whole parameters after the run, from data rank 0 of the first stage holding each.
+/// Whole parameters after the run, from replica 0 of the first stage holding each.
 fn whole_params(prog: &Program, reports: &[DeviceReport]) -> BTreeMap<u32, Tensor> {
     let l = &prog.layout;
     let mut out = BTreeMap::new();
     for pp in 0..l.pp {
-        let first = &reports[rank_of(prog, Coord { pp, dp: 0, tp: 0 })];
+        let first = &reports[rank_of(prog, Coord { pp, dp: 0, m: 0 })];
         for &v in first.params.keys() {
             if out.contains_key(&v) {
                 continue;
             }
-            let pieces: Vec<&Tensor> = (0..l.tp)
-                .filter_map(|tp| {
-                    reports[rank_of(prog, Coord { pp, dp: 0, tp })]
-                        .params
-                        .get(&v)
-                })
-                .collect();
-            out.insert(v, assemble(prog, v, &pieces));
+            let placement = &prog.values[v as usize].placement;
+            if let Some(whole) = whole_of(prog, pp, 0, placement, |r| r.params.get(&v), reports) {
+                out.insert(v, whole);
+            }
         }
     }
     out

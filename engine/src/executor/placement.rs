@@ -44,24 +44,153 @@ impl State {
     }
 }
 
-/// A collective that changes a value's state inside the tensor-parallel group.
+/// A value's placement on a stage's logical mesh: its state along every mesh axis (axis 0
+/// major, as Alpa's specs number them). A tensor axis split over several mesh axes is divided
+/// major first: on an `n0 x n1` mesh the device at `(i, j)` holds piece `i * n1 + j` of it
+/// (Alpa's `S01`). Megatron-LM's layouts are the one-axis case, the mesh being the
+/// tensor-parallel group.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Placement(pub Vec<State>);
+
+impl std::fmt::Display for Placement {
+    /// One entry per mesh axis: `R` replicated, `P` a partial sum, `Sk` tensor axis `k` split,
+    /// e.g. `[S1 R]`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let entries: Vec<String> = self
+            .0
+            .iter()
+            .map(|s| match s {
+                State::Replicated => "R".to_string(),
+                State::Partial => "P".to_string(),
+                State::Split { axis, .. } => format!("S{axis}"),
+            })
+            .collect();
+        write!(f, "[{}]", entries.join(" "))
+    }
+}
+
+impl Placement {
+    /// Replicated along each of `axes` mesh axes.
+    pub fn replicated(axes: usize) -> Placement {
+        Placement(vec![State::Replicated; axes])
+    }
+
+    /// Whether every device holds the whole value.
+    pub fn is_replicated(&self) -> bool {
+        self.0.iter().all(|s| *s == State::Replicated)
+    }
+
+    /// The same placement with every partial sum completed (what a gradient flowing back into a
+    /// partial result is: the gradient of the sum, on every device).
+    pub fn completed(&self) -> Placement {
+        Placement(
+            self.0
+                .iter()
+                .map(|s| match s {
+                    State::Partial => State::Replicated,
+                    s => s.clone(),
+                })
+                .collect(),
+        )
+    }
+
+    /// Devices that tensor axis `dim` is divided over on `mesh`, leaving out mesh axis
+    /// `except`.
+    fn pieces(&self, dim: usize, mesh: &[usize], except: Option<usize>) -> usize {
+        self.0
+            .iter()
+            .enumerate()
+            .filter(|&(a, s)| Some(a) != except && s.axis() == Some(dim))
+            .map(|(a, _)| mesh.get(a).copied().unwrap_or(1))
+            .product()
+    }
+
+    /// Why the placement cannot hold a tensor of `shape` on `mesh`, if it cannot: a mesh axis
+    /// it does not have, a split of an axis the tensor lacks, or parts that do not divide
+    /// over the devices splitting them.
+    pub fn misfit(&self, shape: &[usize], mesh: &[usize]) -> Option<String> {
+        if self.0.len() != mesh.len() {
+            return Some(format!(
+                "{} mesh axis state(s) on a mesh of {} axes",
+                self.0.len(),
+                mesh.len()
+            ));
+        }
+        for s in &self.0 {
+            if let State::Split { axis, parts } = s {
+                let Some(&len) = shape.get(*axis) else {
+                    return Some(format!(
+                        "a split of axis {axis} of a rank-{} tensor",
+                        shape.len()
+                    ));
+                };
+                let n = self.pieces(*axis, mesh, None);
+                if parts.iter().sum::<usize>() != len || parts.iter().any(|p| p % n != 0) {
+                    return Some(format!(
+                        "axis {axis} of {shape:?} (parts {parts:?}) does not divide {n} ways"
+                    ));
+                }
+            }
+        }
+        None
+    }
+
+    /// The shape of one device's piece of a tensor of whole shape `shape`.
+    pub fn local_shape(&self, shape: &[usize], mesh: &[usize]) -> Vec<usize> {
+        let mut s = shape.to_vec();
+        for (a, st) in self.0.iter().enumerate() {
+            if let Some(d) = st.axis().and_then(|k| s.get_mut(k)) {
+                *d /= mesh.get(a).copied().unwrap_or(1).max(1);
+            }
+        }
+        s
+    }
+
+    /// The split of `state` as the group along mesh axis `a` holds it when the other axes
+    /// splitting the same tensor axis are those of `self`: its parts divided by their devices.
+    fn group_split(&self, state: &State, a: usize, mesh: &[usize]) -> State {
+        match state {
+            State::Split { axis, parts } => {
+                let n = self.pieces(*axis, mesh, Some(a)).max(1);
+                State::Split {
+                    axis: *axis,
+                    parts: parts.iter().map(|p| p / n).collect(),
+                }
+            }
+            s => s.clone(),
+        }
+    }
+}
+
+/// A collective that changes a value's state along one mesh axis, in the groups of devices
+/// that differ only in their coordinate on that axis. A split's parts are those of the value as
+/// the group holds it together (before a slice, after a gather).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Conversion {
     /// Keep this rank's slice of a replicated value (no communication).
     Slice {
+        /// Mesh axis.
+        axis: usize,
         /// Target state.
         to: State,
     },
     /// Assemble the whole value from the slices of every rank.
     AllGather {
+        /// Mesh axis.
+        axis: usize,
         /// Source state.
         from: State,
     },
     /// Sum the partial values of every rank.
-    AllReduce,
+    AllReduce {
+        /// Mesh axis.
+        axis: usize,
+    },
     /// Sum the partial values and keep this rank's slice.
     ReduceScatter {
+        /// Mesh axis.
+        axis: usize,
         /// Target state.
         to: State,
     },
@@ -73,7 +202,7 @@ impl Conversion {
         match self {
             Conversion::Slice { .. } => "slice",
             Conversion::AllGather { .. } => "all_gather",
-            Conversion::AllReduce => "all_reduce",
+            Conversion::AllReduce { .. } => "all_reduce",
             Conversion::ReduceScatter { .. } => "reduce_scatter",
         }
     }
@@ -82,25 +211,92 @@ impl Conversion {
     pub fn communicates(&self) -> bool {
         !matches!(self, Conversion::Slice { .. })
     }
+
+    /// The mesh axis it runs along.
+    pub fn axis(&self) -> usize {
+        match self {
+            Conversion::Slice { axis, .. }
+            | Conversion::AllGather { axis, .. }
+            | Conversion::AllReduce { axis }
+            | Conversion::ReduceScatter { axis, .. } => *axis,
+        }
+    }
 }
 
-/// The conversions that take a value from `from` to `to`, in order; `None` when impossible
-/// (nothing turns a complete value back into a partial sum).
-pub fn conversions(from: &State, to: &State) -> Option<Vec<Conversion>> {
-    use State::*;
-    Some(match (from, to) {
-        (a, b) if a == b => vec![],
-        (Replicated, Split { .. }) => vec![Conversion::Slice { to: to.clone() }],
-        (Split { .. }, Replicated) => vec![Conversion::AllGather { from: from.clone() }],
-        (Split { .. }, Split { .. }) => vec![
-            Conversion::AllGather { from: from.clone() },
-            Conversion::Slice { to: to.clone() },
-        ],
-        (Partial, Replicated) => vec![Conversion::AllReduce],
-        (Partial, Split { .. }) => vec![Conversion::ReduceScatter { to: to.clone() }],
-        (_, Partial) => return None,
-        _ => return None,
-    })
+/// The conversions that take a value from `from` to `to` on `mesh`, in order; `None` when
+/// impossible (nothing turns a complete value back into a partial sum).
+///
+/// Splits are undone minor axis first and made major axis first, so that a tensor axis split
+/// over several mesh axes is always divided major first; a split that must change takes the
+/// splits of the same tensor axis on minor mesh axes with it (gathered first, made again
+/// after). A partial sum becomes a split by a reduce-scatter, or by an all-reduce and a slice
+/// where the tensor axis is also split on another mesh axis.
+pub fn conversions(from: &Placement, to: &Placement, mesh: &[usize]) -> Option<Vec<Conversion>> {
+    let n = mesh.len();
+    if from.0.len() != n || to.0.len() != n {
+        return None;
+    }
+    if to
+        .0
+        .iter()
+        .zip(&from.0)
+        .any(|(t, f)| *t == State::Partial && *f != State::Partial)
+    {
+        return None;
+    }
+    // Mesh axes whose split goes: those that change, and minor ones splitting the same tensor
+    // axis as a split that goes or is made.
+    let mut undo: Vec<bool> = (0..n)
+        .map(|a| from.0[a].axis().is_some() && from.0[a] != to.0[a])
+        .collect();
+    loop {
+        let mut grew = false;
+        for a in 0..n {
+            let moves = undo[a] || (to.0[a] != from.0[a] && to.0[a].axis().is_some());
+            let dims = [from.0[a].axis(), to.0[a].axis()];
+            if !moves {
+                continue;
+            }
+            for (b, state) in from.0.iter().enumerate().skip(a + 1) {
+                if !undo[b] && state.axis().is_some() && dims.contains(&state.axis()) {
+                    undo[b] = true;
+                    grew = true;
+                }
+            }
+        }
+        if !grew {
+            break;
+        }
+    }
+    let mut cur = from.clone();
+    let mut out = Vec::new();
+    for a in (0..n).rev().filter(|&a| undo[a]) {
+        let state = cur.group_split(&cur.0[a], a, mesh);
+        out.push(Conversion::AllGather {
+            axis: a,
+            from: state,
+        });
+        cur.0[a] = State::Replicated;
+    }
+    for a in 0..n {
+        if cur.0[a] == to.0[a] {
+            continue;
+        }
+        match (&cur.0[a], &to.0[a]) {
+            (State::Partial, State::Replicated) => out.push(Conversion::AllReduce { axis: a }),
+            (State::Partial, t @ State::Split { .. }) => {
+                let state = cur.group_split(t, a, mesh);
+                out.push(Conversion::ReduceScatter { axis: a, to: state });
+            }
+            (State::Replicated, t @ State::Split { .. }) => {
+                let state = cur.group_split(t, a, mesh);
+                out.push(Conversion::Slice { axis: a, to: state });
+            }
+            _ => return None,
+        }
+        cur.0[a] = to.0[a].clone();
+    }
+    Some(out)
 }
 
 /// Ranges of the whole axis that rank `rank` of `ranks` holds, in order.
@@ -113,14 +309,6 @@ fn ranges(parts: &[usize], rank: usize, ranks: usize) -> Vec<(usize, usize)> {
         offset += p;
     }
     out
-}
-
-/// Whether every part of a split divides evenly over `ranks`.
-pub fn divides(state: &State, ranks: usize) -> bool {
-    match state {
-        State::Split { parts, .. } => parts.iter().all(|p| p % ranks == 0),
-        _ => true,
-    }
 }
 
 /// Rank `rank`'s slice (of `ranks`) of the whole tensor `whole` split as `axis`/`parts`.
@@ -168,6 +356,57 @@ pub fn gather(pieces: &[&Tensor], axis: usize, parts: &[usize]) -> Tensor {
     Tensor { shape, data }
 }
 
+/// The piece of the whole tensor `whole` that the device at mesh coordinates `at` holds in
+/// `placement` (partial sums are not a placement a whole tensor is cut into: such axes keep
+/// it whole).
+pub fn shard(whole: &Tensor, placement: &Placement, at: &[usize], mesh: &[usize]) -> Tensor {
+    let mut cur = Placement::replicated(mesh.len());
+    let mut t = whole.clone();
+    for (a, state) in placement.0.iter().enumerate() {
+        if let State::Split { axis, .. } = state {
+            if let State::Split { parts, .. } = cur.group_split(state, a, mesh) {
+                t = slice(&t, *axis, &parts, at[a], mesh[a]);
+            }
+            cur.0[a] = state.clone();
+        }
+    }
+    t
+}
+
+/// The whole tensor from every device's piece (`pieces[i]`: the device of linear mesh index
+/// `i`, axis 0 major) in `placement`: splits gathered, partial sums added, replicas read once.
+/// The inverse of [`shard`].
+pub fn assemble(pieces: &[&Tensor], placement: &Placement, mesh: &[usize]) -> Tensor {
+    let mut cur = placement.clone();
+    let mut level: Vec<Tensor> = pieces.iter().map(|t| (*t).clone()).collect();
+    for a in (0..mesh.len()).rev() {
+        let n = mesh[a].max(1);
+        let state = cur.group_split(&cur.0[a], a, mesh);
+        level = level
+            .chunks(n)
+            .map(|group| match &state {
+                State::Split { axis, parts } if group.len() > 1 => {
+                    let refs: Vec<&Tensor> = group.iter().collect();
+                    gather(&refs, *axis, parts)
+                }
+                State::Partial => {
+                    let mut sum = group[0].clone();
+                    for t in &group[1..] {
+                        sum.add_assign(t);
+                    }
+                    sum
+                }
+                _ => group[0].clone(),
+            })
+            .collect();
+        cur.0[a] = State::Replicated;
+    }
+    level.into_iter().next().unwrap_or(Tensor {
+        shape: vec![],
+        data: vec![],
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,18 +434,150 @@ mod tests {
         );
     }
 
+    fn whole(shape: Vec<usize>) -> Tensor {
+        let n = shape.iter().product::<usize>();
+        Tensor {
+            shape,
+            data: (0..n).map(|x| x as f32).collect(),
+        }
+    }
+
+    fn split(axis: usize, parts: Vec<usize>) -> State {
+        State::Split { axis, parts }
+    }
+
+    /// Every device's piece after running `convs` from `from`, computed with whole-tensor
+    /// collectives over the mesh's axis groups.
+    fn run(pieces: Vec<Tensor>, convs: &[Conversion], mesh: &[usize]) -> Vec<Tensor> {
+        let n1 = mesh.get(1).copied().unwrap_or(1);
+        let coords = |i: usize| {
+            if mesh.len() == 2 {
+                vec![i / n1, i % n1]
+            } else {
+                vec![i]
+            }
+        };
+        let mut pieces = pieces;
+        for c in convs {
+            let a = c.axis();
+            let group_of = |i: usize| -> Vec<usize> {
+                (0..pieces.len())
+                    .filter(|&k| {
+                        let (ck, ci) = (coords(k), coords(i));
+                        (0..mesh.len()).all(|b| b == a || ck[b] == ci[b])
+                    })
+                    .collect()
+            };
+            pieces = (0..pieces.len())
+                .map(|i| {
+                    let r = coords(i)[a];
+                    let g = group_of(i);
+                    match c {
+                        Conversion::Slice {
+                            to: State::Split { axis, parts },
+                            ..
+                        } => slice(&pieces[i], *axis, parts, r, mesh[a]),
+                        Conversion::AllGather {
+                            from: State::Split { axis, parts },
+                            ..
+                        } => {
+                            let refs: Vec<&Tensor> = g.iter().map(|&k| &pieces[k]).collect();
+                            gather(&refs, *axis, parts)
+                        }
+                        Conversion::AllReduce { .. } | Conversion::ReduceScatter { .. } => {
+                            let mut sum = Tensor::zeros(pieces[i].shape.clone());
+                            for &k in &g {
+                                sum.add_assign(&pieces[k]);
+                            }
+                            match c {
+                                Conversion::ReduceScatter {
+                                    to: State::Split { axis, parts },
+                                    ..
+                                } => slice(&sum, *axis, parts, r, mesh[a]),
+                                _ => sum,
+                            }
+                        }
+                        _ => panic!("malformed conversion {c:?}"),
+                    }
+                })
+                .collect();
+        }
+        pieces
+    }
+
     #[test]
-    fn conversions_between_states() {
-        let s = State::split(1, &[2, 4]);
+    fn every_conversion_on_a_2x2_mesh_keeps_the_value() {
+        // Every placement of a [4, 8] tensor on a 2 x 2 mesh, from every other: the pieces
+        // after the conversions are the target placement's shards of the same tensor.
+        let mesh = [2, 2];
+        let t = whole(vec![4, 8]);
+        let states = [
+            State::Replicated,
+            split(0, vec![4]),
+            split(1, vec![8]),
+            split(1, vec![4, 4]),
+        ];
+        let mut placements = Vec::new();
+        for a in &states {
+            for b in &states {
+                let p = Placement(vec![a.clone(), b.clone()]);
+                if p.misfit(&t.shape, &mesh).is_none() {
+                    placements.push(p);
+                }
+            }
+        }
+        assert!(placements.len() >= 12);
+        for from in &placements {
+            let start: Vec<Tensor> = (0..4)
+                .map(|i| shard(&t, from, &[i / 2, i % 2], &mesh))
+                .collect();
+            let refs: Vec<&Tensor> = start.iter().collect();
+            assert_eq!(assemble(&refs, from, &mesh), t, "{from:?}");
+            for to in &placements {
+                let convs = conversions(from, to, &mesh).expect("possible");
+                let got = run(start.clone(), &convs, &mesh);
+                for (i, piece) in got.iter().enumerate() {
+                    assert_eq!(
+                        *piece,
+                        shard(&t, to, &[i / 2, i % 2], &mesh),
+                        "{from:?} -> {to:?} by {convs:?}, device {i}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn partial_sums_reduce_into_any_placement() {
+        let mesh = [2, 2];
+        let t = whole(vec![4, 8]);
+        // The devices hold 1/2, 1/4, 1/8 and 1/8 of the tensor (sums exact in binary).
+        let from = Placement(vec![State::Partial, State::Partial]);
+        let pieces: Vec<Tensor> = [0.5f32, 0.25, 0.125, 0.125]
+            .iter()
+            .map(|f| Tensor {
+                shape: t.shape.clone(),
+                data: t.data.iter().map(|x| x * f).collect(),
+            })
+            .collect();
+        for to in [
+            Placement(vec![split(0, vec![4]), split(0, vec![4])]),
+            Placement(vec![State::Replicated, split(1, vec![8])]),
+            Placement(vec![split(1, vec![8]), State::Partial]),
+        ] {
+            let convs = conversions(&from, &to, &mesh).expect("possible");
+            let got = run(pieces.clone(), &convs, &mesh);
+            let refs: Vec<&Tensor> = got.iter().collect();
+            assert_eq!(assemble(&refs, &to, &mesh), t, "{to:?}");
+        }
+        assert!(conversions(&Placement::replicated(2), &from, &mesh).is_none());
+        let one = Placement(vec![split(1, vec![2, 2])]);
         assert_eq!(
-            conversions(&State::Partial, &State::Replicated).map(|c| c.len()),
-            Some(1)
+            conversions(&Placement(vec![State::Partial]), &one, &[2]),
+            Some(vec![Conversion::ReduceScatter {
+                axis: 0,
+                to: split(1, vec![2, 2])
+            }])
         );
-        assert_eq!(
-            conversions(&State::Partial, &s),
-            Some(vec![Conversion::ReduceScatter { to: s.clone() }])
-        );
-        assert!(conversions(&State::Replicated, &State::Partial).is_none());
-        assert_eq!(conversions(&s, &s), Some(vec![]));
     }
 }
