@@ -1,11 +1,13 @@
 //! Models and layouts for the executor tests.
 
 use autopar_engine::executor::ExecLayout;
+use autopar_engine::executor::placement::{Placement, State};
 use autopar_engine::workspace;
 use autopar_rules::model::frontend::{
     Attention, Bias, LowerOptions, Mlp, ModelDef, Norm, Position, TransformerConfig,
 };
-use autopar_rules::model::graph::{DType, Graph};
+use autopar_rules::model::graph::{DType, Graph, Split, TensorKind};
+use std::collections::BTreeMap;
 
 /// The shipped `tiny-llama` model of the default workspace (4 blocks, hidden 256, 8 heads over
 /// 2 key/value heads, SwiGLU, RMSNorm, rotary positions), lowered at micro-batch `mb` and
@@ -73,5 +75,118 @@ pub fn layout(
         meshes: Vec::new(),
         placements: Default::default(),
         states: Default::default(),
+    }
+}
+
+/// How a test places a model's tensors on a two-axis logical mesh.
+#[derive(Clone, Debug, Default)]
+pub struct MeshScheme {
+    /// Mesh axis splitting the batch of every activation and input (data parallelism).
+    pub batch: Option<usize>,
+    /// Mesh axes splitting each tensor along its Megatron-LM split (two: `S01`).
+    pub model: Vec<usize>,
+    /// Mesh axis splitting every matrix weight along its other axis (2D weights).
+    pub cross: Option<usize>,
+}
+
+/// Placements of the graph's tensors under `scheme`, by name; with `received_by`, also the
+/// placements `NAME@STAGE` of every tensor as a stage on another mesh receives it.
+pub fn mesh_placements(
+    graph: &Graph,
+    scheme: &MeshScheme,
+    received_by: Option<usize>,
+) -> BTreeMap<String, Placement> {
+    let mut out = BTreeMap::new();
+    for t in &graph.tensors {
+        let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+        let whole = |axis: usize| State::Split {
+            axis,
+            parts: vec![shape[axis]],
+        };
+        let mut states = vec![State::Replicated; 2];
+        let parameter = t.kind == TensorKind::Parameter;
+        if let Some(b) = scheme.batch
+            && !parameter
+            && shape.len() > 1
+            && shape[0] == graph.micro_batch as usize
+        {
+            states[b] = whole(0);
+        }
+        if let Split::Model(a) = t.split {
+            for &m in &scheme.model {
+                states[m] = whole(a as usize);
+            }
+            if let Some(c) = scheme.cross
+                && parameter
+                && shape.len() == 2
+            {
+                states[c] = whole(1 - a as usize);
+            }
+        }
+        let name = match received_by {
+            Some(stage) => format!("{}@{stage}", t.name),
+            None => t.name.clone(),
+        };
+        out.insert(name, Placement(states));
+    }
+    out
+}
+
+/// Optimizer-state placements that shard every parameter further along mesh axis `axis` of
+/// `mesh` where its weight is replicated on that axis (its first axis that divides).
+pub fn sharded_states(
+    graph: &Graph,
+    placements: &BTreeMap<String, Placement>,
+    mesh: &[usize],
+    axis: usize,
+) -> BTreeMap<String, Placement> {
+    let mut out = BTreeMap::new();
+    for t in graph
+        .tensors
+        .iter()
+        .filter(|t| t.kind == TensorKind::Parameter)
+    {
+        let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+        let Some(weight) = placements.get(&t.name) else {
+            continue;
+        };
+        if weight.0[axis] != State::Replicated {
+            continue;
+        }
+        for d in 0..shape.len() {
+            let mut states = weight.clone();
+            states.0[axis] = State::Split {
+                axis: d,
+                parts: vec![shape[d]],
+            };
+            if states.misfit(&shape, mesh).is_none() {
+                out.insert(t.name.clone(), states);
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// A layout placing every tensor by `placements` on every stage's mesh in `meshes`.
+pub fn mesh_layout(
+    meshes: Vec<Vec<usize>>,
+    microbatches: usize,
+    chunks: Vec<Vec<(usize, usize)>>,
+    placements: BTreeMap<String, Placement>,
+    states: BTreeMap<String, Placement>,
+) -> ExecLayout {
+    ExecLayout {
+        tp: 1,
+        pp: chunks.len(),
+        dp: 1,
+        sequence_parallel: false,
+        zero: 0,
+        microbatches,
+        chunks,
+        grad_accumulation_fusion: true,
+        meshes,
+        placements,
+        states,
     }
 }

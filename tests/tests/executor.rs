@@ -5,7 +5,9 @@
 use autopar_engine::executor::placement::State;
 use autopar_engine::executor::{ExecError, ExecLayout, RunOptions, check, lower, run_program};
 use autopar_rules::model::graph::Graph;
-use autopar_tests::executor::{layout, tiny_gpt, tiny_llama};
+use autopar_tests::executor::{
+    MeshScheme, layout, mesh_layout, mesh_placements, sharded_states, tiny_gpt, tiny_llama,
+};
 
 const OPTS: RunOptions = RunOptions {
     steps: 2,
@@ -567,4 +569,150 @@ micro_batch = [1]
         "{}",
         onto_dir.stderr
     );
+}
+
+/// Plans of the intra-op space on two-axis meshes: data x tensor parallelism, 2D weights
+/// (each matrix split along both axes, so one axis reduces the product as another splits its
+/// output), the roles of the axes swapped, and one tensor axis split over both mesh axes
+/// (`S01`, tensor parallelism of 4 on a 2 x 2 mesh).
+#[test]
+fn two_axis_meshes_match_one_device() {
+    let g = tiny_llama(4, 32, 2);
+    let schemes = [
+        MeshScheme {
+            batch: Some(0),
+            model: vec![1],
+            cross: None,
+        },
+        MeshScheme {
+            batch: None,
+            model: vec![1],
+            cross: Some(0),
+        },
+        MeshScheme {
+            batch: Some(1),
+            model: vec![0],
+            cross: None,
+        },
+    ];
+    for scheme in &schemes {
+        let l = mesh_layout(
+            vec![vec![2, 2]],
+            2,
+            vec![vec![(0, 5)]],
+            mesh_placements(&g, scheme, None),
+            Default::default(),
+        );
+        assert_matches(&g, &l);
+    }
+    // 2D weights really split on both axes, and the data-parallel split leaves weight
+    // gradients partial until the step's synchronisation.
+    let two_d = lower(
+        &g,
+        &mesh_layout(
+            vec![vec![2, 2]],
+            2,
+            vec![vec![(0, 5)]],
+            mesh_placements(&g, &schemes[1], None),
+            Default::default(),
+        ),
+    )
+    .expect("lowers");
+    assert!(two_d.values.iter().any(|v| {
+        v.state_placement.is_some() && v.placement.0.iter().all(|s| s.axis().is_some())
+    }));
+    let dp_tp = lower(
+        &g,
+        &mesh_layout(
+            vec![vec![2, 2]],
+            2,
+            vec![vec![(0, 5)]],
+            mesh_placements(&g, &schemes[0], None),
+            Default::default(),
+        ),
+    )
+    .expect("lowers");
+    assert!(dp_tp.values.iter().all(|v| {
+        v.grad_placement
+            .as_ref()
+            .is_none_or(|gp| gp.0[0] == State::Partial)
+    }));
+    let gpt = tiny_gpt(2, 16, 4);
+    let s01 = MeshScheme {
+        batch: None,
+        model: vec![0, 1],
+        cross: None,
+    };
+    assert_matches(
+        &gpt,
+        &mesh_layout(
+            vec![vec![2, 2]],
+            2,
+            vec![vec![(0, 3)]],
+            mesh_placements(&gpt, &s01, None),
+            Default::default(),
+        ),
+    );
+}
+
+/// ZeRO inside the mesh: optimizer states sharded over the data-parallel mesh axis, gradients
+/// reduce-scattered into them, master weights updated there and all-gathered.
+#[test]
+fn optimizer_states_sharded_inside_the_mesh() {
+    let g = tiny_llama(4, 32, 2);
+    let scheme = MeshScheme {
+        batch: Some(0),
+        model: vec![1],
+        cross: None,
+    };
+    let placements = mesh_placements(&g, &scheme, None);
+    let states = sharded_states(&g, &placements, &[2, 2], 0);
+    assert!(states.len() > 10, "{}", states.len());
+    assert_matches(
+        &g,
+        &mesh_layout(vec![vec![2, 2]], 2, vec![vec![(0, 5)]], placements, states),
+    );
+}
+
+/// Stages on different meshes (stage 0 data-parallel on 1 x 2, stage 1 data x tensor
+/// parallel on 2 x 2): activations and gradients cross the boundary whole and are cut to the
+/// receiver's placement.
+#[test]
+fn stages_on_different_meshes() {
+    let g = tiny_llama(4, 32, 2);
+    let first = MeshScheme {
+        batch: Some(1),
+        model: vec![],
+        cross: None,
+    };
+    let second = MeshScheme {
+        batch: Some(0),
+        model: vec![1],
+        cross: None,
+    };
+    let mut placements = mesh_placements(&g, &first, None);
+    let theirs = mesh_placements(&g, &second, None);
+    for layer in &g.layers[3..] {
+        for &oid in &layer.forward {
+            let op = g.op(oid);
+            for t in op.inputs.iter().chain(&op.outputs) {
+                let name = &g.tensor(*t).name;
+                placements.insert(name.clone(), theirs[name].clone());
+            }
+        }
+    }
+    placements.extend(mesh_placements(&g, &second, Some(1)));
+    let l = mesh_layout(
+        vec![vec![1, 2], vec![2, 2]],
+        4,
+        vec![vec![(0, 2)], vec![(3, 5)]],
+        placements,
+        Default::default(),
+    );
+    assert_eq!(l.devices(), 6);
+    let prog = lower(&g, &l).expect("lowers");
+    assert!(prog.chunks[1].reshard && !prog.chunks[0].reshard);
+    assert_eq!(prog.chunks[1].recv.len(), 1);
+    assert_ne!(prog.chunks[1].recv, prog.chunks[1].recv_from);
+    assert_matches(&g, &l);
 }
