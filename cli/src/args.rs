@@ -392,6 +392,10 @@ pub struct PipelineArgs {
     /// Multi-node submeshes only of a power-of-two number of nodes.
     #[arg(long)]
     pub powers_of_two: bool,
+    /// Logical mesh shapes stages may use, e.g. `2x2,1x4` (default: every factorisation of
+    /// every submesh).
+    #[arg(long, value_delimiter = ',')]
+    pub logical_meshes: Vec<String>,
     /// Never recompute layers (by default a stage that fits only with activation
     /// checkpointing recomputes the fewest seconds of layers that fit).
     #[arg(long)]

@@ -820,6 +820,11 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
                     * (o.predicted_step_time_s / o.measured_step_time_s.max(f64::MIN_POSITIVE)
                         - 1.0)
             )
+        } else if o.backend == autopar_engine::executor::Backend::Cpu && o.devices > o.host_cores {
+            format!(
+                " (not compared: {} virtual devices share this machine's {} cores)",
+                o.devices, o.host_cores
+            )
         } else {
             String::new()
         }

@@ -420,6 +420,7 @@ fn stages_parts(base: &KeyParts, t: &Target, mb: u64, budget: f64) -> KeyParts {
     base.clone()
         .with("batch", &(t.global_batch, mb))
         .with("submeshes", &t.ilp.powers_of_two)
+        .with("logical_meshes", &t.ilp.logical_meshes)
         .with("recompute", &t.ilp.recompute)
         .with("budget", &budget.to_bits())
 }
@@ -432,6 +433,7 @@ fn ilp_options(t: &Target, mb: u64, budget: f64) -> PipelineOptions<'_> {
         precision: t.options.precision,
         max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
         powers_of_two: t.ilp.powers_of_two,
+        logical_meshes: &t.ilp.logical_meshes,
         recompute: t.ilp.recompute,
         profile: t.profile.as_deref(),
     }
@@ -620,7 +622,12 @@ fn decoded(
 /// Why the target's ILP search is too large to run (`None` when it is not).
 fn too_large_search(ws: &Workspace, t: &Target) -> Option<String> {
     let graph = ilp_lower(ws, t, 1).ok()?;
-    let (tables, ranges) = search_size(&graph, &ws.clusters[t.cluster], t.ilp.powers_of_two);
+    let (tables, ranges) = search_size(
+        &graph,
+        &ws.clusters[t.cluster],
+        t.ilp.powers_of_two,
+        &t.ilp.logical_meshes,
+    );
     (tables > MAX_TABLES || ranges > MAX_RANGE_PRICES).then(|| {
         format!(
             "the ILP space was not searched: {tables} layer tables (at most {MAX_TABLES}) and \

@@ -45,6 +45,8 @@ pub struct PipelineRequest {
     pub memory_gib: Option<f64>,
     /// Multi-node submeshes only of a power-of-two number of nodes.
     pub powers_of_two: bool,
+    /// The logical mesh shapes stages may use; empty: all.
+    pub logical_meshes: Vec<[u64; 2]>,
     /// Whether stages may recompute their layers.
     pub recompute: bool,
 }
@@ -259,6 +261,7 @@ pub fn solve_pipeline(
         precision: req.precision,
         max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
         powers_of_two: req.powers_of_two,
+        logical_meshes: &req.logical_meshes,
         recompute: req.recompute,
     };
     let source = CachedTables::new(cache, &name);

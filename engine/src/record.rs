@@ -315,6 +315,7 @@ pub fn stages_reasons(previous: Option<&BuildRecord>, new: &StagesRecord) -> Vec
             "training" => "training options changed".to_string(),
             "batch" => "global batch changed (micro-batches per step)".to_string(),
             "submeshes" => "submesh choices changed (`submeshes`)".to_string(),
+            "logical_meshes" => "logical mesh shapes changed (`logical_meshes`)".to_string(),
             "budget" => "memory budget per device changed".to_string(),
             "recompute" => "recomputation allowed or not (`recompute`)".to_string(),
             "profile" => "the target's profile measurements changed".to_string(),

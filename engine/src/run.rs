@@ -75,8 +75,12 @@ pub struct RunOutcome {
     /// The cluster the prediction is for.
     pub cluster: String,
     /// The cluster's device is the one the backend runs on (a `cpu` cluster on the CPU
-    /// backend), so measured and predicted times compare.
+    /// backend) and every virtual device has a core of its own, so measured and predicted
+    /// times compare.
     pub comparable: bool,
+    /// Cores this machine runs threads on (a CPU cluster of more devices than that shares
+    /// them, and its times do not compare with the plan's).
+    pub host_cores: usize,
     /// Comparison with the single-device run, with `--check`.
     pub check: Option<CheckReport>,
     /// The space the plan chose, whose pipeline ran: `ilp` runs every stage on its own
@@ -233,6 +237,15 @@ fn ilp_layout(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, Exec
         .collect::<Result<_, String>>()?;
     let gpus = plan.cluster.gpus();
     let mut devices = 0u64;
+    for (j, s) in ilp.stages.iter().enumerate() {
+        let ([a, b], (n, m)) = (s.mesh.logical, s.mesh.submesh);
+        if a.checked_mul(b) != n.checked_mul(m) {
+            return Err(format!(
+                "stage {j}'s logical mesh {a}x{b} does not lay out the devices of its submesh \
+                 {n}x{m}"
+            ));
+        }
+    }
     for s in &ilp.stages {
         let [a, b] = s.mesh.logical;
         devices = a
@@ -486,6 +499,8 @@ pub fn run_plan(
         cuda::probe()?;
     }
     let Prepared { graph, layout } = prepare(ws, plan)?;
+    let host_cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let devices = layout.devices();
     let (predicted_step_time_s, predicted_time) = match (plan.space, &plan.ilp) {
         (Space::Ilp, Some(ilp)) => (
             ilp.step_time_s,
@@ -520,7 +535,7 @@ pub fn run_plan(
         target: plan.target.clone(),
         model: plan.model.name.clone(),
         backend,
-        devices: layout.devices(),
+        devices,
         micro_batch: graph.micro_batch as usize,
         seq: graph.seq as usize,
         layout,
@@ -530,7 +545,10 @@ pub fn run_plan(
         predicted_step_time_s,
         predicted_time,
         cluster: plan.cluster.name.clone(),
-        comparable: backend == Backend::Cpu && plan.cluster.device.name == CPU_DEVICE,
+        comparable: backend == Backend::Cpu
+            && plan.cluster.device.name == CPU_DEVICE
+            && devices <= host_cores,
+        host_cores,
         check: report,
         plan_space: plan.space,
         ilp: (plan.space == Space::Ilp)

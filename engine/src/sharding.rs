@@ -99,10 +99,10 @@ pub struct ChainLayer {
     pub solves: usize,
 }
 
-/// Parses `AxB` (also `A×B`).
-pub fn parse_mesh(s: &str) -> Result<(u64, u64), EngineError> {
+/// Parses `AxB` (also `A×B`), the value of `flag`.
+pub fn parse_mesh(s: &str, flag: &'static str) -> Result<(u64, u64), EngineError> {
     let bad = |why: &str| EngineError::Argument {
-        flag: "--mesh",
+        flag,
         expected: "AxB with A, B >= 1 (A nodes of B GPUs, e.g. 2x4)".into(),
         found: format!("`{s}` ({why})"),
     };
@@ -217,7 +217,7 @@ pub fn solve_sharding(
     req: &ShardingRequest,
 ) -> Result<ShardingResult, EngineError> {
     let (name, def) = session.model(&req.model)?;
-    let (a, b) = parse_mesh(&req.mesh)?;
+    let (a, b) = parse_mesh(&req.mesh, "--mesh")?;
     let cluster = cluster_for(session, req.cluster.as_deref(), a, b)?;
     let mesh = Mesh::on(&cluster, a, b).map_err(|why| EngineError::Argument {
         flag: "--mesh",
@@ -326,10 +326,10 @@ mod tests {
 
     #[test]
     fn meshes_and_ranges_parse_or_say_why() {
-        assert_eq!(parse_mesh("2x4").ok(), Some((2, 4)));
-        assert_eq!(parse_mesh("1×8").ok(), Some((1, 8)));
+        assert_eq!(parse_mesh("2x4", "--mesh").ok(), Some((2, 4)));
+        assert_eq!(parse_mesh("1×8", "--mesh").ok(), Some((1, 8)));
         for bad in ["8", "0x8", "ax2", "2x", "-1x2"] {
-            let e = parse_mesh(bad)
+            let e = parse_mesh(bad, "--mesh")
                 .err()
                 .map(|e| e.to_string())
                 .unwrap_or_default();

@@ -407,6 +407,8 @@ struct RawSearch {
     ilp_micro_batch: Option<Spanned<Vec<Positive>>>,
     #[serde(default)]
     submeshes: Option<Submeshes>,
+    #[serde(default)]
+    logical_meshes: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 /// Default memory headroom: the PyTorch caching allocator fragments; keeping a tenth of the
@@ -866,6 +868,23 @@ impl Loader<'_> {
             }
             if let Some(m) = s.submeshes {
                 ilp.powers_of_two = matches!(m, Submeshes::PowersOfTwo);
+            }
+            if let Some(list) = nonempty(self, &s.logical_meshes, "logical_meshes")? {
+                ilp.logical_meshes = list
+                    .iter()
+                    .map(|m| {
+                        crate::sharding::parse_mesh(m.get_ref(), "logical_meshes")
+                            .map(|(a, b)| [a, b])
+                            .map_err(|_| {
+                                self.diag(
+                                    m.span().start,
+                                    "target.search.logical_meshes",
+                                    "logical mesh shapes `AxB` with A, B >= 1 (e.g. \"2x2\")",
+                                    format!("\"{}\"", m.get_ref()),
+                                )
+                            })
+                    })
+                    .collect::<Result<_, _>>()?;
             }
             // The ILP space recomputes whole layers: Megatron-LM's full recomputation.
             ilp.recompute = search.recompute.contains(&Recompute::Full);

@@ -190,3 +190,29 @@ pub fn mesh_layout(
         states,
     }
 }
+
+/// Placements of a pipeline whose stage `j` holds layers `stages[j].0` placed by scheme
+/// `stages[j].1` (a tensor several stages read takes the last one's), with the placements
+/// `NAME@j` of the values stage `j` receives.
+pub fn staged_placements(
+    graph: &Graph,
+    stages: &[(std::ops::Range<usize>, MeshScheme)],
+) -> BTreeMap<String, Placement> {
+    let mut out = BTreeMap::new();
+    for (j, (layers, scheme)) in stages.iter().enumerate() {
+        let all = mesh_placements(graph, scheme, None);
+        for layer in &graph.layers[layers.clone()] {
+            for &oid in &layer.forward {
+                let op = graph.op(oid);
+                for t in op.inputs.iter().chain(&op.outputs) {
+                    let name = &graph.tensor(*t).name;
+                    out.insert(name.clone(), all[name].clone());
+                }
+            }
+        }
+        if j > 0 {
+            out.extend(mesh_placements(graph, scheme, Some(j)));
+        }
+    }
+    out
+}

@@ -6,7 +6,8 @@ use autopar_engine::executor::placement::State;
 use autopar_engine::executor::{ExecError, ExecLayout, RunOptions, check, lower, run_program};
 use autopar_rules::model::graph::Graph;
 use autopar_tests::executor::{
-    MeshScheme, layout, mesh_layout, mesh_placements, sharded_states, tiny_gpt, tiny_llama,
+    MeshScheme, layout, mesh_layout, mesh_placements, sharded_states, staged_placements, tiny_gpt,
+    tiny_llama,
 };
 
 const OPTS: RunOptions = RunOptions {
@@ -304,6 +305,7 @@ micro_batch = [1]
     let mut vast = plan.clone();
     for stage in vast["ilp"]["stages"].as_array_mut().expect("stages") {
         stage["mesh"]["logical"] = serde_json::json!([1, 1u64 << 40]);
+        stage["mesh"]["submesh"] = serde_json::json!([1, 1u64 << 40]);
     }
     ws.write("vast-plan.json", &vast.to_string());
     let v = ws.run(&["run", "--plan", "vast-plan.json", "--steps", "1", "--json"]);
@@ -313,6 +315,48 @@ micro_batch = [1]
         "{}",
         v.stderr
     );
+    // Plans whose specs cannot run are input errors naming what is wrong.
+    let edit = |f: &dyn Fn(&mut serde_json::Value)| {
+        let mut p = plan.clone();
+        f(&mut p["ilp"]["stages"][0]);
+        p
+    };
+    let cases: Vec<(&str, serde_json::Value, Vec<&str>)> = vec![
+        (
+            "thirds.json",
+            edit(&|s| {
+                s["mesh"]["logical"] = serde_json::json!([1, 3]);
+                s["mesh"]["submesh"] = serde_json::json!([1, 3]);
+            }),
+            vec!["does not divide 3 ways", "[R S"],
+        ),
+        (
+            "misfit-mesh.json",
+            edit(&|s| s["mesh"]["logical"] = serde_json::json!([2, 2])),
+            vec!["logical mesh 2x2 does not lay out the devices of its submesh 1x8"],
+        ),
+        (
+            "bad-spec.json",
+            edit(&|s| s["parameters"][0]["weight"] = "S7R".into()),
+            vec!["is not a spec", "embedding.word"],
+        ),
+        (
+            "no-specs.json",
+            edit(&|s| {
+                let ops = s["ops"].as_array_mut().expect("ops");
+                ops.retain(|o| o["op"] != "layers.1.attention.qkv");
+            }),
+            vec!["no specs for op `layers.1.attention.qkv`"],
+        ),
+    ];
+    for (file, p, needles) in cases {
+        ws.write(file, &p.to_string());
+        let r = ws.run(&["run", "--plan", file, "--steps", "1"]);
+        assert_eq!(r.code, 2, "{file}: {}", r.stderr);
+        for n in needles {
+            assert!(r.stderr.contains(n), "{file}: `{n}` in {}", r.stderr);
+        }
+    }
     // A plan of the Megatron-LM space runs its layout and says nothing more.
     let mut megatron = plan.clone();
     megatron["space"] = "megatron".into();
@@ -410,7 +454,11 @@ micro_batch = [1]
     }
     // A plan the workspace has moved on from is not run against its old prediction.
     let toml = ws.read("workspace.toml");
-    let edited = toml.replacen("global_batch = 8\n", "global_batch = 16\n", 1);
+    let edited = toml.replacen(
+        "name = \"tiny-test\"\nmodel = \"tiny-llama\"\ncluster = \"dgx-h100-1\"\nglobal_batch = 8\n",
+        "name = \"tiny-test\"\nmodel = \"tiny-llama\"\ncluster = \"dgx-h100-1\"\nglobal_batch = 16\n",
+        1,
+    );
     assert_ne!(edited, toml, "tiny-test has a global batch of 8");
     ws.write("workspace.toml", &edited);
     let r = ws.run(&["run", "tiny-test", "--steps", "1"]);
@@ -516,8 +564,8 @@ micro_batch = [1]
 
     // Attached to the cluster, the measurements replace the modelled times.
     let attached = toml.replace(
-        "gpus_per_node = 2\n",
-        "gpus_per_node = 2\nprofiles = [\"measured\"]\n\n[[profile]]\nname = \"measured\"\nfile = \"measured.json\"\n",
+        "name = \"two-threads\"\npreset = \"cpu\"\nnodes = 1\ngpus_per_node = 2\n",
+        "name = \"two-threads\"\npreset = \"cpu\"\nnodes = 1\ngpus_per_node = 2\nprofiles = [\"measured\"]\n\n[[profile]]\nname = \"measured\"\nfile = \"measured.json\"\n",
     );
     ws.write("workspace.toml", &attached);
     let after = ws.run(&["build", "tiny-cpu"]);
@@ -690,18 +738,7 @@ fn stages_on_different_meshes() {
         model: vec![1],
         cross: None,
     };
-    let mut placements = mesh_placements(&g, &first, None);
-    let theirs = mesh_placements(&g, &second, None);
-    for layer in &g.layers[3..] {
-        for &oid in &layer.forward {
-            let op = g.op(oid);
-            for t in op.inputs.iter().chain(&op.outputs) {
-                let name = &g.tensor(*t).name;
-                placements.insert(name.clone(), theirs[name].clone());
-            }
-        }
-    }
-    placements.extend(mesh_placements(&g, &second, Some(1)));
+    let placements = staged_placements(&g, &[(0..3, first), (3..6, second.clone())]);
     let l = mesh_layout(
         vec![vec![1, 2], vec![2, 2]],
         4,
@@ -715,4 +752,79 @@ fn stages_on_different_meshes() {
     assert_eq!(prog.chunks[1].recv.len(), 1);
     assert_ne!(prog.chunks[1].recv, prog.chunks[1].recv_from);
     assert_matches(&g, &l);
+    // Tensor parallelism of 2 then data x tensor parallelism, with the embedding that the
+    // first and last stages share summed across their meshes.
+    let gpt = tiny_gpt(4, 16, 2);
+    let tp = MeshScheme {
+        batch: None,
+        model: vec![1],
+        cross: None,
+    };
+    let l = mesh_layout(
+        vec![vec![1, 2], vec![2, 2]],
+        4,
+        vec![vec![(0, 1)], vec![(2, 3)]],
+        staged_placements(&gpt, &[(0..2, tp), (2..4, second)]),
+        Default::default(),
+    );
+    assert_eq!(lower(&gpt, &l).expect("lowers").tied.len(), 1);
+    assert_matches(&gpt, &l);
+}
+
+/// The default workspace's CPU targets of the ILP space run as their build planned them and
+/// match one device: optimizer states sharded inside a 1 x 2 mesh, stages on 1 x 1 and 1 x 2
+/// meshes, a 2 x 2 logical mesh with 2D shardings.
+#[test]
+fn default_cpu_targets_of_the_ilp_space_run_as_planned() {
+    let ws = autopar_tests::TempWorkspace::default_copy();
+    let targets = [
+        "tiny-llama-cpu-ilp",
+        "tiny-llama-cpu-stages",
+        "tiny-llama-cpu-2d",
+    ];
+    let mut args = vec!["build"];
+    args.extend(targets);
+    let b = ws.run(&args);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    for target in targets {
+        let plan: serde_json::Value =
+            serde_json::from_str(&ws.read(&format!("plans/{target}.json"))).expect("plan");
+        assert_eq!(plan["space"], "ilp", "{target}");
+        let stages = plan["ilp"]["stages"].as_array().expect("stages");
+        let meshes: Vec<&serde_json::Value> =
+            stages.iter().map(|s| &s["mesh"]["logical"]).collect();
+        match target {
+            "tiny-llama-cpu-ilp" => assert!(
+                stages[0]["parameters"]
+                    .as_array()
+                    .expect("weights")
+                    .iter()
+                    .any(|w| w["weight"] != w["states"]),
+                "{target}: some optimizer states are sharded apart from their weight"
+            ),
+            "tiny-llama-cpu-stages" => assert!(
+                meshes.windows(2).any(|w| w[0] != w[1]),
+                "{target}: stages on different meshes: {meshes:?}"
+            ),
+            _ => assert!(
+                meshes.iter().all(|m| **m == serde_json::json!([2, 2])),
+                "{target}: {meshes:?}"
+            ),
+        }
+        let r = ws.run(&["run", target, "--check", "--steps", "2", "--json"]);
+        assert_eq!(r.code, 0, "{target}: {}", r.stderr);
+        let j = r.json();
+        assert_eq!(j["plan_space"], "ilp", "{target}");
+        assert_eq!(j["check"]["passed"], true, "{target}: {}", j["check"]);
+        let devices: u64 = meshes
+            .iter()
+            .map(|m| m[0].as_u64().unwrap_or(0) * m[1].as_u64().unwrap_or(0))
+            .sum();
+        assert_eq!(j["devices"], devices, "{target}");
+        assert_eq!(
+            j["comparable"],
+            j["host_cores"].as_u64().is_some_and(|c| c >= devices),
+            "{target}"
+        );
+    }
 }

@@ -60,6 +60,7 @@ fn options(microbatches: u64) -> PipelineOptions<'static> {
         precision: Precision::Bf16,
         max_exact_entries: 4e6,
         powers_of_two: false,
+        logical_meshes: &[],
         recompute: true,
         profile: None,
     }

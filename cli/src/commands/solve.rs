@@ -11,7 +11,7 @@ use autopar_engine::pipeline::{PipelineRequest, solve_pipeline};
 use autopar_engine::plans::write_trace;
 use autopar_engine::sapp::{BalanceOptions, ComparedPlan, solve_balance};
 use autopar_engine::session::Session;
-use autopar_engine::sharding::{ShardingRequest, solve_sharding};
+use autopar_engine::sharding::{ShardingRequest, parse_mesh, solve_sharding};
 use autopar_rules::cost::cluster::GIB;
 use autopar_rules::solve::balance::{KINDS, RecomputeKind, SappLists};
 use autopar_rules::solve::intra::stage::SolverChoice;
@@ -370,6 +370,12 @@ pub fn pipeline(
         attention: a.model_options.attention(),
         memory_gib: a.memory_gib,
         powers_of_two: a.powers_of_two,
+        logical_meshes: a
+            .logical_meshes
+            .iter()
+            .map(|m| parse_mesh(m, "--logical-meshes").map(|(x, y)| [x, y]))
+            .collect::<Result<_, _>>()
+            .map_err(Failure::from)?,
         recompute: !a.no_recompute,
     };
     // The workspace's cache when there is a workspace; else `--cache-dir`, else memory only.

@@ -7,7 +7,7 @@
 //! device is woken and fails too instead of waiting forever.
 
 use super::ExecError;
-use super::placement::gather;
+use super::placement::{gather, slice};
 use super::tensor::Tensor;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -194,6 +194,33 @@ impl Endpoint {
             .collect();
         let refs: Vec<&Tensor> = pieces.iter().collect();
         Ok(gather(&refs, axis, parts))
+    }
+
+    /// All-to-all over `group`: this device's piece `t`, split along `from` (axis and the parts
+    /// the group holds together), comes back split along `to` instead: from every member the
+    /// slice of its piece that is this device's along `to`, assembled along `from`.
+    pub fn all_to_all(
+        &mut self,
+        group: &[usize],
+        index: usize,
+        t: Tensor,
+        from: (usize, &[usize]),
+        to: (usize, &[usize]),
+    ) -> Result<Tensor, ExecError> {
+        let shape = t.shape.clone();
+        let all = self.exchange(group, index, t.data)?;
+        let mine: Vec<Tensor> = all
+            .iter()
+            .map(|d| {
+                let piece = Tensor {
+                    shape: shape.clone(),
+                    data: d.clone(),
+                };
+                slice(&piece, to.0, to.1, index, group.len())
+            })
+            .collect();
+        let refs: Vec<&Tensor> = mine.iter().collect();
+        Ok(gather(&refs, from.0, from.1))
     }
 
     /// Sum over `group`, in place.

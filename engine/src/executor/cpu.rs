@@ -529,6 +529,17 @@ impl<'p> Device<'p> {
                     self.ep.all_reduce_sum(group, rank, &mut t.data)?;
                     slice(&t, *axis, parts, rank, n)
                 }
+                Conversion::AllToAll {
+                    from: super::placement::State::Split { axis, parts },
+                    to:
+                        super::placement::State::Split {
+                            axis: to_axis,
+                            parts: to_parts,
+                        },
+                    ..
+                } => self
+                    .ep
+                    .all_to_all(group, rank, t, (*axis, parts), (*to_axis, to_parts))?,
                 _ => return Err(ExecError::Lower(format!("malformed conversion {c:?}"))),
             };
         }
@@ -710,10 +721,41 @@ impl<'p> Device<'p> {
         Ok(())
     }
 
-    /// Sums the gradients of parameters that several stages hold (a tied embedding).
+    /// Sums the gradients of parameters that several stages hold (a tied embedding): between
+    /// the devices of one mesh index when the stages share a mesh, else whole (each stage's
+    /// gradient gathered on its mesh, summed over every device of the stages, where only each
+    /// stage's first device contributes it, and cut back to each device's piece).
     fn sync_tied(&mut self) -> Result<(), ExecError> {
         let prog = self.prog;
-        for tied in prog.tied.iter().filter(|t| t.stages.contains(&self.at.pp)) {
+        let l = &prog.layout;
+        let stage = self.at.pp;
+        for tied in prog.tied.iter().filter(|t| t.stages.contains(&stage)) {
+            if tied.stages.iter().any(|&j| l.mesh(j) != self.mesh) {
+                let v = tied.value;
+                let info = &prog.values[v as usize];
+                let g = match self.grads.remove(&v) {
+                    Some(g) => g,
+                    None => Tensor::zeros(info.placement.local_shape(&info.shape, &self.mesh)),
+                };
+                let mut whole = self.whole(g, v)?;
+                if self.at.m != 0 {
+                    whole.data.iter_mut().for_each(|x| *x = 0.0);
+                }
+                let at = self.at;
+                let group: Vec<usize> = tied
+                    .stages
+                    .iter()
+                    .flat_map(|&j| {
+                        (0..l.stage_devices(j))
+                            .map(move |m| rank_of(prog, Coord { pp: j, m, ..at }))
+                    })
+                    .collect();
+                let index = group.iter().position(|&r| r == self.me).unwrap_or(0);
+                self.ep.all_reduce_sum(&group, index, &mut whole.data)?;
+                let mine = shard(&whole, &info.placement, &self.coords, &self.mesh);
+                self.grads.insert(v, mine);
+                continue;
+            }
             let group: Vec<usize> = tied
                 .stages
                 .iter()

@@ -69,7 +69,11 @@ pub enum Kernel {
     CrossEntropy {
         /// The logits are split over the group along the vocabulary (statistics all-reduced).
         vocab_parallel: bool,
+        /// Devices the rows are split over: the loss written is this device's share of the
+        /// mean over every row (a partial sum), its gradient the same share.
+        row_parts: usize,
     },
+
     /// The last axis cut into parts, each viewed as `[.., n, d]` and moved to axis 1 when its
     /// output has one more axis (`[b, s, n*d]` to `[b, n, s, d]`).
     Slice {
@@ -209,10 +213,14 @@ pub fn forward(
         Kernel::Identity => single(x[0].data.clone()),
         Kernel::Rope => single(rope(x[0], false)),
         Kernel::Attention { scale } => single(attention_forward(x[0], x[1], x[2], *scale)),
-        Kernel::CrossEntropy { vocab_parallel } => {
+        Kernel::CrossEntropy {
+            vocab_parallel,
+            row_parts,
+        } => {
             let (logits, labels) = (x[0], x[1]);
             let v = logits.last();
             let n = rows(logits);
+            let all_rows = (n * row_parts.max(&1)) as f32;
             let (rank, ranks) = vocab_rank(*vocab_parallel, group);
             let offset = rank * v;
             let mut max: Vec<f32> = logits
@@ -237,7 +245,7 @@ pub fn forward(
                 group.all_reduce_sum(&mut target)?;
             }
             let lse: Vec<f32> = (0..n).map(|t| max[t] + sum[t].ln()).collect();
-            let loss: f32 = (0..n).map(|t| lse[t] - target[t]).sum::<f32>() / n as f32;
+            let loss: f32 = (0..n).map(|t| lse[t] - target[t]).sum::<f32>() / all_rows;
             aux = Some(Tensor {
                 shape: vec![n],
                 data: lse,
@@ -438,14 +446,17 @@ pub fn backward(
             let (dq, dk, dv) = attention_backward(x[0], x[1], x[2], d, *scale);
             vec![like(x[0], dq), like(x[1], dk), like(x[2], dv)]
         }
-        Kernel::CrossEntropy { vocab_parallel } => {
+        Kernel::CrossEntropy {
+            vocab_parallel,
+            row_parts,
+        } => {
             let (logits, labels) = (x[0], x[1]);
             let v = logits.last();
             let n = rows(logits);
             let (rank, _) = vocab_rank(*vocab_parallel, group);
             let offset = rank * v;
             let lse = aux.map(|a| a.data.as_slice()).unwrap_or(&[]);
-            let scale = d.data[0] / n as f32;
+            let scale = d.data[0] / (n * row_parts.max(&1)) as f32;
             let mut dx = vec![0.0f32; logits.len()];
             for (t, r) in logits.data.chunks(v).enumerate() {
                 let l = lse.get(t).copied().unwrap_or(0.0);

@@ -570,18 +570,6 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
             stages: s.into_iter().collect(),
         })
         .collect();
-    for t in &tied {
-        if t.stages
-            .iter()
-            .any(|&j| layout.mesh(j) != layout.mesh(t.stages[0]))
-        {
-            return Err(err(format!(
-                "`{}` is shared by stages on different meshes; the executor sums a shared \
-                 weight's gradient between stages of one mesh",
-                values[t.value as usize].name
-            )));
-        }
-    }
     defer_gradient_reductions(&mut values, &mut chunks, &tied, layout)?;
     let stages = (0..pp)
         .map(|j| stage_actions(j, pp, layout.interleave(), layout.microbatches))
@@ -973,7 +961,7 @@ fn lower_op(
         _ => None,
     };
     let per_axis = (0..mesh.len())
-        .map(|a| axis_rules(graph, oid, ins, &outs, values, a, bias_target))
+        .map(|a| axis_rules(graph, oid, ins, &outs, values, (a, mesh[a]), bias_target))
         .collect::<Result<Vec<_>, _>>()?;
     merge(&op.name, per_axis)?
         .into_iter()
@@ -997,15 +985,15 @@ fn token_major(out: &mut ValueInfo) {
     }
 }
 
-/// One mesh axis's rules for an op (`bias_target`: the value a product writes before its bias
-/// is added, when another axis reduces the product first).
+/// One mesh axis's rules for an op, the axis given with its devices (`bias_target`: the value
+/// a product writes before its bias is added, when another axis reduces the product first).
 fn axis_rules(
     graph: &Graph,
     oid: autopar_rules::model::graph::OpId,
     ins: &[u32],
     outs: &[u32],
     values: &[ValueInfo],
-    axis: usize,
+    (axis, mesh_size): (usize, usize),
     bias_target: Option<u32>,
 ) -> Result<Vec<Rule>, ExecError> {
     let op = graph.op(oid);
@@ -1118,7 +1106,9 @@ fn axis_rules(
                     }
                 }
                 _ => {
-                    let sx = keep_unless(p(x, values), &|a| a + 1 == rx);
+                    // A split of the operand's leading (row) axes carries to the result; one
+                    // of the contraction (`[b, s, heads, d]`: its last two axes) is gathered.
+                    let sx = keep_unless(p(x, values), &|a| a + 1 >= ry);
                     let wg = partial_if_split(&sx);
                     let reads = [sx.clone(), rep.clone()];
                     let grads = [sx.clone(), wg.clone()];
@@ -1333,19 +1323,33 @@ fn axis_rules(
             });
         }
         OpKind::CrossEntropy => {
+            // The vocabulary split (statistics reduced in the kernel), or the rows split with
+            // their labels (each device writes its share of the mean, a partial sum).
             let r = rank_of(ins[0], values);
             let sl = p(ins[0], values);
             let parallel =
                 matches!(&sl, State::Split { axis, parts } if axis + 1 == r && parts.len() == 1);
-            let sl = if parallel { sl } else { rep.clone() };
+            let row = sl
+                .axis()
+                .filter(|&a| a + 1 < r && a < rank_of(ins[1], values) && !parallel);
+            let (sl, slab, so) = match row {
+                Some(a) => (
+                    sl,
+                    split_whole(a, &values[ins[1] as usize].shape),
+                    State::Partial,
+                ),
+                None if parallel => (sl, rep.clone(), rep.clone()),
+                None => (rep.clone(), rep.clone(), rep.clone()),
+            };
             rules.push(Rule {
                 kernel: Kernel::CrossEntropy {
                     vocab_parallel: parallel,
+                    row_parts: if row.is_some() { mesh_size } else { 1 },
                 },
                 inputs: ins.to_vec(),
                 outputs: outs.clone(),
-                in_states: vec![sl.clone(), rep.clone()],
-                out_states: vec![rep.clone()],
+                in_states: vec![sl.clone(), slab],
+                out_states: vec![so],
                 grad_states: vec![sl, rep.clone()],
             });
         }
@@ -1463,7 +1467,8 @@ fn merge(name: &str, per_axis: Vec<Vec<Rule>>) -> Result<Vec<MeshRule>, ExecErro
             Kernel::Embedding {
                 vocab_parallel: true
             } | Kernel::CrossEntropy {
-                vocab_parallel: true
+                vocab_parallel: true,
+                ..
             }
         )
     };
@@ -1504,8 +1509,29 @@ fn merge(name: &str, per_axis: Vec<Vec<Rule>>) -> Result<Vec<MeshRule>, ExecErro
             )));
         }
         for (r, m) in rules.into_iter().zip(&mut out) {
+            match (&mut m.kernel, &r.kernel) {
+                (
+                    Kernel::CrossEntropy {
+                        vocab_parallel,
+                        row_parts,
+                    },
+                    Kernel::CrossEntropy {
+                        vocab_parallel: here,
+                        row_parts: parts,
+                    },
+                ) => {
+                    *vocab_parallel |= here;
+                    *row_parts *= parts;
+                }
+                (
+                    Kernel::Embedding { vocab_parallel },
+                    Kernel::Embedding {
+                        vocab_parallel: here,
+                    },
+                ) => *vocab_parallel |= here,
+                _ => {}
+            }
             if parallel(&r.kernel) {
-                m.kernel = r.kernel;
                 m.kernel_axes.push(a);
             }
             let push = |to: &mut Vec<Placement>, from: Vec<State>| {

@@ -367,6 +367,7 @@ impl OpBench {
                 return Ok(Work::Forward {
                     kernel: Kernel::CrossEntropy {
                         vocab_parallel: false,
+                        row_parts: 1,
                     },
                     x: vec![noisy(0), filled(&ins[1], 1, Some(v))],
                     out_shapes: outs.to_vec(),
@@ -644,6 +645,7 @@ impl OpBench {
                     .ok_or_else(|| bad("expected logits [.., V], labels and dlogits"))?;
                 let kernel = Kernel::CrossEntropy {
                     vocab_parallel: false,
+                    row_parts: 1,
                 };
                 let x = vec![noisy(0), filled(&ins[1], 1, Some(v))];
                 let refs: Vec<&Tensor> = x.iter().collect();

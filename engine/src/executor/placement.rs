@@ -194,6 +194,16 @@ pub enum Conversion {
         /// Target state.
         to: State,
     },
+    /// Exchange slices so that a value split along one tensor axis ends split along another:
+    /// every rank sends rank `j` the `j`-th slice, along the new axis, of its piece.
+    AllToAll {
+        /// Mesh axis.
+        axis: usize,
+        /// Source state.
+        from: State,
+        /// Target state.
+        to: State,
+    },
 }
 
 impl Conversion {
@@ -204,6 +214,7 @@ impl Conversion {
             Conversion::AllGather { .. } => "all_gather",
             Conversion::AllReduce { .. } => "all_reduce",
             Conversion::ReduceScatter { .. } => "reduce_scatter",
+            Conversion::AllToAll { .. } => "all_to_all",
         }
     }
 
@@ -218,7 +229,8 @@ impl Conversion {
             Conversion::Slice { axis, .. }
             | Conversion::AllGather { axis, .. }
             | Conversion::AllReduce { axis }
-            | Conversion::ReduceScatter { axis, .. } => *axis,
+            | Conversion::ReduceScatter { axis, .. }
+            | Conversion::AllToAll { axis, .. } => *axis,
         }
     }
 }
@@ -229,8 +241,9 @@ impl Conversion {
 /// Splits are undone minor axis first and made major axis first, so that a tensor axis split
 /// over several mesh axes is always divided major first; a split that must change takes the
 /// splits of the same tensor axis on minor mesh axes with it (gathered first, made again
-/// after). A partial sum becomes a split by a reduce-scatter, or by an all-reduce and a slice
-/// where the tensor axis is also split on another mesh axis.
+/// after). A partial sum becomes a split by a reduce-scatter. A split that moves to another
+/// tensor axis on the same mesh axis, neither tensor axis split by another mesh axis, is one
+/// all-to-all.
 pub fn conversions(from: &Placement, to: &Placement, mesh: &[usize]) -> Option<Vec<Conversion>> {
     let n = mesh.len();
     if from.0.len() != n || to.0.len() != n {
@@ -246,12 +259,22 @@ pub fn conversions(from: &Placement, to: &Placement, mesh: &[usize]) -> Option<V
     }
     // Mesh axes whose split goes: those that change, and minor ones splitting the same tensor
     // axis as a split that goes or is made.
+    // Splits that move between tensor axes no other mesh axis splits: one all-to-all each.
+    let alone = |a: usize, d: Option<usize>| {
+        (0..n).all(|b| b == a || (from.0[b].axis() != d && to.0[b].axis() != d))
+    };
+    let swap: Vec<bool> = (0..n)
+        .map(|a| match (from.0[a].axis(), to.0[a].axis()) {
+            (Some(x), Some(y)) => x != y && alone(a, Some(x)) && alone(a, Some(y)),
+            _ => false,
+        })
+        .collect();
     let mut undo: Vec<bool> = (0..n)
-        .map(|a| from.0[a].axis().is_some() && from.0[a] != to.0[a])
+        .map(|a| !swap[a] && from.0[a].axis().is_some() && from.0[a] != to.0[a])
         .collect();
     loop {
         let mut grew = false;
-        for a in 0..n {
+        for a in (0..n).filter(|&a| !swap[a]) {
             let moves = undo[a] || (to.0[a] != from.0[a] && to.0[a].axis().is_some());
             let dims = [from.0[a].axis(), to.0[a].axis()];
             if !moves {
@@ -278,7 +301,7 @@ pub fn conversions(from: &Placement, to: &Placement, mesh: &[usize]) -> Option<V
         });
         cur.0[a] = State::Replicated;
     }
-    for a in 0..n {
+    for (a, &swaps) in swap.iter().enumerate() {
         if cur.0[a] == to.0[a] {
             continue;
         }
@@ -291,6 +314,13 @@ pub fn conversions(from: &Placement, to: &Placement, mesh: &[usize]) -> Option<V
             (State::Replicated, t @ State::Split { .. }) => {
                 let state = cur.group_split(t, a, mesh);
                 out.push(Conversion::Slice { axis: a, to: state });
+            }
+            (f @ State::Split { .. }, t @ State::Split { .. }) if swaps => {
+                out.push(Conversion::AllToAll {
+                    axis: a,
+                    from: cur.group_split(f, a, mesh),
+                    to: cur.group_split(t, a, mesh),
+                });
             }
             _ => return None,
         }
@@ -484,6 +514,22 @@ mod tests {
                             let refs: Vec<&Tensor> = g.iter().map(|&k| &pieces[k]).collect();
                             gather(&refs, *axis, parts)
                         }
+                        Conversion::AllToAll {
+                            from:
+                                State::Split {
+                                    axis: fa,
+                                    parts: fp,
+                                },
+                            to:
+                                State::Split {
+                                    axis: ta,
+                                    parts: tp,
+                                },
+                            ..
+                        } => {
+                            let refs: Vec<&Tensor> = g.iter().map(|&k| &pieces[k]).collect();
+                            slice(&gather(&refs, *fa, fp), *ta, tp, r, mesh[a])
+                        }
                         Conversion::AllReduce { .. } | Conversion::ReduceScatter { .. } => {
                             let mut sum = Tensor::zeros(pieces[i].shape.clone());
                             for &k in &g {
@@ -571,6 +617,30 @@ mod tests {
             assert_eq!(assemble(&refs, &to, &mesh), t, "{to:?}");
         }
         assert!(conversions(&Placement::replicated(2), &from, &mesh).is_none());
+        // A split moving between tensor axes is one all-to-all; with the other mesh axis on
+        // one of those tensor axes it is a gather and a slice.
+        let names = |from: Vec<State>, to: Vec<State>| -> Vec<&'static str> {
+            conversions(&Placement(from), &Placement(to), &mesh)
+                .expect("possible")
+                .iter()
+                .map(Conversion::name)
+                .collect()
+        };
+        let (rows, cols) = (split(0, vec![4]), split(1, vec![8]));
+        assert_eq!(
+            names(
+                vec![rows.clone(), State::Replicated],
+                vec![cols.clone(), State::Replicated]
+            ),
+            ["all_to_all"]
+        );
+        assert_eq!(
+            names(
+                vec![rows.clone(), cols.clone()],
+                vec![cols, State::Replicated]
+            ),
+            ["all_gather", "all_gather", "slice"]
+        );
         let one = Placement(vec![split(1, vec![2, 2])]);
         assert_eq!(
             conversions(&Placement(vec![State::Partial]), &one, &[2]),

@@ -85,6 +85,9 @@ pub struct IlpSearch {
     pub micro_batch: Vec<u64>,
     /// Multi-node submeshes only of a power-of-two number of nodes.
     pub powers_of_two: bool,
+    /// The logical mesh shapes stages may use; empty: all.
+    #[serde(default)]
+    pub logical_meshes: Vec<[u64; 2]>,
     /// Whether stages may recompute their layers (`full` among the target's `recompute`).
     pub recompute: bool,
 }
@@ -107,6 +110,7 @@ impl IlpSearch {
             space: Space::Megatron,
             micro_batch,
             powers_of_two: false,
+            logical_meshes: Vec::new(),
             recompute: true,
         }
     }

@@ -50,6 +50,9 @@ pub struct PipelineOptions<'p> {
     pub max_exact_entries: f64,
     /// Multi-node submeshes only of a power-of-two number of nodes.
     pub powers_of_two: bool,
+    /// The logical mesh shapes stages may use (`[a, b]`, Alpa's logical shape space); empty:
+    /// every factorisation of every submesh.
+    pub logical_meshes: &'p [[u64; 2]],
     /// Whether stages may recompute their layers (activation checkpointing).
     pub recompute: bool,
     /// Measured kernel times the layer tables read (see [`StageOptions::profile`]).
@@ -337,13 +340,21 @@ const MAX_MEMO_ENTRIES: usize = 1 << 21;
 type MeshChoices = (Vec<(u64, u64)>, Vec<Vec<[u64; 2]>>);
 
 /// The mesh choices the search considers: every submesh (Alpa's shapes) with each of its
-/// logical meshes.
-fn mesh_choices(cluster: &Cluster, powers_of_two: bool) -> MeshChoices {
-    let submeshes = submesh_choices(cluster.nodes, cluster.gpus_per_node, powers_of_two);
-    let configs = submeshes
-        .iter()
-        .map(|&(n, m)| logical_meshes(n * m))
-        .collect();
+/// logical meshes, only those of `logical` when it names any (a submesh left with none is
+/// left out).
+fn mesh_choices(cluster: &Cluster, powers_of_two: bool, logical: &[[u64; 2]]) -> MeshChoices {
+    let mut submeshes = Vec::new();
+    let mut configs = Vec::new();
+    for (n, m) in submesh_choices(cluster.nodes, cluster.gpus_per_node, powers_of_two) {
+        let shapes: Vec<[u64; 2]> = logical_meshes(n * m)
+            .into_iter()
+            .filter(|l| logical.is_empty() || logical.contains(l))
+            .collect();
+        if !shapes.is_empty() {
+            submeshes.push((n, m));
+            configs.push(shapes);
+        }
+    }
     (submeshes, configs)
 }
 
@@ -353,8 +364,13 @@ fn distinct_layers(classes: &[usize]) -> Vec<usize> {
 }
 
 /// The size of the search [`plan_pipeline_with`] would run: layer tables and range prices.
-pub fn search_size(graph: &Graph, cluster: &Cluster, powers_of_two: bool) -> (u64, u64) {
-    let (_, configs) = mesh_choices(cluster, powers_of_two);
+pub fn search_size(
+    graph: &Graph,
+    cluster: &Cluster,
+    powers_of_two: bool,
+    logical: &[[u64; 2]],
+) -> (u64, u64) {
+    let (_, configs) = mesh_choices(cluster, powers_of_two, logical);
     let meshes: u64 = configs.iter().map(|c| c.len() as u64).sum();
     let distinct = distinct_layers(&layer_classes(graph)).len() as u64;
     let layers = graph.layers.len() as u64;
@@ -384,7 +400,7 @@ pub fn table_requests(
     cluster: &Cluster,
     opts: PipelineOptions,
 ) -> Vec<TableRequest> {
-    let (submeshes, configs) = mesh_choices(cluster, opts.powers_of_two);
+    let (submeshes, configs) = mesh_choices(cluster, opts.powers_of_two, opts.logical_meshes);
     let identities = layer_identities(graph);
     let stage_opts = opts.stage_options(1);
     jobs(&configs, &distinct_layers(&classes_of(&identities)))
@@ -447,7 +463,7 @@ pub fn price_pipeline_with(
     source: &dyn TableSource,
 ) -> Result<PricedPipeline, PipelineError> {
     let layers = graph.layers.len();
-    let (submeshes, configs) = mesh_choices(cluster, opts.powers_of_two);
+    let (submeshes, configs) = mesh_choices(cluster, opts.powers_of_two, opts.logical_meshes);
     let width = configs.iter().map(Vec::len).max().unwrap_or(0);
     let identities = layer_identities(graph);
     let classes = classes_of(&identities);

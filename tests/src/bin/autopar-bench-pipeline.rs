@@ -103,6 +103,7 @@ fn main() -> ExitCode {
             precision: Precision::Bf16,
             max_exact_entries: 4e6,
             powers_of_two: pow2,
+            logical_meshes: &[],
             recompute: true,
             profile: None,
         };
