@@ -885,12 +885,8 @@ impl<'p> Device<'p> {
             let single = self.dp_group.len() == 1;
             let mut at = 0;
             for k in &keys {
-                let state: &mut Tensor = match self.masters.get_mut(k) {
-                    Some(master) => master,
-                    None => match self.params.get_mut(k) {
-                        Some(p) => Arc::make_mut(p),
-                        None => continue,
-                    },
+                let Some(state) = optimizer_state(&mut self.masters, &mut self.params, *k) else {
+                    continue;
                 };
                 let span = at..at + state.len();
                 at = span.end;
@@ -925,12 +921,8 @@ impl<'p> Device<'p> {
             }
             let mut at = 0;
             for k in &keys {
-                let state: &mut Tensor = match self.masters.get_mut(k) {
-                    Some(master) => master,
-                    None => match self.params.get_mut(k) {
-                        Some(p) => Arc::make_mut(p),
-                        None => continue,
-                    },
+                let Some(state) = optimizer_state(&mut self.masters, &mut self.params, *k) else {
+                    continue;
                 };
                 let len = state.len();
                 state.data.copy_from_slice(&flat_p[at..at + len]);
@@ -952,6 +944,18 @@ impl<'p> Device<'p> {
             self.params.insert(k, Arc::new(weight));
         }
         Ok(())
+    }
+}
+
+/// The tensor Adam updates for parameter `k`: its sharded master weight, or the weight itself.
+fn optimizer_state<'a>(
+    masters: &'a mut HashMap<u32, Tensor>,
+    params: &'a mut HashMap<u32, Arc<Tensor>>,
+    k: u32,
+) -> Option<&'a mut Tensor> {
+    match masters.get_mut(&k) {
+        Some(master) => Some(master),
+        None => params.get_mut(&k).map(Arc::make_mut),
     }
 }
 

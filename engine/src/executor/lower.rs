@@ -1020,48 +1020,19 @@ fn axis_rules(
             let ry = rank_of(outs[0], values);
             let rx = rank_of(x, values);
             let has_bias = ins.len() == 3;
-            match p(w, values) {
+            let (reads, grads, out, fused_bias) = match p(w, values) {
                 State::Split { axis, parts } if axis == n_axis => {
                     // Column-parallel: the bias is split with the output.
-                    let out = State::Split {
-                        axis: ry - 1,
-                        parts,
-                    };
-                    let reads = [rep.clone(), p(w, values)];
-                    let grads = [State::Partial, p(w, values)];
-                    match bias_target {
-                        // Another mesh axis reduces the product first: the bias follows.
-                        Some(target) => {
-                            rules.push(matmul_rule(
-                                &[x, w],
-                                &[target],
-                                transpose_b,
-                                reads,
-                                grads,
-                                None,
-                                out,
-                            ));
-                            rules.push(bias_rule(
-                                target,
-                                ins[2],
-                                outs[0],
-                                p(outs[0], values),
-                                rank_of(outs[0], values),
-                            ));
-                        }
-                        None => {
-                            let sb = has_bias.then(|| p(ins[2], values));
-                            rules.push(matmul_rule(
-                                ins,
-                                &outs,
-                                transpose_b,
-                                reads,
-                                grads,
-                                sb.map(|b| [b.clone(), b]),
-                                out,
-                            ));
-                        }
-                    }
+                    let sb = has_bias.then(|| p(ins[2], values));
+                    (
+                        [rep.clone(), p(w, values)],
+                        [State::Partial, p(w, values)],
+                        State::Split {
+                            axis: ry - 1,
+                            parts,
+                        },
+                        sb.map(|b| [b.clone(), b]),
+                    )
                 }
                 State::Split { parts, .. } => {
                     // Row-parallel: partial sums, reduced into the output's placement; the bias
@@ -1083,65 +1054,49 @@ fn axis_rules(
                             parts,
                         },
                     };
-                    let target = bias_target.unwrap_or(outs[0]);
-                    rules.push(Rule {
-                        kernel: Kernel::MatMul {
-                            transpose_b,
-                            bias: false,
-                        },
-                        inputs: vec![x, w],
-                        outputs: vec![target],
-                        in_states: vec![x_state.clone(), p(w, values)],
-                        out_states: vec![State::Partial],
-                        grad_states: vec![x_state, p(w, values)],
-                    });
-                    if has_bias {
-                        rules.push(bias_rule(
-                            target,
-                            ins[2],
-                            outs[0],
-                            p(outs[0], values),
-                            rank_of(outs[0], values),
-                        ));
-                    }
+                    (
+                        [x_state.clone(), p(w, values)],
+                        [x_state, p(w, values)],
+                        State::Partial,
+                        None,
+                    )
                 }
                 _ => {
                     // A split of the operand's leading (row) axes carries to the result; one
                     // of the contraction (`[b, s, heads, d]`: its last two axes) is gathered.
                     let sx = keep_unless(p(x, values), &|a| a + 1 >= ry);
                     let wg = partial_if_split(&sx);
-                    let reads = [sx.clone(), rep.clone()];
-                    let grads = [sx.clone(), wg.clone()];
-                    match bias_target {
-                        Some(target) => {
-                            rules.push(matmul_rule(
-                                &[x, w],
-                                &[target],
-                                transpose_b,
-                                reads,
-                                grads,
-                                None,
-                                sx,
-                            ));
-                            rules.push(bias_rule(
-                                target,
-                                ins[2],
-                                outs[0],
-                                p(outs[0], values),
-                                rank_of(outs[0], values),
-                            ));
-                        }
-                        None => rules.push(matmul_rule(
-                            ins,
-                            &outs,
-                            transpose_b,
-                            reads,
-                            grads,
-                            has_bias.then(|| [rep.clone(), wg]),
-                            sx,
-                        )),
-                    }
+                    (
+                        [sx.clone(), rep.clone()],
+                        [sx.clone(), wg.clone()],
+                        sx,
+                        has_bias.then(|| [rep.clone(), wg]),
+                    )
                 }
+            };
+            match bias_target {
+                // Some mesh axis reduces the product first: the bias is added after.
+                Some(target) => {
+                    rules.push(matmul_rule(
+                        &[x, w],
+                        &[target],
+                        transpose_b,
+                        reads,
+                        grads,
+                        None,
+                        out,
+                    ));
+                    rules.push(bias_rule(target, ins[2], outs[0], p(outs[0], values), ry));
+                }
+                None => rules.push(matmul_rule(
+                    ins,
+                    &outs,
+                    transpose_b,
+                    reads,
+                    grads,
+                    fused_bias,
+                    out,
+                )),
             }
         }
         OpKind::BatchMatMul { transpose_b } => {
