@@ -400,16 +400,25 @@ fn check_budget(graph: &Graph, layout: &ExecLayout, name: &str) -> Result<(), En
 
 /// Refuses models whose training state would not fit the CPU backend's budget.
 fn check_size(graph: &Graph, layout: &ExecLayout, name: &str) -> Result<(), ExecError> {
-    // Parameters, gradients and two Adam moments in f32, once per data-parallel replica.
-    let bytes = graph.parameter_count() as f64 * 16.0 * layout.dp as f64;
+    // Parameters, gradients and two Adam moments in f32, once per data-parallel replica; an
+    // intra-op plan may replicate everything on every device of its widest stage.
+    let copies = layout.dp
+        * if layout.meshes.is_empty() {
+            1
+        } else {
+            (0..layout.pp)
+                .map(|j| layout.stage_devices(j))
+                .max()
+                .unwrap_or(1)
+        };
+    let bytes = graph.parameter_count() as f64 * 16.0 * copies as f64;
     if bytes > CPU_STATE_LIMIT {
         return Err(ExecError::TooLarge(format!(
             "`{name}` has {:.3e} parameters: its training state on the CPU backend needs {:.1} GiB \
-             for dp{}, above the {:.0} GiB the CPU backend allows; the CPU backend runs small \
-             models (e.g. the default workspace's tiny-llama targets)",
+             for {copies} cop(ies), above the {:.0} GiB the CPU backend allows; the CPU backend \
+             runs small models (e.g. the default workspace's tiny-llama targets)",
             graph.parameter_count() as f64,
             bytes / (1u64 << 30) as f64,
-            layout.dp,
             CPU_STATE_LIMIT / (1u64 << 30) as f64
         )));
     }
@@ -423,16 +432,15 @@ fn check_size(graph: &Graph, layout: &ExecLayout, name: &str) -> Result<(), Exec
         .sum();
     let virtual_stages = layout.chunks.iter().map(Vec::len).sum::<usize>().max(1);
     let inflight = layout.microbatches.min(virtual_stages).max(1);
-    let activations = per_microbatch * inflight as f64 * layout.dp as f64;
+    let activations = per_microbatch * inflight as f64 * copies as f64;
     if activations > CPU_STATE_LIMIT {
         return Err(ExecError::TooLarge(format!(
             "`{name}` at micro-batch {} x {} tokens saves up to {:.1} GiB of activations on the \
-             CPU backend ({inflight} micro-batch(es) in flight, dp{}), above the {:.0} GiB it \
-             allows",
+             CPU backend ({inflight} micro-batch(es) in flight, {copies} cop(ies)), above the \
+             {:.0} GiB it allows",
             graph.micro_batch,
             graph.seq,
             activations / (1u64 << 30) as f64,
-            layout.dp,
             CPU_STATE_LIMIT / (1u64 << 30) as f64
         )));
     }

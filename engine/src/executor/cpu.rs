@@ -37,7 +37,7 @@ pub struct Coord {
 /// What one device measured and, when checking, what it computed.
 #[derive(Debug, Default)]
 pub struct DeviceReport {
-    /// Sum of the losses of its micro-batches, per step (last stage, tensor rank 0 only).
+    /// Sum of the losses of its micro-batches, per step (last stage, mesh index 0 only).
     pub loss_sums: Vec<f64>,
     /// Wall time of every step, s.
     pub step_times: Vec<f64>,

@@ -1,11 +1,14 @@
 //! Lowering: a model graph and a parallel layout become the programs the devices run.
 //!
-//! Every tensor gets a placement inside its tensor-parallel group (Megatron-LM's scheme, as the
-//! graph's [`Split`]s state it). Every forward op becomes one or two [`Step`]s: the state each
-//! operand must be in (with the collectives that bring it there), the kernel, the state its
-//! outputs come out in (and the collectives to their placements), and the same for the
-//! backward. Megatron's `f`/`g` operators, sequence-parallel gathers and scatters and the
-//! vocabulary-parallel loss all follow from these rules rather than being special-cased.
+//! Every stage runs on a logical mesh and every tensor gets a placement on it, one state per
+//! mesh axis: Megatron-LM's scheme on the one-axis mesh of the tensor-parallel group (as the
+//! graph's [`Split`]s state it), or an intra-op plan's specs on its stages' meshes. Every forward
+//! op becomes one or two [`Step`]s: the placement each operand must be in (with the collectives
+//! that bring it there), the kernel, the placement its outputs come out in (and the collectives
+//! to their placements), and the same for the backward, each mesh axis's states derived by the
+//! same rules. Megatron's `f`/`g` operators, sequence-parallel gathers and scatters, the
+//! vocabulary-parallel loss and an intra-op plan's 2D shardings all follow from these rules
+//! rather than being special-cased.
 //! Layers are then grouped into the plan's chunks (virtual pipeline stages), and every stage
 //! gets its list of [`Action`]s in the order of the 1F1B or interleaved 1F1B schedule.
 

@@ -1,7 +1,8 @@
 //! The executor: lowers a plan into per-device programs and runs them (DESIGN.md "Executor").
 //!
 //! [`lower::lower`] turns a model graph and a parallel layout (data, tensor and pipeline
-//! degrees, interleaved chunks, sequence parallelism, ZeRO) into a [`Program`]. The CPU
+//! degrees, interleaved chunks, sequence parallelism, ZeRO; or an intra-op plan's stages on
+//! their logical meshes with every tensor's placement) into a [`Program`]. The CPU
 //! backend ([`run_program`]) runs it with one thread per virtual device on synthetic data and
 //! random weights; [`check`] compares a sharded run with the single-device run of the same
 //! model, loss and every gradient. The CUDA backend is probed by [`cuda::probe`].

@@ -1,15 +1,15 @@
-//! Where the pieces of a tensor live inside a tensor-parallel group, and the collectives that
-//! move a tensor from one placement to another.
+//! Where the pieces of a tensor live on a stage's logical mesh, and the collectives that move a
+//! tensor from one placement to another.
 //!
-//! A tensor is replicated, split along one axis, or (an intermediate state only) a partial sum
-//! that a reduction completes. A split axis may be made of *parts*, e.g. the fused QKV output
+//! Along each mesh axis a tensor is replicated, split along one of its axes, or (an
+//! intermediate state only) a partial sum that a reduction completes. A split axis may be made of *parts*, e.g. the fused QKV output
 //! `[q | k | v]`: rank `r` then holds the `r`-th slice of every part, so each rank keeps whole
 //! heads of q, k and v rather than the `r`-th contiguous block of the fused axis.
 
 use super::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
-/// The state of a value on the ranks of a tensor-parallel group.
+/// The state of a value along one mesh axis (on the ranks of a group along it).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum State {
