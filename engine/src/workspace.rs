@@ -16,6 +16,7 @@ use autopar_rules::plan::ilp::{IlpSearch, Space};
 use autopar_rules::plan::layout::{Recompute, TrainingOptions};
 use autopar_rules::plan::runtime::{GivenSettings, Runtime};
 use autopar_rules::plan::search::SearchSpace;
+use autopar_rules::solve::inter::submesh_choices;
 use serde::{Deserialize, Deserializer};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -870,16 +871,35 @@ impl Loader<'_> {
                 ilp.powers_of_two = matches!(m, Submeshes::PowersOfTwo);
             }
             if let Some(list) = nonempty(self, &s.logical_meshes, "logical_meshes")? {
+                // Each shape must lay out one of the cluster's submeshes (Alpa's shapes).
+                let c = &clusters[cluster];
+                let sizes: Vec<u64> = submesh_choices(c.nodes, c.gpus_per_node, ilp.powers_of_two)
+                    .iter()
+                    .map(|&(n, m)| n * m)
+                    .collect();
+                let expected = format!(
+                    "logical mesh shapes `AxB` of a submesh of cluster `{}` (A x B one of {} \
+                     devices, e.g. \"1x{}\")",
+                    c.name,
+                    sizes
+                        .iter()
+                        .map(u64::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    c.gpus_per_node
+                );
                 ilp.logical_meshes = list
                     .iter()
                     .map(|m| {
                         crate::sharding::parse_mesh(m.get_ref(), "logical_meshes")
+                            .ok()
+                            .filter(|(a, b)| sizes.contains(&(a * b)))
                             .map(|(a, b)| [a, b])
-                            .map_err(|_| {
+                            .ok_or_else(|| {
                                 self.diag(
                                     m.span().start,
                                     "target.search.logical_meshes",
-                                    "logical mesh shapes `AxB` with A, B >= 1 (e.g. \"2x2\")",
+                                    expected.clone(),
                                     format!("\"{}\"", m.get_ref()),
                                 )
                             })

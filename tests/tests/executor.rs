@@ -827,4 +827,27 @@ fn default_cpu_targets_of_the_ilp_space_run_as_planned() {
             "{target}"
         );
     }
+    // Other logical mesh shapes re-run the ILP search of that target, and explain says why.
+    let toml = ws.read("workspace.toml");
+    let edited = toml.replacen(
+        "logical_meshes = [\"2x2\"]",
+        "logical_meshes = [\"1x4\"]",
+        1,
+    );
+    assert_ne!(edited, toml);
+    ws.write("workspace.toml", &edited);
+    let b = ws.run(&["build", "tiny-llama-cpu-2d"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let plan: serde_json::Value =
+        serde_json::from_str(&ws.read("plans/tiny-llama-cpu-2d.json")).expect("plan");
+    assert_eq!(
+        plan["ilp"]["stages"][0]["mesh"]["logical"],
+        serde_json::json!([1, 4])
+    );
+    let explain = ws.run(&["explain", "tiny-llama-cpu-2d"]);
+    assert!(
+        explain.stdout.contains("logical mesh shapes changed"),
+        "{}",
+        explain.stdout
+    );
 }

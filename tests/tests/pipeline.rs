@@ -286,6 +286,34 @@ fn table_requests_are_exactly_the_tables_the_search_asks_for() {
 }
 
 #[test]
+fn logical_mesh_shapes_restrict_the_search() {
+    let g = llama(3, 1);
+    let c = cluster(2, 2);
+    let only = [[2u64, 2]];
+    let opts = PipelineOptions {
+        logical_meshes: &only,
+        ..options(4)
+    };
+    // Only the 2x2 submesh has a 2x2 logical mesh: 3 distinct layers on it.
+    let requests = table_requests(&g, &c, opts);
+    assert_eq!(requests.len(), 3);
+    assert!(requests.iter().all(|r| r.mesh.logical == [2, 2]));
+    let p = plan_pipeline(&g, &c, opts).expect("plans");
+    assert!(
+        p.stages.iter().all(|s| s.priced.mesh.logical == [2, 2]),
+        "{p:?}"
+    );
+    // No shape that lays out a submesh: nothing to search.
+    let none = [[3u64, 3]];
+    let opts = PipelineOptions {
+        logical_meshes: &none,
+        ..options(4)
+    };
+    assert!(table_requests(&g, &c, opts).is_empty());
+    assert!(plan_pipeline(&g, &c, opts).is_err());
+}
+
+#[test]
 fn a_tight_budget_limits_the_micro_batches_in_flight() {
     let g = llama(2, 1);
     let c = cluster(1, 2);
@@ -359,6 +387,25 @@ fn solve_pipeline_prints_and_reports_the_stages() {
     assert!(bad.stderr.contains("--gbs"), "{}", bad.stderr);
     let tight = ws.run(&[&base[..], &["--gbs", "16", "--memory-gib", "0.5"]].concat());
     assert_eq!(tight.code, 1, "{}", tight.stderr);
+    let square = ws
+        .run(
+            &[
+                &base[..],
+                &["--gbs", "16", "--logical-meshes", "2x2", "--json"],
+            ]
+            .concat(),
+        )
+        .json();
+    let stages = square["stages"].as_array().expect("stages");
+    assert!(
+        stages
+            .iter()
+            .all(|s| s["mesh"]["logical"] == serde_json::json!([2, 2])),
+        "{square}"
+    );
+    let odd = ws.run(&[&base[..], &["--gbs", "16", "--logical-meshes", "2by2"]].concat());
+    assert_eq!(odd.code, 2, "{}", odd.stderr);
+    assert!(odd.stderr.contains("--logical-meshes"), "{}", odd.stderr);
 }
 
 #[test]

@@ -202,6 +202,16 @@ fn bad_space_options_are_named() {
             "3",
         ),
         ("[target.search]\nsubmeshes = \"some\"", "submeshes", "some"),
+        (
+            "[target.search]\nlogical_meshes = [\"2by2\"]",
+            "target.search.logical_meshes",
+            "2by2",
+        ),
+        (
+            "[target.search]\nlogical_meshes = [\"3x3\"]",
+            "of a submesh of cluster",
+            "3x3",
+        ),
     ] {
         let ws = TempWorkspace::with_toml(&workspace(extra, 4));
         let r = ws.run(&["build"]);
