@@ -125,6 +125,61 @@ pub enum Command {
     /// squares on log step time, report them with leave-one-out errors, and write them as a
     /// calibration file a cluster reads.
     Calibrate(CalibrateArgs),
+    /// Write a plan as the launch configuration of a training framework (Megatron-LM script,
+    /// NeMo YAML, torchtitan TOML, DeepSpeed JSON, Megatron-DeepSpeed script); what the
+    /// framework cannot express is an error naming it.
+    Export(ExportArgs),
+}
+
+/// `autopar export`.
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// Target whose plan (plans/<target>.json) is exported.
+    #[arg(required_unless_present = "plan", conflicts_with = "plan")]
+    pub target: Option<String>,
+    /// A plan file to export instead of a target's.
+    #[arg(long, value_name = "FILE")]
+    pub plan: Option<PathBuf>,
+    /// The framework.
+    #[arg(long, value_enum)]
+    pub format: FormatArg,
+    /// Write here instead of to stdout.
+    #[arg(short = 'o', long = "output", value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Export the plan's best Megatron-LM layout where the plan chose an ILP pipeline that
+    /// Megatron-LM's layouts cannot express.
+    #[arg(long)]
+    pub megatron_layout: bool,
+    /// The DeepSpeed config file the Megatron-DeepSpeed script names.
+    #[arg(long, value_name = "FILE", default_value = "ds_config.json")]
+    pub deepspeed_config: String,
+}
+
+/// Frameworks of `autopar export`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum FormatArg {
+    /// Megatron-LM: `torchrun ... pretrain_gpt.py`, one argument per line.
+    Megatron,
+    /// NeMo (Megatron-Core GPT): the model YAML.
+    Nemo,
+    /// torchtitan: the job TOML.
+    Torchtitan,
+    /// DeepSpeed: the config JSON.
+    Deepspeed,
+    /// Megatron-DeepSpeed: `pretrain_gpt.py` reading the DeepSpeed config.
+    MegatronDeepspeed,
+}
+
+impl From<FormatArg> for autopar_engine::export::Framework {
+    fn from(f: FormatArg) -> Self {
+        match f {
+            FormatArg::Megatron => Self::Megatron,
+            FormatArg::Nemo => Self::Nemo,
+            FormatArg::Torchtitan => Self::Torchtitan,
+            FormatArg::Deepspeed => Self::Deepspeed,
+            FormatArg::MegatronDeepspeed => Self::MegatronDeepspeed,
+        }
+    }
 }
 
 /// `autopar calibrate`.

@@ -41,6 +41,14 @@ pub enum EngineError {
     /// A layout given on the command line cannot run.
     #[error(transparent)]
     Layout(#[from] autopar_rules::plan::layout::LayoutError),
+    /// A framework cannot express a plan (a dimension, sharding mode or split it lacks).
+    #[error("{framework} cannot express this plan: {what}")]
+    Inexpressible {
+        /// The framework.
+        framework: &'static str,
+        /// What it lacks.
+        what: String,
+    },
     /// The problem has no solution (memory cap, devices); the message says which constraint.
     #[error("{0}")]
     Infeasible(String),

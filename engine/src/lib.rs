@@ -10,6 +10,7 @@ pub mod db;
 pub mod diagnostic;
 pub mod error;
 pub mod executor;
+pub mod export;
 pub mod input;
 pub mod layer_costs;
 pub mod pipeline;

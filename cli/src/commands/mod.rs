@@ -5,6 +5,7 @@ mod cache;
 mod calibrate;
 mod estimate;
 mod explain;
+mod export;
 mod graph;
 mod plan;
 mod profile;
@@ -67,6 +68,7 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Graph(a) => graph::run(&session, a),
         Command::Validate(a) => validate::run(&session, a),
         Command::Calibrate(a) => calibrate::run(&session, a),
+        Command::Export(a) => export::run(&session, a),
         Command::Plan {
             command: PlanCommand::Show { target, json },
         } => plan::show(&session, target, *json),
@@ -82,6 +84,50 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Solve {
             command: SolveCommand::Pipeline(a),
         } => solve::pipeline(&session, a, dir, &remote),
+    }
+}
+
+/// The plan of `target`, refused when the workspace has moved on from it, or the plan in `file`.
+fn target_or_file_plan(
+    ws: &autopar_engine::workspace::Workspace,
+    target: Option<&str>,
+    file: Option<&std::path::Path>,
+) -> Result<autopar_rules::plan::format::Plan, Failure> {
+    use autopar_engine::plans::read_plan;
+    match (target, file) {
+        (_, Some(file)) => {
+            if !file.is_file() {
+                return Err(Failure::Input(anyhow::anyhow!(
+                    "--plan: expected a plan file, found nothing at {}",
+                    file.display()
+                )));
+            }
+            Ok(read_plan(&file.display().to_string(), file)?)
+        }
+        (Some(t), None) => {
+            let Some(built) = ws.target(t) else {
+                return Err(Failure::Input(anyhow::anyhow!(
+                    "target `{t}` is not known: expected one of {}",
+                    ws.targets
+                        .iter()
+                        .map(|t| t.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            };
+            let plan = read_plan(t, &ws.plan_path(t))?;
+            // A plan of other inputs would be used as if it were this workspace's.
+            if let Some(reasons) = autopar_engine::build::stale(ws, built) {
+                return Err(Failure::Failed(anyhow::anyhow!(
+                    "the plan of `{t}` is out of date ({}): run `autopar build {t}` first",
+                    reasons.join("; ")
+                )));
+            }
+            Ok(plan)
+        }
+        (None, None) => Err(Failure::Input(anyhow::anyhow!(
+            "expected a target or --plan FILE, found neither"
+        ))),
     }
 }
 

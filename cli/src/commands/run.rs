@@ -5,55 +5,18 @@ use crate::Failure;
 use crate::args::RunArgs;
 use crate::output::out;
 use crate::render;
-use autopar_engine::build::stale;
 use autopar_engine::cache::{Cache, cache_dir};
 use autopar_engine::executor::Backend;
 use autopar_engine::executor::RunOptions;
-use autopar_engine::plans::read_plan;
 use autopar_engine::run::{RunOutcome, run_plan};
 use autopar_engine::session::Session;
 use std::path::Path;
 
 pub fn run(session: &Session, a: &RunArgs, dir: Option<&Path>) -> Result<(), Failure> {
     let ws = session.workspace()?;
-    let plan = match (&a.target, &a.plan) {
-        (_, Some(file)) => {
-            if !file.is_file() {
-                return Err(Failure::Input(anyhow::anyhow!(
-                    "--plan: expected a plan file, found nothing at {}",
-                    file.display()
-                )));
-            }
-            read_plan(&file.display().to_string(), file)?
-        }
-        (Some(t), None) => {
-            let Some(target) = ws.target(t) else {
-                return Err(Failure::Input(anyhow::anyhow!(
-                    "target `{t}` is not known: expected one of {}",
-                    ws.targets
-                        .iter()
-                        .map(|t| t.name.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )));
-            };
-            let plan = read_plan(t, &ws.plan_path(t))?;
-            // Running a plan of other inputs would measure one thing against the prediction
-            // for another.
-            if let Some(reasons) = stale(&ws, target) {
-                return Err(Failure::Failed(anyhow::anyhow!(
-                    "the plan of `{t}` is out of date ({}): run `autopar build {t}` first",
-                    reasons.join("; ")
-                )));
-            }
-            plan
-        }
-        (None, None) => {
-            return Err(Failure::Input(anyhow::anyhow!(
-                "expected a target or --plan FILE, found neither"
-            )));
-        }
-    };
+    // Running a plan of other inputs would measure one thing against the prediction for
+    // another: a stale target plan is refused.
+    let plan = super::target_or_file_plan(&ws, a.target.as_deref(), a.plan.as_deref())?;
     let backend = Backend::from(a.backend);
     let cache = Cache::open(&cache_dir(dir, &ws));
     let opts = RunOptions {

@@ -234,6 +234,18 @@ impl Plan {
         Some(self)
     }
 
+    /// The layout the plan's `megatron_args` launch: the ILP pipeline when it won and
+    /// Megatron-LM can express it, else the best Megatron-LM layout.
+    pub fn launch_layout(&self) -> LaunchLayout {
+        let ilp = match (&self.space, &self.ilp) {
+            (Space::Ilp, Some(p)) if self.megatron_expressible => {
+                LaunchLayout::of_ilp(p, self.estimate.layout.global_batch)
+            }
+            _ => None,
+        };
+        ilp.unwrap_or_else(|| LaunchLayout::of_estimate(&self.estimate))
+    }
+
     /// Predicted step time of the chosen plan, s.
     pub fn step_time_s(&self) -> f64 {
         match (&self.space, &self.ilp) {
@@ -333,106 +345,130 @@ pub fn pipeline_layout(chunks: &[ChunkLayers], blocks: &[usize], layers: usize) 
     Some(out)
 }
 
+/// A Megatron-LM layout with the layers of every virtual stage: what a launch of Megatron-LM
+/// (or a framework built on its layouts) configures.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LaunchLayout {
+    /// Degrees, batch, interleaving, sequence parallelism, recomputation, ZeRO.
+    pub layout: Layout,
+    /// Layers of every virtual stage, in order (`chunk * pp + stage`).
+    pub chunks: Vec<ChunkLayers>,
+    /// Transformer blocks of every virtual stage.
+    pub blocks: Vec<usize>,
+    /// Under full recomputation: every block is recomputed (else the first
+    /// `chunks[k].full_recompute` blocks of each virtual stage).
+    pub every_block_recomputed: bool,
+}
+
+impl LaunchLayout {
+    /// The layout of a priced Megatron-LM layout.
+    pub fn of_estimate(e: &Estimate) -> LaunchLayout {
+        let chunks = e.assignment();
+        let (p, v) = (e.stages.len(), e.layout.interleave as usize);
+        let blocks = (0..p * v)
+            .map(|k| e.stages[k % p].chunks[k / p].blocks)
+            .collect();
+        let every_block_recomputed = e
+            .stages
+            .iter()
+            .flat_map(|s| &s.chunks)
+            .all(|c| c.full_recompute == c.blocks);
+        LaunchLayout {
+            layout: e.layout,
+            chunks,
+            blocks,
+            every_block_recomputed,
+        }
+    }
+
+    /// The layout of an ILP pipeline that Megatron-LM can express (every stage on the same
+    /// logical mesh, sharded as one of Megatron-LM's layouts of it), with its stages' layers;
+    /// `None` when it cannot.
+    pub fn of_ilp(p: &IlpPlan, global_batch: u64) -> Option<LaunchLayout> {
+        let first = p.stages.first()?;
+        let (tp, dp) = (first.megatron.tensor_parallel, first.megatron.data_parallel);
+        if !p.megatron_expressible || dp == 0 || p.micro_batch % dp != 0 {
+            return None;
+        }
+        let layers = p.stages.last()?.layers[1];
+        let recompute = megatron_recompute(&p.stages, layers).ok()?;
+        // The embedding is the first layer and the output layer the last; the others are
+        // blocks.
+        let blocks: Vec<usize> = p.stages.iter().map(|s| stage_blocks(s, layers)).collect();
+        let chunks: Vec<ChunkLayers> = p
+            .stages
+            .iter()
+            .zip(&blocks)
+            .map(|(s, &b)| ChunkLayers {
+                first: s.layers[0],
+                last: s.layers[1] - 1,
+                full_recompute: recompute.min(b),
+            })
+            .collect();
+        let every_block_recomputed = recompute > 0
+            && chunks
+                .iter()
+                .zip(&blocks)
+                .all(|(c, &b)| c.full_recompute == b);
+        let layout = Layout {
+            tp,
+            pp: p.stages.len() as u64,
+            dp,
+            micro_batch: p.micro_batch / dp,
+            global_batch,
+            interleave: 1,
+            sequence_parallel: first.megatron.sequence_parallel,
+            recompute: if recompute > 0 {
+                Recompute::Full
+            } else {
+                Recompute::None
+            },
+            zero: u8::from(
+                p.stages
+                    .iter()
+                    .flat_map(|s| &s.parameters)
+                    .any(|w| w.states != w.weight),
+            ),
+        };
+        Some(LaunchLayout {
+            layout,
+            chunks,
+            blocks,
+            every_block_recomputed,
+        })
+    }
+
+    /// Megatron-LM's `--pipeline-model-parallel-layout` when the split is not its default even
+    /// one.
+    pub fn pipeline_layout(&self) -> Option<String> {
+        let layers = self.chunks.last().map_or(0, |c| c.last + 1);
+        pipeline_layout(&self.chunks, &self.blocks, layers)
+    }
+}
+
 /// Megatron-LM command-line arguments for the estimate's layout and split. The parallel knobs
 /// are always given; the architecture flags, the custom pipeline layout and block-wise
 /// recomputation only for transformers (a graph file is not a Megatron-LM GPT model).
 pub fn megatron_args(def: &ModelDef, e: &Estimate, opts: &TrainingOptions) -> Vec<String> {
-    let chunks = e.assignment();
-    let blocks: Vec<usize> = {
-        let (p, v) = (e.stages.len(), e.layout.interleave as usize);
-        (0..p * v)
-            .map(|k| e.stages[k % p].chunks[k / p].blocks)
-            .collect()
-    };
-    let every_block_recomputed = e
-        .stages
-        .iter()
-        .flat_map(|s| &s.chunks)
-        .all(|c| c.full_recompute == c.blocks);
-    layout_args(
-        def,
-        &e.layout,
-        &chunks,
-        &blocks,
-        every_block_recomputed,
-        opts,
-    )
+    layout_args(def, &LaunchLayout::of_estimate(e), opts)
 }
 
-/// Megatron-LM command-line arguments running an ILP pipeline that Megatron-LM can express
-/// (every stage on the same logical mesh, sharded as one of Megatron-LM's layouts of it), with
-/// its stages' layers; `None` when it cannot.
+/// Megatron-LM command-line arguments running an ILP pipeline that Megatron-LM can express;
+/// `None` when it cannot.
 pub fn ilp_megatron_args(
     def: &ModelDef,
     p: &IlpPlan,
     global_batch: u64,
     opts: &TrainingOptions,
 ) -> Option<Vec<String>> {
-    let first = p.stages.first()?;
-    let (tp, dp) = (first.megatron.tensor_parallel, first.megatron.data_parallel);
-    if !p.megatron_expressible || dp == 0 || p.micro_batch % dp != 0 {
-        return None;
-    }
-    let layers = p.stages.last()?.layers[1];
-    let recompute = megatron_recompute(&p.stages, layers).ok()?;
-    // The embedding is the first layer and the output layer the last; the others are blocks.
-    let blocks: Vec<usize> = p.stages.iter().map(|s| stage_blocks(s, layers)).collect();
-    let chunks: Vec<ChunkLayers> = p
-        .stages
-        .iter()
-        .zip(&blocks)
-        .map(|(s, &b)| ChunkLayers {
-            first: s.layers[0],
-            last: s.layers[1] - 1,
-            full_recompute: recompute.min(b),
-        })
-        .collect();
-    let every_block_recomputed = recompute > 0
-        && chunks
-            .iter()
-            .zip(&blocks)
-            .all(|(c, &b)| c.full_recompute == b);
-    let layout = Layout {
-        tp,
-        pp: p.stages.len() as u64,
-        dp,
-        micro_batch: p.micro_batch / dp,
-        global_batch,
-        interleave: 1,
-        sequence_parallel: first.megatron.sequence_parallel,
-        recompute: if recompute > 0 {
-            Recompute::Full
-        } else {
-            Recompute::None
-        },
-        zero: u8::from(
-            p.stages
-                .iter()
-                .flat_map(|s| &s.parameters)
-                .any(|w| w.states != w.weight),
-        ),
-    };
-    Some(layout_args(
-        def,
-        &layout,
-        &chunks,
-        &blocks,
-        every_block_recomputed,
-        opts,
-    ))
+    LaunchLayout::of_ilp(p, global_batch).map(|l| layout_args(def, &l, opts))
 }
 
-/// The arguments of `l` with virtual stages `chunks` holding `blocks` blocks each.
-fn layout_args(
-    def: &ModelDef,
-    l: &Layout,
-    chunks: &[ChunkLayers],
-    blocks: &[usize],
-    every_block_recomputed: bool,
-    opts: &TrainingOptions,
-) -> Vec<String> {
-    let layers = chunks.last().map_or(0, |c| c.last + 1);
-    let layout = pipeline_layout(chunks, blocks, layers);
+/// Megatron-LM's arguments for launch layout `launch`.
+pub fn layout_args(def: &ModelDef, launch: &LaunchLayout, opts: &TrainingOptions) -> Vec<String> {
+    let (l, chunks) = (&launch.layout, &launch.chunks);
+    let every_block_recomputed = launch.every_block_recomputed;
+    let layout = launch.pipeline_layout();
     let mut a = Args::default();
     a.kv("tensor-model-parallel-size", l.tp);
     a.kv("pipeline-model-parallel-size", l.pp);

@@ -1,0 +1,42 @@
+//! `autopar export TARGET|--plan FILE --format F [-o FILE]`: a plan as a framework's launch
+//! configuration.
+
+use crate::Failure;
+use crate::args::ExportArgs;
+use crate::output::out;
+use autopar_engine::EngineError;
+use autopar_engine::export::{ExportOptions, export};
+use autopar_engine::session::Session;
+
+pub fn run(session: &Session, a: &ExportArgs) -> Result<(), Failure> {
+    let ws = session.workspace()?;
+    let plan = super::target_or_file_plan(&ws, a.target.as_deref(), a.plan.as_deref())?;
+    let model = ws
+        .model(&plan.model.name)
+        .ok_or_else(|| EngineError::Unknown {
+            what: "model",
+            name: plan.model.name.clone(),
+            expected: "the plan's model to be declared in the workspace".into(),
+        })?;
+    let opts = ExportOptions {
+        framework: a.format.into(),
+        megatron_layout: a.megatron_layout,
+        deepspeed_config: a.deepspeed_config.clone(),
+    };
+    let text = export(&plan, &model.def, &opts)?;
+    match &a.output {
+        Some(path) => {
+            std::fs::write(path, &text).map_err(|e| {
+                Failure::Failed(anyhow::anyhow!("cannot write {}: {e}", path.display()))
+            })?;
+            eprintln!(
+                "wrote {} ({} launch configuration of `{}`)",
+                path.display(),
+                opts.framework.name(),
+                plan.target
+            );
+        }
+        None => out!("{text}"),
+    }
+    Ok(())
+}
