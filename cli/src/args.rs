@@ -129,6 +129,14 @@ pub enum Command {
     /// NeMo YAML, torchtitan TOML, DeepSpeed JSON, Megatron-DeepSpeed script); what the
     /// framework cannot express is an error naming it.
     Export(ExportArgs),
+    /// Print a shell completion script (`autopar completions bash > /etc/bash_completion.d/autopar`).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page in roff (`autopar man > autopar.1; man ./autopar.1`).
+    Man,
 }
 
 /// `autopar export`.

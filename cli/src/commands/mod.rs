@@ -18,7 +18,7 @@ use crate::Failure;
 use crate::args::{
     CacheCommand, Cli, Command, PlanCommand, ProfileCommand, RemoteMode, SolveCommand,
 };
-use crate::output::outln;
+use crate::output::{out, outln};
 use autopar_engine::cache::{Mode, RemoteFlags};
 use autopar_engine::session::Session;
 
@@ -69,6 +69,24 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Validate(a) => validate::run(&session, a),
         Command::Calibrate(a) => calibrate::run(&session, a),
         Command::Export(a) => export::run(&session, a),
+        Command::Completions { shell } => {
+            // Into memory first: the generator panics on a write error (a closed pipe).
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            let name = cmd.get_name().to_string();
+            let mut script = Vec::new();
+            clap_complete::generate(*shell, &mut cmd, name, &mut script);
+            out!("{}", String::from_utf8_lossy(&script));
+            Ok(())
+        }
+        Command::Man => {
+            let cmd = <Cli as clap::CommandFactory>::command();
+            let mut page = Vec::new();
+            clap_mangen::Man::new(cmd)
+                .render(&mut page)
+                .map_err(|e| Failure::Failed(e.into()))?;
+            out!("{}", String::from_utf8_lossy(&page));
+            Ok(())
+        }
         Command::Plan {
             command: PlanCommand::Show { target, json },
         } => plan::show(&session, target, *json),
