@@ -115,13 +115,7 @@ pub fn exec_layout(plan: &Plan) -> ExecLayout {
 /// The graph a plan runs: its model at the plan's micro-batch and sequence, vocabulary padded
 /// as the plan's tensor-parallel degree pads it. The executor computes in f32.
 pub fn plan_graph(ws: &Workspace, plan: &Plan) -> Result<Graph, EngineError> {
-    let model = ws
-        .model(&plan.model.name)
-        .ok_or_else(|| EngineError::Unknown {
-            what: "model",
-            name: plan.model.name.clone(),
-            expected: "the plan's model to be declared in the workspace".into(),
-        })?;
+    let model = ws.plan_model(plan)?;
     let l = &plan.estimate.layout;
     model
         .def

@@ -125,6 +125,19 @@ impl Workspace {
         self.models.iter().find(|m| m.name == name)
     }
 
+    /// The model a stored plan trains, which the workspace must still declare.
+    pub fn plan_model(
+        &self,
+        plan: &autopar_rules::plan::format::Plan,
+    ) -> Result<&Model, EngineError> {
+        self.model(&plan.model.name)
+            .ok_or_else(|| EngineError::Unknown {
+                what: "model",
+                name: plan.model.name.clone(),
+                expected: "the plan's model to be declared in the workspace".into(),
+            })
+    }
+
     /// The cluster called `name`.
     pub fn cluster(&self, name: &str) -> Option<&Cluster> {
         self.clusters.iter().find(|c| c.name == name)

@@ -4,20 +4,13 @@
 use crate::Failure;
 use crate::args::ExportArgs;
 use crate::output::out;
-use autopar_engine::EngineError;
 use autopar_engine::export::{ExportOptions, export};
 use autopar_engine::session::Session;
 
 pub fn run(session: &Session, a: &ExportArgs) -> Result<(), Failure> {
     let ws = session.workspace()?;
     let plan = super::target_or_file_plan(&ws, a.target.as_deref(), a.plan.as_deref())?;
-    let model = ws
-        .model(&plan.model.name)
-        .ok_or_else(|| EngineError::Unknown {
-            what: "model",
-            name: plan.model.name.clone(),
-            expected: "the plan's model to be declared in the workspace".into(),
-        })?;
+    let model = ws.plan_model(&plan)?;
     let opts = ExportOptions {
         framework: a.format.into(),
         megatron_layout: a.megatron_layout,
