@@ -137,6 +137,44 @@ pub enum Command {
     },
     /// Print the manual page in roff (`autopar man > autopar.1; man ./autopar.1`).
     Man,
+    /// Price a layout you have in mind for a target (its model, cluster, batch, options and
+    /// profile, as the build priced its plan) and set it beside the plan, component by
+    /// component, with the main reason for the difference. Flags left out keep the plan's.
+    Whatif(WhatifArgs),
+}
+
+/// `autopar whatif`.
+#[derive(Debug, Args)]
+pub struct WhatifArgs {
+    /// The target whose plan the layout is compared with.
+    pub target: String,
+    /// Tensor-parallel size.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
+    pub tp: Option<u64>,
+    /// Pipeline-parallel size.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
+    pub pp: Option<u64>,
+    /// Data-parallel size (default: GPUs / (tp x pp) when tp or pp changes).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
+    pub dp: Option<u64>,
+    /// Micro-batch size.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
+    pub mbs: Option<u64>,
+    /// Model chunks per pipeline stage.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_LAYERS))]
+    pub vp: Option<u64>,
+    /// Sequence parallelism, `true` or `false`.
+    #[arg(long, value_name = "BOOL")]
+    pub sp: Option<bool>,
+    /// Activation recomputation.
+    #[arg(long, value_enum)]
+    pub recompute: Option<RecomputeArg>,
+    /// ZeRO stage.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=3))]
+    pub zero: Option<u8>,
+    /// Print JSON (`plan`, `alternative`, `delta`, `reason`) instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `autopar export`.

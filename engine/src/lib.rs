@@ -23,6 +23,7 @@ pub mod sapp;
 pub mod session;
 pub mod sharding;
 pub mod validate;
+pub mod whatif;
 pub mod workspace;
 
 pub use autopar_store::server;

@@ -13,6 +13,7 @@ mod run;
 mod solve;
 mod validate;
 mod watch;
+mod whatif;
 
 use crate::Failure;
 use crate::args::{
@@ -69,6 +70,7 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Validate(a) => validate::run(&session, a),
         Command::Calibrate(a) => calibrate::run(&session, a),
         Command::Export(a) => export::run(&session, a),
+        Command::Whatif(a) => whatif::run(&session, a),
         Command::Completions { shell } => {
             // Into memory first: the generator panics on a write error (a closed pipe).
             let mut cmd = <Cli as clap::CommandFactory>::command();

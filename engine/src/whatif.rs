@@ -1,0 +1,154 @@
+//! `autopar whatif`: a layout the user has in mind, priced for a target's model, cluster,
+//! batch, training options and profile exactly as the build priced the target's plan, and set
+//! beside the plan component by component.
+
+use crate::EngineError;
+use crate::workspace::Workspace;
+use autopar_rules::plan::estimate::{Estimate, Estimator, MemoryBreakdown, TimeBreakdown};
+use autopar_rules::plan::format::Plan;
+use autopar_rules::plan::layout::Layout;
+use serde::Serialize;
+
+/// The plan's layout and the alternative, priced alike.
+#[derive(Clone, Debug, Serialize)]
+pub struct WhatIf {
+    /// The plan's Megatron-LM layout, as the build priced it.
+    pub plan: Estimate,
+    /// The step time of the plan's ILP pipeline, when the plan chose it.
+    pub plan_ilp_step_time_s: Option<f64>,
+    /// The alternative layout, balanced and simulated as the build refines a layout.
+    pub alternative: Estimate,
+    /// Alternative less plan.
+    pub delta: Delta,
+    /// The main reason for the difference, in one line.
+    pub reason: String,
+}
+
+/// Alternative less plan, component by component.
+#[derive(Clone, Debug, Serialize)]
+pub struct Delta {
+    /// Step time, s.
+    pub step_time_s: f64,
+    /// Per time component, s.
+    pub time: TimeBreakdown,
+    /// Per memory component of the most loaded device, bytes.
+    pub memory: MemoryBreakdown,
+    /// Memory per device, GiB.
+    pub memory_per_device_gib: f64,
+}
+
+/// The time components, named for a reader.
+pub fn time_components(t: &TimeBreakdown) -> [(&'static str, f64); 8] {
+    [
+        ("compute", t.compute),
+        ("recomputation", t.recompute),
+        ("tensor-parallel communication", t.tp_comm),
+        ("pipeline transfers", t.p2p),
+        ("ZeRO communication", t.zero_comm),
+        ("pipeline bubble", t.bubble),
+        ("gradient synchronisation", t.grad_sync),
+        ("the optimizer step", t.optimizer),
+    ]
+}
+
+fn time_delta(a: &TimeBreakdown, b: &TimeBreakdown) -> TimeBreakdown {
+    TimeBreakdown {
+        compute: a.compute - b.compute,
+        recompute: a.recompute - b.recompute,
+        tp_comm: a.tp_comm - b.tp_comm,
+        p2p: a.p2p - b.p2p,
+        zero_comm: a.zero_comm - b.zero_comm,
+        bubble: a.bubble - b.bubble,
+        grad_sync: a.grad_sync - b.grad_sync,
+        optimizer: a.optimizer - b.optimizer,
+    }
+}
+
+fn memory_delta(a: &MemoryBreakdown, b: &MemoryBreakdown) -> MemoryBreakdown {
+    MemoryBreakdown {
+        weights: a.weights - b.weights,
+        grads: a.grads - b.grads,
+        optimizer: a.optimizer - b.optimizer,
+        activations: a.activations - b.activations,
+        workspace: a.workspace - b.workspace,
+        total: a.total - b.total,
+    }
+}
+
+/// Seconds as a reader wants them.
+fn secs(s: f64) -> String {
+    if s.abs() >= 1.0 {
+        format!("{:.2} s", s.abs())
+    } else {
+        format!("{:.1} ms", s.abs() * 1e3)
+    }
+}
+
+/// The one-line reason: the alternative does not fit, or the component that moved most.
+fn reason(plan: &Estimate, alt: &Estimate, d: &TimeBreakdown) -> String {
+    let name = alt.layout.describe();
+    if !alt.fits {
+        return format!(
+            "{name} does not fit: it needs {:.1} GiB per device, the device has {:.1} GiB usable",
+            alt.memory_per_device_gib,
+            alt.memory_capacity / autopar_rules::cost::cluster::GIB
+        );
+    }
+    if alt.layout == plan.layout {
+        return format!("{name} is the plan's own layout");
+    }
+    let (component, by) = time_components(d)
+        .into_iter()
+        .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+        .unwrap_or(("compute", 0.0));
+    let overall = alt.step_time_s - plan.step_time_s;
+    format!(
+        "{name} is {} {} the plan; its largest change: {} {} in {component}",
+        secs(overall),
+        if overall >= 0.0 {
+            "slower than"
+        } else {
+            "faster than"
+        },
+        if by >= 0.0 { "spends" } else { "saves" },
+        if by >= 0.0 {
+            format!("{} more", secs(by))
+        } else {
+            secs(by)
+        }
+    )
+}
+
+/// Prices `layout` for target `target` of `ws`, whose current plan is `plan`, and compares.
+pub fn whatif(
+    ws: &Workspace,
+    target: &str,
+    plan: &Plan,
+    layout: &Layout,
+) -> Result<WhatIf, EngineError> {
+    let t = ws.target(target).ok_or_else(|| EngineError::Unknown {
+        what: "target",
+        name: target.to_string(),
+        expected: "a target of the workspace".into(),
+    })?;
+    let model = ws.plan_model(plan)?;
+    let est = Estimator::new(&model.name, &model.def, &plan.cluster, plan.training)
+        .with_profile(t.profile.as_deref());
+    let alternative = est.refine(layout)?.estimate;
+    let p = &plan.estimate;
+    let time = time_delta(&alternative.time, &p.time);
+    Ok(WhatIf {
+        reason: reason(p, &alternative, &time),
+        delta: Delta {
+            step_time_s: alternative.step_time_s - p.step_time_s,
+            time,
+            memory: memory_delta(&alternative.memory, &p.memory),
+            memory_per_device_gib: alternative.memory_per_device_gib - p.memory_per_device_gib,
+        },
+        plan_ilp_step_time_s: (plan.space == autopar_rules::plan::ilp::Space::Ilp)
+            .then(|| plan.ilp.as_ref().map(|i| i.step_time_s))
+            .flatten(),
+        plan: p.clone(),
+        alternative,
+    })
+}

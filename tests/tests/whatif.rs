@@ -1,0 +1,93 @@
+//! `autopar whatif`: a layout priced as the build priced the target's plan, beside it.
+
+use autopar_tests::TempWorkspace;
+
+#[test]
+fn a_layout_beside_the_plan_component_by_component() {
+    let ws = TempWorkspace::default_copy();
+    let b = ws.run(&["build", "tiny-llama-3d", "gpt3-175b"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+
+    // The plan's own layout, priced again, is the plan to the last bit.
+    let same = ws.run(&["whatif", "tiny-llama-3d", "--json"]);
+    assert_eq!(same.code, 0, "{}", same.stderr);
+    let j = same.json();
+    assert_eq!(j["alternative"]["step_time_s"], j["plan"]["step_time_s"]);
+    assert_eq!(j["delta"]["step_time_s"], 0.0);
+    assert!(
+        j["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("the plan's own layout"))
+    );
+
+    // Tensor parallelism of 1 at micro-batch 2: the flags left out keep the plan's, dp takes
+    // the rest.
+    let r = ws.run(&[
+        "whatif",
+        "tiny-llama-3d",
+        "--tp",
+        "1",
+        "--mbs",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let j = r.json();
+    let alt = &j["alternative"]["layout"];
+    assert_eq!(
+        (alt["tp"].as_u64(), alt["pp"].as_u64(), alt["dp"].as_u64()),
+        (Some(1), Some(2), Some(4))
+    );
+    assert_eq!(alt["interleave"], j["plan"]["layout"]["interleave"]);
+    let step = |v: &serde_json::Value| v["step_time_s"].as_f64().unwrap_or(f64::NAN);
+    let d = step(&j["alternative"]) - step(&j["plan"]);
+    assert!(
+        (step(&j["delta"]) - d).abs() <= 1e-12 * d.abs().max(1e-9),
+        "{j}"
+    );
+    // The components add up to the step on both sides.
+    let parts = |t: &serde_json::Value| -> f64 {
+        [
+            "compute",
+            "recompute",
+            "tp_comm",
+            "p2p",
+            "zero_comm",
+            "bubble",
+            "grad_sync",
+            "optimizer",
+        ]
+        .iter()
+        .map(|k| t[k].as_f64().unwrap_or(0.0))
+        .sum()
+    };
+    for side in ["plan", "alternative"] {
+        let total = parts(&j[side]["time"]);
+        assert!(
+            (total - step(&j[side])).abs() <= 1e-6 * total,
+            "{side}: {j}"
+        );
+    }
+    let text = ws.run(&["whatif", "tiny-llama-3d", "--tp", "1", "--mbs", "2"]);
+    assert!(
+        text.stdout.contains("tensor-parallel communication"),
+        "{}",
+        text.stdout
+    );
+    assert!(text.stdout.contains("=> tp1 pp2 dp4"), "{}", text.stdout);
+
+    // Tensor parallelism of 8 without stages does not fit GPT-3 175B: said plainly.
+    let big = ws.run(&["whatif", "gpt3-175b", "--tp", "8", "--pp", "1"]);
+    assert_eq!(big.code, 0, "{}", big.stderr);
+    assert!(
+        big.stdout.contains("does not fit: it needs"),
+        "{}",
+        big.stdout
+    );
+
+    // Bad input.
+    let odd = ws.run(&["whatif", "tiny-llama-3d", "--tp", "3"]);
+    assert_eq!(odd.code, 2, "{}", odd.stderr);
+    assert!(odd.stderr.contains("--tp 3"), "{}", odd.stderr);
+    assert_eq!(ws.run(&["whatif", "nope"]).code, 2);
+}
