@@ -821,4 +821,15 @@ pub enum PlanCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Set two plan files side by side: the inputs that differ, each plan's step time, and
+    /// their Megatron-LM layouts component by component.
+    Diff {
+        /// The first plan file.
+        a: std::path::PathBuf,
+        /// The second plan file.
+        b: std::path::PathBuf,
+        /// Print JSON (`inputs`, `step_time_s`, `space`, `delta`, `reason`).
+        #[arg(long)]
+        json: bool,
+    },
 }

@@ -9,6 +9,57 @@ use autopar_rules::plan::ilp::{IlpPlan, Space};
 use autopar_rules::plan::layout::{Layout, Recompute};
 use autopar_rules::plan::partition::Attempt;
 use std::fmt::Write;
+
+/// Two priced layouts side by side, component by component: step, time components, memory by
+/// component and per device, whether each fits.
+pub fn comparison(
+    s: &mut String,
+    (left, a): (&str, &autopar_rules::plan::estimate::Estimate),
+    (right, b): (&str, &autopar_rules::plan::estimate::Estimate),
+) {
+    use autopar_engine::whatif::time_components;
+    let _ = writeln!(s, "  {:<32} {:>12} {:>12} {:>12}", "", left, right, "delta");
+    let row = |s: &mut String, name: &str, x: f64, y: f64, unit: &str| {
+        let _ = writeln!(
+            s,
+            "  {name:<32} {x:>10.3}{unit} {y:>10.3}{unit} {:>+10.3}{unit}",
+            y - x
+        );
+    };
+    row(s, "step", a.step_time_s, b.step_time_s, " s");
+    for ((name, x), (_, y)) in time_components(&a.time)
+        .into_iter()
+        .zip(time_components(&b.time))
+    {
+        row(s, name, x, y, " s");
+    }
+    for (name, x, y) in [
+        ("weights", a.memory.weights, b.memory.weights),
+        ("gradients", a.memory.grads, b.memory.grads),
+        ("optimizer states", a.memory.optimizer, b.memory.optimizer),
+        ("activations", a.memory.activations, b.memory.activations),
+        ("workspace", a.memory.workspace, b.memory.workspace),
+    ] {
+        row(s, &format!("memory: {name}"), x / GIB, y / GIB, "G");
+    }
+    row(
+        s,
+        "memory per device",
+        a.memory_per_device_gib,
+        b.memory_per_device_gib,
+        "G",
+    );
+    let yes = |f: bool| if f { "yes" } else { "no" };
+    let _ = writeln!(
+        s,
+        "  {:<32} {:>12} {:>12}   of {:.1} and {:.1} GiB usable",
+        "fits",
+        yes(a.fits),
+        yes(b.fits),
+        a.memory_capacity / GIB,
+        b.memory_capacity / GIB
+    );
+}
 use std::path::Path;
 
 /// `1234567` -> `1,234,567`.

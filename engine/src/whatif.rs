@@ -119,6 +119,79 @@ fn reason(plan: &Estimate, alt: &Estimate, d: &TimeBreakdown) -> String {
     )
 }
 
+/// `b` less `a`, and the main reason for the difference (`a` read as the plan).
+pub fn compare(a: &Estimate, b: &Estimate) -> (Delta, String) {
+    let time = time_delta(&b.time, &a.time);
+    let reason = reason(a, b, &time);
+    (
+        Delta {
+            step_time_s: b.step_time_s - a.step_time_s,
+            time,
+            memory: memory_delta(&b.memory, &a.memory),
+            memory_per_device_gib: b.memory_per_device_gib - a.memory_per_device_gib,
+        },
+        reason,
+    )
+}
+
+/// Two stored plans set side by side.
+#[derive(Clone, Debug, Serialize)]
+pub struct PlanDiff {
+    /// The inputs that differ (target, model, cluster, batch, training options, space).
+    pub inputs: Vec<String>,
+    /// Each plan's predicted step time (its ILP pipeline's where it chose one), s.
+    pub step_time_s: [f64; 2],
+    /// Each plan's space.
+    pub space: [autopar_rules::plan::ilp::Space; 2],
+    /// Their Megatron-LM layouts, B less A.
+    pub delta: Delta,
+    /// The main reason for the difference of their Megatron-LM layouts (A read as the plan).
+    pub reason: String,
+}
+
+/// Plan `b` against plan `a`.
+pub fn diff(a: &Plan, b: &Plan) -> PlanDiff {
+    let mut inputs = Vec::new();
+    let mut differ = |what: &str, x: String, y: String| {
+        if x != y {
+            inputs.push(format!("{what}: {x} -> {y}"));
+        }
+    };
+    differ("target", a.target.clone(), b.target.clone());
+    differ("model", a.model.name.clone(), b.model.name.clone());
+    let cluster = |p: &Plan| {
+        format!(
+            "{} ({} x {} {})",
+            p.cluster.name, p.cluster.nodes, p.cluster.gpus_per_node, p.cluster.device.name
+        )
+    };
+    differ("cluster", cluster(a), cluster(b));
+    differ(
+        "global batch",
+        a.estimate.layout.global_batch.to_string(),
+        b.estimate.layout.global_batch.to_string(),
+    );
+    // Each training option that differs, by its name in the plan file.
+    if let (Ok(serde_json::Value::Object(x)), Ok(serde_json::Value::Object(y))) = (
+        serde_json::to_value(a.training),
+        serde_json::to_value(b.training),
+    ) {
+        for (k, v) in &x {
+            let w = y.get(k).map_or_else(|| "-".to_string(), |w| w.to_string());
+            differ(&format!("training.{k}"), v.to_string(), w);
+        }
+    }
+    differ("space", format!("{:?}", a.space), format!("{:?}", b.space));
+    let (delta, reason) = compare(&a.estimate, &b.estimate);
+    PlanDiff {
+        inputs,
+        step_time_s: [a.step_time_s(), b.step_time_s()],
+        space: [a.space, b.space],
+        delta,
+        reason,
+    }
+}
+
 /// Prices `layout` for target `target` of `ws`, whose current plan is `plan`, and compares.
 pub fn whatif(
     ws: &Workspace,
@@ -136,15 +209,10 @@ pub fn whatif(
         .with_profile(t.profile.as_deref());
     let alternative = est.refine(layout)?.estimate;
     let p = &plan.estimate;
-    let time = time_delta(&alternative.time, &p.time);
+    let (delta, reason) = compare(p, &alternative);
     Ok(WhatIf {
-        reason: reason(p, &alternative, &time),
-        delta: Delta {
-            step_time_s: alternative.step_time_s - p.step_time_s,
-            time,
-            memory: memory_delta(&alternative.memory, &p.memory),
-            memory_per_device_gib: alternative.memory_per_device_gib - p.memory_per_device_gib,
-        },
+        reason,
+        delta,
         plan_ilp_step_time_s: (plan.space == autopar_rules::plan::ilp::Space::Ilp)
             .then(|| plan.ilp.as_ref().map(|i| i.step_time_s))
             .flatten(),

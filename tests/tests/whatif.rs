@@ -85,6 +85,53 @@ fn a_layout_beside_the_plan_component_by_component() {
         big.stdout
     );
 
+    // Two plan files side by side.
+    let same = ws.run(&[
+        "plan",
+        "diff",
+        "plans/tiny-llama-3d.json",
+        "plans/tiny-llama-3d.json",
+        "--json",
+    ]);
+    assert_eq!(same.code, 0, "{}", same.stderr);
+    assert_eq!(same.json()["inputs"], serde_json::json!([]));
+    assert_eq!(same.json()["delta"]["step_time_s"], 0.0);
+    let d = ws.run(&[
+        "plan",
+        "diff",
+        "plans/tiny-llama-3d.json",
+        "plans/gpt3-175b.json",
+        "--json",
+    ]);
+    assert_eq!(d.code, 0, "{}", d.stderr);
+    let j = d.json();
+    let inputs: Vec<&str> = j["inputs"]
+        .as_array()
+        .expect("inputs")
+        .iter()
+        .filter_map(serde_json::Value::as_str)
+        .collect();
+    assert!(
+        inputs.contains(&"model: tiny-llama -> gpt3-175b"),
+        "{inputs:?}"
+    );
+    assert!(inputs.contains(&"training.seq: 128 -> 2048"), "{inputs:?}");
+    let steps = j["step_time_s"].as_array().expect("steps");
+    let (a, b) = (
+        steps[0].as_f64().unwrap_or(0.0),
+        steps[1].as_f64().unwrap_or(0.0),
+    );
+    assert!((j["delta"]["step_time_s"].as_f64().unwrap_or(0.0) - (b - a)).abs() < 1e-9);
+    let text = ws.run(&[
+        "plan",
+        "diff",
+        "plans/tiny-llama-3d.json",
+        "plans/gpt3-175b.json",
+    ]);
+    assert!(text.stdout.contains("memory per device"), "{}", text.stdout);
+    let missing = ws.run(&["plan", "diff", "plans/tiny-llama-3d.json", "nope.json"]);
+    assert_eq!(missing.code, 2, "{}", missing.stderr);
+
     // Bad input.
     let odd = ws.run(&["whatif", "tiny-llama-3d", "--tp", "3"]);
     assert_eq!(odd.code, 2, "{}", odd.stderr);

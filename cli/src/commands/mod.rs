@@ -92,6 +92,9 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Plan {
             command: PlanCommand::Show { target, json },
         } => plan::show(&session, target, *json),
+        Command::Plan {
+            command: PlanCommand::Diff { a, b, json },
+        } => plan::diff(a, b, *json),
         Command::Solve {
             command: SolveCommand::Stages { input, json },
         } => solve::stages(input, *json),

@@ -4,9 +4,9 @@ use super::print_json;
 use crate::Failure;
 use crate::args::WhatifArgs;
 use crate::output::out;
+use crate::render;
 use autopar_engine::session::Session;
-use autopar_engine::whatif::{time_components, whatif};
-use autopar_rules::cost::cluster::GIB;
+use autopar_engine::whatif::whatif;
 use autopar_rules::plan::layout::Layout;
 use std::fmt::Write;
 
@@ -58,52 +58,7 @@ pub fn run(session: &Session, a: &WhatifArgs) -> Result<(), Failure> {
         plan.cluster.gpus_per_node,
         plan.cluster.device.name
     );
-    let _ = writeln!(
-        s,
-        "  {:<32} {:>12} {:>12} {:>12}",
-        "", "plan", "what-if", "delta"
-    );
-    let row = |s: &mut String, name: &str, a: f64, b: f64, unit: &str| {
-        let _ = writeln!(
-            s,
-            "  {name:<32} {:>10.3}{unit} {:>10.3}{unit} {:>+10.3}{unit}",
-            a,
-            b,
-            b - a
-        );
-    };
-    row(&mut s, "step", pl.step_time_s, al.step_time_s, " s");
-    for ((name, a), (_, b)) in time_components(&pl.time)
-        .into_iter()
-        .zip(time_components(&al.time))
-    {
-        row(&mut s, name, a, b, " s");
-    }
-    let m = |x: f64| x / GIB;
-    for (name, a, b) in [
-        ("weights", pl.memory.weights, al.memory.weights),
-        ("gradients", pl.memory.grads, al.memory.grads),
-        ("optimizer states", pl.memory.optimizer, al.memory.optimizer),
-        ("activations", pl.memory.activations, al.memory.activations),
-        ("workspace", pl.memory.workspace, al.memory.workspace),
-    ] {
-        row(&mut s, &format!("memory: {name}"), m(a), m(b), "G");
-    }
-    row(
-        &mut s,
-        "memory per device",
-        pl.memory_per_device_gib,
-        al.memory_per_device_gib,
-        "G",
-    );
-    let _ = writeln!(
-        s,
-        "  {:<32} {:>12} {:>12}   of {:.1} GiB usable",
-        "fits",
-        if pl.fits { "yes" } else { "no" },
-        if al.fits { "yes" } else { "no" },
-        al.memory_capacity / GIB
-    );
+    render::comparison(&mut s, ("plan", pl), ("what-if", al));
     if let Some(t) = w.plan_ilp_step_time_s {
         let _ = writeln!(
             s,
