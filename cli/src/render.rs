@@ -105,14 +105,7 @@ pub fn bytes(b: f64) -> String {
     }
 }
 
-/// Seconds, with milliseconds below one second.
-pub fn secs(s: f64) -> String {
-    if s >= 1.0 {
-        format!("{s:.2} s")
-    } else {
-        format!("{:.1} ms", s * 1e3)
-    }
-}
+pub use autopar_rules::plan::format::secs;
 
 /// The layout as a Megatron-LM user would say it.
 pub fn layout_line(l: &Layout, microbatches: u64) -> String {

@@ -13,7 +13,7 @@
 use crate::EngineError;
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::model::frontend::{Bias, Mlp, ModelDef, Norm, Position, TransformerConfig};
-use autopar_rules::plan::format::{LaunchLayout, Plan, layout_args, shell_quote};
+use autopar_rules::plan::format::{LaunchLayout, Plan, layout_args, secs, shell_quote};
 use autopar_rules::plan::ilp::Space;
 use autopar_rules::plan::layout::Recompute;
 use serde_json::{Value, json};
@@ -142,15 +142,6 @@ fn header(plan: &Plan, l: &LaunchLayout, mark: &str) -> String {
             plan.step_time_s()
         })
     )
-}
-
-/// Seconds as a reader wants them: `13.92 s`, `291.8 ms`.
-fn secs(s: f64) -> String {
-    if s >= 1.0 {
-        format!("{s:.2} s")
-    } else {
-        format!("{:.1} ms", s * 1e3)
-    }
 }
 
 /// `torchrun` over the cluster's nodes running `script` with `args`, one per line.

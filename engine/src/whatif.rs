@@ -75,13 +75,9 @@ fn memory_delta(a: &MemoryBreakdown, b: &MemoryBreakdown) -> MemoryBreakdown {
     }
 }
 
-/// Seconds as a reader wants them.
+/// The size of a time difference for a reader.
 fn secs(s: f64) -> String {
-    if s.abs() >= 1.0 {
-        format!("{:.2} s", s.abs())
-    } else {
-        format!("{:.1} ms", s.abs() * 1e3)
-    }
+    autopar_rules::plan::format::secs(s.abs())
 }
 
 /// The one-line reason: the alternative does not fit, or the component that moved most.

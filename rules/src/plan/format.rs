@@ -268,6 +268,15 @@ fn launch_line(cluster: &Cluster, args: &[String]) -> String {
     )
 }
 
+/// A duration for a reader: `13.92 s` from a second up, else `291.8 ms`.
+pub fn secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else {
+        format!("{:.1} ms", s * 1e3)
+    }
+}
+
 /// `arg` as one shell word: unchanged when it holds only characters no shell interprets, else
 /// in single quotes.
 pub fn shell_quote(arg: &str) -> String {
