@@ -105,6 +105,47 @@ fn mesh_index(at: &[usize], mesh: &[usize]) -> usize {
     at.iter().zip(mesh).fold(0, |i, (&c, &n)| i * n + c)
 }
 
+/// The group of a kernel communicating over mesh axes `axes` (ascending), from a device's
+/// `groups`, and the device's index in it.
+fn kernel_group<'g>(groups: &'g [(Vec<usize>, usize)], axes: &[usize]) -> (&'g [usize], usize) {
+    let (group, index) = &groups[axes.iter().fold(0, |m, &a| m | 1 << a)];
+    (group, *index)
+}
+
+/// The devices that differ from device `at` (mesh coordinates `coords`) only on the mesh axes
+/// of bit mask `axes`, in the order of their combined index over those axes (major first), and
+/// `at`'s index among them.
+fn mesh_group(
+    prog: &Program,
+    at: Coord,
+    mesh: &[usize],
+    coords: &[usize],
+    axes: usize,
+) -> (Vec<usize>, usize) {
+    let chosen: Vec<usize> = (0..mesh.len()).filter(|a| axes & (1 << a) != 0).collect();
+    let size: usize = chosen.iter().map(|&a| mesh[a]).product();
+    let mut c = coords.to_vec();
+    let group = (0..size)
+        .map(|k| {
+            // Digit `a` of combined index `k`, the last chosen axis fastest.
+            let mut rest = k;
+            for &a in chosen.iter().rev() {
+                c[a] = rest % mesh[a];
+                rest /= mesh[a];
+            }
+            rank_of(
+                prog,
+                Coord {
+                    m: mesh_index(&c, mesh),
+                    ..at
+                },
+            )
+        })
+        .collect();
+    let index = chosen.iter().fold(0, |i, &a| i * mesh[a] + coords[a]);
+    (group, index)
+}
+
 /// A deterministic value in `[-1, 1)` from a seed and a position (splitmix64).
 pub fn noise(parts: &[u64]) -> f32 {
     let mut z: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -169,8 +210,10 @@ pub struct Device<'p> {
     /// Its stage's logical mesh and its coordinates on it.
     mesh: Vec<usize>,
     coords: Vec<usize>,
-    /// The devices along each mesh axis through this one, in axis order.
-    axis_groups: Vec<Vec<usize>>,
+    /// For every set of mesh axes (bit `a`: axis `a`), the devices that differ from this one
+    /// only on those axes (combined major first) and this one's index among them: the group of
+    /// a collective along one axis, or of a kernel communicating over several.
+    groups: Vec<(Vec<usize>, usize)>,
     dp_group: Vec<usize>,
     params: HashMap<u32, Arc<Tensor>>,
     /// Master weights of the parameters whose optimizer states are placed apart from the
@@ -215,22 +258,8 @@ impl<'p> Device<'p> {
         let l = &prog.layout;
         let mesh = l.mesh(at.pp);
         let coords = mesh_coords(at.m, &mesh);
-        let axis_groups = (0..mesh.len())
-            .map(|a| {
-                (0..mesh[a])
-                    .map(|i| {
-                        let mut c = coords.clone();
-                        c[a] = i;
-                        rank_of(
-                            prog,
-                            Coord {
-                                m: mesh_index(&c, &mesh),
-                                ..at
-                            },
-                        )
-                    })
-                    .collect()
-            })
+        let groups = (0..1usize << mesh.len())
+            .map(|axes| mesh_group(prog, at, &mesh, &coords, axes))
             .collect();
         let dp_group = (0..l.dp)
             .map(|d| rank_of(prog, Coord { dp: d, ..at }))
@@ -262,7 +291,7 @@ impl<'p> Device<'p> {
             ep: Endpoint::new(fabric),
             mesh,
             coords,
-            axis_groups,
+            groups,
             dp_group,
             params,
             masters,
@@ -275,34 +304,6 @@ impl<'p> Device<'p> {
             outbox: HashMap::new(),
             report: DeviceReport::default(),
         }
-    }
-
-    /// The devices that differ from this one only on mesh axes `axes` (combined major first),
-    /// and this one's index among them.
-    fn kernel_group(&self, axes: &[usize]) -> (Vec<usize>, usize) {
-        let mut group = vec![self.me];
-        let mut index = 0;
-        for &a in axes {
-            let n = self.mesh[a];
-            let mut next = Vec::with_capacity(group.len() * n);
-            for &r in &group {
-                let base = coord_of(self.prog, r);
-                let mut c = mesh_coords(base.m, &self.mesh);
-                for i in 0..n {
-                    c[a] = i;
-                    next.push(rank_of(
-                        self.prog,
-                        Coord {
-                            m: mesh_index(&c, &self.mesh),
-                            ..base
-                        },
-                    ));
-                }
-            }
-            group = next;
-            index = index * n + self.coords[a];
-        }
-        (group, index)
     }
 
     /// Runs every step; returns what was measured.
@@ -507,7 +508,8 @@ impl<'p> Device<'p> {
         let bad = || ExecError::Lower("a conversion along a mesh axis the stage lacks".into());
         for c in convs {
             let a = c.axis();
-            let (group, rank) = (self.axis_groups.get(a).ok_or_else(bad)?, self.coords[a]);
+            let (group, rank) = self.groups.get(1 << a).ok_or_else(bad)?;
+            let (group, rank) = (group.as_slice(), *rank);
             let n = group.len();
             t = match c {
                 Conversion::Slice {
@@ -577,10 +579,10 @@ impl<'p> Device<'p> {
                 .map(|(&o, st)| st.local_shape(&prog.values[o as usize].shape, &self.mesh))
                 .collect();
             let refs: Vec<&Tensor> = inputs.iter().map(|t| &**t).collect();
-            let (members, rank) = self.kernel_group(&s.kernel_axes);
+            let (members, rank) = kernel_group(&self.groups, &s.kernel_axes);
             let mut group = KernelGroup {
                 ep: &mut self.ep,
-                group: &members,
+                group: members,
                 rank,
             };
             let f = kernels::forward(&s.kernel, &refs, &shapes, &mut group)?;
@@ -648,10 +650,10 @@ impl<'p> Device<'p> {
             let xs: Vec<&Tensor> = c.inputs.iter().map(|t| &**t).collect();
             let ys: Vec<&Tensor> = c.outputs.iter().map(|t| &**t).collect();
             let ds: Vec<&Tensor> = dys.iter().collect();
-            let (members, rank) = self.kernel_group(&s.kernel_axes);
+            let (members, rank) = kernel_group(&self.groups, &s.kernel_axes);
             let mut group = KernelGroup {
                 ep: &mut self.ep,
-                group: &members,
+                group: members,
                 rank,
             };
             // Under fused accumulation a parameter's gradient so far is lent to the kernel,

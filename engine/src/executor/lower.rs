@@ -608,10 +608,7 @@ fn megatron_placement(
                     .cloned()
                     .unwrap_or_else(|| vec![shape.get(a as usize).copied().unwrap_or(1)]),
             },
-            Split::Sequence(a) if layout.sequence_parallel => State::Split {
-                axis: a as usize,
-                parts: vec![shape.get(a as usize).copied().unwrap_or(1)],
-            },
+            Split::Sequence(a) if layout.sequence_parallel => split_whole(a as usize, shape),
             Split::Sequence(_) => State::Replicated,
         }
     };
