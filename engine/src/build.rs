@@ -435,6 +435,8 @@ fn ilp_options(t: &Target, mb: u64, budget: f64) -> PipelineOptions<'_> {
         powers_of_two: t.ilp.powers_of_two,
         logical_meshes: &t.ilp.logical_meshes,
         recompute: t.ilp.recompute,
+        grad_accumulation_fusion: t.options.grad_accumulation_fusion,
+        grad_reduce_in_fp32: t.options.grad_reduce_in_fp32,
         profile: t.profile.as_deref(),
     }
 }

@@ -14,6 +14,7 @@ use autopar_rules::cost::profile::{EntryId, ProfileRead};
 use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::Attention;
 use autopar_rules::model::graph::Graph;
+use autopar_rules::plan::runtime::Runtime;
 use autopar_rules::solve::intra::chain::{ChainError, Crossings, LayerTable, layer_table_with};
 use autopar_rules::solve::intra::stage::StageOptions;
 use autopar_rules::solve::pipeline::{
@@ -263,6 +264,9 @@ pub fn solve_pipeline(
         powers_of_two: req.powers_of_two,
         logical_meshes: &req.logical_meshes,
         recompute: req.recompute,
+        // Gradient buffers and their reduction as the default runtime keeps them.
+        grad_accumulation_fusion: Runtime::default().grad_accumulation_fusion(),
+        grad_reduce_in_fp32: Runtime::default().grad_reduce_in_fp32(req.precision),
     };
     let source = CachedTables::new(cache, &name);
     let infeasible = |e: PipelineError| EngineError::Infeasible(e.to_string());

@@ -353,7 +353,7 @@ fn run(
             .ok_or_else(|| bad(path, line, "zero", "0, 1, 2 or 3", format!("`{v}`")))?,
     };
     let runtime = match cells.get("runtime") {
-        None => Runtime::MegatronCore,
+        None => Runtime::default(),
         Some(v) => Runtime::parse(v).ok_or_else(|| {
             bad(
                 path,

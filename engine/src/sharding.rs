@@ -10,6 +10,7 @@ use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef};
 use autopar_rules::model::graph::{Graph, LayerKind};
 use autopar_rules::plan::layout::LayoutError;
+use autopar_rules::plan::runtime::Runtime;
 use autopar_rules::solve::intra::chain::{compose, range_tables};
 use autopar_rules::solve::intra::stage::{
     IntraError, SolverChoice, StageModel, StageOptions, StagePlan,
@@ -271,6 +272,9 @@ pub fn solve_sharding(
         precision: req.precision,
         solver: req.solver,
         time_limit: req.time_limit,
+        // Gradient buffers and their reduction as the default runtime keeps them.
+        grad_accumulation_fusion: Runtime::default().grad_accumulation_fusion(),
+        grad_reduce_in_fp32: Runtime::default().grad_reduce_in_fp32(req.precision),
         ..StageOptions::default()
     };
     let model = StageModel::build(&graph, layers.clone(), mesh, &cluster.device, stage)

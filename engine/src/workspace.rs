@@ -931,7 +931,7 @@ impl Loader<'_> {
         )?);
         let profile = overlay(profiles, &used);
         // The runtime's defaults, where the target does not set a field itself.
-        let runtime = t.runtime.unwrap_or(Runtime::MegatronCore);
+        let runtime = t.runtime.unwrap_or_default();
         Ok(Target {
             name: t.name.get_ref().clone(),
             model,

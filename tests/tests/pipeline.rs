@@ -62,6 +62,8 @@ fn options(microbatches: u64) -> PipelineOptions<'static> {
         powers_of_two: false,
         logical_meshes: &[],
         recompute: true,
+        grad_accumulation_fusion: true,
+        grad_reduce_in_fp32: true,
         profile: None,
     }
 }
@@ -75,10 +77,8 @@ fn exhaustive(g: &Graph, c: &Cluster, b: u64) -> f64 {
         *memo.entry((k, i, s, cfg)).or_insert_with(|| {
             let (n, m) = subs[s];
             let mesh = Mesh::logical(c, subs[s], logical_meshes(n * m)[cfg]);
-            let opts = StageOptions {
-                microbatches: b,
-                ..StageOptions::default()
-            };
+            // The whole range's problem with the search's own options (fp32 gradients).
+            let opts = options(b).stage_options(1);
             StageModel::build(g, k..i + 1, mesh, &c.device, opts)
                 .and_then(|m| m.solve())
                 .map_or(f64::INFINITY, |p| p.objective)

@@ -42,11 +42,13 @@ pub struct GivenSettings {
     pub overlap_param_gather: Option<bool>,
 }
 
-/// A training runtime whose defaults a layout is priced with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// A training runtime whose defaults a layout is priced with (Megatron-Core where none is
+/// named).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Runtime {
     /// Megatron-LM with Megatron-Core (2023 on).
+    #[default]
     MegatronCore,
     /// NVIDIA NeMo (Megatron-Core underneath).
     Nemo,

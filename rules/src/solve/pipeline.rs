@@ -55,6 +55,10 @@ pub struct PipelineOptions<'p> {
     pub logical_meshes: &'p [[u64; 2]],
     /// Whether stages may recompute their layers (activation checkpointing).
     pub recompute: bool,
+    /// See [`StageOptions::grad_accumulation_fusion`].
+    pub grad_accumulation_fusion: bool,
+    /// See [`StageOptions::grad_reduce_in_fp32`].
+    pub grad_reduce_in_fp32: bool,
     /// Measured kernel times the layer tables read (see [`StageOptions::profile`]).
     pub profile: Option<&'p Profile>,
 }
@@ -69,6 +73,8 @@ impl<'p> PipelineOptions<'p> {
             memory_budget: None,
             precision: self.precision,
             max_exact_entries: self.max_exact_entries,
+            grad_accumulation_fusion: self.grad_accumulation_fusion,
+            grad_reduce_in_fp32: self.grad_reduce_in_fp32,
             profile: self.profile,
             ..StageOptions::default()
         }
@@ -233,6 +239,7 @@ pub fn table_key(
                 opts.precision,
                 opts.max_exact_entries,
                 opts.grad_accumulation_fusion,
+                opts.grad_reduce_in_fp32,
             ),
         )
         .with("profile", reads)

@@ -105,6 +105,8 @@ fn main() -> ExitCode {
             powers_of_two: pow2,
             logical_meshes: &[],
             recompute: true,
+            grad_accumulation_fusion: true,
+            grad_reduce_in_fp32: true,
             profile: None,
         };
         // The engine's cached tables, in memory only: the second run finds every table.

@@ -77,6 +77,9 @@ pub struct StageOptions<'p> {
     /// (Megatron-LM's `--gradient-accumulation-fusion`); otherwise a separate kernel adds
     /// each fresh weight gradient to it.
     pub grad_accumulation_fusion: bool,
+    /// Gradient buffers are fp32 and gradients are reduced in fp32 (Megatron-LM's
+    /// `--accumulate-allreduce-grads-in-fp32`); otherwise both are in the working precision.
+    pub grad_reduce_in_fp32: bool,
     /// Measured kernel times: an op whose tile shapes the profile measured (under the name,
     /// pass and dtype `autopar profile` gives it) costs the measured time, as in Megatron-LM's
     /// layer costs.
@@ -94,18 +97,16 @@ impl Default for StageOptions<'_> {
             time_limit: 60.0,
             max_exact_entries: 4e6,
             grad_accumulation_fusion: true,
+            grad_reduce_in_fp32: false,
             profile: None,
         }
     }
 }
 
 impl StageOptions<'_> {
-    /// Bytes per parameter of weights, gradients and optimizer states. The intra-op problem
-    /// keeps gradients in the working precision: with a wider gradient buffer, composing
-    /// layer tables was found not to reproduce the whole range's optimum exactly (see the
-    /// README, "How a plan is found").
+    /// Bytes per parameter of weights, gradients and optimizer states.
     pub fn state_bytes(&self) -> StateBytes {
-        StateBytes::of(self.precision, false)
+        StateBytes::of(self.precision, self.grad_reduce_in_fp32)
     }
 }
 
@@ -442,7 +443,9 @@ struct Flow {
     to: usize,
     input: usize,
     /// The gather of a saved activation into a weight-gradient product: issued ahead and
-    /// overlapped with the input-gradient product of the same op ([`StageModel::flow_time`]).
+    /// overlapped with the input-gradient product of the same op ([`StageModel::flow_time`]),
+    /// wherever the activation was made (inside the range or entering it: a layer's table
+    /// must price it as the whole range does).
     overlapped: bool,
 }
 
@@ -695,8 +698,7 @@ impl<'g> StageModel<'g> {
                         input: i,
                         overlapped: tensor.kind == TensorKind::Activation
                             && op.grad_of.is_some()
-                            && graph.makes_weight_gradient(o)
-                            && matches!(from, Producer::Op(..)),
+                            && graph.makes_weight_gradient(o),
                     });
                 }
             }
