@@ -1,5 +1,6 @@
 //! Command-line interface definition.
 
+use autopar_rules::cost::context_parallel::CpComm;
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::limits;
 use autopar_rules::model::frontend::Attention;
@@ -154,9 +155,15 @@ pub struct WhatifArgs {
     /// Pipeline-parallel size.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
     pub pp: Option<u64>,
-    /// Data-parallel size (default: GPUs / (tp x pp) when tp or pp changes).
+    /// Data-parallel size (default: GPUs / (tp x cp x pp) when tp, cp or pp changes).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
     pub dp: Option<u64>,
+    /// Context-parallel size: ranks each sequence is split over.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
+    pub cp: Option<u64>,
+    /// How context-parallel ranks exchange keys and values.
+    #[arg(long, value_enum)]
+    pub cp_comm_type: Option<CpCommArg>,
     /// Micro-batch size.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
     pub mbs: Option<u64>,
@@ -668,6 +675,27 @@ impl From<AttentionArg> for Attention {
     }
 }
 
+/// Context-parallel communication on the command line (Megatron-Core's `--cp-comm-type`).
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum CpCommArg {
+    /// A ring of point-to-point transfers overlapped with blockwise attention.
+    P2p,
+    /// All-to-all between a sequence split and a head split (DeepSpeed-Ulysses).
+    A2a,
+    /// All-gather of keys and values.
+    Allgather,
+}
+
+impl From<CpCommArg> for CpComm {
+    fn from(c: CpCommArg) -> Self {
+        match c {
+            CpCommArg::P2p => CpComm::P2p,
+            CpCommArg::A2a => CpComm::A2a,
+            CpCommArg::Allgather => CpComm::AllGather,
+        }
+    }
+}
+
 /// Recomputation on the command line.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum RecomputeArg {
@@ -741,9 +769,16 @@ pub struct EstimateArgs {
     /// Pipeline-parallel size.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
     pub pp: u64,
-    /// Data-parallel size (default: GPUs / (tp x pp)).
+    /// Data-parallel size (default: GPUs / (tp x cp x pp)).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
     pub dp: Option<u64>,
+    /// Context-parallel size: ranks each sequence is split over (Megatron-Core's
+    /// `--context-parallel-size`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
+    pub cp: u64,
+    /// How context-parallel ranks exchange keys and values (Megatron-Core's `--cp-comm-type`).
+    #[arg(long, value_enum, default_value = "p2p")]
+    pub cp_comm_type: CpCommArg,
     /// Micro-batch size.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
     pub mbs: u64,

@@ -109,8 +109,13 @@ pub use autopar_rules::plan::format::secs;
 
 /// The layout as a Megatron-LM user would say it.
 pub fn layout_line(l: &Layout, microbatches: u64) -> String {
+    let cp = if l.cp > 1 {
+        format!(" · cp {} ({})", l.cp, l.cp_comm.name())
+    } else {
+        String::new()
+    };
     let mut s = format!(
-        "tp {} · pp {} · dp {} · micro-batch {} ({} micro-batches)",
+        "tp {}{cp} · pp {} · dp {} · micro-batch {} ({} micro-batches)",
         l.tp, l.pp, l.dp, l.micro_batch, microbatches
     );
     if l.interleave > 1 {
@@ -157,10 +162,11 @@ pub fn estimate(out: &mut String, e: &Estimate) {
     );
     let _ = writeln!(
         out,
-        "  time      compute {} · recompute {} · TP comm {} · p2p {} · ZeRO comm {} · bubble {} \
+        "  time      compute {} · recompute {} · {} comm {} · p2p {} · ZeRO comm {} · bubble {} \
          (ideal {:.1}%) · grad sync {} · optimizer {}",
         secs(t.compute),
         secs(t.recompute),
+        if e.layout.cp > 1 { "TP+CP" } else { "TP" },
         secs(t.tp_comm),
         secs(t.p2p),
         secs(t.zero_comm),
@@ -361,6 +367,31 @@ pub fn plan(p: &Plan, path: Option<&Path>, trace: Option<&Path>) -> String {
                 a.memory_per_device_gib
             );
         }
+    }
+    if let Some(w) = &p.without_cp {
+        let line = match (&w.best, w.least_memory_gib) {
+            (Some(a), _) => format!(
+                "{} {} · MFU {:.1}% · {:.1} GiB ({})",
+                a.layout.describe(),
+                secs(a.step_time_s),
+                a.mfu * 100.0,
+                a.memory_per_device_gib,
+                if a.step_time_s > e.step_time_s {
+                    format!(
+                        "context parallelism saves {:.1}%",
+                        (1.0 - e.step_time_s / a.step_time_s) * 100.0
+                    )
+                } else {
+                    "the plan has no context parallelism".into()
+                }
+            ),
+            (None, Some(least)) => format!(
+                "no layout fits: the leanest needs {least:.1} GiB per device of {:.1} GiB usable",
+                w.usable_gib
+            ),
+            (None, None) => "no layout can run".into(),
+        };
+        let _ = writeln!(out, "  no cp     {line}");
     }
     let _ = writeln!(
         out,

@@ -10,7 +10,7 @@ use autopar_rules::cost::cluster::Device;
 use autopar_rules::model::graph::Graph;
 use autopar_rules::plan::accuracy::{mean_abs, relative_error};
 use autopar_rules::plan::calibration::{KNOBS, Knob, log_squares, minimise};
-use autopar_rules::plan::estimate::Estimator;
+use autopar_rules::plan::estimate::{Estimator, GraphKey};
 use autopar_rules::plan::layout::TrainingOptions;
 use rayon::prelude::*;
 use serde::Serialize;
@@ -285,7 +285,7 @@ pub fn calibrate(
 }
 
 /// An estimator's lowered graphs.
-type Graphs = HashMap<(u64, u64), Arc<Graph>>;
+type Graphs = HashMap<GraphKey, Arc<Graph>>;
 
 /// The calibration file for `c`: the device and the fitted numbers, with what they achieve in
 /// comments. A `[[cluster]]` with `calibration = "FILE"` and the same device reads it.

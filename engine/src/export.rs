@@ -11,6 +11,7 @@
 //! Megatron-DeepSpeed's `arguments.py`.
 
 use crate::EngineError;
+use autopar_rules::cost::context_parallel::CpComm;
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::model::frontend::{Bias, Mlp, ModelDef, Norm, Position, TransformerConfig};
 use autopar_rules::plan::format::{LaunchLayout, Plan, layout_args, secs, shell_quote};
@@ -249,7 +250,8 @@ fn nemo(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<String, 
             "pipeline_model_parallel_size": lay.pp,
             "virtual_pipeline_model_parallel_size":
                 if lay.interleave > 1 { json!(lay.interleave) } else { Value::Null },
-            "context_parallel_size": 1,
+            "context_parallel_size": lay.cp,
+            "cp_comm_type": lay.cp_comm.name(),
             "expert_model_parallel_size": 1,
             "sequence_parallel": lay.sequence_parallel,
             "encoder_seq_length": plan.training.seq,
@@ -371,7 +373,25 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
     parallelism.insert("data_parallel_shard_degree".into(), int(shard));
     parallelism.insert("tensor_parallel_degree".into(), int(lay.tp));
     parallelism.insert("pipeline_parallel_degree".into(), int(lay.pp));
-    parallelism.insert("context_parallel_degree".into(), int(1));
+    parallelism.insert("context_parallel_degree".into(), int(lay.cp));
+    if lay.cp > 1 {
+        // torchtitan's ring attention passes the key/value shards round by all-to-all or
+        // gathers them all; it has no head-split (Ulysses) mode.
+        let rotate = match lay.cp_comm {
+            CpComm::P2p => "alltoall",
+            CpComm::AllGather => "allgather",
+            CpComm::A2a => {
+                return Err(cannot(
+                    f,
+                    "context parallelism with cp_comm = \"a2a\" (DeepSpeed-Ulysses' head split); torchtitan's context parallelism is ring attention only",
+                ));
+            }
+        };
+        parallelism.insert(
+            "context_parallel_rotate_method".into(),
+            toml::Value::String(rotate.into()),
+        );
+    }
     parallelism.insert("expert_parallel_degree".into(), int(1));
     // torchtitan sizes a step by `training.local_batch_size`; with pipelining it cuts that into
     // micro-batches of `pipeline_parallel_microbatch_size`, without it accumulates gradients
@@ -461,6 +481,16 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
 /// Checks what DeepSpeed's pipeline engine cannot run.
 fn deepspeed_layout(l: &LaunchLayout, f: Framework) -> Result<(), EngineError> {
     let lay = &l.layout;
+    if lay.cp > 1 && lay.cp_comm != CpComm::A2a {
+        return Err(cannot(
+            f,
+            format!(
+                "context parallelism with cp_comm = \"{}\"; DeepSpeed splits sequences only by \
+                 DeepSpeed-Ulysses' all-to-all (cp_comm = \"a2a\")",
+                lay.cp_comm.name()
+            ),
+        ));
+    }
     if lay.interleave > 1 {
         return Err(cannot(
             f,
@@ -593,6 +623,9 @@ fn megatron_deepspeed(
     }
     if lay.sequence_parallel {
         flags.push("--sequence-parallel".into());
+    }
+    if lay.cp > 1 {
+        flags.extend(["--ds-sequence-parallel-size".into(), lay.cp.to_string()]);
     }
     match lay.recompute {
         Recompute::None => {}

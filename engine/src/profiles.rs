@@ -18,9 +18,9 @@ pub fn template(ws: &Workspace, t: &Target) -> Profile {
     let cluster = &ws.clusters[t.cluster];
     let est = Estimator::new(&model.name, &model.def, cluster, t.options);
     let mut out = Profile::new(cluster.device.name.clone());
-    for (mb, tp, sp) in pricing_combinations(&t.search, cluster.gpus(), t.global_batch) {
+    for key in pricing_combinations(&t.search, cluster.gpus(), t.global_batch) {
         // Combinations that cannot run have nothing to measure.
-        if let Ok(p) = est.modelled_profile(mb, tp, sp) {
+        if let Ok(p) = est.modelled_profile(key) {
             out = out.overlaid(&p);
         }
     }

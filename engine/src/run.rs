@@ -157,6 +157,15 @@ pub fn prepare(ws: &Workspace, plan: &Plan) -> Result<Prepared, EngineError> {
 /// The graph and layout of the plan's best Megatron-LM layout (`estimate`).
 fn prepare_megatron(ws: &Workspace, plan: &Plan) -> Result<(Graph, ExecLayout), EngineError> {
     let (l, m) = (&plan.estimate.layout, plan.estimate.num_microbatches);
+    if l.cp > 1 {
+        return Err(ExecError::Lower(format!(
+            "the plan splits each sequence over cp = {} ranks ({}), and the executor does not run \
+             context parallelism yet; `autopar estimate` and `autopar export` take the layout",
+            l.cp,
+            l.cp_comm.name()
+        ))
+        .into());
+    }
     let devices = l.tp.checked_mul(l.pp).and_then(|x| x.checked_mul(l.dp));
     if devices != Some(plan.cluster.gpus()) {
         return Err(ExecError::Lower(format!(

@@ -10,7 +10,9 @@
 //! | `tp` `pp` `dp`| yes      | tensor-, pipeline- and data-parallel degrees |
 //! | `mbs` `gbs`   | yes      | micro-batch and global batch, sequences |
 //! | `step_time_s` | yes      | measured seconds per step, or `oom` for a run that ran out of memory |
-//! | `cp` `ep` `etp` | no (1) | context-, expert- and expert-tensor-parallel degrees (1 until autopar models them) |
+//! | `cp`          | no (1)   | context-parallel degree |
+//! | `cp_comm`     | no (p2p) | `p2p`, `a2a` or `allgather` (Megatron-Core's `--cp-comm-type`) |
+//! | `ep` `etp`    | no (1)   | expert- and expert-tensor-parallel degrees (1 until autopar models them) |
 //! | `vp`          | no (1)   | model chunks per pipeline stage |
 //! | `seq`         | no       | sequence length (default: the model's) |
 //! | `sp`          | no (false) | sequence parallelism (`true`/`false`/`1`/`0`) |
@@ -27,6 +29,7 @@
 
 use crate::diagnostic::Diagnostic;
 use crate::error::EngineError;
+use autopar_rules::cost::context_parallel::CpComm;
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::limits;
 use autopar_rules::model::frontend::Attention;
@@ -36,13 +39,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Every column a runs file may have.
-pub const COLUMNS: [&str; 25] = [
+pub const COLUMNS: [&str; 26] = [
     "model",
     "cluster",
     "tp",
     "pp",
     "dp",
     "cp",
+    "cp_comm",
     "ep",
     "etp",
     "vp",
@@ -309,7 +313,6 @@ fn run(
         }
     };
     for (name, what) in [
-        ("cp", "context parallelism"),
         ("ep", "expert parallelism"),
         ("etp", "expert tensor parallelism"),
     ] {
@@ -424,6 +427,12 @@ fn run(
         model: text("model")?,
         cluster: text("cluster")?,
         layout: Layout {
+            cp: int("cp", Some(1), limits::MAX_GPUS)?,
+            cp_comm: match cells.get("cp_comm") {
+                None => CpComm::default(),
+                Some(v) => CpComm::parse(v)
+                    .ok_or_else(|| bad(path, line, "cp_comm", CpComm::names(), format!("`{v}`")))?,
+            },
             tp: int("tp", None, limits::MAX_GPUS)?,
             pp: int("pp", None, limits::MAX_GPUS)?,
             dp: int("dp", None, limits::MAX_GPUS)?,
@@ -529,8 +538,12 @@ mod tests {
                 "runs.csv:2: field `tp`: expected an integer in 1..=",
             ),
             (
-                format!("{HEADER},cp\n{row},2"),
-                "runs.csv:2: field `cp`: expected 1 (autopar does not model context parallelism yet), found `2`",
+                format!("{HEADER},ep\n{row},2"),
+                "runs.csv:2: field `ep`: expected 1 (autopar does not model expert parallelism yet), found `2`",
+            ),
+            (
+                format!("{HEADER},cp,cp_comm\n{row},2,ring"),
+                "runs.csv:2: field `cp_comm`: expected p2p, a2a, allgather, found `ring`",
             ),
             (
                 format!("{HEADER},mb\n{row},2"),

@@ -5,6 +5,7 @@ use crate::error::EngineError;
 use autopar_rules::cost::cluster::{
     Cluster, DEVICE_FIELDS, Device, Network, cluster_preset_names, node_preset, preset,
 };
+use autopar_rules::cost::context_parallel::CpComm;
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::cost::profile::{Profile, parse_profile};
 use autopar_rules::limits;
@@ -417,6 +418,10 @@ struct RawSearch {
     recompute: Option<Spanned<Vec<Recompute>>>,
     #[serde(default)]
     zero: Option<Spanned<Vec<ZeroStage>>>,
+    #[serde(default)]
+    cp: Option<Spanned<Vec<Positive>>>,
+    #[serde(default)]
+    cp_comm: Option<Spanned<Vec<CpComm>>>,
     #[serde(default)]
     ilp_micro_batch: Option<Spanned<Vec<Positive>>>,
     #[serde(default)]
@@ -983,6 +988,12 @@ impl Loader<'_> {
         }
         if let Some(v) = nonempty(self, &s.zero, "zero")? {
             out.zero = v.into_iter().map(|z| z.0).collect();
+        }
+        if let Some(v) = ints(nonempty(self, &s.cp, "cp")?) {
+            out.cp = v;
+        }
+        if let Some(v) = nonempty(self, &s.cp_comm, "cp_comm")? {
+            out.cp_comm = v;
         }
         Ok(())
     }

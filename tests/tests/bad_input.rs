@@ -332,6 +332,22 @@ fn zero_stage_out_of_range() {
 }
 
 #[test]
+fn context_parallel_search_values() {
+    check(
+        "seq_len = 1024",
+        "seq_len = 1024\n[target.search]\ncp = [1, 0]",
+        "workspace.toml:22:10: field `target.search.cp`: expected a positive integer, found \
+         integer `0`",
+    );
+    check(
+        "seq_len = 1024",
+        "seq_len = 1024\n[target.search]\ncp = [1, 2]\ncp_comm = [\"ring\"]",
+        "workspace.toml:23:12: field `target.search.cp_comm`: expected one of `p2p`, `a2a`, \
+         `allgather`, found `ring`",
+    );
+}
+
+#[test]
 fn toml_syntax_error() {
     check(
         "[[target]]",
@@ -427,7 +443,7 @@ fn bad_command_line_values() {
                 "--gbs",
                 "8",
             ],
-            "error: --tp 4 x --pp 4: expected a product that divides the 8 GPUs of `node`, found 16; pass --dp, or a tp and pp that fit",
+            "error: --tp 4 x --cp 1 x --pp 4: expected a product that divides the 8 GPUs of `node`, found 16; pass --dp, or degrees that fit",
         ),
         (
             &[

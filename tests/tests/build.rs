@@ -3,13 +3,65 @@
 use autopar_tests::TempWorkspace;
 use serde_json::Value;
 
-const REQUIRED: [(&str, u64); 3] = [("gpt3-175b", 1024), ("llama2-70b", 64), ("llama3-8b", 8)];
+const REQUIRED: [(&str, u64); 5] = [
+    ("gpt3-175b", 1024),
+    ("llama2-70b", 64),
+    ("llama3-8b", 8),
+    ("llama3-8b-1m", 32),
+    ("llama3-8b-128k", 32),
+];
 
 fn target<'a>(report: &'a Value, name: &str) -> &'a Value {
     report["targets"]
         .as_array()
         .and_then(|ts| ts.iter().find(|t| t["name"] == name))
         .unwrap_or_else(|| panic!("target {name} missing from {report}"))
+}
+
+/// The long-sequence targets: at 1M tokens only context parallelism fits, and the plan says
+/// so; at 128K both fit, and the plan's step is never slower than the best without it (the
+/// space contains cp = 1).
+#[test]
+fn long_sequences_are_planned_with_context_parallelism() {
+    let ws = TempWorkspace::default_copy();
+    let run = ws.run(&["build", "llama3-8b-1m", "llama3-8b-128k"]);
+    assert_eq!(run.code, 0, "stderr:\n{}", run.stderr);
+    assert!(
+        run.stdout
+            .contains("no cp     no layout fits: the leanest needs"),
+        "{}",
+        run.stdout
+    );
+    let plan = |name: &str| -> Value {
+        serde_json::from_str(&ws.read(&format!("plans/{name}.json"))).expect("plan JSON")
+    };
+    let long = plan("llama3-8b-1m");
+    let cp = long["estimate"]["layout"]["cp"].as_u64().expect("cp");
+    assert!(cp > 1, "{}", long["estimate"]["layout"]);
+    let w = &long["without_cp"];
+    assert!(w["best"].is_null(), "{w}");
+    assert!(
+        w["least_memory_gib"].as_f64().expect("least") > w["usable_gib"].as_f64().expect("usable")
+    );
+    let args = long["megatron_args"].to_string();
+    assert!(
+        args.contains(&format!("--context-parallel-size\",\"{cp}")),
+        "{args}"
+    );
+    let mid = plan("llama3-8b-128k");
+    let step = mid["estimate"]["step_time_s"].as_f64().expect("step");
+    let plain = mid["without_cp"]["best"]["step_time_s"]
+        .as_f64()
+        .expect("a plan without cp fits");
+    assert!(step <= plain, "{step} vs {plain}");
+    // The executor does not run context parallelism: a clear refusal, not a wrong run.
+    let r = ws.run(&["run", "llama3-8b-1m"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("does not run context parallelism yet"),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]
@@ -23,11 +75,14 @@ fn default_workspace_plans_every_target() {
         let t = target(&report, name);
         assert_eq!(t["status"], "planned", "{t}");
         let l = &t["layout"];
-        let product = ["tp", "pp", "dp"]
+        let product = ["tp", "cp", "pp", "dp"]
             .iter()
             .map(|k| l[k].as_u64().expect("degree"))
             .product::<u64>();
-        assert_eq!(product, gpus, "{name}: tp x pp x dp uses the whole cluster");
+        assert_eq!(
+            product, gpus,
+            "{name}: tp x cp x pp x dp uses the whole cluster"
+        );
         assert_eq!(t["fits"], true);
         let mfu = t["mfu"].as_f64().expect("mfu");
         assert!(mfu > 0.2 && mfu < 0.8, "{name}: MFU {mfu}");

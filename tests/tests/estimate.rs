@@ -624,3 +624,67 @@ fn an_overlapped_reduction_leaves_only_the_last_layers_bucket() {
     assert!((states(&plain) / params - 18.0).abs() < 1e-9);
     assert!((states(&half) / params - 20.0).abs() < 1e-9);
 }
+
+/// Context parallelism splits every activation over the cp ranks and keeps the work of a
+/// step: with 4 ranks per sequence instead of 4 replicas, the activations per device fall to a
+/// quarter and the model FLOPs per step are the same (the attention core attends a rank's
+/// queries to every key). Megatron-Core's conditions are errors naming what does not divide.
+#[test]
+fn context_parallelism_splits_activations_and_keeps_the_work() {
+    let ws = TempWorkspace::default_copy();
+    let base = [
+        "--model",
+        "llama3-8b",
+        "--cluster",
+        "h100-sxm:4x8",
+        "--tp",
+        "8",
+        "--gbs",
+        "32",
+    ];
+    let run = |extra: &[&str]| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(&["--sp", "--seq", "65536"]);
+        args.extend_from_slice(extra);
+        estimate(&ws, &args)
+    };
+    let (plain, split) = (run(&["--cp", "1"]), run(&["--cp", "4"]));
+    assert_eq!(split["layout"]["cp"], 4);
+    assert_eq!(plain["layout"]["dp"], 4);
+    assert_eq!(split["layout"]["dp"], 1);
+    let act = |j: &serde_json::Value| number(&j["memory"], "activations");
+    let ratio = act(&split) / act(&plain);
+    assert!((ratio - 0.25).abs() < 1e-9, "activations ratio {ratio}");
+    let flops = |j: &serde_json::Value| number(j, "model_flops_per_step");
+    let rel = (flops(&split) / flops(&plain) - 1.0).abs();
+    assert!(rel < 1e-9, "model FLOPs differ by {rel}");
+    // The ring overlaps its transfers with attention; the all-gather does not.
+    let comm = |comm: &str| {
+        number(
+            &run(&["--cp", "4", "--cp-comm-type", comm])["time"],
+            "tp_comm",
+        )
+    };
+    assert!(comm("p2p") < comm("allgather"));
+    for (args, want) in [
+        (
+            vec!["--cp", "4", "--seq", "65540"],
+            "error: context parallelism cp = 4: the sequence of 65540 tokens does not split into 2 x cp = 8 equal chunks",
+        ),
+        (
+            vec!["--cp", "4", "--seq", "65536", "--cp-comm-type", "a2a"],
+            "error: context parallelism cp = 4: cp_comm = \"a2a\" splits the heads over tp x cp = 32 ranks, but the model has 8 key/value heads",
+        ),
+        (
+            vec!["--cp", "4", "--seq", "65536", "--attention", "unfused"],
+            "error: context parallelism cp = 4: needs attention = \"flash\" (the ring and the gathers feed a blockwise attention kernel)",
+        ),
+    ] {
+        let mut all = vec!["estimate"];
+        all.extend(base);
+        all.extend(args);
+        let r = ws.run(&all);
+        assert_eq!(r.code, 2, "{all:?}: {}", r.stderr);
+        assert!(r.stderr.contains(want), "{all:?}: {}", r.stderr);
+    }
+}

@@ -4,6 +4,7 @@
 //! parallelism, over tensor- and data-parallel meshes.
 
 use autopar_rules::cost::cluster::Cluster;
+use autopar_rules::cost::context_parallel::CpConfig;
 use autopar_rules::cost::layer_cost::{KernelOptions, LayerCostContext, Pricing};
 use autopar_rules::cost::profile::{EntryId, Profile};
 use autopar_rules::cost::sharding::Mesh;
@@ -52,9 +53,11 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
                     }
                     let plain = Pricing {
                         tp: TpConfig { t: tp, sp },
+                        cp: CpConfig::NONE,
                         device: &c.device,
                         kernels: &kernels,
                         tp_link: m.links[1],
+                        cp_link: m.links[1],
                         profile: None,
                     };
                     let ctx = LayerCostContext::new(&per_rank);

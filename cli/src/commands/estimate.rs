@@ -49,19 +49,22 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
         Some(dp) => dp,
         // The default must use the cluster exactly (clap bounds tp and pp, so the product
         // cannot overflow); say so here rather than report a zero dp from the layout check.
-        None if gpus % (a.tp * a.pp) == 0 => gpus / (a.tp * a.pp),
+        None if gpus % (a.tp * a.cp * a.pp) == 0 => gpus / (a.tp * a.cp * a.pp),
         None => {
             return Err(Failure::Input(anyhow::anyhow!(
-                "--tp {} x --pp {}: expected a product that divides the {gpus} GPUs of `{}`, \
-                 found {}; pass --dp, or a tp and pp that fit",
+                "--tp {} x --cp {} x --pp {}: expected a product that divides the {gpus} GPUs \
+                 of `{}`, found {}; pass --dp, or degrees that fit",
                 a.tp,
+                a.cp,
                 a.pp,
                 a.cluster,
-                a.tp * a.pp
+                a.tp * a.cp * a.pp
             )));
         }
     };
     let layout = Layout {
+        cp: a.cp,
+        cp_comm: a.cp_comm_type.into(),
         tp: a.tp,
         pp: a.pp,
         dp,

@@ -14,22 +14,28 @@ pub fn run(session: &Session, a: &WhatifArgs) -> Result<(), Failure> {
     let ws = session.workspace()?;
     let plan = super::target_or_file_plan(&ws, Some(&a.target), None)?;
     let p = plan.estimate.layout;
-    let (tp, pp) = (a.tp.unwrap_or(p.tp), a.pp.unwrap_or(p.pp));
+    let (tp, pp, cp) = (
+        a.tp.unwrap_or(p.tp),
+        a.pp.unwrap_or(p.pp),
+        a.cp.unwrap_or(p.cp),
+    );
     let gpus = plan.cluster.gpus();
     let dp = match a.dp {
         Some(dp) => dp,
-        None if (tp, pp) == (p.tp, p.pp) => p.dp,
-        None if gpus % (tp * pp) == 0 => gpus / (tp * pp),
+        None if (tp, pp, cp) == (p.tp, p.pp, p.cp) => p.dp,
+        None if gpus % (tp * cp * pp) == 0 => gpus / (tp * cp * pp),
         None => {
             return Err(Failure::Input(anyhow::anyhow!(
-                "--tp {tp} x --pp {pp}: expected a product that divides the {gpus} GPUs of `{}`, \
-                 found {}; pass --dp, or a tp and pp that fit",
+                "--tp {tp} x --cp {cp} x --pp {pp}: expected a product that divides the {gpus} \
+                 GPUs of `{}`, found {}; pass --dp, or degrees that fit",
                 plan.cluster.name,
-                tp * pp
+                tp * cp * pp
             )));
         }
     };
     let layout = Layout {
+        cp,
+        cp_comm: a.cp_comm_type.map_or(p.cp_comm, Into::into),
         tp,
         pp,
         dp,

@@ -1,5 +1,5 @@
-//! What one layer costs on one device under a tensor-parallel configuration: kernel time and
-//! communication per micro-batch, activations kept for the backward pass under each
+//! What one layer costs on one device under a tensor- and context-parallel configuration:
+//! kernel time and communication per micro-batch, activations kept for the backward pass under each
 //! recomputation mode, parameters held.
 
 use crate::canonical::KeyParts;
@@ -7,13 +7,14 @@ use crate::cost::analytic::{
     Collective, collective_time, gradient_accumulation, kernel_time, op_traffic,
 };
 use crate::cost::cluster::{Device, Link};
+use crate::cost::context_parallel::{self, AttentionBytes, CpConfig};
 use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, ProfileRead, kernel_name};
 use crate::cost::tensor_parallel::{
     Phase, TpConfig, collectives, device_shape_in_op, divided_axis_in_op, gemm_shape,
     op_device_flops, stored_bytes, stored_elements, tensor_bytes_in_op,
 };
 use crate::model::graph::{
-    DType, Graph, LayerKind, OpId, OpKind, Pass, Split, TensorId, TensorKind,
+    DType, Graph, LayerKind, Op, OpId, OpKind, Pass, Split, TensorId, TensorKind,
 };
 use serde::{Deserialize, Serialize};
 
@@ -39,11 +40,11 @@ pub struct LayerCost {
     pub kind: LayerKind,
     /// Forward kernel time, s.
     pub fwd_compute: f64,
-    /// Forward tensor-parallel communication, s.
+    /// Forward tensor- and context-parallel communication, s.
     pub fwd_comm: f64,
     /// Backward kernel time, s.
     pub bwd_compute: f64,
-    /// Backward tensor-parallel communication not hidden behind compute, s.
+    /// Backward tensor- and context-parallel communication not hidden behind compute, s.
     pub bwd_comm: f64,
     /// Forward kernel time of the attention-core ops (what selective recomputation re-runs), s.
     pub attention_core_compute: f64,
@@ -99,12 +100,16 @@ impl LayerCost {
 pub struct Pricing<'a> {
     /// Tensor-parallel configuration.
     pub tp: TpConfig,
+    /// Context-parallel configuration (the graph is one rank's: `seq / cp` tokens).
+    pub cp: CpConfig,
     /// The GPU.
     pub device: &'a Device,
     /// How kernels run.
     pub kernels: &'a KernelOptions,
     /// Links of the tensor-parallel group.
     pub tp_link: Link,
+    /// Links of the context-parallel group.
+    pub cp_link: Link,
     /// Measured times that override the analytic model.
     pub profile: Option<&'a Profile>,
 }
@@ -363,14 +368,32 @@ impl<'g> LayerCostContext<'g> {
         let layer = &g.layers[li];
         let mut reads = Vec::new();
         let mut c = LayerCost::empty(layer.kind);
+        // The attention core attends a rank's queries to every key: `cp` times the work of
+        // the graph's own tokens (see `context_parallel`).
+        let cp = p.cp.c.max(1) as f64;
         for &o in &layer.forward {
             let op = g.op(o);
-            let t = self.op_time(o, p, &mut reads);
+            let mut t = self.op_time(o, p, &mut reads);
+            let mut flops = op.flops;
+            if op.attention_core && p.cp.c > 1 {
+                let bwd_local = self.attention_backward_time(li, o, p);
+                let cpa = context_parallel::attention(
+                    p.cp,
+                    t,
+                    bwd_local,
+                    self.attention_bytes(op, tp),
+                    p.cp_link,
+                );
+                t = cpa.fwd_compute;
+                flops *= cp;
+                c.fwd_comm += cpa.fwd_comm;
+                c.bwd_comm += cpa.bwd_comm;
+            }
             c.fwd_compute += t;
-            c.fwd_flops += op.flops;
+            c.fwd_flops += flops;
             if op.attention_core {
                 c.attention_core_compute += t;
-                c.attention_core_flops += op.flops;
+                c.attention_core_flops += flops;
             }
             for coll in collectives(g, op, tp) {
                 let ct = self.collective_time(coll.kind, coll.bytes, p, &mut reads);
@@ -389,8 +412,13 @@ impl<'g> LayerCostContext<'g> {
         }
         for &o in &layer.backward {
             let op = g.op(o);
-            c.bwd_compute += self.op_time(o, p, &mut reads);
-            c.bwd_flops += op.flops;
+            let scale = if self.is_attention_backward(o) {
+                cp
+            } else {
+                1.0
+            };
+            c.bwd_compute += self.op_time(o, p, &mut reads) * scale;
+            c.bwd_flops += op.flops * scale;
             for &t in &op.outputs {
                 if g.tensor(t).kind == TensorKind::Gradient {
                     c.grad_working = c.grad_working.max(stored_bytes(g, t, tp));
@@ -414,6 +442,37 @@ impl<'g> LayerCostContext<'g> {
             .sum();
         c.borrowed_params = self.borrowed(li, tp);
         (c, reads)
+    }
+
+    /// Whether backward op `o` is the gradient of an attention core.
+    fn is_attention_backward(&self, o: OpId) -> bool {
+        self.g
+            .op(o)
+            .grad_of
+            .is_some_and(|f| self.g.op(f).attention_core)
+    }
+
+    /// Kernel time of the backward ops of attention-core op `o` of layer `li` over the graph's
+    /// own tokens (their profile reads are recorded where the backward pass is priced).
+    fn attention_backward_time(&self, li: usize, o: OpId, p: &Pricing<'_>) -> f64 {
+        self.g.layers[li]
+            .backward
+            .iter()
+            .filter(|&&b| self.g.op(b).grad_of == Some(o))
+            .map(|&b| self.op_time(b, p, &mut Vec::new()))
+            .sum()
+    }
+
+    /// Bytes one rank holds of an attention core's queries, keys and values, and output.
+    fn attention_bytes(&self, op: &Op, tp: TpConfig) -> AttentionBytes {
+        let g = self.g;
+        let size = |t: TensorId| tensor_bytes_in_op(g, op, t, tp);
+        let inputs: Vec<f64> = op.inputs.iter().map(|&t| size(t)).collect();
+        AttentionBytes {
+            q: inputs.first().copied().unwrap_or(0.0),
+            kv: inputs.iter().skip(1).sum(),
+            out: op.outputs.iter().map(|&t| size(t)).sum(),
+        }
     }
 
     /// Time of the weight-gradient product of forward op `o` of layer `li`, if it has one.
@@ -570,9 +629,14 @@ impl<'g> LayerCostContext<'g> {
         KeyParts::new("layer-cost")
             .with("subgraph", &self.canonical(li))
             .with("parallelism", &(p.tp.t, p.tp.sp))
-            // The cost reads the network only through the tensor-parallel group's link.
+            // The cost reads the network only through the tensor- and context-parallel
+            // groups' links.
             .with("device", &p.device.compute_part())
             .with("link", &p.tp_link)
+            .with(
+                "context_parallel",
+                &(p.cp.c > 1).then_some((p.cp, p.cp_link)),
+            )
             .with("kernels", p.kernels)
             .with("profile", &self.profile_reads(li, p))
     }
@@ -590,9 +654,11 @@ pub fn layer_costs(
     let ctx = LayerCostContext::new(g);
     let p = Pricing {
         tp,
+        cp: CpConfig::NONE,
         device,
         kernels,
         tp_link,
+        cp_link: tp_link,
         profile: None,
     };
     (0..g.layers.len()).map(|li| ctx.cost(li, &p)).collect()
@@ -650,9 +716,11 @@ mod tests {
             .group_link(1, 2);
         let p = Pricing {
             tp: TpConfig { t: 2, sp: true },
+            cp: CpConfig::NONE,
             device: &device,
             kernels: &KERNELS,
             tp_link: link,
+            cp_link: link,
             profile: None,
         };
         let keys = |g: &Graph| -> Vec<_> {
@@ -684,16 +752,19 @@ mod tests {
         let device = preset("h100-sxm").expect("preset");
         let g = gpt(2);
         let ctx = LayerCostContext::new(&g);
+        let link = crate::cost::cluster::Link {
+            latency: 1e-5,
+            bandwidth: 1e11,
+            pairwise_bandwidth: 1e11,
+            internode: false,
+        };
         let base = Pricing {
             tp: TpConfig { t: 1, sp: false },
+            cp: CpConfig::NONE,
             device: &device,
             kernels: &KERNELS,
-            tp_link: crate::cost::cluster::Link {
-                latency: 1e-5,
-                bandwidth: 1e11,
-                pairwise_bandwidth: 1e11,
-                internode: false,
-            },
+            tp_link: link,
+            cp_link: link,
             profile: None,
         };
         // Measure the first forward matrix product of block 1 at ten times its modelled time.

@@ -1,9 +1,10 @@
 //! The cost model: devices and clusters, measured profiles, the analytic kernel and collective
 //! costs, sharding specs and their resharding collectives, memory per device, and what a layer
-//! costs under Megatron-LM's tensor parallelism.
+//! costs under Megatron-LM's tensor and context parallelism.
 
 pub mod analytic;
 pub mod cluster;
+pub mod context_parallel;
 pub mod layer_cost;
 pub mod memory;
 pub mod profile;

@@ -3,11 +3,12 @@
 
 use crate::cost::analytic::{Collective, collective_time, p2p_time};
 use crate::cost::cluster::{Cluster, GIB, Link};
+use crate::cost::context_parallel::{CpComm, CpConfig};
 use crate::cost::layer_cost::{KernelOptions, LayerCost, LayerCostContext, Pricing};
 use crate::cost::memory::{StateBytes, model_states};
 use crate::cost::profile::Profile;
 use crate::cost::tensor_parallel::{TpConfig, indivisible_sequence, indivisible_split};
-use crate::model::frontend::{LowerOptions, ModelDef};
+use crate::model::frontend::{Attention, LowerOptions, ModelDef};
 use crate::model::graph::{Graph, LayerKind};
 use crate::plan::layout::{Layout, LayoutError, Recompute, TrainingOptions};
 use crate::solve::schedule::{
@@ -42,7 +43,8 @@ pub struct TimeBreakdown {
     pub compute: f64,
     /// Recomputation on the slowest stage.
     pub recompute: f64,
-    /// Tensor-parallel collectives on the slowest stage.
+    /// Tensor- and context-parallel collectives on the slowest stage (the part of the ring
+    /// attention exchange that attention does not hide).
     pub tp_comm: f64,
     /// Point-to-point transfers between stages on the slowest stage.
     pub p2p: f64,
@@ -290,6 +292,44 @@ impl CostSource for Direct {
     }
 }
 
+/// Which graph an estimator lowered: per micro-batch, vocabulary padding and tokens per
+/// sequence on one rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphKey {
+    /// Sequences per micro-batch.
+    pub micro_batch: u64,
+    /// Vocabulary padding multiple.
+    pub vocab_multiple: u64,
+    /// Tokens of each sequence on one rank.
+    pub seq: u64,
+}
+
+/// What a layer's cost depends on in a layout: its micro-batch, tensor parallelism (with or
+/// without sequence parallelism) and context parallelism.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PricingKey {
+    /// Sequences per micro-batch.
+    pub micro_batch: u64,
+    /// Tensor-parallel degree.
+    pub tp: u64,
+    /// Sequence parallelism.
+    pub sp: bool,
+    /// Context parallelism.
+    pub cp: CpConfig,
+}
+
+impl PricingKey {
+    /// The part of `l` its layer costs depend on.
+    pub fn of(l: &Layout) -> PricingKey {
+        PricingKey {
+            micro_batch: l.micro_batch,
+            tp: l.tp,
+            sp: l.sequence_parallel,
+            cp: l.cp_config(),
+        }
+    }
+}
+
 /// Prices layouts of one model on one cluster, caching graphs and layer costs across layouts.
 pub struct Estimator<'a> {
     name: &'a str,
@@ -298,8 +338,8 @@ pub struct Estimator<'a> {
     opts: TrainingOptions,
     costs: &'a dyn CostSource,
     profile: Option<&'a Profile>,
-    graphs: Mutex<HashMap<(u64, u64), Arc<Graph>>>,
-    prepared: Mutex<HashMap<(u64, u64, bool), Prepared>>,
+    graphs: Mutex<HashMap<GraphKey, Arc<Graph>>>,
+    prepared: Mutex<HashMap<PricingKey, Prepared>>,
     profiles: Mutex<HashMap<(usize, usize, usize), Profiles>>,
 }
 
@@ -333,13 +373,13 @@ impl<'a> Estimator<'a> {
     /// The same estimator starting from graphs another one lowered (of the same model and
     /// training options: see [`Estimator::graphs`]), so pricing the model on other device
     /// numbers lowers nothing again.
-    pub fn with_graphs(self, graphs: HashMap<(u64, u64), Arc<Graph>>) -> Self {
+    pub fn with_graphs(self, graphs: HashMap<GraphKey, Arc<Graph>>) -> Self {
         *lock(&self.graphs) = graphs;
         self
     }
 
-    /// The graphs lowered so far, by (micro-batch, vocabulary multiple).
-    pub fn graphs(&self) -> HashMap<(u64, u64), Arc<Graph>> {
+    /// The graphs lowered so far.
+    pub fn graphs(&self) -> HashMap<GraphKey, Arc<Graph>> {
         lock(&self.graphs).clone()
     }
 
@@ -359,16 +399,22 @@ impl<'a> Estimator<'a> {
         self.cluster
     }
 
-    /// The graph at micro-batch size `micro_batch`, with the vocabulary padded for degree `tp`.
-    pub fn graph(&self, micro_batch: u64, tp: u64) -> Result<Arc<Graph>, LayoutError> {
+    /// The graph one rank runs at micro-batch size `micro_batch` with the vocabulary padded
+    /// for degree `tp`, over its `seq / cp` tokens of every sequence.
+    pub fn graph(&self, micro_batch: u64, tp: u64, cp: u64) -> Result<Arc<Graph>, LayoutError> {
         let multiple = self.opts.vocab_multiple.max(1) * tp;
-        let key = (micro_batch, multiple);
+        let seq = self.opts.seq / cp.max(1);
+        let key = GraphKey {
+            micro_batch,
+            vocab_multiple: multiple,
+            seq,
+        };
         if let Some(g) = lock(&self.graphs).get(&key) {
             return Ok(g.clone());
         }
         let opts = LowerOptions {
             micro_batch,
-            seq: self.opts.seq,
+            seq,
             dtype: self.opts.precision.dtype(),
             attention: self.opts.attention,
             vocab_multiple: multiple,
@@ -382,14 +428,14 @@ impl<'a> Estimator<'a> {
         Ok(g)
     }
 
-    /// Graph and layer costs for the tensor-parallel part of a layout, checked for
-    /// divisibility; computed once per (micro-batch, tp, sp).
-    pub(crate) fn prepare(&self, micro_batch: u64, t: u64, sp: bool) -> Prepared {
-        let key = (micro_batch, t, sp);
+    /// Graph and layer costs for the tensor- and context-parallel part of a layout, checked
+    /// for divisibility; computed once per key.
+    pub(crate) fn prepare(&self, key: PricingKey) -> Prepared {
+        let PricingKey { tp: t, sp, .. } = key;
         if let Some(p) = lock(&self.prepared).get(&key) {
             return p.clone();
         }
-        let result = self.graph(micro_batch, t).and_then(|g| {
+        let result = self.graph(key.micro_batch, t, key.cp.c).and_then(|g| {
             if let Some((name, axis, size)) = indivisible_split(&g, t) {
                 return Err(LayoutError::TensorParallel {
                     what: format!("axis {axis} of `{name}`"),
@@ -406,7 +452,9 @@ impl<'a> Estimator<'a> {
             }
             let kernels = self.kernels();
             let ctx = LayerCostContext::new(&g);
-            let costs = self.costs.layer_costs(&ctx, &self.pricing(t, sp, &kernels));
+            let costs = self
+                .costs
+                .layer_costs(&ctx, &self.pricing(t, sp, key.cp, &kernels));
             Ok(Arc::new((g.clone(), costs)))
         });
         lock(&self.prepared).insert(key, result.clone());
@@ -422,32 +470,35 @@ impl<'a> Estimator<'a> {
         }
     }
 
-    /// What pricing a layer needs under tensor-parallel degree `t` and sequence parallelism
-    /// `sp`.
-    fn pricing<'k>(&'k self, t: u64, sp: bool, kernels: &'k KernelOptions) -> Pricing<'k> {
+    /// What pricing a layer needs under tensor-parallel degree `t`, sequence parallelism `sp`
+    /// and context parallelism `cp` (its ranks `t` apart, Megatron-Core's tp-cp-dp-pp order).
+    fn pricing<'k>(
+        &'k self,
+        t: u64,
+        sp: bool,
+        cp: CpConfig,
+        kernels: &'k KernelOptions,
+    ) -> Pricing<'k> {
         Pricing {
             tp: TpConfig { t, sp },
+            cp,
             device: &self.cluster.device,
             kernels,
             tp_link: self.cluster.group_link(1, t),
+            cp_link: self.cluster.group_link(t, cp.c),
             profile: self.profile,
         }
     }
 
-    /// Every kernel and collective the layers run under (micro-batch, `t`, `sp`), with the
-    /// analytic model's times: a template for measuring them.
-    pub fn modelled_profile(
-        &self,
-        micro_batch: u64,
-        t: u64,
-        sp: bool,
-    ) -> Result<Profile, LayoutError> {
-        let prepared = self.prepare(micro_batch, t, sp)?;
+    /// Every kernel and collective the layers run under `key`, with the analytic model's
+    /// times: a template for measuring them.
+    pub fn modelled_profile(&self, key: PricingKey) -> Result<Profile, LayoutError> {
+        let prepared = self.prepare(key)?;
         let g = &prepared.0;
         let kernels = self.kernels();
         let p = Pricing {
             profile: None,
-            ..self.pricing(t, sp, &kernels)
+            ..self.pricing(key.tp, key.sp, key.cp, &kernels)
         };
         let ctx = LayerCostContext::new(g);
         let mut out = Profile::new(self.cluster.device.name.clone());
@@ -457,10 +508,9 @@ impl<'a> Estimator<'a> {
         Ok(out)
     }
 
-    /// The graph and layer costs for micro-batch size `micro_batch`, tensor-parallel degree `t`
-    /// and sequence parallelism `sp`, or why that combination cannot run.
-    pub fn layer_costs(&self, micro_batch: u64, t: u64, sp: bool) -> Prepared {
-        self.prepare(micro_batch, t, sp)
+    /// The graph and layer costs under `key`, or why that combination cannot run.
+    pub fn layer_costs(&self, key: PricingKey) -> Prepared {
+        self.prepare(key)
     }
 
     /// Checks what does not depend on the graph: degrees, device count, batch split.
@@ -469,6 +519,7 @@ impl<'a> Estimator<'a> {
             ("tp", l.tp),
             ("pp", l.pp),
             ("dp", l.dp),
+            ("cp", l.cp),
             ("micro-batch", l.micro_batch),
             ("global batch", l.global_batch),
             ("interleave", l.interleave),
@@ -481,16 +532,23 @@ impl<'a> Estimator<'a> {
         if l.zero > 3 {
             return Err(LayoutError::ZeroStage(l.zero));
         }
-        let product = l.tp.saturating_mul(l.pp).saturating_mul(l.dp);
+        let product = l.stage_ranks().saturating_mul(l.pp);
         if product != self.cluster.gpus() {
+            let degrees = if l.cp > 1 {
+                format!(
+                    "tp x cp x pp x dp = {} x {} x {} x {}",
+                    l.tp, l.cp, l.pp, l.dp
+                )
+            } else {
+                format!("tp x pp x dp = {} x {} x {}", l.tp, l.pp, l.dp)
+            };
             return Err(LayoutError::DeviceCount {
-                tp: l.tp,
-                pp: l.pp,
-                dp: l.dp,
+                degrees,
                 product,
                 gpus: self.cluster.gpus(),
             });
         }
+        self.check_context_parallel(l)?;
         if l.global_batch % l.micro_batch.saturating_mul(l.dp) != 0 {
             return Err(LayoutError::BatchSplit {
                 global_batch: l.global_batch,
@@ -535,6 +593,45 @@ impl<'a> Estimator<'a> {
         Ok(())
     }
 
+    /// Megatron-Core's conditions on context parallelism: the sequence cut into `2 cp`
+    /// equal chunks (causal load balancing), flash attention (the blockwise kernel the ring
+    /// and the gathers feed), and for `a2a` every rank's tensor-parallel share of the query
+    /// and key/value heads split again over the `cp` ranks.
+    fn check_context_parallel(&self, l: &Layout) -> Result<(), LayoutError> {
+        if l.cp == 1 {
+            return Ok(());
+        }
+        let bad = |why: String| LayoutError::ContextParallel { cp: l.cp, why };
+        let seq = self.opts.seq;
+        if seq % (2 * l.cp) != 0 {
+            return Err(bad(format!(
+                "the sequence of {seq} tokens does not split into 2 x cp = {} equal chunks",
+                2 * l.cp
+            )));
+        }
+        if self.opts.attention != Attention::Flash {
+            return Err(bad(
+                "needs attention = \"flash\" (the ring and the gathers feed a blockwise attention kernel)".into(),
+            ));
+        }
+        if l.cp_comm == CpComm::A2a
+            && let Some(c) = self.model.transformer()
+        {
+            for (what, count) in [
+                ("attention heads", c.heads),
+                ("key/value heads", c.kv_heads),
+            ] {
+                if count % (l.tp * l.cp) != 0 {
+                    return Err(bad(format!(
+                        "cp_comm = \"a2a\" splits the heads over tp x cp = {} ranks, but the model has {count} {what}",
+                        l.tp * l.cp
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Prices `layout` with its layers split evenly (Megatron-LM's default), or says why it
     /// cannot run.
     pub fn evaluate(&self, layout: &Layout) -> Result<Estimate, LayoutError> {
@@ -547,7 +644,7 @@ impl<'a> Estimator<'a> {
         timing: Timing,
     ) -> Result<Estimate, LayoutError> {
         self.check(layout)?;
-        let prepared = self.prepare(layout.micro_batch, layout.tp, layout.sequence_parallel)?;
+        let prepared = self.prepare(PricingKey::of(layout))?;
         let (g, costs) = &*prepared;
         let chunks = even_chunks(g, layout)?;
         self.price(g, costs, &chunks, layout, Partition::Even, timing)
@@ -562,7 +659,7 @@ impl<'a> Estimator<'a> {
         partition: Partition,
     ) -> Result<Estimate, LayoutError> {
         self.check(layout)?;
-        let prepared = self.prepare(layout.micro_batch, layout.tp, layout.sequence_parallel)?;
+        let prepared = self.prepare(PricingKey::of(layout))?;
         let (g, costs) = &*prepared;
         check_assignment(g, layout, assignment)?;
         self.price(g, costs, assignment, layout, partition, Timing::Simulated)
@@ -610,7 +707,7 @@ impl<'a> Estimator<'a> {
             grads: grad_bytes,
             ..
         } = self.opts.state_bytes();
-        let d = l.dp;
+        let d = l.grad_ranks();
         let (saved, recompute) = match kind {
             Recompute::Full => (c.checkpoint, c.fwd_compute + c.fwd_comm),
             Recompute::Selective => (c.saved_selective, c.attention_core_compute),
@@ -660,7 +757,7 @@ impl<'a> Estimator<'a> {
     /// parallelism keeps it sharded.
     pub(crate) fn p2p_time(&self, bytes: f64, from: u64, to: u64, l: &Layout) -> f64 {
         let t = l.tp;
-        let stage_rank = |j: u64| j * t * l.dp;
+        let stage_rank = |j: u64| j * l.stage_ranks();
         let link: Link = self.cluster.p2p_link(stage_rank(from), stage_rank(to));
         if t > 1 {
             let gather = if l.sequence_parallel {
@@ -707,7 +804,8 @@ impl<'a> Estimator<'a> {
         let cluster = self.cluster;
         let device = &cluster.device;
         let precision = self.opts.precision;
-        let (p, v, t, d) = (l.pp, l.interleave, l.tp, l.dp);
+        // `d`: the ranks holding each weight (data- and context-parallel together).
+        let (p, v, t, d) = (l.pp, l.interleave, l.tp, l.grad_ranks());
         let (pu, vu) = (p as usize, v as usize);
         let m = l.num_microbatches();
         let mu = m as usize;
@@ -717,7 +815,7 @@ impl<'a> Estimator<'a> {
             grads: grad_bytes,
             ..
         } = self.opts.state_bytes();
-        let stage_rank = |j: u64| j * t * d;
+        let stage_rank = |j: u64| j * l.stage_ranks();
         let dp_link = cluster.group_link(t, d);
         let stage_of = |li: usize| -> usize {
             chunks
@@ -953,6 +1051,7 @@ impl<'a> Estimator<'a> {
             optimizer,
         };
 
+        // Every rank of a stage's tp group runs the layer's FLOPs over its `seq / cp` tokens.
         let replicas = (m * d) as f64;
         let model_flops: f64 =
             costs.iter().map(|c| c.fwd_flops + c.bwd_flops).sum::<f64>() * replicas;

@@ -8,7 +8,7 @@ use crate::plan::estimate::{ChunkLayers, Estimate};
 use crate::plan::ilp::{IlpPlan, Space, megatron_recompute, stage_blocks};
 use crate::plan::layout::{Layout, Recompute, TrainingOptions};
 use crate::plan::partition::Attempt;
-use crate::plan::search::SearchResult;
+use crate::plan::search::{SearchResult, WithoutCp};
 use serde::{Deserialize, Serialize};
 
 /// Version of the plan file layout.
@@ -36,6 +36,43 @@ pub struct Alternative {
     pub mfu: f64,
     /// Peak memory per device, GiB.
     pub memory_per_device_gib: f64,
+}
+
+/// The best layout without context parallelism, when the target's space has it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WithoutCpBest {
+    /// The fastest that fits (`None`: none fits).
+    pub best: Option<Alternative>,
+    /// When none fits: the memory per device the leanest needs, GiB.
+    pub least_memory_gib: Option<f64>,
+    /// Memory a device has for the plan, GiB.
+    pub usable_gib: f64,
+}
+
+impl WithoutCpBest {
+    fn of(w: &WithoutCp) -> WithoutCpBest {
+        let least = w.least_memory.as_ref();
+        WithoutCpBest {
+            best: w.best.as_ref().map(Alternative::of),
+            least_memory_gib: least.map(|e| e.memory.total / GIB),
+            usable_gib: w
+                .best
+                .as_ref()
+                .or(least)
+                .map_or(0.0, |e| e.memory_capacity / GIB),
+        }
+    }
+}
+
+impl Alternative {
+    fn of(e: &Estimate) -> Alternative {
+        Alternative {
+            layout: e.layout,
+            step_time_s: e.step_time_s,
+            mfu: e.mfu,
+            memory_per_device_gib: e.memory.total / GIB,
+        }
+    }
 }
 
 /// How much of the space the search covered.
@@ -124,6 +161,9 @@ pub struct Plan {
     pub ilp: Option<IlpPlan>,
     /// The next best layouts.
     pub alternatives: Vec<Alternative>,
+    /// When the search had context-parallel degrees: its best without context parallelism.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub without_cp: Option<WithoutCpBest>,
     /// Search coverage.
     pub search: SearchStats,
     /// How each way of splitting the layers did for the chosen layout.
@@ -170,17 +210,8 @@ impl Plan {
             },
             megatron_expressible: true,
             ilp: None,
-            alternatives: result
-                .ranked
-                .iter()
-                .skip(1)
-                .map(|e| Alternative {
-                    layout: e.layout,
-                    step_time_s: e.step_time_s,
-                    mfu: e.mfu,
-                    memory_per_device_gib: e.memory.total / GIB,
-                })
-                .collect(),
+            alternatives: result.ranked.iter().skip(1).map(Alternative::of).collect(),
+            without_cp: result.without_cp.as_ref().map(WithoutCpBest::of),
             search: SearchStats {
                 candidates: result.candidates,
                 valid: result.valid,
@@ -421,6 +452,9 @@ impl LaunchLayout {
                 .all(|(c, &b)| c.full_recompute == b);
         let layout = Layout {
             tp,
+            // The intra-op space has no context parallelism.
+            cp: 1,
+            cp_comm: Default::default(),
             pp: p.stages.len() as u64,
             dp,
             micro_batch: p.micro_batch / dp,
@@ -481,6 +515,10 @@ pub fn layout_args(def: &ModelDef, launch: &LaunchLayout, opts: &TrainingOptions
     let mut a = Args::default();
     a.kv("tensor-model-parallel-size", l.tp);
     a.kv("pipeline-model-parallel-size", l.pp);
+    if l.cp > 1 {
+        a.kv("context-parallel-size", l.cp);
+        a.kv("cp-comm-type", l.cp_comm.name());
+    }
     a.kv("micro-batch-size", l.micro_batch);
     a.kv("global-batch-size", l.global_batch);
     a.kv("seq-length", opts.seq);
@@ -623,6 +661,8 @@ mod tests {
     fn runtime_settings_become_megatron_flags_only_where_they_leave_its_defaults() {
         use crate::plan::runtime::{GivenSettings, Runtime};
         let layout = |dp: u64, zero: u8| Layout {
+            cp: 1,
+            cp_comm: Default::default(),
             tp: 1,
             pp: 1,
             dp,

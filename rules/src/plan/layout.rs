@@ -1,6 +1,7 @@
 //! A parallel layout (the knobs a Megatron-LM user sets by hand) and the options of a training
 //! run it is priced for.
 
+use crate::cost::context_parallel::{CpComm, CpConfig};
 use crate::cost::memory::Precision;
 use crate::error::FieldError;
 use crate::model::frontend::Attention;
@@ -60,18 +61,54 @@ pub struct Layout {
     pub recompute: Recompute,
     /// ZeRO stage (0 = plain data parallelism).
     pub zero: u8,
+    /// Context-parallel degree: ranks each sequence is split over (1: none).
+    #[serde(default = "one")]
+    pub cp: u64,
+    /// How context-parallel ranks exchange keys and values.
+    #[serde(default)]
+    pub cp_comm: CpComm,
+}
+
+fn one() -> u64 {
+    1
 }
 
 impl Layout {
+    /// The context-parallel part.
+    pub fn cp_config(&self) -> CpConfig {
+        CpConfig {
+            c: self.cp,
+            comm: self.cp_comm,
+        }
+    }
+
+    /// Ranks holding the same weights of a stage, over which gradients are reduced and
+    /// optimizer states sharded: data- and context-parallel together (Megatron-Core's
+    /// `data_parallel_group_with_cp`).
+    pub fn grad_ranks(&self) -> u64 {
+        self.dp.saturating_mul(self.cp)
+    }
+
+    /// GPUs of one pipeline stage: tp x cp x dp.
+    pub fn stage_ranks(&self) -> u64 {
+        self.tp.saturating_mul(self.cp).saturating_mul(self.dp)
+    }
+
     /// Micro-batches per pipeline per step.
     pub fn num_microbatches(&self) -> u64 {
         self.global_batch / self.micro_batch.saturating_mul(self.dp).max(1)
     }
 
-    /// Compact one-line description, e.g. `tp8 pp16 dp8 mb1 v2 sp rc=selective zero1`.
+    /// Compact one-line description, e.g. `tp8 pp16 dp8 mb1 v2 sp rc=selective zero1`, with
+    /// `cp4(p2p)` after tp under context parallelism.
     pub fn describe(&self) -> String {
+        let cp = if self.cp > 1 {
+            format!(" cp{}({})", self.cp, self.cp_comm.name())
+        } else {
+            String::new()
+        };
         format!(
-            "tp{} pp{} dp{} mb{} v{}{} rc={} zero{}",
+            "tp{}{cp} pp{} dp{} mb{} v{}{} rc={} zero{}",
             self.tp,
             self.pp,
             self.dp,
@@ -129,18 +166,22 @@ pub enum LayoutError {
     #[error("{0} must be at least 1")]
     ZeroDegree(&'static str),
     /// The degrees do not use the cluster exactly.
-    #[error("tp x pp x dp = {tp} x {pp} x {dp} = {product}, but the cluster has {gpus} GPUs")]
+    #[error("{degrees} = {product}, but the cluster has {gpus} GPUs")]
     DeviceCount {
-        /// Tensor-parallel degree.
-        tp: u64,
-        /// Pipeline-parallel degree.
-        pp: u64,
-        /// Data-parallel degree.
-        dp: u64,
+        /// The degrees multiplied, e.g. `tp x pp x dp = 5 x 1 x 1`.
+        degrees: String,
         /// Their product.
         product: u64,
         /// GPUs in the cluster.
         gpus: u64,
+    },
+    /// Context parallelism cannot split this model's sequence or heads this way.
+    #[error("context parallelism cp = {cp}: {why}")]
+    ContextParallel {
+        /// The degree.
+        cp: u64,
+        /// What does not divide, or what it needs.
+        why: String,
     },
     /// The global batch does not split into micro-batches per replica.
     #[error(

@@ -19,7 +19,7 @@
 use crate::cost::layer_cost::LayerCost;
 use crate::cost::memory::model_states;
 use crate::model::graph::{Graph, LayerKind};
-use crate::plan::estimate::{ChunkLayers, Estimate, Estimator, Partition, even_chunks};
+use crate::plan::estimate::{ChunkLayers, Estimate, Estimator, Partition, PricingKey, even_chunks};
 use crate::plan::layout::{Layout, LayoutError, Recompute};
 use crate::solve::balance::{
     BalanceProblem, Extra, KINDS, MemoryTerms, RecomputeKind, SolveStatus, balance,
@@ -66,7 +66,7 @@ impl Estimator<'_> {
     /// the fastest simulated step that fits (the least memory if none fits).
     pub fn refine(&self, layout: &Layout) -> Result<Refined, LayoutError> {
         self.check(layout)?;
-        let prepared = self.prepare(layout.micro_batch, layout.tp, layout.sequence_parallel)?;
+        let prepared = self.prepare(PricingKey::of(layout))?;
         let (g, costs) = &*prepared;
         let mut candidates: Vec<(Partition, Result<Vec<ChunkLayers>, String>)> =
             vec![(Partition::Even, Ok(even_chunks(g, layout)?))];
@@ -221,7 +221,12 @@ impl Estimator<'_> {
                 if k > 0 {
                     t += self.p2p_time(costs[k].input_bytes, 1, 0, l);
                 }
-                let states = model_states(held_sum, self.options().state_bytes(), l.zero, l.dp);
+                let states = model_states(
+                    held_sum,
+                    self.options().state_bytes(),
+                    l.zero,
+                    l.grad_ranks(),
+                );
                 let gathered = if l.zero == 3 {
                     let largest = borrowers
                         .iter()
@@ -326,7 +331,7 @@ impl Estimator<'_> {
         let bytes = self.options().state_bytes();
         let weight_bytes = bytes.weights;
         let states = |params: f64| {
-            let s = model_states(params, bytes, l.zero, l.dp);
+            let s = model_states(params, bytes, l.zero, l.grad_ranks());
             s.weights + s.grads + s.optimizer
         };
         let kinds = [Recompute::None, Recompute::Selective, Recompute::Full];
@@ -451,6 +456,7 @@ impl Estimator<'_> {
 mod tests {
     use super::*;
     use crate::cost::cluster::Cluster;
+    use crate::cost::context_parallel::CpConfig;
     use crate::cost::memory::Precision;
     use crate::model::frontend::{
         Attention, Bias, Mlp, ModelDef, Norm, Position, TransformerConfig,
@@ -497,6 +503,8 @@ mod tests {
 
     fn layout(pp: u64, v: u64, recompute: Recompute) -> Layout {
         Layout {
+            cp: 1,
+            cp_comm: Default::default(),
             tp: 1,
             pp,
             dp: 1,
@@ -582,7 +590,14 @@ mod tests {
                 .filter(|e| e.fits)
                 .map(|e| proxy(&e))
                 .fold(f64::INFINITY, f64::min);
-            let prepared = est.prepare(1, 1, false).expect("prepares");
+            let prepared = est
+                .prepare(PricingKey {
+                    micro_batch: 1,
+                    tp: 1,
+                    sp: false,
+                    cp: CpConfig::NONE,
+                })
+                .expect("prepares");
             let chunks = est.dp_chunks(&prepared.1, &l).expect("a split fits");
             let got = est
                 .evaluate_assignment(&l, &chunks, Partition::Dp)

@@ -3,7 +3,8 @@
 //! that fit in memory.
 
 use crate::canonical::{Digest, digest};
-use crate::plan::estimate::{Estimate, Estimator, Timing};
+use crate::cost::context_parallel::CpComm;
+use crate::plan::estimate::{Estimate, Estimator, PricingKey, Timing};
 use crate::plan::layout::{Layout, LayoutError, Recompute};
 use crate::plan::partition::Attempt;
 use rayon::prelude::*;
@@ -29,13 +30,28 @@ pub struct SearchSpace {
     pub recompute: Vec<Recompute>,
     /// ZeRO stages.
     pub zero: Vec<u8>,
+    /// Context-parallel degrees (1: none).
+    #[serde(default = "no_context_parallelism")]
+    pub cp: Vec<u64>,
+    /// How context-parallel ranks exchange keys and values (for degrees above 1).
+    #[serde(default = "default_cp_comm")]
+    pub cp_comm: Vec<CpComm>,
+}
+
+fn no_context_parallelism() -> Vec<u64> {
+    vec![1]
+}
+
+fn default_cp_comm() -> Vec<CpComm> {
+    vec![CpComm::P2p]
 }
 
 impl SearchSpace {
     /// The default space on nodes of `gpus_per_node` GPUs: tp over the powers of two up to a
     /// node (Megatron-LM keeps tensor parallelism inside NVLink), any pp and dp, micro-batches
     /// 1 to 8, interleaving 1, 2 or 4, SP on or off, every recomputation mode, ZeRO 0 or 1 (the
-    /// stages Megatron-LM's distributed optimizer provides; 2 and 3 are opt-in).
+    /// stages Megatron-LM's distributed optimizer provides; 2 and 3 are opt-in), no context
+    /// parallelism (opt-in: degrees and `p2p` rings when asked for).
     pub fn default_for(gpus_per_node: u64) -> Self {
         let mut tp = vec![1];
         while tp[tp.len() - 1] * 2 <= gpus_per_node {
@@ -50,6 +66,8 @@ impl SearchSpace {
             sequence_parallel: vec![false, true],
             recompute: vec![Recompute::None, Recompute::Selective, Recompute::Full],
             zero: vec![0, 1],
+            cp: no_context_parallelism(),
+            cp_comm: default_cp_comm(),
         }
     }
 }
@@ -77,6 +95,19 @@ pub struct SearchResult {
     pub least_memory: Option<Estimate>,
     /// When nothing is valid: the reason the first candidate was rejected.
     pub first_rejection: Option<(Layout, String)>,
+    /// When the space has context-parallel degrees besides 1: the same search without
+    /// context parallelism, for comparison.
+    #[serde(default)]
+    pub without_cp: Option<WithoutCp>,
+}
+
+/// The best layout without context parallelism, beside a search with it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WithoutCp {
+    /// The fastest that fits, if any.
+    pub best: Option<Estimate>,
+    /// When none fits: the valid layout needing the least memory.
+    pub least_memory: Option<Estimate>,
 }
 
 impl SearchResult {
@@ -105,7 +136,7 @@ fn rank(a: &Estimate, b: &Estimate) -> Ordering {
         .then_with(|| {
             let key = |l: &Layout| {
                 (
-                    l.tp * l.pp,
+                    l.tp * l.cp * l.pp,
                     l.interleave,
                     l.zero,
                     l.recompute,
@@ -122,67 +153,92 @@ fn rank(a: &Estimate, b: &Estimate) -> Ordering {
 pub fn candidates(space: &SearchSpace, gpus: u64, global_batch: u64) -> Vec<Layout> {
     let mut out = Vec::new();
     for &tp in &space.tp {
-        if tp == 0 || gpus % tp != 0 {
-            continue;
-        }
-        let pps = space.pp.clone().unwrap_or_else(|| divisors(gpus / tp));
-        for &pp in &pps {
-            if pp == 0 || (gpus / tp) % pp != 0 {
-                continue;
-            }
-            let dp = gpus / tp / pp;
-            if space.dp.as_ref().is_some_and(|ds| !ds.contains(&dp)) {
-                continue;
-            }
-            for &micro_batch in &space.micro_batch {
-                if micro_batch == 0 || global_batch % micro_batch.saturating_mul(dp) != 0 {
-                    continue;
-                }
-                for &interleave in &space.interleave {
-                    if interleave > 1 && pp < 2 {
-                        continue;
-                    }
-                    for &sequence_parallel in &space.sequence_parallel {
-                        if sequence_parallel && tp == 1 {
-                            continue;
-                        }
-                        for &recompute in &space.recompute {
-                            for &zero in &space.zero {
-                                // ZeRO shards over the data-parallel group: nothing to shard
-                                // with one replica.
-                                if zero > 0 && dp == 1 {
-                                    continue;
-                                }
-                                out.push(Layout {
-                                    tp,
-                                    pp,
-                                    dp,
-                                    micro_batch,
-                                    global_batch,
-                                    interleave,
-                                    sequence_parallel,
-                                    recompute,
-                                    zero,
-                                });
-                            }
-                        }
-                    }
-                }
+        for &cp in &space.cp {
+            let comms = if cp == 1 {
+                &[CpComm::P2p][..]
+            } else {
+                &space.cp_comm[..]
+            };
+            for &cp_comm in comms {
+                let base = Layout {
+                    tp,
+                    cp,
+                    cp_comm,
+                    pp: 1,
+                    dp: 1,
+                    micro_batch: 1,
+                    global_batch,
+                    interleave: 1,
+                    sequence_parallel: false,
+                    recompute: Recompute::None,
+                    zero: 0,
+                };
+                push_candidates(space, gpus, base, &mut out);
             }
         }
     }
     out
 }
 
-/// The (micro-batch, tp, sp) combinations the candidates of `space` price layers under.
-pub fn pricing_combinations(
-    space: &SearchSpace,
-    gpus: u64,
-    global_batch: u64,
-) -> Vec<(u64, u64, bool)> {
-    let mut out: Vec<(u64, u64, bool)> = candidates(space, gpus, global_batch)
+/// The candidates of `space` with `base`'s tp, cp and global batch.
+fn push_candidates(space: &SearchSpace, gpus: u64, base: Layout, out: &mut Vec<Layout>) {
+    let (tp, global_batch) = (base.tp, base.global_batch);
+    let stage = tp.saturating_mul(base.cp);
+    if stage == 0 || gpus % stage != 0 {
+        return;
+    }
+    let pps = space.pp.clone().unwrap_or_else(|| divisors(gpus / stage));
+    for &pp in &pps {
+        if pp == 0 || (gpus / stage) % pp != 0 {
+            continue;
+        }
+        let dp = gpus / stage / pp;
+        if space.dp.as_ref().is_some_and(|ds| !ds.contains(&dp)) {
+            continue;
+        }
+        for &micro_batch in &space.micro_batch {
+            if micro_batch == 0 || global_batch % micro_batch.saturating_mul(dp) != 0 {
+                continue;
+            }
+            for &interleave in &space.interleave {
+                if interleave > 1 && pp < 2 {
+                    continue;
+                }
+                for &sequence_parallel in &space.sequence_parallel {
+                    if sequence_parallel && tp == 1 {
+                        continue;
+                    }
+                    for &recompute in &space.recompute {
+                        for &zero in &space.zero {
+                            let l = Layout {
+                                pp,
+                                dp,
+                                micro_batch,
+                                interleave,
+                                sequence_parallel,
+                                recompute,
+                                zero,
+                                ..base
+                            };
+                            // ZeRO shards over the ranks holding the same weights: nothing
+                            // to shard with one.
+                            if zero > 0 && l.grad_ranks() == 1 {
+                                continue;
+                            }
+                            out.push(l);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The combinations the candidates of `space` price layers under.
+pub fn pricing_combinations(space: &SearchSpace, gpus: u64, global_batch: u64) -> Vec<PricingKey> {
+    let mut out: Vec<PricingKey> = candidates(space, gpus, global_batch)
         .iter()
-        .map(|l| (l.micro_batch, l.tp, l.sequence_parallel))
+        .map(PricingKey::of)
         .collect();
     out.sort();
     out.dedup();
@@ -192,14 +248,14 @@ pub fn pricing_combinations(
 /// The hash of every layer cost a search of `space` would read (or why a combination cannot
 /// run): two searches with equal digests, layouts and options give the same result.
 pub fn layer_cost_digest(est: &Estimator<'_>, space: &SearchSpace, global_batch: u64) -> Digest {
-    type Entry = ((u64, u64, bool), Result<Digest, String>);
+    type Entry = (PricingKey, Result<Digest, String>);
     let mut h: Vec<Entry> = Vec::new();
-    for (mb, t, sp) in pricing_combinations(space, est.cluster().gpus(), global_batch) {
-        let entry = match est.layer_costs(mb, t, sp) {
+    for key in pricing_combinations(space, est.cluster().gpus(), global_batch) {
+        let entry = match est.layer_costs(key) {
             Ok(p) => Ok(digest(&p.1)),
             Err(e) => Err(e.to_string()),
         };
-        h.push(((mb, t, sp), entry));
+        h.push((key, entry));
     }
     digest(&h)
 }
@@ -312,6 +368,17 @@ pub fn search(
         }
     }
     fitting.truncate(keep);
+    let without_cp = (space.cp.contains(&1) && space.cp.iter().any(|&c| c > 1)).then(|| {
+        let plain = SearchSpace {
+            cp: vec![1],
+            ..space.clone()
+        };
+        let r = search(est, &plain, global_batch, 1);
+        WithoutCp {
+            best: r.ranked.into_iter().next(),
+            least_memory: r.least_memory,
+        }
+    });
     let found = !fitting.is_empty();
     let best_attempts = fitting.first().map(|f| f.1.clone()).unwrap_or_default();
     SearchResult {
@@ -328,6 +395,7 @@ pub fn search(
         } else {
             None
         },
+        without_cp,
     }
 }
 
