@@ -142,6 +142,20 @@ pub enum Command {
     /// profile, as the build priced its plan) and set it beside the plan, component by
     /// component, with the main reason for the difference. Flags left out keep the plan's.
     Whatif(WhatifArgs),
+    /// Write a target's plan as one self-contained HTML page (inline SVG charts: step time,
+    /// memory per stage, the pipeline schedule, the layouts searched, the layer split, and
+    /// what the last build recomputed).
+    Report(ReportArgs),
+}
+
+/// `autopar report`.
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// The target whose plan is shown.
+    pub target: String,
+    /// Where to write the page (default: `plans/<target>.html`).
+    #[arg(short, long)]
+    pub output: Option<std::path::PathBuf>,
 }
 
 /// `autopar whatif`.
@@ -634,6 +648,10 @@ pub struct BuildArgs {
     /// Show what would be solved and what is cached, without solving or writing anything.
     #[arg(long)]
     pub dry_run: bool,
+    /// Also write each planned target's HTML report (`plans/<target>.html`, as `autopar
+    /// report` writes it).
+    #[arg(long, conflicts_with = "dry_run")]
+    pub report: bool,
 }
 
 /// Precision on the command line.

@@ -10,6 +10,7 @@ mod logging;
 mod output;
 mod progress;
 mod render;
+mod report;
 
 pub use args::Cli;
 

@@ -357,6 +357,7 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
         Err(reason) => {
             remove_output(&path)?;
             remove_output(&trace)?;
+            remove_output(&ws.report_path(&t.name))?;
             TargetResult::Infeasible { reason }
         }
     };

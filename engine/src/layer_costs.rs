@@ -45,10 +45,15 @@ impl CostSource for CachedCosts<'_> {
     fn layer_costs(&self, ctx: &LayerCostContext<'_>, p: &Pricing<'_>) -> Vec<LayerCost> {
         let g = ctx.graph();
         let parallel = format!(
-            "mb {} · tp {}{}",
+            "mb {} · tp {}{}{}",
             g.micro_batch,
             p.tp.t,
-            if p.tp.sp { " sp" } else { "" }
+            if p.tp.sp { " sp" } else { "" },
+            if p.cp.c > 1 {
+                format!(" · cp {} {}", p.cp.c, p.cp.comm.name())
+            } else {
+                String::new()
+            }
         );
         (0..g.layers.len())
             .map(|li| {

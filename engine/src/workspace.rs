@@ -171,6 +171,11 @@ impl Workspace {
     pub fn trace_path(&self, name: &str) -> PathBuf {
         self.plans_dir.join(format!("{name}.trace.json"))
     }
+
+    /// Where the HTML report of target `name` goes (`autopar report`, `build --report`).
+    pub fn report_path(&self, name: &str) -> PathBuf {
+        self.plans_dir.join(format!("{name}.html"))
+    }
 }
 
 /// A positive integer (zero and negatives are rejected with a clear message).

@@ -272,10 +272,17 @@ fn infeasible_target_names_the_memory_constraint_and_partial_build_exits_3() {
 }
 
 #[test]
-fn a_target_that_becomes_infeasible_loses_its_stale_plan() {
+fn a_target_that_becomes_infeasible_loses_its_stale_plan_trace_and_report() {
     let ws = TempWorkspace::with_toml(TOO_BIG);
-    assert_eq!(ws.run(&["build", "small"]).code, 0);
-    assert!(ws.path().join("plans/small.json").exists());
+    assert_eq!(ws.run(&["build", "small", "--report"]).code, 0);
+    let outputs = [
+        "plans/small.json",
+        "plans/small.trace.json",
+        "plans/small.html",
+    ];
+    for f in outputs {
+        assert!(ws.path().join(f).exists(), "{f}");
+    }
     // The same target now asks for a model that cannot fit.
     ws.write(
         "workspace.toml",
@@ -283,7 +290,9 @@ fn a_target_that_becomes_infeasible_loses_its_stale_plan() {
     );
     let r = ws.run(&["build", "small"]);
     assert_eq!(r.code, 1, "{}", r.stderr);
-    assert!(!ws.path().join("plans/small.json").exists());
+    for f in outputs {
+        assert!(!ws.path().join(f).exists(), "{f}");
+    }
 }
 
 #[test]

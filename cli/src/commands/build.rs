@@ -26,7 +26,7 @@ pub fn run(
         return dry(&ws, args, &cache);
     }
     let cache = open_cache(&ws, cache_dir, remote)?;
-    run_with(&ws, &args.targets, args.json, &cache)
+    run_with(&ws, &args.targets, args.json, args.report, &cache)
 }
 
 /// The cache a build of `ws` uses: the local store, and the remote when one is configured.
@@ -42,11 +42,13 @@ pub fn open_cache(
     })
 }
 
-/// One build of `targets` through `cache`, reported as `build` does.
+/// One build of `targets` through `cache`, reported as `build` does (with each planned
+/// target's HTML page when `pages`).
 pub fn run_with(
     ws: &Workspace,
     targets: &[String],
     json_out: bool,
+    pages: bool,
     cache: &Cache,
 ) -> Result<(), Failure> {
     let reporter = Reporter::new(json_out);
@@ -55,6 +57,16 @@ pub fn run_with(
     // The plans are written; what the summary counts includes the uploads dropped at exit.
     cache.finish_uploads(cache::UPLOAD_DEADLINE);
     let report = report?;
+    let mut written = Vec::new();
+    if pages {
+        for o in &report.outcomes {
+            if let TargetResult::Planned(p) = &o.result {
+                let path = ws.report_path(&o.name);
+                super::report::write(ws, &p.plan, &path)?;
+                written.push(path);
+            }
+        }
+    }
     let c = report.counts;
     let planned = report.planned();
     let failed = report.outcomes.len() - planned;
@@ -85,6 +97,7 @@ pub fn run_with(
                         "layouts": o.layouts,
                         "source": o.source,
                         "elapsed_s": o.elapsed.as_secs_f64(),
+                        "report": pages.then(|| ws.report_path(&o.name)),
                     })
                 }
                 TargetResult::Infeasible { reason } => json!({
@@ -136,6 +149,9 @@ pub fn run_with(
                     eprintln!("error: target {} is infeasible: {reason}", o.name)
                 }
             }
+        }
+        for path in &written {
+            outln!("report    {}", path.display());
         }
         outln!(
             "built {} target{}: {planned} planned, {failed} infeasible",

@@ -3,10 +3,11 @@
 
 use super::print_json;
 use crate::Failure;
-use crate::output::outln;
+use crate::output::out;
 use autopar_engine::cache::Source;
-use autopar_engine::record::read_record;
+use autopar_engine::record::{BuildRecord, read_record};
 use autopar_engine::session::Session;
+use std::fmt::Write;
 
 pub fn run(session: &Session, target: &str, json: bool) -> Result<(), Failure> {
     let ws = session.workspace()?;
@@ -19,13 +20,21 @@ pub fn run(session: &Session, target: &str, json: bool) -> Result<(), Failure> {
     if json {
         return print_json(&record);
     }
+    out!("{}", text(target, &record));
+    Ok(())
+}
+
+/// What the last build of `target` (its `record`) recomputed and why, as `explain` prints it.
+pub(crate) fn text(target: &str, record: &BuildRecord) -> String {
+    let mut s = String::new();
     let solved: Vec<_> = record
         .layers
         .iter()
         .filter(|l| l.source == Source::Solved)
         .collect();
     let when = autopar_engine::record::utc(record.time_ms);
-    outln!(
+    let _ = writeln!(
+        s,
         "{target}: last built {when}; plan {}, {} of {} distinct layer costs solved",
         match (record.plan.source, record.plan.reused_after_change) {
             (_, true) => "reused after its inputs changed".to_string(),
@@ -36,54 +45,58 @@ pub fn run(session: &Session, target: &str, json: bool) -> Result<(), Failure> {
         record.layers.len()
     );
     if !record.plan.reasons.is_empty() {
-        outln!("  plan");
+        let _ = writeln!(s, "  plan");
         for r in &record.plan.reasons {
-            outln!("    {r}");
+            let _ = writeln!(s, "    {r}");
         }
         if record.plan.reused_after_change {
-            outln!("    every layer cost the search reads came out the same: search result reused");
+            let _ = writeln!(
+                s,
+                "    every layer cost the search reads came out the same: search result reused"
+            );
         }
     }
     for l in solved {
-        outln!("  layer cost {}", l.slot);
+        let _ = writeln!(s, "  layer cost {}", l.slot);
         for r in &l.reasons {
-            outln!("    {r}");
+            let _ = writeln!(s, "    {r}");
         }
     }
-    for s in &record.ilp {
-        let solved: Vec<_> = s
+    for st in &record.ilp {
+        let solved: Vec<_> = st
             .tables
             .iter()
             .filter(|t| t.source == Source::Solved)
             .collect();
-        if s.source != Source::Solved {
+        if st.source != Source::Solved {
             continue;
         }
-        outln!(
+        let _ = writeln!(
+            s,
             "  ILP space, micro-batch {}: stage DP re-ran; {} of {} layer tables solved",
-            s.micro_batch,
+            st.micro_batch,
             solved.len(),
-            s.tables.len()
+            st.tables.len()
         );
-        for r in &s.reasons {
-            outln!("    {r}");
+        for r in &st.reasons {
+            let _ = writeln!(s, "    {r}");
         }
         let tables = solved
             .iter()
             .map(|t| (t.slot.as_str(), t.reasons.as_slice()));
         for (why, slots) in tables_by_reason(tables) {
-            outln!("    {} table(s): {why}", slots.len());
-            outln!("      {}", slots.join(", "));
+            let _ = writeln!(s, "    {} table(s): {why}", slots.len());
+            let _ = writeln!(s, "      {}", slots.join(", "));
         }
     }
-    let ilp_recomputed = record.ilp.iter().any(|s| s.source == Source::Solved);
+    let ilp_recomputed = record.ilp.iter().any(|st| st.source == Source::Solved);
     if record.plan.reasons.is_empty()
         && record.layers.iter().all(|l| l.source != Source::Solved)
         && !ilp_recomputed
     {
-        outln!("  nothing was recomputed");
+        let _ = writeln!(s, "  nothing was recomputed");
     }
-    Ok(())
+    s
 }
 
 /// Reasons named per table in text (`--json` has them all).

@@ -9,6 +9,7 @@ mod export;
 mod graph;
 mod plan;
 mod profile;
+mod report;
 mod run;
 mod solve;
 mod validate;
@@ -71,6 +72,7 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Calibrate(a) => calibrate::run(&session, a),
         Command::Export(a) => export::run(&session, a),
         Command::Whatif(a) => whatif::run(&session, a),
+        Command::Report(a) => report::run(&session, a),
         Command::Completions { shell } => {
             // Into memory first: the generator panics on a write error (a closed pipe).
             let mut cmd = <Cli as clap::CommandFactory>::command();

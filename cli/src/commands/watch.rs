@@ -51,7 +51,7 @@ fn build_once(
         if let Some(cfg) = remote_config(remote, &ws)? {
             cache = cache.with_remote(cfg);
         }
-        run_with(&ws, &args.targets, false, &cache)
+        run_with(&ws, &args.targets, false, false, &cache)
     });
     match result {
         Ok(()) | Err(Failure::Partial) => {}

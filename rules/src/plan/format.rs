@@ -38,6 +38,15 @@ pub struct Alternative {
     pub memory_per_device_gib: f64,
 }
 
+/// `x` rounded to four significant digits (a figure for a picture, not for arithmetic).
+fn four_digits(x: f64) -> f64 {
+    if x == 0.0 || !x.is_finite() {
+        return x;
+    }
+    let scale = 10f64.powi(3 - x.abs().log10().floor() as i32);
+    (x * scale).round() / scale
+}
+
 /// The best layout without context parallelism, when the target's space has it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WithoutCpBest {
@@ -164,6 +173,10 @@ pub struct Plan {
     /// When the search had context-parallel degrees: its best without context parallelism.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub without_cp: Option<WithoutCpBest>,
+    /// Every layout the search could run, as screened: `[step time s, memory per device GiB]`
+    /// to four significant digits (the report's scatter of the space).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub searched: Vec<[f64; 2]>,
     /// Search coverage.
     pub search: SearchStats,
     /// How each way of splitting the layers did for the chosen layout.
@@ -212,6 +225,7 @@ impl Plan {
             ilp: None,
             alternatives: result.ranked.iter().skip(1).map(Alternative::of).collect(),
             without_cp: result.without_cp.as_ref().map(WithoutCpBest::of),
+            searched: result.points.iter().map(|p| p.map(four_digits)).collect(),
             search: SearchStats {
                 candidates: result.candidates,
                 valid: result.valid,

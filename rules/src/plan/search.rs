@@ -99,6 +99,10 @@ pub struct SearchResult {
     /// context parallelism, for comparison.
     #[serde(default)]
     pub without_cp: Option<WithoutCp>,
+    /// Every layout that can run, as screened (layers split evenly, closed-form pipeline):
+    /// `[step time s, memory per device GiB]`, for a picture of the space.
+    #[serde(default)]
+    pub points: Vec<[f64; 2]>,
 }
 
 /// The best layout without context parallelism, beside a search with it.
@@ -289,6 +293,10 @@ pub fn search(
         }
     }
     let valid = screened.len();
+    let points = screened
+        .iter()
+        .map(|e| [e.step_time_s, e.memory_per_device_gib])
+        .collect();
     let feasible = screened.iter().filter(|e| e.fits).count();
     let optimistic: Vec<f64> = screened
         .iter()
@@ -396,6 +404,7 @@ pub fn search(
             None
         },
         without_cp,
+        points,
     }
 }
 

@@ -9,7 +9,7 @@ pub use simulate::{
     Block, BlockKind, Bubble, PipelineSpec, ScheduleError, Simulation, Step, inflight_profiles,
     simulate, simulate_times, stage_program,
 };
-pub use trace::{MAX_TRACE_BLOCKS, chrome_trace, trace_spec};
+pub use trace::{MAX_TRACE_BLOCKS, chrome_trace, shown_spec, trace_spec};
 
 use serde::{Deserialize, Serialize};
 

@@ -12,13 +12,19 @@ pub const MAX_TRACE_BLOCKS: usize = 1 << 15;
 /// [`MAX_TRACE_BLOCKS`] blocks: the same warm-up, steady state and drain, with as many
 /// micro-batches modulo the stages (at least one round), so interleaving stays valid.
 pub fn trace_spec(spec: &PipelineSpec) -> PipelineSpec {
+    shown_spec(spec, MAX_TRACE_BLOCKS)
+}
+
+/// [`trace_spec`] for a picture of at most `max_blocks` blocks (at least one round of
+/// micro-batches).
+pub fn shown_spec(spec: &PipelineSpec, max_blocks: usize) -> PipelineSpec {
     let (v, p) = (spec.forward.len(), spec.forward.first().map_or(1, Vec::len));
     let per_microbatch = 2 * p.max(1) * v.max(1);
     let m = spec.microbatches;
-    if m.saturating_mul(per_microbatch) <= MAX_TRACE_BLOCKS {
+    if m.saturating_mul(per_microbatch) <= max_blocks {
         return spec.clone();
     }
-    let most = (MAX_TRACE_BLOCKS / per_microbatch).max(p);
+    let most = (max_blocks / per_microbatch).max(p);
     let round = if spec.schedule == Schedule::OneFOneB && v > 1 {
         p
     } else {
