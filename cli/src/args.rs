@@ -702,6 +702,9 @@ pub enum CpCommArg {
     A2a,
     /// All-gather of keys and values.
     Allgather,
+    /// All-to-all inside a node, a ring across nodes (hierarchical).
+    #[value(name = "a2a+p2p")]
+    A2aP2p,
 }
 
 impl From<CpCommArg> for CpComm {
@@ -710,6 +713,7 @@ impl From<CpCommArg> for CpComm {
             CpCommArg::P2p => CpComm::P2p,
             CpCommArg::A2a => CpComm::A2a,
             CpCommArg::Allgather => CpComm::AllGather,
+            CpCommArg::A2aP2p => CpComm::A2aP2p,
         }
     }
 }

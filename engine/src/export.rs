@@ -156,16 +156,17 @@ fn torchrun(plan: &Plan, script: &str, args: &[String]) -> String {
         "--master-port \"${MASTER_PORT:-6000}\"".to_string(),
         script.to_string(),
     ];
+    // Each flag on its line with its values (one, or several for `nargs='+'`).
     let mut i = 0;
     while i < args.len() {
-        let takes_value = args.get(i + 1).is_some_and(|v| !v.starts_with("--"));
-        if takes_value {
-            lines.push(format!("{} {}", args[i], shell_quote(&args[i + 1])));
-            i += 2;
-        } else {
-            lines.push(args[i].clone());
+        let mut line = args[i].clone();
+        i += 1;
+        while let Some(v) = args.get(i).filter(|v| !v.starts_with("--")) {
+            line.push(' ');
+            line.push_str(&shell_quote(v));
             i += 1;
         }
+        lines.push(line);
     }
     lines.push("\"$@\"".to_string());
     lines.join(" \\\n  ")
@@ -181,7 +182,7 @@ fn script(plan: &Plan, l: &LaunchLayout, body: String) -> String {
 }
 
 fn megatron_script(plan: &Plan, l: &LaunchLayout, def: &ModelDef) -> String {
-    let args = layout_args(def, l, &plan.training);
+    let args = layout_args(def, l, &plan.training, plan.cluster.gpus_per_node);
     script(plan, l, torchrun(plan, "pretrain_gpt.py", &args))
 }
 
@@ -380,10 +381,13 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
         let rotate = match lay.cp_comm {
             CpComm::P2p => "alltoall",
             CpComm::AllGather => "allgather",
-            CpComm::A2a => {
+            CpComm::A2a | CpComm::A2aP2p => {
                 return Err(cannot(
                     f,
-                    "context parallelism with cp_comm = \"a2a\" (DeepSpeed-Ulysses' head split); torchtitan's context parallelism is ring attention only",
+                    format!(
+                        "context parallelism with cp_comm = \"{}\" (DeepSpeed-Ulysses' head split); torchtitan's context parallelism is ring attention only",
+                        lay.cp_comm.name()
+                    ),
                 ));
             }
         };

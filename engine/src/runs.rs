@@ -11,7 +11,7 @@
 //! | `mbs` `gbs`   | yes      | micro-batch and global batch, sequences |
 //! | `step_time_s` | yes      | measured seconds per step, or `oom` for a run that ran out of memory |
 //! | `cp`          | no (1)   | context-parallel degree |
-//! | `cp_comm`     | no (p2p) | `p2p`, `a2a` or `allgather` (Megatron-Core's `--cp-comm-type`) |
+//! | `cp_comm`     | no (p2p) | `p2p`, `a2a`, `allgather` or `a2a+p2p` (Megatron-Core's `--cp-comm-type`) |
 //! | `ep` `etp`    | no (1)   | expert- and expert-tensor-parallel degrees (1 until autopar models them) |
 //! | `vp`          | no (1)   | model chunks per pipeline stage |
 //! | `seq`         | no       | sequence length (default: the model's) |
@@ -543,7 +543,7 @@ mod tests {
             ),
             (
                 format!("{HEADER},cp,cp_comm\n{row},2,ring"),
-                "runs.csv:2: field `cp_comm`: expected p2p, a2a, allgather, found `ring`",
+                "runs.csv:2: field `cp_comm`: expected p2p, a2a, allgather, a2a+p2p, found `ring`",
             ),
             (
                 format!("{HEADER},mb\n{row},2"),

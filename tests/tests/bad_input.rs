@@ -343,7 +343,7 @@ fn context_parallel_search_values() {
         "seq_len = 1024",
         "seq_len = 1024\n[target.search]\ncp = [1, 2]\ncp_comm = [\"ring\"]",
         "workspace.toml:23:12: field `target.search.cp_comm`: expected one of `p2p`, `a2a`, \
-         `allgather`, found `ring`",
+         `allgather`, `a2a+p2p`, found `ring`",
     );
 }
 

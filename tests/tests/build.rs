@@ -48,6 +48,21 @@ fn long_sequences_are_planned_with_context_parallelism() {
         args.contains(&format!("--context-parallel-size\",\"{cp}")),
         "{args}"
     );
+    // Hierarchical context parallelism exports its two levels: tp 4 leaves two cp ranks per
+    // node for the all-to-all, the ring runs over the rest.
+    let mut edited = long.clone();
+    edited["estimate"]["layout"]["tp"] = 4.into();
+    edited["estimate"]["layout"]["cp"] = 8.into();
+    edited["estimate"]["layout"]["cp_comm"] = "a2a+p2p".into();
+    ws.write("edited.json", &edited.to_string());
+    let e = ws.run(&["export", "--plan", "edited.json", "--format", "megatron"]);
+    assert_eq!(e.code, 0, "{}", e.stderr);
+    assert!(
+        e.stdout
+            .contains("--cp-comm-type a2a+p2p \\\n  --hierarchical-context-parallel-sizes 2 4 \\"),
+        "{}",
+        e.stdout
+    );
     let mid = plan("llama3-8b-128k");
     let step = mid["estimate"]["step_time_s"].as_f64().expect("step");
     let plain = mid["without_cp"]["best"]["step_time_s"]

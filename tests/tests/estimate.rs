@@ -666,6 +666,8 @@ fn context_parallelism_splits_activations_and_keeps_the_work() {
         )
     };
     assert!(comm("p2p") < comm("allgather"));
+    // Hierarchical: at tp 8 no two of the 4 ranks share a node, so it is the ring alone.
+    assert_eq!(comm("a2a+p2p"), comm("p2p"));
     for (args, want) in [
         (
             vec!["--cp", "4", "--seq", "65540"],
@@ -673,7 +675,7 @@ fn context_parallelism_splits_activations_and_keeps_the_work() {
         ),
         (
             vec!["--cp", "4", "--seq", "65536", "--cp-comm-type", "a2a"],
-            "error: context parallelism cp = 4: cp_comm = \"a2a\" splits the heads over tp x cp = 32 ranks, but the model has 8 key/value heads",
+            "error: context parallelism cp = 4: cp_comm = \"a2a\" splits the heads over tp x 4 = 32 ranks, but the model has 8 key/value heads",
         ),
         (
             vec!["--cp", "4", "--seq", "65536", "--attention", "unfused"],

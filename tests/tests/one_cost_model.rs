@@ -4,7 +4,7 @@
 //! parallelism, over tensor- and data-parallel meshes.
 
 use autopar_rules::cost::cluster::Cluster;
-use autopar_rules::cost::context_parallel::CpConfig;
+use autopar_rules::cost::context_parallel::{CpConfig, CpGroups};
 use autopar_rules::cost::layer_cost::{KernelOptions, LayerCostContext, Pricing};
 use autopar_rules::cost::profile::{EntryId, Profile};
 use autopar_rules::cost::sharding::Mesh;
@@ -57,7 +57,7 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
                         device: &c.device,
                         kernels: &kernels,
                         tp_link: m.links[1],
-                        cp_link: m.links[1],
+                        cp_groups: CpGroups::alone(m.links[1]),
                         profile: None,
                     };
                     let ctx = LayerCostContext::new(&per_rank);

@@ -540,7 +540,7 @@ fn an_ilp_plan_megatron_can_run_exports_its_own_arguments() {
     .expect("parses");
     let def = autopar_rules::model::frontend::ModelDef::Transformer(cfg);
     let training = serde_json::from_value(p["training"].clone()).expect("training options");
-    let args = autopar_rules::plan::format::ilp_megatron_args(&def, &ilp, 8, &training)
+    let args = autopar_rules::plan::format::ilp_megatron_args(&def, &ilp, 8, &training, 8)
         .expect("Megatron-LM runs it");
     let joined = args.join(" ");
     assert!(

@@ -7,7 +7,7 @@ use crate::cost::analytic::{
     Collective, collective_time, gradient_accumulation, kernel_time, op_traffic,
 };
 use crate::cost::cluster::{Device, Link};
-use crate::cost::context_parallel::{self, AttentionBytes, CpConfig};
+use crate::cost::context_parallel::{self, AttentionBytes, CpConfig, CpGroups};
 use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, ProfileRead, kernel_name};
 use crate::cost::tensor_parallel::{
     Phase, TpConfig, collectives, device_shape_in_op, divided_axis_in_op, gemm_shape,
@@ -108,8 +108,8 @@ pub struct Pricing<'a> {
     pub kernels: &'a KernelOptions,
     /// Links of the tensor-parallel group.
     pub tp_link: Link,
-    /// Links of the context-parallel group.
-    pub cp_link: Link,
+    /// Where the context-parallel group's ranks sit.
+    pub cp_groups: CpGroups,
     /// Measured times that override the analytic model.
     pub profile: Option<&'a Profile>,
 }
@@ -382,7 +382,7 @@ impl<'g> LayerCostContext<'g> {
                     t,
                     bwd_local,
                     self.attention_bytes(op, tp),
-                    p.cp_link,
+                    p.cp_groups,
                 );
                 t = cpa.fwd_compute;
                 flops *= cp;
@@ -635,7 +635,7 @@ impl<'g> LayerCostContext<'g> {
             .with("link", &p.tp_link)
             .with(
                 "context_parallel",
-                &(p.cp.c > 1).then_some((p.cp, p.cp_link)),
+                &(p.cp.c > 1).then_some((p.cp, p.cp_groups)),
             )
             .with("kernels", p.kernels)
             .with("profile", &self.profile_reads(li, p))
@@ -658,7 +658,7 @@ pub fn layer_costs(
         device,
         kernels,
         tp_link,
-        cp_link: tp_link,
+        cp_groups: CpGroups::alone(tp_link),
         profile: None,
     };
     (0..g.layers.len()).map(|li| ctx.cost(li, &p)).collect()
@@ -720,7 +720,7 @@ mod tests {
             device: &device,
             kernels: &KERNELS,
             tp_link: link,
-            cp_link: link,
+            cp_groups: CpGroups::alone(link),
             profile: None,
         };
         let keys = |g: &Graph| -> Vec<_> {
@@ -764,7 +764,7 @@ mod tests {
             device: &device,
             kernels: &KERNELS,
             tp_link: link,
-            cp_link: link,
+            cp_groups: CpGroups::alone(link),
             profile: None,
         };
         // Measure the first forward matrix product of block 1 at ten times its modelled time.

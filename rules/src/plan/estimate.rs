@@ -3,7 +3,7 @@
 
 use crate::cost::analytic::{Collective, collective_time, p2p_time};
 use crate::cost::cluster::{Cluster, GIB, Link};
-use crate::cost::context_parallel::{CpComm, CpConfig};
+use crate::cost::context_parallel::{CpComm, CpConfig, CpGroups, hierarchical_inner};
 use crate::cost::layer_cost::{KernelOptions, LayerCost, LayerCostContext, Pricing};
 use crate::cost::memory::{StateBytes, model_states};
 use crate::cost::profile::Profile;
@@ -130,7 +130,7 @@ pub struct StageEstimate {
     pub chunks: Vec<Chunk>,
     /// Blocks (repeated layers) on the stage.
     pub blocks: usize,
-    /// Forward time per micro-batch (kernels and tensor-parallel communication), s.
+    /// Forward time per micro-batch (kernels and tensor- and context-parallel communication), s.
     pub forward_s: f64,
     /// Backward time per micro-batch, s.
     pub backward_s: f64,
@@ -244,11 +244,11 @@ impl StageTime {
 pub(crate) struct LayerTime {
     /// Forward kernels, s.
     pub fwd_compute: f64,
-    /// Forward tensor-parallel communication, s.
+    /// Forward tensor- and context-parallel communication, s.
     pub fwd_comm: f64,
     /// Backward kernels, s.
     pub bwd_compute: f64,
-    /// Backward tensor-parallel communication, s.
+    /// Backward tensor- and context-parallel communication, s.
     pub bwd_comm: f64,
     /// Recomputation, s.
     pub recompute: f64,
@@ -485,7 +485,7 @@ impl<'a> Estimator<'a> {
             device: &self.cluster.device,
             kernels,
             tp_link: self.cluster.group_link(1, t),
-            cp_link: self.cluster.group_link(t, cp.c),
+            cp_groups: CpGroups::on(self.cluster, t, cp.c),
             profile: self.profile,
         }
     }
@@ -614,17 +614,23 @@ impl<'a> Estimator<'a> {
                 "needs attention = \"flash\" (the ring and the gathers feed a blockwise attention kernel)".into(),
             ));
         }
-        if l.cp_comm == CpComm::A2a
-            && let Some(c) = self.model.transformer()
-        {
+        // The ranks an all-to-all splits the heads over: the whole group, or under `a2a+p2p`
+        // its ranks inside a node.
+        let a2a = match l.cp_comm {
+            CpComm::A2a => Some(l.cp),
+            CpComm::A2aP2p => Some(hierarchical_inner(l.tp, l.cp, self.cluster.gpus_per_node)),
+            CpComm::P2p | CpComm::AllGather => None,
+        };
+        if let (Some(a), Some(c)) = (a2a, self.model.transformer()) {
             for (what, count) in [
                 ("attention heads", c.heads),
                 ("key/value heads", c.kv_heads),
             ] {
-                if count % (l.tp * l.cp) != 0 {
+                if count % (l.tp * a) != 0 {
                     return Err(bad(format!(
-                        "cp_comm = \"a2a\" splits the heads over tp x cp = {} ranks, but the model has {count} {what}",
-                        l.tp * l.cp
+                        "cp_comm = \"{}\" splits the heads over tp x {a} = {} ranks, but the model has {count} {what}",
+                        l.cp_comm.name(),
+                        l.tp * a
                     )));
                 }
             }

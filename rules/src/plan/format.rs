@@ -2,6 +2,7 @@
 //! that realise it.
 
 use crate::cost::cluster::{Cluster, GIB};
+use crate::cost::context_parallel::{CpComm, hierarchical_inner};
 use crate::cost::memory::Precision;
 use crate::model::frontend::{Attention, Bias, Mlp, ModelDef, Norm, Position};
 use crate::plan::estimate::{ChunkLayers, Estimate};
@@ -199,7 +200,7 @@ impl Plan {
         result: &SearchResult,
     ) -> Option<Plan> {
         let best = result.best()?.clone();
-        let args = megatron_args(def, &best, &training);
+        let args = megatron_args(def, &best, &training, cluster.gpus_per_node);
         let launch = launch_line(cluster, &args);
         Some(Plan {
             schema: PLAN_SCHEMA,
@@ -266,7 +267,13 @@ impl Plan {
         if ilp_wins {
             self.space = Space::Ilp;
             let args = ilp.as_ref().and_then(|p| {
-                ilp_megatron_args(def, p, self.estimate.layout.global_batch, &self.training)
+                ilp_megatron_args(
+                    def,
+                    p,
+                    self.estimate.layout.global_batch,
+                    &self.training,
+                    self.cluster.gpus_per_node,
+                )
             });
             self.megatron_expressible = args.is_some();
             // Megatron-LM runs the plan itself when it can.
@@ -506,8 +513,13 @@ impl LaunchLayout {
 /// Megatron-LM command-line arguments for the estimate's layout and split. The parallel knobs
 /// are always given; the architecture flags, the custom pipeline layout and block-wise
 /// recomputation only for transformers (a graph file is not a Megatron-LM GPT model).
-pub fn megatron_args(def: &ModelDef, e: &Estimate, opts: &TrainingOptions) -> Vec<String> {
-    layout_args(def, &LaunchLayout::of_estimate(e), opts)
+pub fn megatron_args(
+    def: &ModelDef,
+    e: &Estimate,
+    opts: &TrainingOptions,
+    gpus_per_node: u64,
+) -> Vec<String> {
+    layout_args(def, &LaunchLayout::of_estimate(e), opts, gpus_per_node)
 }
 
 /// Megatron-LM command-line arguments running an ILP pipeline that Megatron-LM can express;
@@ -517,12 +529,19 @@ pub fn ilp_megatron_args(
     p: &IlpPlan,
     global_batch: u64,
     opts: &TrainingOptions,
+    gpus_per_node: u64,
 ) -> Option<Vec<String>> {
-    LaunchLayout::of_ilp(p, global_batch).map(|l| layout_args(def, &l, opts))
+    LaunchLayout::of_ilp(p, global_batch).map(|l| layout_args(def, &l, opts, gpus_per_node))
 }
 
-/// Megatron-LM's arguments for launch layout `launch`.
-pub fn layout_args(def: &ModelDef, launch: &LaunchLayout, opts: &TrainingOptions) -> Vec<String> {
+/// Megatron-LM's arguments for launch layout `launch` on nodes of `gpus_per_node` GPUs (which
+/// set the levels of hierarchical context parallelism).
+pub fn layout_args(
+    def: &ModelDef,
+    launch: &LaunchLayout,
+    opts: &TrainingOptions,
+    gpus_per_node: u64,
+) -> Vec<String> {
     let (l, chunks) = (&launch.layout, &launch.chunks);
     let every_block_recomputed = launch.every_block_recomputed;
     let layout = launch.pipeline_layout();
@@ -532,6 +551,12 @@ pub fn layout_args(def: &ModelDef, launch: &LaunchLayout, opts: &TrainingOptions
     if l.cp > 1 {
         a.kv("context-parallel-size", l.cp);
         a.kv("cp-comm-type", l.cp_comm.name());
+        if l.cp_comm == CpComm::A2aP2p {
+            let inner = hierarchical_inner(l.tp, l.cp, gpus_per_node);
+            // Two values (argparse's `nargs='+'`): the all-to-all level, then the ring.
+            a.kv("hierarchical-context-parallel-sizes", inner);
+            a.0.push((l.cp / inner).to_string());
+        }
     }
     a.kv("micro-batch-size", l.micro_batch);
     a.kv("global-batch-size", l.global_batch);
