@@ -17,7 +17,7 @@ pub fn comparison(
     (left, a): (&str, &autopar_rules::plan::estimate::Estimate),
     (right, b): (&str, &autopar_rules::plan::estimate::Estimate),
 ) {
-    use autopar_engine::whatif::time_components;
+    use autopar_engine::whatif::{memory_components, time_components};
     let _ = writeln!(s, "  {:<32} {:>12} {:>12} {:>12}", "", left, right, "delta");
     let row = |s: &mut String, name: &str, x: f64, y: f64, unit: &str| {
         let _ = writeln!(
@@ -33,13 +33,10 @@ pub fn comparison(
     {
         row(s, name, x, y, " s");
     }
-    for (name, x, y) in [
-        ("weights", a.memory.weights, b.memory.weights),
-        ("gradients", a.memory.grads, b.memory.grads),
-        ("optimizer states", a.memory.optimizer, b.memory.optimizer),
-        ("activations", a.memory.activations, b.memory.activations),
-        ("workspace", a.memory.workspace, b.memory.workspace),
-    ] {
+    for ((name, x), (_, y)) in memory_components(&a.memory)
+        .into_iter()
+        .zip(memory_components(&b.memory))
+    {
         row(s, &format!("memory: {name}"), x / GIB, y / GIB, "G");
     }
     row(

@@ -4,8 +4,9 @@
 //! split per stage and what the last build recomputed.
 
 use crate::render::{layout_line, secs, thousands};
+use autopar_engine::whatif::{memory_components, time_components};
 use autopar_rules::cost::cluster::GIB;
-use autopar_rules::plan::estimate::{Estimate, MemoryBreakdown};
+use autopar_rules::plan::estimate::Estimate;
 use autopar_rules::plan::format::Plan;
 use autopar_rules::plan::ilp::Space;
 use autopar_rules::solve::schedule::{BlockKind, Simulation, shown_spec, simulate};
@@ -161,22 +162,7 @@ fn legend(s: &mut String, items: &[(&str, &str, String)]) {
 }
 
 fn step_breakdown(s: &mut String, e: &Estimate) {
-    let t = &e.time;
-    let comm = if e.layout.cp > 1 {
-        "TP+CP comm"
-    } else {
-        "TP comm"
-    };
-    let parts = [
-        ("compute", t.compute),
-        ("recompute", t.recompute),
-        (comm, t.tp_comm),
-        ("p2p", t.p2p),
-        ("ZeRO comm", t.zero_comm),
-        ("bubble", t.bubble),
-        ("grad sync", t.grad_sync),
-        ("optimizer", t.optimizer),
-    ];
+    let parts = time_components(&e.time);
     let total: f64 = parts
         .iter()
         .map(|p| p.1)
@@ -212,17 +198,6 @@ fn step_breakdown(s: &mut String, e: &Estimate) {
     legend(s, &items);
 }
 
-/// Memory components in chart order.
-fn memory_parts(m: &MemoryBreakdown) -> [(&'static str, f64); 5] {
-    [
-        ("weights", m.weights),
-        ("grads", m.grads),
-        ("optimizer", m.optimizer),
-        ("activations", m.activations),
-        ("workspace", m.workspace),
-    ]
-}
-
 fn memory_bars(s: &mut String, e: &Estimate) {
     let cap = e.memory_capacity / GIB;
     let top = e
@@ -254,7 +229,7 @@ fn memory_bars(s: &mut String, e: &Estimate) {
     for (j, st) in e.stages.iter().enumerate() {
         let x = left + slot * j as f64 + (slot - bar) / 2.0;
         let mut acc = 0.0;
-        for (i, (name, b)) in memory_parts(&st.memory).iter().enumerate() {
+        for (i, (name, b)) in memory_components(&st.memory).iter().enumerate() {
             let g = b / GIB;
             if g <= 0.0 {
                 continue;
@@ -287,7 +262,7 @@ fn memory_bars(s: &mut String, e: &Estimate) {
     let _ = writeln!(s, "</svg>");
     // The legend's figures are the peak stage's.
     let peak = &e.memory;
-    let items: Vec<(&str, &str, String)> = memory_parts(peak)
+    let items: Vec<(&str, &str, String)> = memory_components(peak)
         .iter()
         .enumerate()
         .map(|(i, (n, b))| (PALETTE[i], *n, format!("{:.1} GiB", b / GIB)))

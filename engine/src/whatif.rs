@@ -51,6 +51,17 @@ pub fn time_components(t: &TimeBreakdown) -> [(&'static str, f64); 8] {
     ]
 }
 
+/// The memory components, named for a reader (without their total).
+pub fn memory_components(m: &MemoryBreakdown) -> [(&'static str, f64); 5] {
+    [
+        ("weights", m.weights),
+        ("gradients", m.grads),
+        ("optimizer states", m.optimizer),
+        ("activations", m.activations),
+        ("workspace", m.workspace),
+    ]
+}
+
 fn time_delta(a: &TimeBreakdown, b: &TimeBreakdown) -> TimeBreakdown {
     TimeBreakdown {
         compute: a.compute - b.compute,
