@@ -100,6 +100,11 @@ pub struct RemoteStats {
     /// Results not uploaded: the queue was full, the remote was dropped, or the deadline at
     /// exit came first.
     pub uploads_dropped: u64,
+    /// Wall time, in milliseconds, during which the build waited on the remote: some lookup
+    /// was waiting for its answer, or the finished build for its uploads. This is what a slow
+    /// or failing remote can add to a build, whatever else the machine is doing.
+    #[serde(default)]
+    pub waited_ms: u64,
 }
 
 /// Outcome of a remote lookup.
@@ -151,6 +156,51 @@ struct Shared {
     rejected: AtomicU64,
     uploads: AtomicU64,
     uploads_dropped: AtomicU64,
+    waits: Waits,
+}
+
+/// The union of the intervals during which some caller waited on the remote.
+#[derive(Default)]
+struct Waits {
+    /// Callers waiting now, and since when one has been.
+    open: Mutex<(usize, Option<Instant>)>,
+    /// Closed stretches, microseconds.
+    total_us: AtomicU64,
+}
+
+impl Waits {
+    /// Counts the time until the returned guard is dropped.
+    fn begin(&self) -> WaitGuard<'_> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if open.0 == 0 {
+            open.1 = Some(Instant::now());
+        }
+        open.0 += 1;
+        WaitGuard(self)
+    }
+
+    /// Waited so far, the stretch still open included.
+    fn total(&self) -> Duration {
+        let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let running = open.1.map_or(Duration::ZERO, |t| t.elapsed());
+        Duration::from_micros(self.total_us.load(Ordering::Relaxed)) + running
+    }
+}
+
+/// One caller's wait (see [`Waits::begin`]).
+struct WaitGuard<'a>(&'a Waits);
+
+impl Drop for WaitGuard<'_> {
+    fn drop(&mut self) {
+        let mut open = self.0.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.0 -= 1;
+        if open.0 == 0
+            && let Some(since) = open.1.take()
+        {
+            let us = u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX);
+            self.0.total_us.fetch_add(us, Ordering::Relaxed);
+        }
+    }
 }
 
 /// The remote cache client (cheap to clone: clones share the connection pool and the state).
@@ -230,6 +280,7 @@ impl RemoteCache {
                 rejected: AtomicU64::new(0),
                 uploads: AtomicU64::new(0),
                 uploads_dropped: AtomicU64::new(0),
+                waits: Waits::default(),
             }),
         }
     }
@@ -249,6 +300,7 @@ impl RemoteCache {
             rejected: s.rejected.load(Ordering::Relaxed),
             uploads: s.uploads.load(Ordering::Relaxed),
             uploads_dropped: s.uploads_dropped.load(Ordering::Relaxed),
+            waited_ms: u64::try_from(s.waits.total().as_millis()).unwrap_or(u64::MAX),
         }
     }
 
@@ -324,6 +376,7 @@ impl RemoteCache {
         if spawned.is_err() {
             return None;
         }
+        let _waiting = self.shared.waits.begin();
         loop {
             match rx.recv_timeout(POLL) {
                 Ok(r) => return Some(r),
@@ -667,6 +720,7 @@ impl Uploader {
                 .take(),
         );
         let done = std::mem::take(&mut *self.done.lock().unwrap_or_else(|e| e.into_inner()));
+        let _waiting = self.remote.shared.waits.begin();
         let mut finished = true;
         for rx in done {
             loop {
@@ -707,6 +761,25 @@ mod tests {
         );
         assert_eq!(redact("http://127.0.0.1:9092"), "http://127.0.0.1:9092");
         assert_eq!(redact("not a url"), "not a url");
+    }
+
+    #[test]
+    fn overlapping_waits_count_once() {
+        let waits = Waits::default();
+        let start = Instant::now();
+        {
+            let _a = waits.begin();
+            std::thread::sleep(Duration::from_millis(30));
+            let _b = waits.begin();
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        let both = start.elapsed();
+        let counted = waits.total();
+        // The two overlapping waits are one stretch: never more than the time they spanned,
+        // not the 90 ms their sum would be.
+        assert!(counted >= Duration::from_millis(60) && counted <= both, "{counted:?}");
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(waits.total(), counted, "nothing counts while nobody waits");
     }
 
     #[test]

@@ -169,6 +169,10 @@ pub fn run_with(
                 if r.uploads_dropped > 0 {
                     counts += &format!(", {} uploads dropped", r.uploads_dropped);
                 }
+                // Only a wait that a user would notice.
+                if r.waited_ms >= 100 {
+                    counts += &format!(", waited {:.1} s", r.waited_ms as f64 / 1e3);
+                }
                 format!("{} remote hits ({counts})", c.remote)
             }
             None => format!("{} remote hits", c.remote),
