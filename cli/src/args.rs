@@ -178,6 +178,12 @@ pub struct WhatifArgs {
     /// How context-parallel ranks exchange keys and values.
     #[arg(long, value_enum)]
     pub cp_comm_type: Option<CpCommArg>,
+    /// Expert-parallel size (mixture-of-experts models).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
+    pub ep: Option<u64>,
+    /// Expert tensor-parallel size (mixture-of-experts models).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
+    pub etp: Option<u64>,
     /// Micro-batch size.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
     pub mbs: Option<u64>,
@@ -801,6 +807,14 @@ pub struct EstimateArgs {
     /// How context-parallel ranks exchange keys and values (Megatron-Core's `--cp-comm-type`).
     #[arg(long, value_enum, default_value = "p2p")]
     pub cp_comm_type: CpCommArg,
+    /// Expert-parallel size of the mixture-of-experts layers (Megatron-Core's
+    /// `--expert-model-parallel-size`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
+    pub ep: u64,
+    /// Expert tensor-parallel size (Megatron-Core's `--expert-tensor-parallel-size`; default:
+    /// tp for a mixture-of-experts model, as in Megatron-Core, 1 for a dense one).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_GPUS))]
+    pub etp: Option<u64>,
     /// Micro-batch size.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=limits::MAX_BATCH))]
     pub mbs: u64,

@@ -111,8 +111,18 @@ pub fn layout_line(l: &Layout, microbatches: u64) -> String {
     } else {
         String::new()
     };
+    let ep = if l.has_expert_parallelism() {
+        format!(
+            " · ep {} · etp {} (expert dp {})",
+            l.ep,
+            l.etp,
+            l.expert_grad_ranks()
+        )
+    } else {
+        String::new()
+    };
     let mut s = format!(
-        "tp {}{cp} · pp {} · dp {} · micro-batch {} ({} micro-batches)",
+        "tp {}{cp} · pp {} · dp {}{ep} · micro-batch {} ({} micro-batches)",
         l.tp, l.pp, l.dp, l.micro_batch, microbatches
     );
     if l.interleave > 1 {
@@ -163,7 +173,12 @@ pub fn estimate(out: &mut String, e: &Estimate) {
          (ideal {:.1}%) · grad sync {} · optimizer {}",
         secs(t.compute),
         secs(t.recompute),
-        if e.layout.cp > 1 { "TP+CP" } else { "TP" },
+        match (e.layout.cp > 1, e.layout.has_expert_parallelism()) {
+            (false, false) => "TP",
+            (true, false) => "TP+CP",
+            (false, true) => "TP+EP",
+            (true, true) => "TP+CP+EP",
+        },
         secs(t.tp_comm),
         secs(t.p2p),
         secs(t.zero_comm),
@@ -588,9 +603,18 @@ pub fn graph(g: &GraphSummary, precision: &str, attention: &str) -> String {
     let layers: usize = g.groups.iter().map(|gr| gr.last - gr.first + 1).sum();
     let _ = writeln!(
         out,
-        "{}: {} parameters, {} layers, {} ops (sequence {}, micro-batch {}, {}, {} attention)",
+        "{}: {} parameters{}, {} layers, {} ops (sequence {}, micro-batch {}, {}, {} attention)",
         g.name,
         si(g.parameters as f64),
+        if g.active_parameters < g.parameters {
+            format!(
+                " ({} active per token, {} without the input embedding)",
+                si(g.active_parameters as f64),
+                si(g.active_parameters_without_input_embedding as f64)
+            )
+        } else {
+            String::new()
+        },
         layers,
         thousands(g.ops as f64),
         g.seq,

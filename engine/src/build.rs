@@ -505,7 +505,7 @@ fn ilp_search(
     // Too large a search is left out, and the plan says so (never a silent cut); asked only
     // when something must be solved (a rebuild that finds every result lowers nothing).
     if looked.iter().any(|(_, found)| found.is_none())
-        && let Some(why) = too_large_search(ws, t)
+        && let Some(why) = ilp_left_out(ws, t)
     {
         out.not_searched = Some(why);
         return out;
@@ -622,9 +622,19 @@ fn decoded(
     cache.get_or_solve(kind::DECODE, key, meta, decode).0
 }
 
-/// Why the target's ILP search is too large to run (`None` when it is not).
-fn too_large_search(ws: &Workspace, t: &Target) -> Option<String> {
+/// Why the target's ILP space is left out: a model it does not cover, or a search too large
+/// to run (`None` when it is searched).
+fn ilp_left_out(ws: &Workspace, t: &Target) -> Option<String> {
     let graph = ilp_lower(ws, t, 1).ok()?;
+    if let Some(op) = graph.first_megatron_only_op() {
+        return Some(format!(
+            "the ILP space was not searched: the intra-op ILP does not model `{}` ({}) yet, \
+             so mixture-of-experts and multi-head latent attention models are planned in the \
+             Megatron-LM space",
+            op.name,
+            op.kind.name()
+        ));
+    }
     let (tables, ranges) = search_size(
         &graph,
         &ws.clusters[t.cluster],
@@ -881,7 +891,7 @@ fn ilp_dry_run(
             tables_to_solve: Vec::new(),
         };
         if !dry.cached {
-            if let Some(why) = too_large.get_or_insert_with(|| too_large_search(ws, t)) {
+            if let Some(why) = too_large.get_or_insert_with(|| ilp_left_out(ws, t)) {
                 return (out, Some(why.clone()), None);
             }
             let rec = StagesRecord {

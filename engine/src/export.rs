@@ -117,7 +117,7 @@ pub fn export(plan: &Plan, def: &ModelDef, o: &ExportOptions) -> Result<String, 
         Framework::Megatron => Ok(megatron_script(plan, &l, def)),
         Framework::Nemo => nemo(plan, &l, transformer(def, plan, o.framework)?),
         Framework::Torchtitan => torchtitan(plan, &l, transformer(def, plan, o.framework)?),
-        Framework::Deepspeed => deepspeed_config(plan, &l),
+        Framework::Deepspeed => deepspeed_config(plan, def, &l),
         Framework::MegatronDeepspeed => {
             megatron_deepspeed(plan, &l, transformer(def, plan, o.framework)?, o)
         }
@@ -190,6 +190,13 @@ fn megatron_script(plan: &Plan, l: &LaunchLayout, def: &ModelDef) -> String {
 fn nemo(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<String, EngineError> {
     let f = Framework::Nemo;
     let lay = &l.layout;
+    if c.mla.is_some() {
+        return Err(cannot(
+            f,
+            "multi-head latent attention; NeMo's megatron_gpt_config has no MLA fields (NeMo 2 \
+             builds DeepSeek models from its Python recipes)",
+        ));
+    }
     if let Some(split) = l.pipeline_layout() {
         return Err(cannot(
             f,
@@ -253,7 +260,8 @@ fn nemo(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<String, 
                 if lay.interleave > 1 { json!(lay.interleave) } else { Value::Null },
             "context_parallel_size": lay.cp,
             "cp_comm_type": lay.cp_comm.name(),
-            "expert_model_parallel_size": 1,
+            "expert_model_parallel_size": lay.ep,
+            "expert_tensor_parallel_size": if c.moe.is_some() { json!(lay.etp) } else { Value::Null },
             "sequence_parallel": lay.sequence_parallel,
             "encoder_seq_length": plan.training.seq,
             "max_position_embeddings": c.max_seq.max(plan.training.seq),
@@ -280,6 +288,30 @@ fn nemo(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<String, 
             "optim": optim,
         },
     });
+    let mut doc = doc;
+    if let Some(m) = &c.moe {
+        let routing = plan.training.moe_routing;
+        let model = &mut doc["model"];
+        model["num_moe_experts"] = json!(m.experts);
+        model["moe_router_topk"] = json!(m.top_k);
+        model["moe_ffn_hidden_size"] = json!(m.expert_ffn);
+        model["moe_grouped_gemm"] = json!(true);
+        model["moe_token_dispatcher_type"] = json!("alltoall");
+        if m.shared_ffn > 0 {
+            model["moe_shared_expert_intermediate_size"] = json!(m.shared_ffn);
+        }
+        if m.dense_layers > 0 {
+            // One entry per block: 0 dense, 1 MoE (Megatron-Core's `moe_layer_freq` list).
+            let freq: Vec<u64> = (0..c.layers)
+                .map(|i| u64::from(m.is_moe_block(i)))
+                .collect();
+            model["moe_layer_freq"] = json!(freq);
+        }
+        if routing.drop_tokens {
+            model["moe_expert_capacity_factor"] = json!(routing.factor.get());
+            model["moe_token_drop_policy"] = json!("probs");
+        }
+    }
     let yaml = yaml_serde::to_string(&doc).map_err(|e| cannot(f, format!("YAML: {e}")))?;
     Ok(format!("{}{yaml}", header(plan, l, "#")))
 }
@@ -303,6 +335,24 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
             ),
         ));
     }
+    // torchtitan's MoE models: DeepSeek-V3's (MLA, shared experts) and Qwen3's (per-head
+    // q/k norms); it has no Mixtral-style one.
+    let model_name = match (&c.moe, &c.mla, c.qk_norm) {
+        (None, None, _) => "llama3",
+        (Some(_), Some(_), _) => "deepseek_v3",
+        (Some(_), None, true) => "qwen3",
+        (None, Some(_), _) | (Some(_), None, false) => {
+            return Err(cannot(
+                f,
+                format!(
+                    "model `{}`: torchtitan's mixture-of-experts models are DeepSeek-V3's (with \
+                     multi-head latent attention) and Qwen3's (with q/k norms); it has none of \
+                     this architecture",
+                    plan.model.name
+                ),
+            ));
+        }
+    };
     let (replicate, shard) = match lay.zero {
         _ if lay.dp == 1 => (1, 1),
         0 => (lay.dp, 1),
@@ -396,7 +446,38 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
             toml::Value::String(rotate.into()),
         );
     }
-    parallelism.insert("expert_parallel_degree".into(), int(1));
+    // torchtitan folds expert parallelism onto the data-shard and context ranks, and onto the
+    // tensor ranks too when experts are not tensor-parallel (`expert_tensor_parallel_degree`
+    // of 1 or tp).
+    let ep_over = match lay.etp {
+        e if e == lay.tp => shard * lay.cp,
+        1 => shard * lay.cp * lay.tp,
+        e => {
+            return Err(cannot(
+                f,
+                format!(
+                    "expert tensor parallelism of {e} under tensor parallelism of {}; torchtitan's \
+                     is 1 or the tensor-parallel degree",
+                    lay.tp
+                ),
+            ));
+        }
+    };
+    if lay.ep > 1 && ep_over % lay.ep != 0 {
+        return Err(cannot(
+            f,
+            format!(
+                "expert parallelism of {} over {ep_over} ranks; torchtitan borrows the expert \
+                 ranks from the data-shard and context ranks (and the tensor ranks when experts \
+                 are not tensor-parallel), which need ZeRO-3 sharding here",
+                lay.ep
+            ),
+        ));
+    }
+    parallelism.insert("expert_parallel_degree".into(), int(lay.ep));
+    if c.moe.is_some() {
+        parallelism.insert("expert_tensor_parallel_degree".into(), int(lay.etp));
+    }
     // torchtitan sizes a step by `training.local_batch_size`; with pipelining it cuts that into
     // micro-batches of `pipeline_parallel_microbatch_size`, without it accumulates gradients
     // up to `training.global_batch_size`.
@@ -454,7 +535,7 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
         );
     }
     let mut model = toml::Table::new();
-    model.insert("name".into(), toml::Value::String("llama3".into()));
+    model.insert("name".into(), toml::Value::String(model_name.into()));
     model.insert(
         "flavor".into(),
         toml::Value::String(plan.model.name.clone()),
@@ -466,8 +547,8 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
     doc.insert("activation_checkpoint".into(), toml::Value::Table(ac));
     let text = toml::to_string(&doc).map_err(|e| cannot(f, format!("TOML: {e}")))?;
     Ok(format!(
-        "{}# Register the flavor `{}` with torchtitan's llama3 model arguments: dim = {}, \
-         n_layers = {}, n_heads = {}, n_kv_heads = {}, vocab_size = {}, ffn hidden = {}.\n\
+        "{}# Register the flavor `{}` with torchtitan's {model_name} model arguments: dim = {}, \
+         n_layers = {}, n_heads = {}, n_kv_heads = {}, vocab_size = {}, ffn hidden = {}{}.\n\
          # Launch with `NGPU={} ./run_train.sh` on each of the {} node(s).\n{text}",
         header(plan, l, "#"),
         plan.model.name,
@@ -477,9 +558,42 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
         c.kv_heads,
         c.vocab,
         c.ffn_hidden,
+        c.moe.map_or(String::new(), |m| format!(
+            ", {} experts (top-{}) of hidden {}{}",
+            m.experts,
+            m.top_k,
+            m.expert_ffn,
+            if m.shared_ffn > 0 {
+                format!(", shared experts of hidden {}", m.shared_ffn)
+            } else {
+                String::new()
+            }
+        )),
         plan.cluster.gpus_per_node,
         plan.cluster.nodes
     ))
+}
+
+/// Refuses a mixture-of-experts model: the DeepSpeed export writes Megatron-DeepSpeed's dense
+/// GPT, and DeepSpeed-MoE's experts differ from Megatron-Core's (no expert tensor parallelism
+/// beside tp, its own expert interval and capacity rules).
+fn dense_for_deepspeed(
+    plan: &Plan,
+    c: Option<&TransformerConfig>,
+    f: Framework,
+) -> Result<(), EngineError> {
+    match c {
+        Some(c) if c.moe.is_some() || c.mla.is_some() => Err(cannot(
+            f,
+            format!(
+                "model `{}` has mixture-of-experts layers or multi-head latent attention; the \
+                 DeepSpeed export writes Megatron-DeepSpeed's dense GPT (export it as megatron \
+                 or nemo)",
+                plan.model.name
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Checks what DeepSpeed's pipeline engine cannot run.
@@ -528,8 +642,9 @@ fn deepspeed_layout(l: &LaunchLayout, f: Framework) -> Result<(), EngineError> {
 }
 
 /// DeepSpeed's config JSON.
-fn deepspeed_config(plan: &Plan, l: &LaunchLayout) -> Result<String, EngineError> {
+fn deepspeed_config(plan: &Plan, def: &ModelDef, l: &LaunchLayout) -> Result<String, EngineError> {
     let f = Framework::Deepspeed;
+    dense_for_deepspeed(plan, def.transformer(), f)?;
     deepspeed_layout(l, f)?;
     let lay = &l.layout;
     let accumulation = lay.num_microbatches();
@@ -565,6 +680,7 @@ fn megatron_deepspeed(
     o: &ExportOptions,
 ) -> Result<String, EngineError> {
     let f = Framework::MegatronDeepspeed;
+    dense_for_deepspeed(plan, Some(c), f)?;
     deepspeed_layout(l, f)?;
     let lay = &l.layout;
     let mut a: Vec<String> = Vec::new();

@@ -12,7 +12,7 @@
 //! | `step_time_s` | yes      | measured seconds per step, or `oom` for a run that ran out of memory |
 //! | `cp`          | no (1)   | context-parallel degree |
 //! | `cp_comm`     | no (p2p) | `p2p`, `a2a`, `allgather` or `a2a+p2p` (Megatron-Core's `--cp-comm-type`) |
-//! | `ep` `etp`    | no (1)   | expert- and expert-tensor-parallel degrees (1 until autopar models them) |
+//! | `ep` `etp`    | no (1)   | expert- and expert-tensor-parallel degrees |
 //! | `vp`          | no (1)   | model chunks per pipeline stage |
 //! | `seq`         | no       | sequence length (default: the model's) |
 //! | `sp`          | no (false) | sequence parallelism (`true`/`false`/`1`/`0`) |
@@ -312,20 +312,6 @@ fn run(
                 }),
         }
     };
-    for (name, what) in [
-        ("ep", "expert parallelism"),
-        ("etp", "expert tensor parallelism"),
-    ] {
-        if int(name, Some(1), limits::MAX_GPUS)? != 1 {
-            return Err(bad(
-                path,
-                line,
-                name,
-                format!("1 (autopar does not model {what} yet)"),
-                format!("`{}`", cells[name]),
-            ));
-        }
-    }
     let flag = |name: &str| -> Result<Option<bool>, EngineError> {
         match cells.get(name).map(String::as_str) {
             None => Ok(None),
@@ -442,6 +428,8 @@ fn run(
             sequence_parallel: sp,
             recompute,
             zero,
+            ep: int("ep", Some(1), limits::MAX_GPUS)?,
+            etp: int("etp", Some(1), limits::MAX_GPUS)?,
         },
         seq: cells
             .get("seq")
@@ -538,8 +526,8 @@ mod tests {
                 "runs.csv:2: field `tp`: expected an integer in 1..=",
             ),
             (
-                format!("{HEADER},ep\n{row},2"),
-                "runs.csv:2: field `ep`: expected 1 (autopar does not model expert parallelism yet), found `2`",
+                format!("{HEADER},ep\n{row},0"),
+                "runs.csv:2: field `ep`: expected an integer in 1..=",
             ),
             (
                 format!("{HEADER},cp,cp_comm\n{row},2,ring"),

@@ -209,6 +209,16 @@ pub(crate) fn lower_model(
     let graph = def
         .lower(name, &opts)
         .map_err(|e| EngineError::Layout(LayoutError::Model(e)))?;
+    if let Some(op) = graph.first_megatron_only_op() {
+        return Err(EngineError::Argument {
+            flag: "MODEL",
+            expected: "a model the intra-op ILP covers (mixture-of-experts and multi-head \
+                       latent attention models are planned in the Megatron-LM space: `autopar \
+                       estimate`, `autopar build` with space = \"megatron\")"
+                .into(),
+            found: format!("`{name}` with `{}` ({})", op.name, op.kind.name()),
+        });
+    }
     Ok((seq, graph))
 }
 

@@ -42,7 +42,10 @@ pub fn time_components(t: &TimeBreakdown) -> [(&'static str, f64); 8] {
     [
         ("compute", t.compute),
         ("recomputation", t.recompute),
-        ("tensor- and context-parallel communication", t.tp_comm),
+        (
+            "tensor-, context- and expert-parallel communication",
+            t.tp_comm,
+        ),
         ("pipeline transfers", t.p2p),
         ("ZeRO communication", t.zero_comm),
         ("pipeline bubble", t.bubble),

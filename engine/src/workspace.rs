@@ -10,8 +10,8 @@ use autopar_rules::cost::memory::Precision;
 use autopar_rules::cost::profile::{Profile, parse_profile};
 use autopar_rules::limits;
 use autopar_rules::model::frontend::{
-    Attention, Bias, GRAPH_FORMAT, Mlp, ModelDef, Norm, Position, TransformerConfig,
-    canonical_field_name, parse_graph_file, parse_hf_config,
+    Attention, Bias, GRAPH_FORMAT, Milli, Mlp, ModelDef, MoeConfig, MoeRouting, Norm, Position,
+    TransformerConfig, canonical_field_name, parse_graph_file, parse_hf_config,
 };
 use autopar_rules::plan::ilp::{IlpSearch, Space};
 use autopar_rules::plan::layout::{Recompute, TrainingOptions};
@@ -325,6 +325,21 @@ struct RawTransformer {
     bias: Option<Bias>,
     #[serde(default)]
     dropout: Option<bool>,
+    /// Routed experts of every block from `dense_layers` on (a mixture-of-experts model).
+    #[serde(default)]
+    experts: Option<Positive>,
+    /// Experts each token is routed to.
+    #[serde(default)]
+    top_k: Option<Positive>,
+    /// Inner width of one routed expert (default `ffn_hidden`).
+    #[serde(default)]
+    expert_ffn: Option<Positive>,
+    /// Inner width of the shared experts (default none).
+    #[serde(default)]
+    shared_ffn: Option<Positive>,
+    /// Blocks that keep the dense MLP before the first MoE block (default 0).
+    #[serde(default)]
+    dense_layers: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -377,6 +392,10 @@ struct RawTarget {
     #[serde(default)]
     attention: Option<Attention>,
     #[serde(default)]
+    moe_capacity_factor: Option<Spanned<f64>>,
+    #[serde(default)]
+    moe_load_imbalance: Option<Spanned<f64>>,
+    #[serde(default)]
     grad_accumulation_fusion: Option<bool>,
     #[serde(default)]
     grad_reduce_in_fp32: Option<bool>,
@@ -427,6 +446,10 @@ struct RawSearch {
     cp: Option<Spanned<Vec<Positive>>>,
     #[serde(default)]
     cp_comm: Option<Spanned<Vec<CpComm>>>,
+    #[serde(default)]
+    ep: Option<Spanned<Vec<Positive>>>,
+    #[serde(default)]
+    etp: Option<Spanned<Vec<Positive>>>,
     #[serde(default)]
     ilp_micro_batch: Option<Spanned<Vec<Positive>>>,
     #[serde(default)]
@@ -561,6 +584,32 @@ impl Loader<'_> {
             tied_embeddings: r.tied_embeddings.unwrap_or(true),
             bias: r.bias.unwrap_or(Bias::All),
             dropout: r.dropout.unwrap_or(false),
+            moe: None,
+            mla: None,
+            qk_norm: false,
+        };
+        let config = match (r.experts, r.top_k) {
+            (None, None) => config,
+            (Some(e), k) => TransformerConfig {
+                moe: Some(MoeConfig {
+                    experts: e.0,
+                    top_k: k.map_or(1, |k| k.0),
+                    expert_ffn: r.expert_ffn.map_or(r.ffn_hidden.0, |f| f.0),
+                    shared_ffn: r.shared_ffn.map_or(0, |f| f.0),
+                    dense_layers: r.dense_layers.unwrap_or(0),
+                    router_bias: false,
+                    routing: MoeRouting::default(),
+                }),
+                ..config
+            },
+            (None, Some(_)) => {
+                return Err(self.diag(
+                    self.key_in(t.span(), "top_k"),
+                    "model.transformer.top_k",
+                    "top_k only with experts (a mixture-of-experts model)",
+                    "top_k without experts",
+                ));
+            }
         };
         config.validate().map_err(located)?;
         Ok(config)
@@ -868,7 +917,15 @@ impl Loader<'_> {
             }
         };
         let gpus_per_node = clusters[cluster].gpus_per_node;
-        let mut search = SearchSpace::default_for(gpus_per_node);
+        let experts = match def {
+            ModelDef::Transformer(c) => c.moe.map(|m| m.experts),
+            ModelDef::Graph(_) => None,
+        };
+        let mut search = match experts {
+            Some(e) => SearchSpace::default_for_experts(gpus_per_node, clusters[cluster].gpus(), e),
+            None => SearchSpace::default_for(gpus_per_node),
+        };
+        let moe_routing = self.moe_routing(t, experts.is_some())?;
         let mut ilp = IlpSearch::default_for(gpus_per_node, global_batch);
         if let Some(space) = t.space {
             ilp.space = space;
@@ -942,6 +999,20 @@ impl Loader<'_> {
         let profile = overlay(profiles, &used);
         // The runtime's defaults, where the target does not set a field itself.
         let runtime = t.runtime.unwrap_or_default();
+        let mut options = runtime.options(
+            seq,
+            t.precision,
+            t.attention,
+            headroom,
+            t.vocab_multiple.map_or(DEFAULT_VOCAB_MULTIPLE, |v| v.0),
+            GivenSettings {
+                grad_accumulation_fusion: t.grad_accumulation_fusion,
+                grad_reduce_in_fp32: t.grad_reduce_in_fp32,
+                overlap_grad_reduce: t.overlap_grad_reduce,
+                overlap_param_gather: t.overlap_param_gather,
+            },
+        );
+        options.moe_routing = moe_routing;
         Ok(Target {
             name: t.name.get_ref().clone(),
             model,
@@ -949,22 +1020,63 @@ impl Loader<'_> {
             global_batch,
             profiles: used,
             profile: profile.map(Arc::new),
-            options: runtime.options(
-                seq,
-                t.precision,
-                t.attention,
-                headroom,
-                t.vocab_multiple.map_or(DEFAULT_VOCAB_MULTIPLE, |v| v.0),
-                GivenSettings {
-                    grad_accumulation_fusion: t.grad_accumulation_fusion,
-                    grad_reduce_in_fp32: t.grad_reduce_in_fp32,
-                    overlap_grad_reduce: t.overlap_grad_reduce,
-                    overlap_param_gather: t.overlap_param_gather,
-                },
-            ),
+            options,
             search,
             ilp,
         })
+    }
+
+    /// `target.moe_capacity_factor` (tokens past it dropped) or `target.moe_load_imbalance`
+    /// (dropless: the busiest expert's tokens over the mean), at most one, and only for a
+    /// model with experts.
+    fn moe_routing(&self, t: &RawTarget, moe: bool) -> Result<MoeRouting, EngineError> {
+        let given = [
+            ("moe_capacity_factor", &t.moe_capacity_factor, true),
+            ("moe_load_imbalance", &t.moe_load_imbalance, false),
+        ];
+        let mut routing = MoeRouting::default();
+        let mut seen: Option<&str> = None;
+        for (key, value, drop_tokens) in given {
+            let Some(v) = value else { continue };
+            let field = format!("target.{key}");
+            if !moe {
+                return Err(self.diag(
+                    v.span().start,
+                    &field,
+                    "no router setting: the model has no mixture-of-experts layers",
+                    v.get_ref().to_string(),
+                ));
+            }
+            if let Some(other) = seen {
+                return Err(self.diag(
+                    v.span().start,
+                    &field,
+                    format!("either {other} (tokens dropped) or {key} (dropless), not both"),
+                    "both",
+                ));
+            }
+            let x = *v.get_ref();
+            let lowest = if drop_tokens { 0.0 } else { 1.0 };
+            let factor = Milli::of(x).filter(|_| x >= lowest && x <= 100.0);
+            let Some(factor) = factor else {
+                return Err(self.diag(
+                    v.span().start,
+                    &field,
+                    if drop_tokens {
+                        "a capacity factor above 0 and at most 100"
+                    } else {
+                        "a ratio from 1 (a perfectly balanced router) to 100"
+                    },
+                    x.to_string(),
+                ));
+            };
+            routing = MoeRouting {
+                factor,
+                drop_tokens,
+            };
+            seen = Some(key);
+        }
+        Ok(routing)
     }
 
     fn search(&self, s: &RawSearch, out: &mut SearchSpace) -> Result<(), EngineError> {
@@ -999,6 +1111,12 @@ impl Loader<'_> {
         }
         if let Some(v) = nonempty(self, &s.cp_comm, "cp_comm")? {
             out.cp_comm = v;
+        }
+        if let Some(v) = ints(nonempty(self, &s.ep, "ep")?) {
+            out.ep = v;
+        }
+        if let Some(v) = ints(nonempty(self, &s.etp, "etp")?) {
+            out.etp = v;
         }
         Ok(())
     }

@@ -100,7 +100,7 @@ fn costs(g: &Graph, t: u64, sp: bool) -> Vec<LayerCost> {
         grad_buffer_bytes: 2.0,
         grad_accumulation_fusion: true,
     };
-    layer_costs(g, TpConfig { t, sp }, &d, &kernels, c.group_link(1, t))
+    layer_costs(g, TpConfig::dense(t, sp), &d, &kernels, c.group_link(1, t))
 }
 
 fn gpt(h: u64, a: u64, dropout: bool) -> TransformerConfig {
@@ -119,6 +119,9 @@ fn gpt(h: u64, a: u64, dropout: bool) -> TransformerConfig {
         tied_embeddings: true,
         bias: Bias::All,
         dropout,
+        moe: None,
+        mla: None,
+        qk_norm: false,
     }
 }
 

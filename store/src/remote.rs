@@ -777,7 +777,10 @@ mod tests {
         let counted = waits.total();
         // The two overlapping waits are one stretch: never more than the time they spanned,
         // not the 90 ms their sum would be.
-        assert!(counted >= Duration::from_millis(60) && counted <= both, "{counted:?}");
+        assert!(
+            counted >= Duration::from_millis(60) && counted <= both,
+            "{counted:?}"
+        );
         std::thread::sleep(Duration::from_millis(20));
         assert_eq!(waits.total(), counted, "nothing counts while nobody waits");
     }

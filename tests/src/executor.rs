@@ -36,6 +36,9 @@ pub fn tiny_gpt(mb: u64, seq: u64, tp: u64) -> Graph {
         tied_embeddings: true,
         bias: Bias::All,
         dropout: true,
+        moe: None,
+        mla: None,
+        qk_norm: false,
     });
     lower(&def, mb, seq, tp, Attention::Unfused)
 }

@@ -666,6 +666,27 @@ fn context_parallelism_splits_activations_and_keeps_the_work() {
         )
     };
     assert!(comm("p2p") < comm("allgather"));
+    // Selective recomputation re-runs the attention core and with it the exchange the core
+    // does not hide: the all-gather of keys and values again, the ring's exposed steps again.
+    let recompute = |comm: &str| {
+        number(
+            &run(&[
+                "--cp",
+                "4",
+                "--cp-comm-type",
+                comm,
+                "--recompute",
+                "selective",
+            ])["time"],
+            "recompute",
+        )
+    };
+    assert!(
+        recompute("allgather") > recompute("p2p"),
+        "{} vs {}",
+        recompute("allgather"),
+        recompute("p2p")
+    );
     // Hierarchical: at tp 8 no two of the 4 ranks share a node, so it is the ring alone.
     assert_eq!(comm("a2a+p2p"), comm("p2p"));
     for (args, want) in [

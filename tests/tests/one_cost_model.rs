@@ -5,7 +5,7 @@
 
 use autopar_rules::cost::cluster::Cluster;
 use autopar_rules::cost::context_parallel::{CpConfig, CpGroups};
-use autopar_rules::cost::layer_cost::{KernelOptions, LayerCostContext, Pricing};
+use autopar_rules::cost::layer_cost::{ExpertLinks, KernelOptions, LayerCostContext, Pricing};
 use autopar_rules::cost::profile::{EntryId, Profile};
 use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::cost::tensor_parallel::TpConfig;
@@ -52,11 +52,12 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
                         continue;
                     }
                     let plain = Pricing {
-                        tp: TpConfig { t: tp, sp },
+                        tp: TpConfig::dense(tp, sp),
                         cp: CpConfig::NONE,
                         device: &c.device,
                         kernels: &kernels,
                         tp_link: m.links[1],
+                        expert_links: ExpertLinks::alone(m.links[1]),
                         cp_groups: CpGroups::alone(m.links[1]),
                         profile: None,
                     };

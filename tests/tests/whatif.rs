@@ -71,7 +71,7 @@ fn a_layout_beside_the_plan_component_by_component() {
     let text = ws.run(&["whatif", "tiny-llama-3d", "--tp", "1", "--mbs", "2"]);
     assert!(
         text.stdout
-            .contains("tensor- and context-parallel communication"),
+            .contains("tensor-, context- and expert-parallel communication"),
         "{}",
         text.stdout
     );

@@ -36,6 +36,8 @@ pub fn run(session: &Session, a: &WhatifArgs) -> Result<(), Failure> {
     let layout = Layout {
         cp,
         cp_comm: a.cp_comm_type.map_or(p.cp_comm, Into::into),
+        ep: a.ep.unwrap_or(p.ep),
+        etp: a.etp.unwrap_or(p.etp),
         tp,
         pp,
         dp,

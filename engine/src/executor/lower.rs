@@ -367,9 +367,22 @@ fn err(message: impl Into<String>) -> ExecError {
     ExecError::Lower(message.into())
 }
 
+/// Why an op of a mixture-of-experts layer or of multi-head latent attention cannot run here.
+fn unsupported(op: &autopar_rules::model::graph::Op) -> ExecError {
+    err(format!(
+        "`{}` ({}): the CPU executor does not run mixture-of-experts layers or multi-head \
+         latent attention yet; plan and estimate such models, and run dense ones",
+        op.name,
+        op.kind.name()
+    ))
+}
+
 /// Lowers `graph` for `layout`.
 pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
     check_layout(graph, layout)?;
+    if let Some(op) = graph.first_megatron_only_op() {
+        return Err(unsupported(op));
+    }
     let axes = layout.mesh(0).len();
     let parts = split_parts(graph);
     let mut values: Vec<ValueInfo> = Vec::with_capacity(graph.tensors.len());
@@ -610,6 +623,8 @@ fn megatron_placement(
             },
             Split::Sequence(a) if layout.sequence_parallel => split_whole(a as usize, shape),
             Split::Sequence(_) => State::Replicated,
+            // Expert tensors: `lower` refuses their graphs before placing anything.
+            Split::Experts | Split::ExpertModel(_) => State::Replicated,
         }
     };
     Placement(vec![state])
@@ -1403,6 +1418,9 @@ fn axis_rules(
                 "`{}`: a backward op in a forward layer",
                 op.name
             )));
+        }
+        OpKind::Concat | OpKind::MoeRouter | OpKind::MoeDispatch | OpKind::MoeCombine => {
+            return Err(unsupported(op));
         }
     }
     Ok(rules)

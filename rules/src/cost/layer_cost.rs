@@ -10,8 +10,8 @@ use crate::cost::cluster::{Device, Link};
 use crate::cost::context_parallel::{self, AttentionBytes, CpConfig, CpGroups};
 use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, ProfileRead, kernel_name};
 use crate::cost::tensor_parallel::{
-    Phase, TpConfig, collectives, device_shape_in_op, divided_axis_in_op, gemm_shape,
-    op_device_flops, stored_bytes, stored_elements, tensor_bytes_in_op,
+    Group, Phase, TpConfig, collectives, device_shape_in_op, divided_axis_in_op, gemm_shape,
+    is_expert_parameter, op_device_flops, stored_bytes, stored_elements, tensor_bytes_in_op,
 };
 use crate::model::graph::{
     DType, Graph, LayerKind, Op, OpId, OpKind, Pass, Split, TensorId, TensorKind,
@@ -40,14 +40,19 @@ pub struct LayerCost {
     pub kind: LayerKind,
     /// Forward kernel time, s.
     pub fwd_compute: f64,
-    /// Forward tensor- and context-parallel communication, s.
+    /// Forward tensor-, context- and expert-parallel communication, s.
     pub fwd_comm: f64,
     /// Backward kernel time, s.
     pub bwd_compute: f64,
-    /// Backward tensor- and context-parallel communication not hidden behind compute, s.
+    /// Backward tensor-, context- and expert-parallel communication not hidden behind compute, s.
     pub bwd_comm: f64,
     /// Forward kernel time of the attention-core ops (what selective recomputation re-runs), s.
     pub attention_core_compute: f64,
+    /// Forward context-parallel communication of the attention core that is not hidden
+    /// behind it (re-run with it by selective recomputation: the ring passes the key/value
+    /// blocks again), s.
+    #[serde(default)]
+    pub attention_core_comm: f64,
     /// Forward FLOPs of the whole layer (all ranks together).
     pub fwd_flops: f64,
     /// Backward FLOPs of the whole layer.
@@ -64,6 +69,9 @@ pub struct LayerCost {
     pub grad_working: f64,
     /// Parameters the layer owns, elements per device.
     pub params: f64,
+    /// Of those, the routed experts' (reduced and sharded over the expert data-parallel group).
+    #[serde(default)]
+    pub expert_params: f64,
     /// Parameters the layer reads but another layer owns (a tied output embedding), as
     /// (owning layer, elements per device).
     pub borrowed_params: Vec<(usize, f64)>,
@@ -81,6 +89,7 @@ impl LayerCost {
             bwd_compute: 0.0,
             bwd_comm: 0.0,
             attention_core_compute: 0.0,
+            attention_core_comm: 0.0,
             fwd_flops: 0.0,
             bwd_flops: 0.0,
             attention_core_flops: 0.0,
@@ -89,6 +98,7 @@ impl LayerCost {
             checkpoint: 0.0,
             grad_working: 0.0,
             params: 0.0,
+            expert_params: 0.0,
             borrowed_params: Vec::new(),
             input_bytes: 0.0,
         }
@@ -108,10 +118,32 @@ pub struct Pricing<'a> {
     pub kernels: &'a KernelOptions,
     /// Links of the tensor-parallel group.
     pub tp_link: Link,
+    /// Links of the expert-parallel and expert tensor-parallel groups.
+    pub expert_links: ExpertLinks,
     /// Where the context-parallel group's ranks sit.
     pub cp_groups: CpGroups,
     /// Measured times that override the analytic model.
     pub profile: Option<&'a Profile>,
+}
+
+/// Where a stage's expert-parallel and expert tensor-parallel groups run.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct ExpertLinks {
+    /// The expert-parallel group (`ep` ranks, `etp` apart: Megatron-Core's expert rank order
+    /// is etp, ep, edp, pp).
+    pub ep: Link,
+    /// The expert tensor-parallel group (`etp` neighbouring ranks).
+    pub etp: Link,
+}
+
+impl ExpertLinks {
+    /// Both groups on `link` (a model without experts never uses them).
+    pub fn alone(link: Link) -> Self {
+        ExpertLinks {
+            ep: link,
+            etp: link,
+        }
+    }
 }
 
 /// Graph-wide facts a layer's cost depends on, computed once per graph: who produced and who
@@ -248,11 +280,24 @@ impl<'g> LayerCostContext<'g> {
         }
     }
 
-    fn collective_signature(kind: Collective, p: &Pricing<'_>) -> CollectiveSignature {
+    fn collective_signature(
+        kind: Collective,
+        group: Group,
+        p: &Pricing<'_>,
+    ) -> CollectiveSignature {
         CollectiveSignature {
             collective: kind.into(),
-            ranks: p.tp.t,
-            internode: p.tp_link.internode,
+            ranks: group.ranks(p.tp),
+            internode: Self::group_link(group, p).internode,
+        }
+    }
+
+    /// The links of `group`.
+    fn group_link(group: Group, p: &Pricing<'_>) -> Link {
+        match group {
+            Group::Tensor => p.tp_link,
+            Group::Expert => p.expert_links.ep,
+            Group::ExpertTensor => p.expert_links.etp,
         }
     }
 
@@ -321,16 +366,15 @@ impl<'g> LayerCostContext<'g> {
             let (kernel, _) = self.kernel_and_accumulation(o, p);
             prof.insert_op(self.op_signature(o, p), kernel * 1e6);
         }
-        if p.tp.t > 1 {
-            for &o in &layer.forward {
-                for coll in collectives(g, g.op(o), p.tp) {
-                    if coll.bytes > 0.0 {
-                        prof.insert_collective(
-                            Self::collective_signature(coll.kind, p),
-                            coll.bytes as u64,
-                            collective_time(coll.kind, p.tp.t, coll.bytes, p.tp_link) * 1e6,
-                        );
-                    }
+        for &o in &layer.forward {
+            for coll in collectives(g, g.op(o), p.tp) {
+                if coll.bytes > 0.0 {
+                    let (n, link) = (coll.group.ranks(p.tp), Self::group_link(coll.group, p));
+                    prof.insert_collective(
+                        Self::collective_signature(coll.kind, coll.group, p),
+                        coll.bytes as u64,
+                        collective_time(coll.kind, n, coll.bytes, link) * 1e6,
+                    );
                 }
             }
         }
@@ -341,23 +385,26 @@ impl<'g> LayerCostContext<'g> {
     /// the collective on this group.
     fn collective_time(
         &self,
-        kind: Collective,
-        bytes: f64,
+        coll: &crate::cost::tensor_parallel::TpCollective,
         p: &Pricing<'_>,
         reads: &mut Vec<ProfileRead>,
     ) -> f64 {
-        if p.tp.t <= 1 || bytes <= 0.0 {
+        let n = coll.group.ranks(p.tp);
+        if n <= 1 || coll.bytes <= 0.0 {
             return 0.0;
         }
-        let measured = p
-            .profile
-            .and_then(|prof| prof.collective_time(&Self::collective_signature(kind, p), bytes));
+        let measured = p.profile.and_then(|prof| {
+            prof.collective_time(
+                &Self::collective_signature(coll.kind, coll.group, p),
+                coll.bytes,
+            )
+        });
         match measured {
             Some((seconds, used)) => {
                 reads.extend(used);
                 seconds
             }
-            None => collective_time(kind, p.tp.t, bytes, p.tp_link),
+            None => collective_time(coll.kind, n, coll.bytes, Self::group_link(coll.group, p)),
         }
     }
 
@@ -388,6 +435,7 @@ impl<'g> LayerCostContext<'g> {
                 flops *= cp;
                 c.fwd_comm += cpa.fwd_comm;
                 c.bwd_comm += cpa.bwd_comm;
+                c.attention_core_comm += cpa.fwd_comm;
             }
             c.fwd_compute += t;
             c.fwd_flops += flops;
@@ -396,7 +444,7 @@ impl<'g> LayerCostContext<'g> {
                 c.attention_core_flops += flops;
             }
             for coll in collectives(g, op, tp) {
-                let ct = self.collective_time(coll.kind, coll.bytes, p, &mut reads);
+                let ct = self.collective_time(&coll, p, &mut reads);
                 match coll.phase {
                     Phase::Forward => c.fwd_comm += ct,
                     Phase::Backward => c.bwd_comm += ct,
@@ -438,6 +486,11 @@ impl<'g> LayerCostContext<'g> {
         }
         c.params = self.owned[li]
             .iter()
+            .map(|&t| stored_elements(g, t, tp))
+            .sum();
+        c.expert_params = self.owned[li]
+            .iter()
+            .filter(|&&t| is_expert_parameter(g, t))
             .map(|&t| stored_elements(g, t, tp))
             .sum();
         c.borrowed_params = self.borrowed(li, tp);
@@ -518,15 +571,16 @@ impl<'g> LayerCostContext<'g> {
                 reads.push(read);
             }
         }
-        if p.tp.t > 1 {
-            for &o in &layer.forward {
-                for coll in collectives(g, g.op(o), p.tp) {
-                    if coll.bytes > 0.0
-                        && let Some((_, used)) = prof
-                            .collective_time(&Self::collective_signature(coll.kind, p), coll.bytes)
-                    {
-                        reads.extend(used);
-                    }
+        for &o in &layer.forward {
+            for coll in collectives(g, g.op(o), p.tp) {
+                if coll.bytes > 0.0
+                    && coll.group.ranks(p.tp) > 1
+                    && let Some((_, used)) = prof.collective_time(
+                        &Self::collective_signature(coll.kind, coll.group, p),
+                        coll.bytes,
+                    )
+                {
+                    reads.extend(used);
                 }
             }
         }
@@ -551,10 +605,10 @@ impl<'g> LayerCostContext<'g> {
         ops.sort();
         ops.dedup();
         let mut colls: Vec<CollectiveSignature> = Vec::new();
-        if p.tp.t > 1 {
-            for &o in &layer.forward {
-                for coll in collectives(g, g.op(o), p.tp) {
-                    colls.push(Self::collective_signature(coll.kind, p));
+        for &o in &layer.forward {
+            for coll in collectives(g, g.op(o), p.tp) {
+                if coll.group.ranks(p.tp) > 1 {
+                    colls.push(Self::collective_signature(coll.kind, coll.group, p));
                 }
             }
         }
@@ -624,15 +678,29 @@ impl<'g> LayerCostContext<'g> {
         }
     }
 
+    /// Whether layer `li` routes tokens to experts.
+    fn has_experts(&self, li: usize) -> bool {
+        self.g.layers[li]
+            .forward
+            .iter()
+            .any(|&o| self.g.op(o).kind == OpKind::MoeDispatch)
+    }
+
     /// The components of the key of layer `li`'s cost: exactly what the cost depends on.
     pub fn key_parts(&self, li: usize, p: &Pricing<'_>) -> KeyParts {
         KeyParts::new("layer-cost")
             .with("subgraph", &self.canonical(li))
             .with("parallelism", &(p.tp.t, p.tp.sp))
-            // The cost reads the network only through the tensor- and context-parallel
-            // groups' links.
+            // The cost reads the network only through the tensor-, context- and (for layers
+            // with experts) expert-parallel groups' links.
             .with("device", &p.device.compute_part())
             .with("link", &p.tp_link)
+            .with(
+                "experts",
+                &self
+                    .has_experts(li)
+                    .then_some((p.tp.ep, p.tp.etp, p.expert_links)),
+            )
             .with(
                 "context_parallel",
                 &(p.cp.c > 1).then_some((p.cp, p.cp_groups)),
@@ -658,6 +726,7 @@ pub fn layer_costs(
         device,
         kernels,
         tp_link,
+        expert_links: ExpertLinks::alone(tp_link),
         cp_groups: CpGroups::alone(tp_link),
         profile: None,
     };
@@ -688,6 +757,9 @@ mod tests {
             tied_embeddings: true,
             bias: Bias::All,
             dropout: true,
+            moe: None,
+            mla: None,
+            qk_norm: false,
         }
         .lower(
             "m",
@@ -715,11 +787,12 @@ mod tests {
             .expect("preset")
             .group_link(1, 2);
         let p = Pricing {
-            tp: TpConfig { t: 2, sp: true },
+            tp: TpConfig::dense(2, true),
             cp: CpConfig::NONE,
             device: &device,
             kernels: &KERNELS,
             tp_link: link,
+            expert_links: ExpertLinks::alone(link),
             cp_groups: CpGroups::alone(link),
             profile: None,
         };
@@ -759,11 +832,12 @@ mod tests {
             internode: false,
         };
         let base = Pricing {
-            tp: TpConfig { t: 1, sp: false },
+            tp: TpConfig::dense(1, false),
             cp: CpConfig::NONE,
             device: &device,
             kernels: &KERNELS,
             tp_link: link,
+            expert_links: ExpertLinks::alone(link),
             cp_groups: CpGroups::alone(link),
             profile: None,
         };

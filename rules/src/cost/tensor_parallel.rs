@@ -14,17 +14,125 @@
 //!
 //! Everything else is local: ops on model-split tensors work on their shard, ops on the residual
 //! stream are replicated (or work on a sequence shard under SP).
+//!
+//! Mixture-of-experts layers follow Megatron-Core's MoE parallel folding: the expert part of a
+//! stage's `t x cp x dp` GPUs is laid out as `etp x ep x edp`. Each rank routes its own
+//! tokens (its sequence shard: MoE needs SP under tensor parallelism), the all-to-all
+//! dispatcher sends them to the `ep` ranks holding their experts, the `etp` ranks of an
+//! expert all-gather them, each runs its `1/etp` of the expert's width, and the way back
+//! reduce-scatters the partial outputs over `etp` and all-to-alls them home:
+//!
+//! | op           | forward                                    | backward                       |
+//! |--------------|--------------------------------------------|--------------------------------|
+//! | moe_dispatch | all-to-all over ep, all-gather over etp    | reduce-scatter over etp, all-to-all over ep |
+//! | moe_combine  | reduce-scatter over etp, all-to-all over ep | all-gather over etp, all-to-all over ep |
+//!
+//! So one rank holds `E / ep` experts, each `1/etp` of its width, and works on
+//! `C x ep x etp / t` tokens per expert (`C`: an expert's tokens in the graph's micro-batch).
 
 use crate::cost::analytic::{Collective, GemmShape};
 use crate::model::graph::{Graph, Op, OpKind, Split, TensorId, TensorKind};
 
-/// Tensor-parallel configuration of a stage.
+/// Tensor-parallel configuration of a stage, with the expert layout of its MoE layers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TpConfig {
     /// Tensor-parallel degree.
     pub t: u64,
     /// Sequence parallelism on the replicated regions.
     pub sp: bool,
+    /// Expert-parallel degree: ranks the routed experts are divided over.
+    pub ep: u64,
+    /// Expert tensor-parallel degree: ranks each expert's width is divided over.
+    pub etp: u64,
+}
+
+impl TpConfig {
+    /// Tensor parallelism `t` (with SP if `sp`) and no expert parallelism; experts, if any,
+    /// split over the same `t` ranks as the dense layers (Megatron-Core's default).
+    pub fn dense(t: u64, sp: bool) -> Self {
+        TpConfig {
+            t,
+            sp,
+            ep: 1,
+            etp: t,
+        }
+    }
+}
+
+/// The communication group a collective runs over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Group {
+    /// The tensor-parallel group (`t` ranks).
+    Tensor,
+    /// The expert-parallel group (`ep` ranks, `etp` apart).
+    Expert,
+    /// The expert tensor-parallel group (`etp` neighbouring ranks).
+    ExpertTensor,
+}
+
+impl Group {
+    /// Ranks of the group under `cfg`.
+    pub fn ranks(self, cfg: TpConfig) -> u64 {
+        match self {
+            Group::Tensor => cfg.t,
+            Group::Expert => cfg.ep,
+            Group::ExpertTensor => cfg.etp,
+        }
+    }
+}
+
+/// One rank's share of an expert-split tensor's bytes (`None` for other tensors): `1/ep` of
+/// the experts (and `1/etp` of a divided width) of a weight, `ep x etp / t` of an expert
+/// buffer's tokens (and `1/etp` of a divided width).
+fn expert_share(g: &Graph, t: TensorId, cfg: TpConfig) -> Option<f64> {
+    let tensor = g.tensor(t);
+    let (ep, etp, tp) = (
+        cfg.ep.max(1) as f64,
+        cfg.etp.max(1) as f64,
+        cfg.t.max(1) as f64,
+    );
+    let width = match tensor.split {
+        Split::Experts => 1.0,
+        Split::ExpertModel(_) => 1.0 / etp,
+        _ => return None,
+    };
+    Some(match tensor.kind {
+        TensorKind::Parameter | TensorKind::WeightGradient => width / ep,
+        _ => width * etp / tp,
+    })
+}
+
+/// One rank's shape of an expert-split tensor (`None` for other tensors): its experts divided
+/// by `ep`, a divided width by `etp`, an expert buffer's tokens scaled by `ep x etp / t`.
+fn expert_shape(g: &Graph, t: TensorId, cfg: TpConfig) -> Option<Vec<u64>> {
+    let tensor = g.tensor(t);
+    let (ep, etp, tp) = (cfg.ep.max(1), cfg.etp.max(1), cfg.t.max(1));
+    let mut shape = tensor.shape.clone();
+    let divided = match tensor.split {
+        Split::Experts => None,
+        Split::ExpertModel(a) => Some(a as usize),
+        _ => return None,
+    };
+    if let Some(e) = shape.get_mut(0) {
+        *e = (*e / ep).max(1);
+    }
+    if let Some(a) = divided
+        && let Some(d) = shape.get_mut(a)
+    {
+        *d = (*d / etp).max(1);
+    }
+    let buffer = !matches!(
+        tensor.kind,
+        TensorKind::Parameter | TensorKind::WeightGradient
+    );
+    if buffer && let Some(c) = shape.get_mut(1) {
+        *c = (*c * ep * etp).div_ceil(tp);
+    }
+    Some(shape)
+}
+
+fn is_expert(g: &Graph, t: TensorId) -> bool {
+    matches!(g.tensor(t).split, Split::Experts | Split::ExpertModel(_))
 }
 
 /// When a collective runs relative to the op that needs it.
@@ -44,10 +152,12 @@ pub enum Phase {
 pub struct TpCollective {
     /// Which collective.
     pub kind: Collective,
-    /// Full payload in bytes.
+    /// Full payload in bytes (for an all-to-all, what the whole group sends).
     pub bytes: f64,
     /// When it runs.
     pub phase: Phase,
+    /// Over which group.
+    pub group: Group,
 }
 
 fn is_model(g: &Graph, t: TensorId) -> bool {
@@ -79,6 +189,9 @@ pub fn divided_axis_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> Opt
 /// Per-device size in bytes of tensor `t` as `op` reads or writes it.
 pub fn tensor_bytes_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> f64 {
     let bytes = g.tensor(t).bytes() as f64;
+    if let Some(share) = expert_share(g, t, cfg) {
+        return bytes * share;
+    }
     match divided_axis_in_op(g, op, t, cfg) {
         Some(_) => bytes / cfg.t as f64,
         None => bytes,
@@ -87,6 +200,9 @@ pub fn tensor_bytes_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> f64
 
 /// Shape of tensor `t` as `op` sees it on one device.
 pub fn device_shape_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> Vec<u64> {
+    if let Some(shape) = expert_shape(g, t, cfg) {
+        return shape;
+    }
     let mut shape = g.tensor(t).shape.clone();
     if let Some(axis) = divided_axis_in_op(g, op, t, cfg)
         && let Some(d) = shape.get_mut(axis)
@@ -100,7 +216,9 @@ pub fn device_shape_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> Vec
 pub fn gemm_shape(g: &Graph, op: &Op, cfg: TpConfig) -> Option<GemmShape> {
     let out = *op.outputs.first()?;
     let mut shape: Vec<f64> = g.tensor(out).shape.iter().map(|&d| d as f64).collect();
-    if let Some(axis) = divided_axis_in_op(g, op, out, cfg)
+    if let Some(local) = expert_shape(g, out, cfg) {
+        shape = local.iter().map(|&d| d as f64).collect();
+    } else if let Some(axis) = divided_axis_in_op(g, op, out, cfg)
         && let Some(d) = shape.get_mut(axis)
     {
         *d /= cfg.t as f64;
@@ -132,8 +250,15 @@ pub fn stored_bytes(g: &Graph, t: TensorId, cfg: TpConfig) -> f64 {
     match tensor.split {
         Split::Model(_) => bytes / cfg.t as f64,
         Split::Sequence(_) if cfg.sp => bytes / cfg.t as f64,
+        Split::Experts | Split::ExpertModel(_) => bytes * expert_share(g, t, cfg).unwrap_or(1.0),
         _ => bytes,
     }
+}
+
+/// Whether a parameter is a routed expert's weight (reduced and sharded over the expert
+/// data-parallel group rather than the data-parallel one).
+pub fn is_expert_parameter(g: &Graph, t: TensorId) -> bool {
+    is_expert(g, t)
 }
 
 /// Per-device stored elements of a tensor (for parameter counts).
@@ -143,7 +268,14 @@ pub fn stored_elements(g: &Graph, t: TensorId, cfg: TpConfig) -> f64 {
 
 /// FLOPs one device executes for `op`.
 pub fn op_device_flops(g: &Graph, op: &Op, cfg: TpConfig) -> f64 {
+    // An expert op's work is spread over every rank of the stage's expert layout: `1/t` of the
+    // graph's (which holds one tensor-parallel group's tokens).
     let sharded = op_is_model_parallel(g, op)
+        || op
+            .inputs
+            .iter()
+            .chain(&op.outputs)
+            .any(|&t| is_expert(g, t))
         || (cfg.sp && op.inputs.iter().chain(&op.outputs).any(|&t| is_seq(g, t)));
     if sharded {
         op.flops / cfg.t as f64
@@ -155,11 +287,22 @@ pub fn op_device_flops(g: &Graph, op: &Op, cfg: TpConfig) -> f64 {
 /// Collectives a forward op implies, in its forward and its backward pass. Empty for t = 1.
 pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
     let mut out = Vec::new();
+    if matches!(op.kind, OpKind::MoeDispatch | OpKind::MoeCombine) {
+        expert_collectives(g, op, cfg, &mut out);
+        return out;
+    }
     if cfg.t <= 1 {
         return out;
     }
     let bytes = |t: TensorId| g.tensor(t).bytes() as f64;
-    let mut push = |kind, bytes, phase| out.push(TpCollective { kind, bytes, phase });
+    let mut push = |kind, bytes, phase| {
+        out.push(TpCollective {
+            kind,
+            bytes,
+            phase,
+            group: Group::Tensor,
+        })
+    };
     // Sum of partial results over the group: reduce-scatter into sequence shards under SP.
     let reduce = |t: TensorId| {
         if cfg.sp && is_seq(g, t) {
@@ -213,6 +356,43 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
         _ => {}
     }
     out
+}
+
+/// The token exchanges of a dispatch or combine (see the module documentation). `B`, the
+/// bytes of the graph's expert buffer, holds one tensor-parallel group's tokens; one rank
+/// sends its `B / t` to the other ranks of its expert-parallel group, and the `etp` ranks of
+/// an expert gather or scatter `etp x B / t`.
+fn expert_collectives(g: &Graph, op: &Op, cfg: TpConfig, out: &mut Vec<TpCollective>) {
+    let buffer = match op.kind {
+        OpKind::MoeDispatch => op.outputs[0],
+        _ => op.inputs[0],
+    };
+    let local = g.tensor(buffer).bytes() as f64 / cfg.t.max(1) as f64;
+    let (ep, etp) = (cfg.ep.max(1), cfg.etp.max(1));
+    let a2a = |phase| TpCollective {
+        kind: Collective::AllToAll,
+        bytes: local * ep as f64,
+        phase,
+        group: Group::Expert,
+    };
+    let gather = |kind, phase| TpCollective {
+        kind,
+        bytes: local * etp as f64,
+        phase,
+        group: Group::ExpertTensor,
+    };
+    let (fwd, bwd) = match op.kind {
+        OpKind::MoeDispatch => (Collective::AllGather, Collective::ReduceScatter),
+        _ => (Collective::ReduceScatter, Collective::AllGather),
+    };
+    if ep > 1 {
+        out.push(a2a(Phase::Forward));
+        out.push(a2a(Phase::Backward));
+    }
+    if etp > 1 {
+        out.push(gather(fwd, Phase::Forward));
+        out.push(gather(bwd, Phase::Backward));
+    }
 }
 
 /// Checks that every model-split axis of the graph divides evenly by `t`; returns the first

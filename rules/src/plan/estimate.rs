@@ -4,7 +4,7 @@
 use crate::cost::analytic::{Collective, collective_time, p2p_time};
 use crate::cost::cluster::{Cluster, GIB, Link};
 use crate::cost::context_parallel::{CpComm, CpConfig, CpGroups, hierarchical_inner};
-use crate::cost::layer_cost::{KernelOptions, LayerCost, LayerCostContext, Pricing};
+use crate::cost::layer_cost::{ExpertLinks, KernelOptions, LayerCost, LayerCostContext, Pricing};
 use crate::cost::memory::{StateBytes, model_states};
 use crate::cost::profile::Profile;
 use crate::cost::tensor_parallel::{TpConfig, indivisible_sequence, indivisible_split};
@@ -130,7 +130,7 @@ pub struct StageEstimate {
     pub chunks: Vec<Chunk>,
     /// Blocks (repeated layers) on the stage.
     pub blocks: usize,
-    /// Forward time per micro-batch (kernels and tensor- and context-parallel communication), s.
+    /// Forward time per micro-batch (kernels and tensor-, context- and expert-parallel communication), s.
     pub forward_s: f64,
     /// Backward time per micro-batch, s.
     pub backward_s: f64,
@@ -145,6 +145,10 @@ pub struct StageEstimate {
     pub inflight_microbatches: f64,
     /// Parameters held per device.
     pub params: f64,
+    /// Of those, the routed experts' (reduced and sharded over the expert data-parallel
+    /// group).
+    #[serde(default)]
+    pub expert_params: f64,
     /// Memory per device.
     pub memory: MemoryBreakdown,
 }
@@ -244,11 +248,11 @@ impl StageTime {
 pub(crate) struct LayerTime {
     /// Forward kernels, s.
     pub fwd_compute: f64,
-    /// Forward tensor- and context-parallel communication, s.
+    /// Forward tensor-, context- and expert-parallel communication, s.
     pub fwd_comm: f64,
     /// Backward kernels, s.
     pub bwd_compute: f64,
-    /// Backward tensor- and context-parallel communication, s.
+    /// Backward tensor-, context- and expert-parallel communication, s.
     pub bwd_comm: f64,
     /// Recomputation, s.
     pub recompute: f64,
@@ -316,6 +320,10 @@ pub struct PricingKey {
     pub sp: bool,
     /// Context parallelism.
     pub cp: CpConfig,
+    /// Expert-parallel degree.
+    pub ep: u64,
+    /// Expert tensor-parallel degree.
+    pub etp: u64,
 }
 
 impl PricingKey {
@@ -326,6 +334,18 @@ impl PricingKey {
             tp: l.tp,
             sp: l.sequence_parallel,
             cp: l.cp_config(),
+            ep: l.ep,
+            etp: l.etp,
+        }
+    }
+
+    /// The tensor-parallel configuration with its expert layout.
+    pub fn tp_config(&self) -> TpConfig {
+        TpConfig {
+            t: self.tp,
+            sp: self.sp,
+            ep: self.ep,
+            etp: self.etp,
         }
     }
 }
@@ -419,8 +439,11 @@ impl<'a> Estimator<'a> {
             attention: self.opts.attention,
             vocab_multiple: multiple,
         };
+        let routed = self.model.with_routing(self.opts.moe_routing);
         let g = Arc::new(
-            self.model
+            routed
+                .as_ref()
+                .unwrap_or(self.model)
                 .lower(self.name, &opts)
                 .map_err(LayoutError::Model)?,
         );
@@ -454,7 +477,7 @@ impl<'a> Estimator<'a> {
             let ctx = LayerCostContext::new(&g);
             let costs = self
                 .costs
-                .layer_costs(&ctx, &self.pricing(t, sp, key.cp, &kernels));
+                .layer_costs(&ctx, &self.pricing(key.tp_config(), key.cp, &kernels));
             Ok(Arc::new((g.clone(), costs)))
         });
         lock(&self.prepared).insert(key, result.clone());
@@ -470,22 +493,26 @@ impl<'a> Estimator<'a> {
         }
     }
 
-    /// What pricing a layer needs under tensor-parallel degree `t`, sequence parallelism `sp`
-    /// and context parallelism `cp` (its ranks `t` apart, Megatron-Core's tp-cp-dp-pp order).
+    /// What pricing a layer needs under tensor parallelism `tp` (with its expert layout) and
+    /// context parallelism `cp` (its ranks `t` apart, Megatron-Core's tp-cp-dp-pp order; the
+    /// expert groups in its etp-ep-edp-pp order).
     fn pricing<'k>(
         &'k self,
-        t: u64,
-        sp: bool,
+        tp: TpConfig,
         cp: CpConfig,
         kernels: &'k KernelOptions,
     ) -> Pricing<'k> {
         Pricing {
-            tp: TpConfig { t, sp },
+            tp,
             cp,
             device: &self.cluster.device,
             kernels,
-            tp_link: self.cluster.group_link(1, t),
-            cp_groups: CpGroups::on(self.cluster, t, cp.c),
+            tp_link: self.cluster.group_link(1, tp.t),
+            expert_links: ExpertLinks {
+                ep: self.cluster.group_link(tp.etp, tp.ep),
+                etp: self.cluster.group_link(1, tp.etp),
+            },
+            cp_groups: CpGroups::on(self.cluster, tp.t, cp.c),
             profile: self.profile,
         }
     }
@@ -498,7 +525,7 @@ impl<'a> Estimator<'a> {
         let kernels = self.kernels();
         let p = Pricing {
             profile: None,
-            ..self.pricing(key.tp, key.sp, key.cp, &kernels)
+            ..self.pricing(key.tp_config(), key.cp, &kernels)
         };
         let ctx = LayerCostContext::new(g);
         let mut out = Profile::new(self.cluster.device.name.clone());
@@ -520,6 +547,8 @@ impl<'a> Estimator<'a> {
             ("pp", l.pp),
             ("dp", l.dp),
             ("cp", l.cp),
+            ("ep", l.ep),
+            ("etp", l.etp),
             ("micro-batch", l.micro_batch),
             ("global batch", l.global_batch),
             ("interleave", l.interleave),
@@ -549,6 +578,7 @@ impl<'a> Estimator<'a> {
             });
         }
         self.check_context_parallel(l)?;
+        self.check_expert_parallel(l)?;
         if l.global_batch % l.micro_batch.saturating_mul(l.dp) != 0 {
             return Err(LayoutError::BatchSplit {
                 global_batch: l.global_batch,
@@ -638,6 +668,51 @@ impl<'a> Estimator<'a> {
         Ok(())
     }
 
+    /// Megatron-Core's conditions on expert parallelism (MoE parallel folding): the experts
+    /// divided by `ep`, each expert's width by `etp`, the stage's `tp x cp x dp` GPUs by
+    /// `etp x ep`, and sequence parallelism under tensor parallelism (each rank routes its own
+    /// tokens). A dense model has no experts to divide.
+    fn check_expert_parallel(&self, l: &Layout) -> Result<(), LayoutError> {
+        let bad = |why: String| LayoutError::ExpertParallel {
+            ep: l.ep,
+            etp: l.etp,
+            why,
+        };
+        let Some(moe) = self.model.transformer().and_then(|c| c.moe) else {
+            if l.has_expert_parallelism() {
+                return Err(bad("the model has no mixture-of-experts layers".into()));
+            }
+            return Ok(());
+        };
+        if moe.experts % l.ep != 0 {
+            return Err(bad(format!(
+                "ep does not divide the model's {} experts",
+                moe.experts
+            )));
+        }
+        if moe.expert_ffn % l.etp != 0 {
+            return Err(bad(format!(
+                "etp does not divide the experts' width {}",
+                moe.expert_ffn
+            )));
+        }
+        let stage = l.stage_ranks();
+        if stage % (l.ep * l.etp) != 0 {
+            return Err(bad(format!(
+                "etp x ep = {} does not divide a stage's tp x cp x dp = {stage} GPUs",
+                l.ep * l.etp
+            )));
+        }
+        if l.tp > 1 && !l.sequence_parallel {
+            return Err(bad(
+                "mixture-of-experts layers under tensor parallelism need sequence parallelism \
+                 (Megatron-Core asserts it: each rank routes its own tokens)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Prices `layout` with its layers split evenly (Megatron-LM's default), or says why it
     /// cannot run.
     pub fn evaluate(&self, layout: &Layout) -> Result<Estimate, LayoutError> {
@@ -716,7 +791,10 @@ impl<'a> Estimator<'a> {
         let d = l.grad_ranks();
         let (saved, recompute) = match kind {
             Recompute::Full => (c.checkpoint, c.fwd_compute + c.fwd_comm),
-            Recompute::Selective => (c.saved_selective, c.attention_core_compute),
+            Recompute::Selective => (
+                c.saved_selective,
+                c.attention_core_compute + c.attention_core_comm,
+            ),
             Recompute::None => (c.saved, 0.0),
         };
         let rematerialised = if kind == Recompute::Full {
@@ -728,10 +806,28 @@ impl<'a> Estimator<'a> {
         // ZeRO-2 reduce-scatters a layer's gradients every micro-batch, ZeRO-3 also gathers its
         // weights before the forward and the backward (and again for a full recomputation).
         // Prefetching hides them behind the same layer's compute; what exceeds it is exposed.
-        if l.zero >= 2 && d > 1 {
-            let dp_link = self.cluster.group_link(l.tp, d);
-            let rs = collective_time(Collective::ReduceScatter, d, params * grad_bytes, dp_link);
-            let ag = collective_time(Collective::AllGather, d, params * weight_bytes, dp_link);
+        // Routed experts' weights are sharded over the expert data-parallel group instead.
+        let sharded = [
+            (
+                params - c.expert_params,
+                d,
+                self.cluster.group_link(l.tp, d),
+            ),
+            (
+                c.expert_params,
+                l.expert_grad_ranks(),
+                self.expert_dp_link(l),
+            ),
+        ];
+        let over = |kind: Collective, bytes: f64| -> f64 {
+            sharded
+                .iter()
+                .map(|&(n, ranks, link)| collective_time(kind, ranks, n * bytes, link))
+                .sum()
+        };
+        if l.zero >= 2 && (d > 1 || l.expert_grad_ranks() > 1) {
+            let rs = over(Collective::ReduceScatter, grad_bytes);
+            let ag = over(Collective::AllGather, weight_bytes);
             let (fwd_l, bwd_l) = (
                 c.fwd_compute + c.fwd_comm,
                 c.bwd_compute + c.bwd_comm + recompute,
@@ -755,6 +851,13 @@ impl<'a> Estimator<'a> {
             saved,
             transient: rematerialised + c.grad_working,
         }
+    }
+
+    /// Links of the expert data-parallel group: its ranks `etp x ep` apart (Megatron-Core's
+    /// expert rank order etp, ep, edp, pp).
+    pub(crate) fn expert_dp_link(&self, l: &Layout) -> Link {
+        self.cluster
+            .group_link(l.ep.saturating_mul(l.etp), l.expert_grad_ranks())
     }
 
     /// Time to send an activation of `bytes` (unsharded) from stage `from` to stage `to`: with
@@ -823,6 +926,8 @@ impl<'a> Estimator<'a> {
         } = self.opts.state_bytes();
         let stage_rank = |j: u64| j * l.stage_ranks();
         let dp_link = cluster.group_link(t, d);
+        // The routed experts' ranks of the same weights (MoE parallel folding).
+        let (edp, edp_link) = (l.expert_grad_ranks(), self.expert_dp_link(l));
         let stage_of = |li: usize| -> usize {
             chunks
                 .iter()
@@ -847,6 +952,7 @@ impl<'a> Estimator<'a> {
             let mut time = StageTime::default();
             let (mut fwd_s, mut bwd_s) = (0.0, 0.0);
             let (mut transient, mut params, mut max_layer_params) = (0.0f64, 0.0, 0.0f64);
+            let mut expert_params = 0.0;
             let mut blocks = 0;
             let mut stage_chunks = Vec::with_capacity(vu);
             for c in 0..vu {
@@ -880,6 +986,7 @@ impl<'a> Estimator<'a> {
                     bwd_s += lt.bwd_compute + lt.bwd_comm;
                     transient = transient.max(lt.transient);
                     params += lp;
+                    expert_params += cost.expert_params;
                     max_layer_params = max_layer_params.max(lp);
                 }
                 // The output goes to the next virtual stage, the input gradient back to the
@@ -933,7 +1040,13 @@ impl<'a> Estimator<'a> {
                     (bytes, q.iter().sum::<u32>())
                 })
                 .fold((0.0f64, 0u32), |acc, x| if x.0 > acc.0 { x } else { acc });
-            let states = model_states(params, self.opts.state_bytes(), l.zero, d);
+            let dense = model_states(params - expert_params, self.opts.state_bytes(), l.zero, d);
+            let experts = model_states(expert_params, self.opts.state_bytes(), l.zero, edp);
+            let states = crate::cost::memory::ModelStates {
+                weights: dense.weights + experts.weights,
+                grads: dense.grads + experts.grads,
+                optimizer: dense.optimizer + experts.optimizer,
+            };
             let gathered = if l.zero == 3 {
                 // The layer being computed and the one prefetched, in full.
                 2.0 * max_layer_params * weight_bytes
@@ -960,6 +1073,7 @@ impl<'a> Estimator<'a> {
                 per_microbatch_s: time.total(),
                 inflight_microbatches: held as f64 / v as f64,
                 params,
+                expert_params,
                 memory,
             });
         }
@@ -995,15 +1109,24 @@ impl<'a> Estimator<'a> {
         // the next step's first forward, all but that layer's.
         let mut grad_sync = 0.0f64;
         for (j, s) in stages.iter().enumerate() {
-            let grads = s.params * grad_bytes;
-            let weights = s.params * weight_bytes;
+            // Dense weights over the data-parallel group, routed experts' over theirs.
+            let groups = [
+                (s.params - s.expert_params, d, dp_link),
+                (s.expert_params, edp, edp_link),
+            ];
+            let over = |kind: Collective, bytes: f64| -> f64 {
+                groups
+                    .iter()
+                    .map(|&(n, ranks, link)| collective_time(kind, ranks, n * bytes, link))
+                    .sum()
+            };
             let reduce = match l.zero {
-                0 => collective_time(Collective::AllReduce, d, grads, dp_link),
-                1 => collective_time(Collective::ReduceScatter, d, grads, dp_link),
+                0 => over(Collective::AllReduce, grad_bytes),
+                1 => over(Collective::ReduceScatter, grad_bytes),
                 _ => 0.0,
             };
             let gather = match l.zero {
-                1 | 2 => collective_time(Collective::AllGather, d, weights, dp_link),
+                1 | 2 => over(Collective::AllGather, weight_bytes),
                 _ => 0.0,
             };
             let t = &times[j];
@@ -1034,11 +1157,17 @@ impl<'a> Estimator<'a> {
             let link = cluster.p2p_link(stage_rank(0), stage_rank(p - 1));
             grad_sync += collective_time(Collective::AllReduce, 2, tied * grad_bytes, link);
         }
-        let zero_shard = if l.zero >= 1 { d as f64 } else { 1.0 };
+        let (zero_shard, expert_shard) = if l.zero >= 1 {
+            (d as f64, edp as f64)
+        } else {
+            (1.0, 1.0)
+        };
         let optimizer = stages
             .iter()
             .map(|s| {
-                s.params / zero_shard * precision.optimizer_traffic()
+                let updated =
+                    (s.params - s.expert_params) / zero_shard + s.expert_params / expert_shard;
+                updated * precision.optimizer_traffic()
                     / (device.hbm_bandwidth * device.hbm_efficiency)
             })
             .fold(0.0, f64::max);

@@ -4,7 +4,9 @@
 use crate::cost::cluster::{Cluster, GIB};
 use crate::cost::context_parallel::{CpComm, hierarchical_inner};
 use crate::cost::memory::Precision;
-use crate::model::frontend::{Attention, Bias, Mlp, ModelDef, Norm, Position};
+use crate::model::frontend::{
+    Attention, Bias, Mlp, ModelDef, MoeConfig, MoeRouting, Norm, Position,
+};
 use crate::plan::estimate::{ChunkLayers, Estimate};
 use crate::plan::ilp::{IlpPlan, Space, megatron_recompute, stage_blocks};
 use crate::plan::layout::{Layout, Recompute, TrainingOptions};
@@ -473,9 +475,11 @@ impl LaunchLayout {
                 .all(|(c, &b)| c.full_recompute == b);
         let layout = Layout {
             tp,
-            // The intra-op space has no context parallelism.
+            // The intra-op space has no context or expert parallelism.
             cp: 1,
             cp_comm: Default::default(),
+            ep: 1,
+            etp: 1,
             pp: p.stages.len() as u64,
             dp,
             micro_batch: p.micro_batch / dp,
@@ -610,6 +614,22 @@ pub fn layout_args(
         if opts.attention == Attention::Flash {
             a.flag("use-flash-attn");
         }
+        if c.qk_norm {
+            a.flag("qk-layernorm");
+        }
+        if let Some(m) = &c.mla {
+            a.flag("multi-latent-attention");
+            if m.q_lora_rank > 0 {
+                a.kv("q-lora-rank", m.q_lora_rank);
+            }
+            a.kv("kv-lora-rank", m.kv_lora_rank);
+            a.kv("qk-head-dim", m.qk_nope_head_dim);
+            a.kv("qk-pos-emb-head-dim", m.qk_rope_head_dim);
+            a.kv("v-head-dim", m.v_head_dim);
+        }
+        if let Some(m) = &c.moe {
+            moe_args(&mut a, m, opts.moe_routing, (c.layers, c.ffn_hidden), l);
+        }
     }
     match opts.precision {
         Precision::Bf16 => a.flag("bf16"),
@@ -647,6 +667,50 @@ pub fn layout_args(
     }
     runtime_args(&mut a, l, opts);
     a.0
+}
+
+/// Megatron-Core's mixture-of-experts arguments: the experts and router of `m` (in a model of
+/// `layers` blocks whose dense MLP is `ffn_hidden` wide), the expert layout of `l` (MoE
+/// parallel folding), grouped GEMMs and the all-to-all dispatcher the cost model prices, and
+/// the capacity when `routing` drops tokens.
+fn moe_args(
+    a: &mut Args,
+    m: &MoeConfig,
+    routing: MoeRouting,
+    (layers, ffn_hidden): (u64, u64),
+    l: &Layout,
+) {
+    a.kv("num-experts", m.experts);
+    a.kv("moe-router-topk", m.top_k);
+    if m.expert_ffn != ffn_hidden {
+        a.kv("moe-ffn-hidden-size", m.expert_ffn);
+    }
+    if m.shared_ffn > 0 {
+        a.kv("moe-shared-expert-intermediate-size", m.shared_ffn);
+    }
+    if m.dense_layers > 0 {
+        // A Python expression Megatron-LM evaluates: dense blocks first, then MoE blocks.
+        a.kv(
+            "moe-layer-freq",
+            format!(
+                "([0]*{}+[1]*{})",
+                m.dense_layers,
+                layers.saturating_sub(m.dense_layers)
+            ),
+        );
+    }
+    if m.router_bias {
+        a.kv("moe-router-score-function", "sigmoid");
+        a.flag("moe-router-enable-expert-bias");
+    }
+    a.flag("moe-grouped-gemm");
+    a.kv("moe-token-dispatcher-type", "alltoall");
+    if routing.drop_tokens {
+        a.kv("moe-expert-capacity-factor", routing.factor.get());
+        a.kv("moe-token-drop-policy", "probs");
+    }
+    a.kv("expert-model-parallel-size", l.ep);
+    a.kv("expert-tensor-parallel-size", l.etp);
 }
 
 /// What the runtime settings of `opts` take on Megatron-LM's command line, where they differ
@@ -702,6 +766,8 @@ mod tests {
         let layout = |dp: u64, zero: u8| Layout {
             cp: 1,
             cp_comm: Default::default(),
+            ep: 1,
+            etp: 1,
             tp: 1,
             pp: 1,
             dp,

@@ -4,7 +4,7 @@
 use crate::cost::context_parallel::{CpComm, CpConfig};
 use crate::cost::memory::Precision;
 use crate::error::FieldError;
-use crate::model::frontend::Attention;
+use crate::model::frontend::{Attention, MoeRouting};
 use serde::{Deserialize, Serialize};
 
 /// Activation recomputation policy of the transformer blocks.
@@ -67,6 +67,14 @@ pub struct Layout {
     /// How context-parallel ranks exchange keys and values.
     #[serde(default)]
     pub cp_comm: CpComm,
+    /// Expert-parallel degree of the mixture-of-experts layers (1: every rank holds every
+    /// expert).
+    #[serde(default = "one")]
+    pub ep: u64,
+    /// Expert tensor-parallel degree: ranks each expert's width is split over (Megatron-Core's
+    /// `--expert-tensor-parallel-size`; its default is tp).
+    #[serde(default = "one")]
+    pub etp: u64,
 }
 
 fn one() -> u64 {
@@ -94,21 +102,39 @@ impl Layout {
         self.tp.saturating_mul(self.cp).saturating_mul(self.dp)
     }
 
+    /// Ranks holding the same routed experts, over which their gradients are reduced and
+    /// optimizer states sharded: the expert data-parallel degree, `tp x cp x dp / (etp x ep)`
+    /// under MoE parallel folding.
+    pub fn expert_grad_ranks(&self) -> u64 {
+        (self.stage_ranks() / self.ep.saturating_mul(self.etp).max(1)).max(1)
+    }
+
+    /// Whether the layout divides experts (expert or expert tensor parallelism).
+    pub fn has_expert_parallelism(&self) -> bool {
+        self.ep > 1 || self.etp > 1
+    }
+
     /// Micro-batches per pipeline per step.
     pub fn num_microbatches(&self) -> u64 {
         self.global_batch / self.micro_batch.saturating_mul(self.dp).max(1)
     }
 
     /// Compact one-line description, e.g. `tp8 pp16 dp8 mb1 v2 sp rc=selective zero1`, with
-    /// `cp4(p2p)` after tp under context parallelism.
+    /// `cp4(p2p)` after tp under context parallelism and `ep8 etp1` after that under expert
+    /// parallelism.
     pub fn describe(&self) -> String {
         let cp = if self.cp > 1 {
             format!(" cp{}({})", self.cp, self.cp_comm.name())
         } else {
             String::new()
         };
+        let ep = if self.has_expert_parallelism() {
+            format!(" ep{} etp{}", self.ep, self.etp)
+        } else {
+            String::new()
+        };
         format!(
-            "tp{}{cp} pp{} dp{} mb{} v{}{} rc={} zero{}",
+            "tp{}{cp}{ep} pp{} dp{} mb{} v{}{} rc={} zero{}",
             self.tp,
             self.pp,
             self.dp,
@@ -150,6 +176,10 @@ pub struct TrainingOptions {
     /// step's forward (Megatron-Core's `--overlap-param-gather`; FSDP's prefetch).
     #[serde(default)]
     pub overlap_param_gather: bool,
+    /// How many tokens the busiest expert of a mixture-of-experts layer gets, and whether
+    /// tokens past its capacity are dropped (ignored for dense models).
+    #[serde(default)]
+    pub moe_routing: MoeRouting,
 }
 
 impl TrainingOptions {
@@ -174,6 +204,16 @@ pub enum LayoutError {
         product: u64,
         /// GPUs in the cluster.
         gpus: u64,
+    },
+    /// Expert parallelism cannot divide this model's experts or this stage's ranks this way.
+    #[error("expert parallelism ep = {ep}, etp = {etp}: {why}")]
+    ExpertParallel {
+        /// The expert-parallel degree.
+        ep: u64,
+        /// The expert tensor-parallel degree.
+        etp: u64,
+        /// What does not divide, or what it needs.
+        why: String,
     },
     /// Context parallelism cannot split this model's sequence or heads this way.
     #[error("context parallelism cp = {cp}: {why}")]

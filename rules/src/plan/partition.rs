@@ -316,6 +316,7 @@ impl Estimator<'_> {
                 && same(c.bwd_compute, b0.bwd_compute)
                 && same(c.bwd_comm, b0.bwd_comm)
                 && same(c.attention_core_compute, b0.attention_core_compute)
+                && same(c.attention_core_comm, b0.attention_core_comm)
                 && same(c.saved, b0.saved)
                 && same(c.saved_selective, b0.saved_selective)
                 && same(c.checkpoint, b0.checkpoint)
@@ -480,6 +481,9 @@ mod tests {
             tied_embeddings: false,
             bias: Bias::None,
             dropout: false,
+            moe: None,
+            mla: None,
+            qk_norm: false,
         })
     }
 
@@ -498,6 +502,7 @@ mod tests {
             grad_reduce_in_fp32: true,
             overlap_grad_reduce: false,
             overlap_param_gather: false,
+            moe_routing: Default::default(),
         }
     }
 
@@ -505,6 +510,8 @@ mod tests {
         Layout {
             cp: 1,
             cp_comm: Default::default(),
+            ep: 1,
+            etp: 1,
             tp: 1,
             pp,
             dp: 1,
@@ -596,6 +603,8 @@ mod tests {
                     tp: 1,
                     sp: false,
                     cp: CpConfig::NONE,
+                    ep: 1,
+                    etp: 1,
                 })
                 .expect("prepares");
             let chunks = est.dp_chunks(&prepared.1, &l).expect("a split fits");

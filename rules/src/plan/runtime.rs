@@ -169,6 +169,7 @@ impl Runtime {
             overlap_param_gather: given
                 .overlap_param_gather
                 .unwrap_or(self.overlap_param_gather()),
+            moe_routing: Default::default(),
         }
     }
 

@@ -36,6 +36,12 @@ pub struct SearchSpace {
     /// How context-parallel ranks exchange keys and values (for degrees above 1).
     #[serde(default = "default_cp_comm")]
     pub cp_comm: Vec<CpComm>,
+    /// Expert-parallel degrees (mixture-of-experts models; 1 for dense ones).
+    #[serde(default = "no_context_parallelism")]
+    pub ep: Vec<u64>,
+    /// Expert tensor-parallel degrees (mixture-of-experts models; 1 for dense ones).
+    #[serde(default = "no_context_parallelism")]
+    pub etp: Vec<u64>,
 }
 
 fn no_context_parallelism() -> Vec<u64> {
@@ -68,7 +74,23 @@ impl SearchSpace {
             zero: vec![0, 1],
             cp: no_context_parallelism(),
             cp_comm: default_cp_comm(),
+            ep: vec![1],
+            etp: vec![1],
         }
+    }
+
+    /// The default space for a model with `experts` routed experts per MoE block on
+    /// `gpus` GPUs: the default space plus every power-of-two expert-parallel degree that
+    /// divides the experts, and expert tensor-parallel degrees as tp's.
+    pub fn default_for_experts(gpus_per_node: u64, gpus: u64, experts: u64) -> Self {
+        let mut space = SearchSpace::default_for(gpus_per_node);
+        let mut ep = vec![1];
+        while ep[ep.len() - 1] * 2 <= gpus && experts % (ep[ep.len() - 1] * 2) == 0 {
+            ep.push(ep[ep.len() - 1] * 2);
+        }
+        space.ep = ep;
+        space.etp = space.tp.clone();
+        space
     }
 }
 
@@ -164,20 +186,26 @@ pub fn candidates(space: &SearchSpace, gpus: u64, global_batch: u64) -> Vec<Layo
                 &space.cp_comm[..]
             };
             for &cp_comm in comms {
-                let base = Layout {
-                    tp,
-                    cp,
-                    cp_comm,
-                    pp: 1,
-                    dp: 1,
-                    micro_batch: 1,
-                    global_batch,
-                    interleave: 1,
-                    sequence_parallel: false,
-                    recompute: Recompute::None,
-                    zero: 0,
-                };
-                push_candidates(space, gpus, base, &mut out);
+                for &ep in &space.ep {
+                    for &etp in &space.etp {
+                        let base = Layout {
+                            tp,
+                            cp,
+                            cp_comm,
+                            ep,
+                            etp,
+                            pp: 1,
+                            dp: 1,
+                            micro_batch: 1,
+                            global_batch,
+                            interleave: 1,
+                            sequence_parallel: false,
+                            recompute: Recompute::None,
+                            zero: 0,
+                        };
+                        push_candidates(space, gpus, base, &mut out);
+                    }
+                }
             }
         }
     }
@@ -198,6 +226,10 @@ fn push_candidates(space: &SearchSpace, gpus: u64, base: Layout, out: &mut Vec<L
         }
         let dp = gpus / stage / pp;
         if space.dp.as_ref().is_some_and(|ds| !ds.contains(&dp)) {
+            continue;
+        }
+        // The expert layout folds onto the stage's GPUs.
+        if (stage * dp) % base.ep.saturating_mul(base.etp).max(1) != 0 {
             continue;
         }
         for &micro_batch in &space.micro_batch {

@@ -1,8 +1,11 @@
-//! HuggingFace `config.json` files (GPT-2 and the LLaMA/Mistral/Qwen2 family) as transformers.
+//! HuggingFace `config.json` files as transformers: GPT-2, the LLaMA/Mistral/Qwen2/Qwen3
+//! family, and the mixture-of-experts models Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3
+//! (with multi-head latent attention).
 
 use super::locate::{PathSeg, locate, offset_of};
 use super::transformer::{
-    Bias, Mlp, Norm, Position, TransformerConfig, TransformerConfigError, TransformerField,
+    Bias, MlaConfig, Mlp, MoeConfig, MoeRouting, Norm, Position, TransformerConfig,
+    TransformerConfigError, TransformerField,
 };
 use crate::error::FieldError;
 use serde_json::{Map, Value};
@@ -12,12 +15,23 @@ use serde_json::{Map, Value};
 enum Family {
     /// `model_type = "gpt2"`: `n_embd`, `n_layer`, `n_head`, `n_positions`, `vocab_size`.
     Gpt2,
-    /// `llama`, `mistral`, `qwen2`: `hidden_size`, `intermediate_size`, `num_attention_heads`,
-    /// `num_key_value_heads`, `num_hidden_layers`, `vocab_size`, `max_position_embeddings`.
-    Llama { qwen2: bool },
+    /// `llama`, `mistral`, `qwen2`, `qwen3`: `hidden_size`, `intermediate_size`,
+    /// `num_attention_heads`, `num_key_value_heads`, `num_hidden_layers`, `vocab_size`,
+    /// `max_position_embeddings`.
+    Llama { qwen2: bool, qwen3: bool },
+    /// `mixtral`: LLaMA's fields plus `num_local_experts` and `num_experts_per_tok`; each
+    /// expert is an MLP of `intermediate_size`.
+    Mixtral,
+    /// `qwen2_moe`, `qwen3_moe`: `num_experts`, `num_experts_per_tok`, `moe_intermediate_size`,
+    /// and for Qwen2-MoE `shared_expert_intermediate_size`.
+    QwenMoe { qwen3: bool },
+    /// `deepseek_v2`, `deepseek_v3`: `n_routed_experts`, `n_shared_experts`,
+    /// `moe_intermediate_size`, `first_k_dense_replace`, and MLA's `q_lora_rank`,
+    /// `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`.
+    DeepSeek,
 }
 
-const LLAMA_TYPES: &[&str] = &["llama", "mistral", "qwen2"];
+const FAMILIES: &str = "one of gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3";
 
 struct Reader<'a> {
     text: &'a str,
@@ -113,18 +127,23 @@ pub fn parse_hf_config(text: &str) -> Result<TransformerConfig, FieldError> {
     let r = Reader { text, obj };
     let family = match r.opt_str("model_type")? {
         Some("gpt2") => Family::Gpt2,
-        Some(t) if LLAMA_TYPES.contains(&t) => Family::Llama {
+        Some(t @ ("llama" | "mistral" | "qwen2" | "qwen3")) => Family::Llama {
             qwen2: t == "qwen2",
+            qwen3: t == "qwen3",
         },
+        Some("mixtral") => Family::Mixtral,
+        Some(t @ ("qwen2_moe" | "qwen3_moe")) => Family::QwenMoe {
+            qwen3: t == "qwen3_moe",
+        },
+        Some("deepseek_v2" | "deepseek_v3") => Family::DeepSeek,
         Some(other) => {
-            return Err(r.err(
-                "model_type",
-                "one of gpt2, llama, mistral, qwen2",
-                format!("\"{other}\""),
-            ));
+            return Err(r.err("model_type", FAMILIES, format!("\"{other}\"")));
         }
         None if obj.contains_key("n_embd") => Family::Gpt2,
-        None if obj.contains_key("hidden_size") => Family::Llama { qwen2: false },
+        None if obj.contains_key("hidden_size") => Family::Llama {
+            qwen2: false,
+            qwen3: false,
+        },
         None => {
             return Err(FieldError::new(
                 "model_type",
@@ -133,20 +152,27 @@ pub fn parse_hf_config(text: &str) -> Result<TransformerConfig, FieldError> {
             ));
         }
     };
-    for key in ["num_local_experts", "num_experts", "n_routed_experts"] {
-        if let Some(n) = r.opt_u64(key)?
-            && n > 1
-        {
-            return Err(r.err(
-                key,
-                "a dense model (mixture-of-experts is not supported yet)",
-                n.to_string(),
-            ));
+    // A dense family's code ignores expert fields; a config that has them is mislabelled.
+    if matches!(family, Family::Gpt2 | Family::Llama { .. }) {
+        for key in ["num_local_experts", "num_experts", "n_routed_experts"] {
+            if let Some(n) = r.opt_u64(key)?
+                && n > 1
+            {
+                return Err(r.err(
+                    key,
+                    "no experts under a dense model_type (mixture-of-experts configs say \
+                     mixtral, qwen2_moe, qwen3_moe, deepseek_v2 or deepseek_v3)",
+                    n.to_string(),
+                ));
+            }
         }
     }
     let (config, names): (TransformerConfig, fn(TransformerField) -> &'static str) = match family {
         Family::Gpt2 => (gpt2(&r)?, gpt2_name),
-        Family::Llama { qwen2 } => (llama(&r, qwen2)?, llama_name),
+        Family::Llama { qwen2, qwen3 } => (llama(&r, qwen2, qwen3)?, llama_name),
+        Family::Mixtral => (mixtral(&r)?, mixtral_name),
+        Family::QwenMoe { qwen3 } => (qwen_moe(&r, qwen3)?, qwen_moe_name),
+        Family::DeepSeek => (deepseek(&r)?, deepseek_name),
     };
     config.validate().map_err(|e| located(&r, e, names))?;
     Ok(config)
@@ -170,6 +196,9 @@ fn gpt2_name(f: TransformerField) -> &'static str {
         TransformerField::FfnHidden => "n_inner",
         TransformerField::Vocab => "vocab_size",
         TransformerField::MaxSeq => "n_positions",
+        TransformerField::Experts | TransformerField::TopK | TransformerField::ExpertFfn => {
+            "model_type"
+        }
     }
 }
 
@@ -183,6 +212,35 @@ fn llama_name(f: TransformerField) -> &'static str {
         TransformerField::FfnHidden => "intermediate_size",
         TransformerField::Vocab => "vocab_size",
         TransformerField::MaxSeq => "max_position_embeddings",
+        TransformerField::Experts | TransformerField::TopK | TransformerField::ExpertFfn => {
+            "model_type"
+        }
+    }
+}
+
+fn mixtral_name(f: TransformerField) -> &'static str {
+    match f {
+        TransformerField::Experts => "num_local_experts",
+        TransformerField::TopK => "num_experts_per_tok",
+        TransformerField::ExpertFfn => "intermediate_size",
+        f => llama_name(f),
+    }
+}
+
+fn qwen_moe_name(f: TransformerField) -> &'static str {
+    match f {
+        TransformerField::Experts => "num_experts",
+        TransformerField::TopK => "num_experts_per_tok",
+        TransformerField::ExpertFfn => "moe_intermediate_size",
+        f => llama_name(f),
+    }
+}
+
+fn deepseek_name(f: TransformerField) -> &'static str {
+    match f {
+        TransformerField::Experts => "n_routed_experts",
+        TransformerField::HeadDim => "qk_nope_head_dim",
+        f => qwen_moe_name(f),
     }
 }
 
@@ -225,10 +283,13 @@ fn gpt2(r: &Reader<'_>) -> Result<TransformerConfig, FieldError> {
         tied_embeddings: r.opt_bool("tie_word_embeddings")?.unwrap_or(true),
         bias: Bias::All,
         dropout,
+        moe: None,
+        mla: None,
+        qk_norm: false,
     })
 }
 
-fn llama(r: &Reader<'_>, qwen2: bool) -> Result<TransformerConfig, FieldError> {
+fn llama(r: &Reader<'_>, qwen2: bool, qwen3: bool) -> Result<TransformerConfig, FieldError> {
     let hidden = r.u64("hidden_size")?;
     let heads = r.u64("num_attention_heads")?;
     let head_dim = match r.opt_u64("head_dim")? {
@@ -268,6 +329,113 @@ fn llama(r: &Reader<'_>, qwen2: bool) -> Result<TransformerConfig, FieldError> {
         bias,
         // LLaMA-family models pre-train without dropout.
         dropout: false,
+        moe: None,
+        mla: None,
+        // Qwen3 normalises every query and key head (q_norm, k_norm).
+        qk_norm: qwen3,
+    })
+}
+
+/// The MoE part every MoE family shares: `experts` and `expert_ffn` read from the named keys,
+/// `num_experts_per_tok` as top-k.
+fn moe_part(r: &Reader<'_>, experts: &str, ffn: &str) -> Result<MoeConfig, FieldError> {
+    Ok(MoeConfig {
+        experts: r.u64(experts)?,
+        top_k: r.u64("num_experts_per_tok")?,
+        expert_ffn: r.u64(ffn)?,
+        shared_ffn: 0,
+        dense_layers: 0,
+        router_bias: false,
+        routing: MoeRouting::default(),
+    })
+}
+
+/// Refuses a config whose MoE blocks are not every block from some point on (Qwen's
+/// `decoder_sparse_step` above 1 or `mlp_only_layers`, DeepSeek's `moe_layer_freq` above 1):
+/// no published model of these families uses them.
+fn every_block(r: &Reader<'_>, key: &str) -> Result<(), FieldError> {
+    if let Some(n) = r.opt_u64(key)?
+        && n > 1
+    {
+        return Err(r.err(
+            key,
+            "1 (every block from the first MoE block on is MoE)",
+            n.to_string(),
+        ));
+    }
+    Ok(())
+}
+
+fn mixtral(r: &Reader<'_>) -> Result<TransformerConfig, FieldError> {
+    let mut c = llama(r, false, false)?;
+    c.moe = Some(moe_part(r, "num_local_experts", "intermediate_size")?);
+    Ok(c)
+}
+
+fn qwen_moe(r: &Reader<'_>, qwen3: bool) -> Result<TransformerConfig, FieldError> {
+    // Qwen2-MoE has q/k/v biases like Qwen2; Qwen3-MoE has none and per-head q/k norms.
+    let mut c = llama(r, !qwen3, qwen3)?;
+    every_block(r, "decoder_sparse_step")?;
+    if let Some(v) = r.obj.get("mlp_only_layers")
+        && v.as_array().is_some_and(|a| !a.is_empty())
+    {
+        return Err(r.err(
+            "mlp_only_layers",
+            "an empty list (every block is MoE)",
+            describe(v),
+        ));
+    }
+    let mut moe = moe_part(r, "num_experts", "moe_intermediate_size")?;
+    // Qwen2-MoE's shared expert also has a one-unit sigmoid gate (`shared_expert_gate`, h
+    // weights per block), left out: under 1e-5 of the block's parameters and FLOPs.
+    moe.shared_ffn = r.opt_u64("shared_expert_intermediate_size")?.unwrap_or(0);
+    c.moe = Some(moe);
+    Ok(c)
+}
+
+fn deepseek(r: &Reader<'_>) -> Result<TransformerConfig, FieldError> {
+    let hidden = r.u64("hidden_size")?;
+    let heads = r.u64("num_attention_heads")?;
+    let mla = MlaConfig {
+        q_lora_rank: r.opt_u64("q_lora_rank")?.unwrap_or(0),
+        kv_lora_rank: r.u64("kv_lora_rank")?,
+        qk_nope_head_dim: r.u64("qk_nope_head_dim")?,
+        qk_rope_head_dim: r.u64("qk_rope_head_dim")?,
+        v_head_dim: r.u64("v_head_dim")?,
+    };
+    every_block(r, "moe_layer_freq")?;
+    let mut moe = moe_part(r, "n_routed_experts", "moe_intermediate_size")?;
+    moe.shared_ffn = r.opt_u64("n_shared_experts")?.unwrap_or(0) * moe.expert_ffn;
+    moe.dense_layers = r.opt_u64("first_k_dense_replace")?.unwrap_or(0);
+    // DeepSeek-V3's auxiliary-loss-free balancing adds a bias to the routing scores.
+    moe.router_bias = r.opt_str("topk_method")? == Some("noaux_tc");
+    let act = r.opt_str("hidden_act")?.unwrap_or("silu");
+    if !matches!(act, "silu" | "swish") {
+        return Err(r.err("hidden_act", "silu", format!("\"{act}\"")));
+    }
+    Ok(TransformerConfig {
+        hidden,
+        layers: r.u64("num_hidden_layers")?,
+        heads,
+        // Every head has its own keys and values once they are projected up from the latent.
+        kv_heads: heads,
+        head_dim: mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+        ffn_hidden: r.u64("intermediate_size")?,
+        vocab: r.u64("vocab_size")?,
+        max_seq: r.u64("max_position_embeddings")?,
+        mlp: Mlp::SwiGlu,
+        norm: Norm::RmsNorm,
+        position: Position::Rope,
+        tied_embeddings: r.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+        bias: if r.opt_bool("attention_bias")?.unwrap_or(false) {
+            Bias::Qkv
+        } else {
+            Bias::None
+        },
+        dropout: false,
+        moe: Some(moe),
+        mla: Some(mla),
+        qk_norm: false,
     })
 }
 
@@ -327,7 +495,7 @@ mod tests {
     }
 
     #[test]
-    fn rejects_mixture_of_experts_and_unknown_families() {
+    fn rejects_experts_under_dense_families_and_unknown_families() {
         let moe = LLAMA.replace("\"vocab_size\"", "\"num_local_experts\": 8, \"vocab_size\"");
         assert_eq!(
             parse_hf_config(&moe).expect_err("moe").field,

@@ -9,8 +9,8 @@ mod transformer;
 pub use graph_json::{Dim, GRAPH_FORMAT, GraphSpec, parse_graph_file};
 pub use hf::parse_hf_config;
 pub use transformer::{
-    Attention, Bias, LowerOptions, Mlp, Norm, Position, TransformerConfig, TransformerConfigError,
-    TransformerField,
+    Attention, Bias, LowerOptions, Milli, MlaConfig, Mlp, MoeConfig, MoeRouting, Norm, Position,
+    TransformerConfig, TransformerConfigError, TransformerField,
 };
 
 use crate::error::FieldError;
@@ -36,6 +36,9 @@ pub fn canonical_field_name(f: TransformerField) -> &'static str {
         TransformerField::FfnHidden => "ffn_hidden",
         TransformerField::Vocab => "vocab",
         TransformerField::MaxSeq => "max_seq",
+        TransformerField::Experts => "experts",
+        TransformerField::TopK => "top_k",
+        TransformerField::ExpertFfn => "expert_ffn",
     }
 }
 
@@ -48,6 +51,20 @@ impl ModelDef {
                 .lower(name, opts)
                 .map_err(|e| FieldError::new(e.op, "a well-formed transformer", e.message)),
             ModelDef::Graph(spec) => spec.lower(opts.micro_batch, opts.seq, opts.dtype),
+        }
+    }
+
+    /// The model with its mixture-of-experts layers routing as `routing` says (`None` for a
+    /// model without them).
+    pub fn with_routing(&self, routing: MoeRouting) -> Option<ModelDef> {
+        match self {
+            ModelDef::Transformer(c) => c.moe.map(|m| {
+                ModelDef::Transformer(TransformerConfig {
+                    moe: Some(MoeConfig { routing, ..m }),
+                    ..c.clone()
+                })
+            }),
+            ModelDef::Graph(_) => None,
         }
     }
 

@@ -97,6 +97,127 @@ pub struct TransformerConfig {
     pub bias: Bias,
     /// Dropout layers are present (training with a non-zero dropout probability).
     pub dropout: bool,
+    /// Mixture-of-experts feed-forward blocks (Mixtral, Qwen-MoE, DeepSeek); `None`: dense.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
+    /// Multi-head latent attention (DeepSeek-V2/V3) instead of (grouped-query) attention.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<MlaConfig>,
+    /// RMSNorm over each head of the queries and keys before the rotary embedding (Qwen3).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qk_norm: bool,
+}
+
+/// A ratio kept in thousandths, so that configurations holding it stay hashable (`1.25` is
+/// `Milli(1250)`); written as a number in files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Milli(pub u64);
+
+impl Milli {
+    /// The nearest thousandth of `x` (`None` unless finite and positive).
+    pub fn of(x: f64) -> Option<Milli> {
+        (x.is_finite() && x > 0.0 && x < 1e6).then(|| Milli((x * 1000.0).round().max(1.0) as u64))
+    }
+
+    /// The ratio.
+    pub fn get(self) -> f64 {
+        self.0 as f64 / 1000.0
+    }
+}
+
+impl Serialize for Milli {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(self.get())
+    }
+}
+
+impl<'de> Deserialize<'de> for Milli {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let x = f64::deserialize(d)?;
+        Milli::of(x).ok_or_else(|| {
+            serde::de::Error::custom(format!("expected a positive ratio, found {x}"))
+        })
+    }
+}
+
+/// How many tokens the busiest expert gets, relative to a perfectly balanced router.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MoeRouting {
+    /// Tokens of each expert's buffer relative to the mean `tokens x k / E`: the capacity
+    /// factor when tokens are dropped, the expected load of the busiest expert otherwise.
+    pub factor: Milli,
+    /// Tokens past an expert's capacity are dropped (Megatron-LM's
+    /// `--moe-expert-capacity-factor`); otherwise every token is kept (dropless).
+    pub drop_tokens: bool,
+}
+
+impl Default for MoeRouting {
+    /// Dropless with a perfectly balanced router.
+    fn default() -> Self {
+        MoeRouting {
+            factor: Milli(1000),
+            drop_tokens: false,
+        }
+    }
+}
+
+/// The mixture-of-experts part of a transformer: which blocks route their tokens to experts,
+/// and how.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Routed experts `E` of every MoE block.
+    pub experts: u64,
+    /// Experts each token is routed to (`k`).
+    pub top_k: u64,
+    /// Inner width of one routed expert (a gated MLP like the dense one).
+    pub expert_ffn: u64,
+    /// Inner width of the shared expert(s) every token also passes through (0: none;
+    /// DeepSeek's `n_shared_experts x moe_intermediate_size`, Qwen2-MoE's
+    /// `shared_expert_intermediate_size`).
+    #[serde(default)]
+    pub shared_ffn: u64,
+    /// The first blocks keep the dense MLP of width `ffn_hidden` (DeepSeek's
+    /// `first_k_dense_replace`).
+    #[serde(default)]
+    pub dense_layers: u64,
+    /// The router's scores carry a learned per-expert bias (DeepSeek-V3's
+    /// `e_score_correction_bias`, used by its auxiliary-loss-free balancing).
+    #[serde(default)]
+    pub router_bias: bool,
+    /// Tokens per expert, for the target being planned.
+    #[serde(default)]
+    pub routing: MoeRouting,
+}
+
+impl MoeConfig {
+    /// Whether block `i` (from 0) is a mixture-of-experts block.
+    pub fn is_moe_block(&self, i: u64) -> bool {
+        i >= self.dense_layers
+    }
+
+    /// Tokens each expert's buffer holds when `tokens` tokens are routed: the balanced share
+    /// `tokens x k / E` times the routing factor, rounded up.
+    pub fn capacity(&self, tokens: u64) -> u64 {
+        let mean = tokens.saturating_mul(self.top_k) as f64 / self.experts.max(1) as f64;
+        ((mean * self.routing.factor.get()).ceil() as u64).max(1)
+    }
+}
+
+/// Multi-head latent attention (DeepSeek-V2, Liu et al. 2024): queries and keys/values are
+/// projected down to small latents, normalised, and projected back up per head; a narrow
+/// rotary part of the key is shared by all heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MlaConfig {
+    /// Width of the query latent (`q_lora_rank`); 0: queries are projected directly.
+    pub q_lora_rank: u64,
+    /// Width of the key/value latent (`kv_lora_rank`).
+    pub kv_lora_rank: u64,
+    /// Per-head width of the query and key part without rotary embedding.
+    pub qk_nope_head_dim: u64,
+    /// Per-head width of the rotary part of queries and keys.
+    pub qk_rope_head_dim: u64,
+    /// Per-head width of the values.
+    pub v_head_dim: u64,
 }
 
 /// The fields of [`TransformerConfig`], so validators can name the one at fault in whatever
@@ -119,6 +240,12 @@ pub enum TransformerField {
     Vocab,
     /// [`TransformerConfig::max_seq`]
     MaxSeq,
+    /// [`MoeConfig::experts`]
+    Experts,
+    /// [`MoeConfig::top_k`]
+    TopK,
+    /// [`MoeConfig::expert_ffn`]
+    ExpertFfn,
 }
 
 /// A violated constraint of a transformer configuration.
@@ -181,6 +308,24 @@ impl TransformerConfig {
                     field,
                     expected: format!("a positive integer up to {max}"),
                     found: v.to_string(),
+                });
+            }
+        }
+        if let Some(m) = &self.moe {
+            for (field, v) in [(F::Experts, m.experts), (F::ExpertFfn, m.expert_ffn)] {
+                if v == 0 || v > limits::MAX_WIDTH {
+                    return Err(TransformerConfigError {
+                        field,
+                        expected: format!("a positive integer up to {}", limits::MAX_WIDTH),
+                        found: v.to_string(),
+                    });
+                }
+            }
+            if m.top_k == 0 || m.top_k > m.experts {
+                return Err(TransformerConfigError {
+                    field: F::TopK,
+                    expected: format!("1 to the {} experts", m.experts),
+                    found: m.top_k.to_string(),
                 });
             }
         }
@@ -253,7 +398,18 @@ impl<'c> Lowering<'c> {
     }
 
     fn norm(&mut self, prefix: &str, x: TensorId) -> Result<TensorId, GraphError> {
-        let h = self.c.hidden;
+        let y = self.hidden_act(format!("{prefix}.out"));
+        self.norm_into(prefix, x, y)
+    }
+
+    /// Normalisation of `x` over its last axis into `y` (declared by the caller).
+    fn norm_into(
+        &mut self,
+        prefix: &str,
+        x: TensorId,
+        y: TensorId,
+    ) -> Result<TensorId, GraphError> {
+        let h = *self.g.shape(x).last().unwrap_or(&1);
         let gain = self.param(format!("{prefix}.weight"), vec![h], Split::None);
         let mut inputs = vec![x, gain];
         let kind = match self.c.norm {
@@ -263,7 +419,6 @@ impl<'c> Lowering<'c> {
             }
             Norm::RmsNorm => OpKind::RmsNorm,
         };
-        let y = self.hidden_act(format!("{prefix}.out"));
         self.g.op(prefix.to_string(), kind, &inputs, &[y])?;
         Ok(y)
     }
@@ -371,13 +526,48 @@ impl<'c> Lowering<'c> {
 
     fn block(&mut self, i: u64, x: TensorId) -> Result<TensorId, GraphError> {
         let c = self.c;
-        let (b, s, h) = (self.o.micro_batch, self.o.seq, c.hidden);
-        let (a, g, d) = (c.heads, c.kv_heads, c.head_dim);
+        let (a, h) = (c.heads, c.hidden);
         let p = format!("layers.{i}");
         self.g.begin_layer(p.clone(), LayerKind::Block);
 
         // Attention.
         let ln1 = self.norm(&format!("{p}.input_norm"), x)?;
+        let (q, k, v) = match c.mla {
+            Some(m) => self.mla_qkv(&p, ln1, m)?,
+            None => self.qkv(&p, ln1)?,
+        };
+        let proj_in = self.attention_core(&p, q, k, v)?;
+        let v_dim = *self.g.shape(v).last().unwrap_or(&c.head_dim);
+        let attn_out = self.hidden_act(format!("{p}.attention.proj.out"));
+        self.linear(
+            &format!("{p}.attention.proj"),
+            proj_in,
+            (a * v_dim, h),
+            Split::Model(0),
+            c.bias == Bias::All,
+            attn_out,
+        )?;
+        let x1 = self.residual(&format!("{p}.attention.residual"), attn_out, x)?;
+
+        // Feed-forward.
+        let ln2 = self.norm(&format!("{p}.mlp_norm"), x1)?;
+        let mlp_out = match c.moe {
+            Some(m) if m.is_moe_block(i) => self.moe(&p, ln2, &m)?,
+            _ => self.mlp(&format!("{p}.mlp"), ln2, c.ffn_hidden)?,
+        };
+        self.residual(&format!("{p}.mlp.residual"), mlp_out, x1)
+    }
+
+    /// Queries, keys and values of (grouped-query) attention: the fused projection, split into
+    /// heads, with the rotary embedding (after a per-head norm under `qk_norm`).
+    fn qkv(
+        &mut self,
+        p: &str,
+        ln1: TensorId,
+    ) -> Result<(TensorId, TensorId, TensorId), GraphError> {
+        let c = self.c;
+        let (b, s, h) = (self.o.micro_batch, self.o.seq, c.hidden);
+        let (a, g, d) = (c.heads, c.kv_heads, c.head_dim);
         let qkv_width = (a + 2 * g) * d;
         let qkv = self.act(
             format!("{p}.attention.qkv.out"),
@@ -414,6 +604,20 @@ impl<'c> Lowering<'c> {
             &[qkv],
             &[q, k, v],
         )?;
+        if c.qk_norm {
+            let qn = self.act(
+                format!("{p}.attention.q_norm.out"),
+                vec![b, a, s, d],
+                Split::Model(1),
+            );
+            q = self.norm_into(&format!("{p}.attention.q_norm"), q, qn)?;
+            let kn = self.act(
+                format!("{p}.attention.k_norm.out"),
+                vec![b, g, s, d],
+                Split::Model(1),
+            );
+            k = self.norm_into(&format!("{p}.attention.k_norm"), k, kn)?;
+        }
         if c.position == Position::Rope {
             let qr = self.act(
                 format!("{p}.attention.q_rot"),
@@ -432,6 +636,183 @@ impl<'c> Lowering<'c> {
             q = qr;
             k = kr;
         }
+        Ok((q, k, v))
+    }
+
+    /// Queries, keys and values of multi-head latent attention (DeepSeek-V2/V3, as Megatron-Core
+    /// lowers it): the down-projections to the latents and their norms work on the residual
+    /// stream's layout (its sequence shard under SP; Megatron-Core computes them on the whole
+    /// sequence on every rank, a difference in kernel time of well under 1% of the block), the
+    /// up-projections are column-parallel over heads, and the rotary key is shared by all heads.
+    /// The rotary embedding runs over the whole query head (its rotary part is a third of it),
+    /// an elementwise kernel bound by memory either way.
+    fn mla_qkv(
+        &mut self,
+        p: &str,
+        ln1: TensorId,
+        m: MlaConfig,
+    ) -> Result<(TensorId, TensorId, TensorId), GraphError> {
+        let c = self.c;
+        let (b, s, h, a) = (self.o.micro_batch, self.o.seq, c.hidden, c.heads);
+        let (dn, dr, dv) = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim);
+        let dq = dn + dr;
+        // Queries.
+        let q_in = if m.q_lora_rank > 0 {
+            let r = m.q_lora_rank;
+            let qa = self.act(
+                format!("{p}.attention.q_down.out"),
+                vec![b, s, r],
+                Split::Sequence(1),
+            );
+            self.linear(
+                &format!("{p}.attention.q_down"),
+                ln1,
+                (h, r),
+                Split::None,
+                false,
+                qa,
+            )?;
+            let qn = self.act(
+                format!("{p}.attention.q_norm.out"),
+                vec![b, s, r],
+                Split::Sequence(1),
+            );
+            self.norm_into(&format!("{p}.attention.q_norm"), qa, qn)?
+        } else {
+            ln1
+        };
+        let q_width = *self.g.shape(q_in).last().unwrap_or(&h);
+        let qf = self.act(
+            format!("{p}.attention.q_up.out"),
+            vec![b, s, a * dq],
+            Split::Model(2),
+        );
+        self.linear(
+            &format!("{p}.attention.q_up"),
+            q_in,
+            (q_width, a * dq),
+            Split::Model(1),
+            false,
+            qf,
+        )?;
+        let q = self.act(
+            format!("{p}.attention.q"),
+            vec![b, a, s, dq],
+            Split::Model(1),
+        );
+        self.g
+            .op(format!("{p}.attention.split_q"), OpKind::Slice, &[qf], &[q])?;
+        let qr = self.act(
+            format!("{p}.attention.q_rot"),
+            vec![b, a, s, dq],
+            Split::Model(1),
+        );
+        self.g
+            .op(format!("{p}.attention.rope_q"), OpKind::Rope, &[q], &[qr])?;
+        // Keys and values: one latent plus the shared rotary key.
+        let r = m.kv_lora_rank;
+        let kva = self.act(
+            format!("{p}.attention.kv_down.out"),
+            vec![b, s, r + dr],
+            Split::Sequence(1),
+        );
+        self.linear(
+            &format!("{p}.attention.kv_down"),
+            ln1,
+            (h, r + dr),
+            Split::None,
+            false,
+            kva,
+        )?;
+        let latent = self.act(
+            format!("{p}.attention.kv_latent"),
+            vec![b, s, r],
+            Split::Sequence(1),
+        );
+        let k_rope = self.act(
+            format!("{p}.attention.k_rope"),
+            vec![b, 1, s, dr],
+            Split::Sequence(2),
+        );
+        self.g.op(
+            format!("{p}.attention.split_kv_down"),
+            OpKind::Slice,
+            &[kva],
+            &[latent, k_rope],
+        )?;
+        let kr = self.act(
+            format!("{p}.attention.k_rope_rot"),
+            vec![b, 1, s, dr],
+            Split::Sequence(2),
+        );
+        self.g.op(
+            format!("{p}.attention.rope_k"),
+            OpKind::Rope,
+            &[k_rope],
+            &[kr],
+        )?;
+        let ln = self.act(
+            format!("{p}.attention.kv_norm.out"),
+            vec![b, s, r],
+            Split::Sequence(1),
+        );
+        let latent = self.norm_into(&format!("{p}.attention.kv_norm"), latent, ln)?;
+        let kvf = self.act(
+            format!("{p}.attention.kv_up.out"),
+            vec![b, s, a * (dn + dv)],
+            Split::Model(2),
+        );
+        self.linear(
+            &format!("{p}.attention.kv_up"),
+            latent,
+            (r, a * (dn + dv)),
+            Split::Model(1),
+            false,
+            kvf,
+        )?;
+        let k_nope = self.act(
+            format!("{p}.attention.k_nope"),
+            vec![b, a, s, dn],
+            Split::Model(1),
+        );
+        let v = self.act(
+            format!("{p}.attention.v"),
+            vec![b, a, s, dv],
+            Split::Model(1),
+        );
+        self.g.op(
+            format!("{p}.attention.split_kv_up"),
+            OpKind::Slice,
+            &[kvf],
+            &[k_nope, v],
+        )?;
+        let k = self.act(
+            format!("{p}.attention.k"),
+            vec![b, a, s, dq],
+            Split::Model(1),
+        );
+        self.g.op(
+            format!("{p}.attention.join_k"),
+            OpKind::Concat,
+            &[k_nope, kr],
+            &[k],
+        )?;
+        Ok((qr, k, v))
+    }
+
+    /// The attention core over `q`, `k`, `v` (`[b, heads, s, d]`); returns what the output
+    /// projection reads.
+    fn attention_core(
+        &mut self,
+        p: &str,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+    ) -> Result<TensorId, GraphError> {
+        let c = self.c;
+        let (b, s) = (self.o.micro_batch, self.o.seq);
+        let a = c.heads;
+        let d = *self.g.shape(v).last().unwrap_or(&c.head_dim);
         let ctx = self.act(
             format!("{p}.attention.context"),
             vec![b, a, s, d],
@@ -502,71 +883,183 @@ impl<'c> Lowering<'c> {
                 merged
             }
         };
-        let attn_out = self.hidden_act(format!("{p}.attention.proj.out"));
-        self.linear(
-            &format!("{p}.attention.proj"),
-            proj_in,
-            (a * d, h),
-            Split::Model(0),
-            c.bias == Bias::All,
-            attn_out,
-        )?;
-        let x1 = self.residual(&format!("{p}.attention.residual"), attn_out, x)?;
+        Ok(proj_in)
+    }
 
-        // Feed-forward.
-        let ln2 = self.norm(&format!("{p}.mlp_norm"), x1)?;
-        let f = c.ffn_hidden;
+    /// The dense feed-forward block of inner width `f` reading `ln2`; returns its output.
+    fn mlp(&mut self, p: &str, ln2: TensorId, f: u64) -> Result<TensorId, GraphError> {
+        let c = self.c;
+        let (b, s, h) = (self.o.micro_batch, self.o.seq, c.hidden);
         let mlp_bias = c.bias == Bias::All;
         let act = match c.mlp {
             Mlp::Gelu => {
-                let up = self.act(format!("{p}.mlp.fc1.out"), vec![b, s, f], Split::Model(2));
+                let up = self.act(format!("{p}.fc1.out"), vec![b, s, f], Split::Model(2));
                 self.linear(
-                    &format!("{p}.mlp.fc1"),
+                    &format!("{p}.fc1"),
                     ln2,
                     (h, f),
                     Split::Model(1),
                     mlp_bias,
                     up,
                 )?;
-                let y = self.act(format!("{p}.mlp.gelu.out"), vec![b, s, f], Split::Model(2));
-                self.g
-                    .op(format!("{p}.mlp.gelu"), OpKind::Gelu, &[up], &[y])?;
+                let y = self.act(format!("{p}.gelu.out"), vec![b, s, f], Split::Model(2));
+                self.g.op(format!("{p}.gelu"), OpKind::Gelu, &[up], &[y])?;
                 y
             }
             Mlp::SwiGlu => {
                 let gu = self.act(
-                    format!("{p}.mlp.gate_up.out"),
+                    format!("{p}.gate_up.out"),
                     vec![b, s, 2 * f],
                     Split::Model(2),
                 );
                 self.linear(
-                    &format!("{p}.mlp.gate_up"),
+                    &format!("{p}.gate_up"),
                     ln2,
                     (h, 2 * f),
                     Split::Model(1),
                     mlp_bias,
                     gu,
                 )?;
-                let y = self.act(
-                    format!("{p}.mlp.swiglu.out"),
-                    vec![b, s, f],
-                    Split::Model(2),
-                );
+                let y = self.act(format!("{p}.swiglu.out"), vec![b, s, f], Split::Model(2));
                 self.g
-                    .op(format!("{p}.mlp.swiglu"), OpKind::SwiGlu, &[gu], &[y])?;
+                    .op(format!("{p}.swiglu"), OpKind::SwiGlu, &[gu], &[y])?;
                 y
             }
         };
-        let mlp_out = self.hidden_act(format!("{p}.mlp.fc2.out"));
+        let mlp_out = self.hidden_act(format!("{p}.fc2.out"));
         self.linear(
-            &format!("{p}.mlp.fc2"),
+            &format!("{p}.fc2"),
             act,
             (f, h),
             Split::Model(0),
             mlp_bias,
             mlp_out,
         )?;
-        self.residual(&format!("{p}.mlp.residual"), mlp_out, x1)
+        Ok(mlp_out)
+    }
+
+    /// A mixture-of-experts block reading `ln2` (Megatron-Core's MoE layer): the router's
+    /// scores and top-k choice, the tokens dispatched to their experts, the routed experts as
+    /// grouped GEMMs over `[E, C, ..]` buffers, the outputs combined with the gates, plus the
+    /// shared experts every token passes through.
+    fn moe(&mut self, p: &str, ln2: TensorId, m: &MoeConfig) -> Result<TensorId, GraphError> {
+        let c = self.c;
+        let (b, s, h) = (self.o.micro_batch, self.o.seq, c.hidden);
+        let (e, k, f) = (m.experts, m.top_k, m.expert_ffn);
+        let cap = m.capacity(b.saturating_mul(s));
+        let scores = self.act(
+            format!("{p}.router.scores"),
+            vec![b, s, e],
+            Split::Sequence(1),
+        );
+        let w = self.param(format!("{p}.router.weight"), vec![h, e], Split::None);
+        let mut inputs = vec![ln2, w];
+        if m.router_bias {
+            inputs.push(self.param(format!("{p}.router.bias"), vec![e], Split::None));
+        }
+        self.g.op(
+            format!("{p}.router"),
+            OpKind::MatMul { transpose_b: false },
+            &inputs,
+            &[scores],
+        )?;
+        let gates = self.g.tensor(
+            format!("{p}.router.gates"),
+            vec![b, s, k],
+            DType::F32,
+            TensorKind::Activation,
+            Split::Sequence(1),
+        );
+        let idx = self.g.tensor(
+            format!("{p}.router.indices"),
+            vec![b, s, k],
+            DType::I32,
+            TensorKind::Activation,
+            Split::Sequence(1),
+        );
+        self.g.op(
+            format!("{p}.router.topk"),
+            OpKind::MoeRouter,
+            &[scores],
+            &[gates, idx],
+        )?;
+        let tokens = self.act(
+            format!("{p}.experts.dispatched"),
+            vec![e, cap, h],
+            Split::Experts,
+        );
+        self.g.op(
+            format!("{p}.experts.dispatch"),
+            OpKind::MoeDispatch,
+            &[ln2, idx],
+            &[tokens],
+        )?;
+        let (up_width, up_out) = match c.mlp {
+            Mlp::Gelu => (f, f),
+            Mlp::SwiGlu => (2 * f, f),
+        };
+        let w1 = self.param(
+            format!("{p}.experts.fc1.weight"),
+            vec![e, h, up_width],
+            Split::ExpertModel(2),
+        );
+        let up = self.act(
+            format!("{p}.experts.fc1.out"),
+            vec![e, cap, up_width],
+            Split::ExpertModel(2),
+        );
+        self.g.op(
+            format!("{p}.experts.fc1"),
+            OpKind::BatchMatMul { transpose_b: false },
+            &[tokens, w1],
+            &[up],
+        )?;
+        let act = self.act(
+            format!("{p}.experts.act.out"),
+            vec![e, cap, up_out],
+            Split::ExpertModel(2),
+        );
+        let act_kind = match c.mlp {
+            Mlp::Gelu => OpKind::Gelu,
+            Mlp::SwiGlu => OpKind::SwiGlu,
+        };
+        self.g
+            .op(format!("{p}.experts.act"), act_kind, &[up], &[act])?;
+        let w2 = self.param(
+            format!("{p}.experts.fc2.weight"),
+            vec![e, f, h],
+            Split::ExpertModel(1),
+        );
+        let down = self.act(
+            format!("{p}.experts.fc2.out"),
+            vec![e, cap, h],
+            Split::Experts,
+        );
+        self.g.op(
+            format!("{p}.experts.fc2"),
+            OpKind::BatchMatMul { transpose_b: false },
+            &[act, w2],
+            &[down],
+        )?;
+        let routed = self.hidden_act(format!("{p}.experts.out"));
+        self.g.op(
+            format!("{p}.experts.combine"),
+            OpKind::MoeCombine,
+            &[down, gates, idx],
+            &[routed],
+        )?;
+        if m.shared_ffn == 0 {
+            return Ok(routed);
+        }
+        let shared = self.mlp(&format!("{p}.shared_experts"), ln2, m.shared_ffn)?;
+        let sum = self.hidden_act(format!("{p}.moe.out"));
+        self.g.op(
+            format!("{p}.moe.add"),
+            OpKind::Add,
+            &[routed, shared],
+            &[sum],
+        )?;
+        Ok(sum)
     }
 
     fn head(&mut self, x: TensorId, wte: TensorId) -> Result<(), GraphError> {

@@ -384,6 +384,91 @@ impl Autodiff<'_> {
                     self.contribute(o, x, dx);
                 }
             }
+            OpKind::Concat => {
+                let mut outs = Vec::new();
+                let mut pairs = Vec::new();
+                // A broadcast input's gradient sums the output gradient over the broadcast axes.
+                let mut flops = 0.0;
+                let out_n = numel(self.g, op.outputs[0]);
+                let out_last = *self.g.tensor(op.outputs[0]).shape.last().unwrap_or(&1) as f64;
+                for &t in &op.inputs {
+                    if let Some(dt) = self.new_grad(t) {
+                        let share = *self.g.tensor(t).shape.last().unwrap_or(&0) as f64 / out_last;
+                        let n = numel(self.g, t);
+                        if n < out_n * share {
+                            flops += out_n * share;
+                        }
+                        outs.push(dt);
+                        pairs.push((t, dt));
+                    }
+                }
+                if !outs.is_empty() {
+                    self.emit(o, "split", OpKind::Slice, vec![dy], outs, flops);
+                }
+                for (t, dt) in pairs {
+                    self.contribute(o, t, dt);
+                }
+            }
+            OpKind::MoeRouter => {
+                let scores = op.inputs[0];
+                if let Some(ds) = self.new_grad(scores) {
+                    let mut inputs = vec![dy];
+                    inputs.extend(op.saves.iter().copied());
+                    let n = numel(self.g, scores);
+                    self.emit(
+                        o,
+                        "grad",
+                        OpKind::MoeRouter,
+                        inputs,
+                        vec![ds],
+                        fpe::SOFTMAX * fpe::BACKWARD_FACTOR * n,
+                    );
+                    self.contribute(o, scores, ds);
+                }
+            }
+            OpKind::MoeDispatch => {
+                // Each token's gradient sums those of its copies: a combine without gates.
+                let (x, idx) = (op.inputs[0], op.inputs[1]);
+                if let Some(dx) = self.new_grad(x) {
+                    let copies =
+                        numel(self.g, idx) * *self.g.tensor(x).shape.last().unwrap_or(&0) as f64;
+                    self.emit(
+                        o,
+                        "grad",
+                        OpKind::MoeCombine,
+                        vec![dy, idx],
+                        vec![dx],
+                        copies,
+                    );
+                    self.contribute(o, x, dx);
+                }
+            }
+            OpKind::MoeCombine => {
+                // The experts' outputs get the gate-weighted token gradients (a dispatch), the
+                // gates each a dot product of the token gradient with their expert's output.
+                let (y, gates, idx) = (op.inputs[0], op.inputs[1], op.inputs[2]);
+                let dy_e = self.new_grad(y);
+                let dg = self.new_grad(gates);
+                let outs: Vec<TensorId> = dy_e.iter().chain(dg.iter()).copied().collect();
+                if !outs.is_empty() {
+                    let h = *self.g.tensor(y).shape.last().unwrap_or(&0) as f64;
+                    let flops = numel(self.g, gates) * h * (outs.len() as f64 + 1.0);
+                    self.emit(
+                        o,
+                        "grad",
+                        OpKind::MoeDispatch,
+                        vec![dy, y, gates, idx],
+                        outs,
+                        flops,
+                    );
+                }
+                if let Some(d) = dy_e {
+                    self.contribute(o, y, d);
+                }
+                if let Some(d) = dg {
+                    self.contribute(o, gates, d);
+                }
+            }
             OpKind::EmbeddingGrad => {
                 return Err(GraphError::new(
                     &op.name,

@@ -125,7 +125,12 @@ impl GraphBuilder {
             .any(|&t| self.graph.tensors[t.0 as usize].requires_grad);
         for &t in outputs {
             self.produced[t.0 as usize] = true;
-            self.graph.tensors[t.0 as usize].requires_grad = requires_grad;
+            // Integer results (a router's expert indices) carry no gradient.
+            let float = !matches!(
+                self.graph.tensors[t.0 as usize].dtype,
+                DType::I32 | DType::U8
+            );
+            self.graph.tensors[t.0 as usize].requires_grad = requires_grad && float;
         }
         let id = OpId(self.graph.ops.len() as u32);
         self.graph.ops.push(Op {
@@ -440,9 +445,13 @@ impl GraphBuilder {
                 arity(&[3], 1)?;
                 let (q, k, v, o) = (inputs[0], inputs[1], inputs[2], outputs[0]);
                 let (sq, sk) = (self.t(q).shape.clone(), self.t(k).shape.clone());
+                let (sv, so) = (self.t(v).shape.clone(), self.t(o).shape.clone());
+                // Values may be narrower than queries and keys (MLA: 192 against 128).
                 let ok = sq.len() == 4
                     && sk.len() == 4
-                    && self.t(v).shape == sk
+                    && sv.len() == 4
+                    && sv[..3] == sk[..3]
+                    && so[..] == [sq[0], sq[1], sq[2], sv[3]]
                     && sk[1] > 0
                     && sq[0] == sk[0]
                     && sq[1] % sk[1] == 0
@@ -451,17 +460,19 @@ impl GraphBuilder {
                     return Err(GraphError::new(
                         name,
                         format!(
-                            "flash_attention takes q [b, heads, s, d] and k, v [b, groups, s, d] \
-                             with groups dividing heads, found {sq:?} and {sk:?}"
+                            "flash_attention takes q [b, heads, s, d], k [b, groups, s, d] and \
+                             v [b, groups, s, dv] with groups dividing heads, and gives \
+                             [b, heads, s, dv], found {sq:?}, {sk:?}, {sv:?} -> {so:?}"
                         ),
                     ));
                 }
-                same_shape(q, o)?;
-                let full = 4.0
-                    * [sq[0], sq[1], sq[2], sk[2], sq[3]]
+                // Scores (q . k) and context (p . v): 2 FLOPs per multiply-add each.
+                let full = 2.0
+                    * [sq[0], sq[1], sq[2], sk[2]]
                         .iter()
                         .map(|&d| d as f64)
-                        .product::<f64>();
+                        .product::<f64>()
+                    * (sq[3] + sv[3]) as f64;
                 let flops = if causal { full / 2.0 } else { full };
                 Ok((flops, vec![q, k, v, o]))
             }
@@ -510,6 +521,116 @@ impl GraphBuilder {
                     ));
                 }
                 Ok((0.0, vec![]))
+            }
+            OpKind::Concat => {
+                if inputs.is_empty() || outputs.len() != 1 {
+                    return Err(GraphError::new(
+                        name,
+                        "concat takes at least one input and one output",
+                    ));
+                }
+                let out = self.t(outputs[0]).shape.clone();
+                let r = out.len();
+                let mut last = 0u64;
+                for &x in inputs {
+                    let xs = &self.t(x).shape;
+                    let fits =
+                        xs.len() == r && r > 0 && (0..r - 1).all(|i| xs[i] == out[i] || xs[i] == 1);
+                    if !fits {
+                        return Err(GraphError::new(
+                            name,
+                            format!(
+                                "input `{}` {xs:?} does not join into {out:?} along the last axis",
+                                self.t(x).name
+                            ),
+                        ));
+                    }
+                    last = last.saturating_add(xs[r - 1]);
+                }
+                if out.last() != Some(&last) {
+                    return Err(GraphError::new(
+                        name,
+                        format!("the inputs' last axes add up to {last}, the output's is {out:?}"),
+                    ));
+                }
+                Ok((0.0, vec![]))
+            }
+            OpKind::MoeRouter => {
+                arity(&[1], 2)?;
+                let (scores, gates, idx) = (inputs[0], outputs[0], outputs[1]);
+                let ss = self.t(scores).shape.clone();
+                let (gs, is) = (self.t(gates).shape.clone(), self.t(idx).shape.clone());
+                let r = ss.len();
+                let ok = r >= 1
+                    && gs.len() == r
+                    && is == gs
+                    && gs[..r - 1] == ss[..r - 1]
+                    && gs[r - 1] >= 1
+                    && gs[r - 1] <= ss[r - 1]
+                    && self.t(idx).dtype == DType::I32;
+                if !ok {
+                    return Err(GraphError::new(
+                        name,
+                        format!(
+                            "moe_router takes scores [.., experts] and gives gates and i32                              indices [.., k] with k at most the experts, found {ss:?} -> {gs:?}, {is:?}"
+                        ),
+                    ));
+                }
+                // Softmax (or sigmoid) over the experts, then a top-k pass over them.
+                let flops = (fpe::SOFTMAX + 1.0) * self.numel(scores) as f64;
+                Ok((flops, vec![scores, gates, idx]))
+            }
+            OpKind::MoeDispatch => {
+                arity(&[2], 1)?;
+                let (x, idx, y) = (inputs[0], inputs[1], outputs[0]);
+                let (xs, is, ys) = (
+                    self.t(x).shape.clone(),
+                    self.t(idx).shape.clone(),
+                    self.t(y).shape.clone(),
+                );
+                let ok = xs.len() >= 2
+                    && is.len() == xs.len()
+                    && is[..is.len() - 1] == xs[..xs.len() - 1]
+                    && ys.len() == 3
+                    && ys[2] == xs[xs.len() - 1]
+                    && self.t(idx).dtype == DType::I32;
+                if !ok {
+                    return Err(GraphError::new(
+                        name,
+                        format!(
+                            "moe_dispatch takes tokens [.., h] and i32 indices [.., k] and gives                              [experts, capacity, h], found {xs:?}, {is:?} -> {ys:?}"
+                        ),
+                    ));
+                }
+                Ok((0.0, vec![idx]))
+            }
+            OpKind::MoeCombine => {
+                arity(&[3], 1)?;
+                let (y, gates, idx, out) = (inputs[0], inputs[1], inputs[2], outputs[0]);
+                let (ys, gs, is, os) = (
+                    self.t(y).shape.clone(),
+                    self.t(gates).shape.clone(),
+                    self.t(idx).shape.clone(),
+                    self.t(out).shape.clone(),
+                );
+                let ok = ys.len() == 3
+                    && gs == is
+                    && os.len() == gs.len()
+                    && os.len() >= 2
+                    && os[..os.len() - 1] == gs[..gs.len() - 1]
+                    && os[os.len() - 1] == ys[2]
+                    && self.t(idx).dtype == DType::I32;
+                if !ok {
+                    return Err(GraphError::new(
+                        name,
+                        format!(
+                            "moe_combine takes expert outputs [experts, capacity, h], gates and                              i32 indices [.., k] and gives [.., h], found {ys:?}, {gs:?}, {is:?} -> {os:?}"
+                        ),
+                    ));
+                }
+                // A multiply-add per chosen expert and feature of every token.
+                let flops = 2.0 * self.numel(gates) as f64 * ys[2] as f64;
+                Ok((flops, vec![y, gates, idx]))
             }
             OpKind::EmbeddingGrad => Err(GraphError::new(
                 name,

@@ -82,6 +82,12 @@ pub enum Split {
     Sequence(u8),
     /// Divided along this axis by tensor parallelism.
     Model(u8),
+    /// An expert-major tensor of a mixture-of-experts layer (`[E, ..]`): its experts (axis 0)
+    /// are divided by expert parallelism; for an activation `[E, C, ..]`, axis 1 holds the
+    /// tokens routed to each expert.
+    Experts,
+    /// As [`Split::Experts`], with this axis also divided by expert tensor parallelism.
+    ExpertModel(u8),
 }
 
 /// A tensor of the graph.
@@ -167,6 +173,20 @@ pub enum OpKind {
     Slice,
     /// A copy of the input into another axis order (`permute(..).contiguous()`).
     Transpose,
+    /// Several inputs joined along the last axis into one output; an input whose other axes
+    /// are 1 where the output's are not is broadcast along them (MLA's shared rotary key
+    /// joined to every head's key).
+    Concat,
+    /// Router of a mixture-of-experts layer: scores `[.., E]` become the top-k gates `[.., k]`
+    /// (fp32) and the chosen experts' indices `[.., k]` (i32).
+    MoeRouter,
+    /// Token dispatch: tokens `[.., h]` and the router's indices `[.., k]` become the
+    /// expert-major buffer `[E, C, h]` (each token copied once per chosen expert; `C` the
+    /// tokens per expert, padded to the capacity).
+    MoeDispatch,
+    /// Token combine: the experts' outputs `[E, C, h]`, the gates and the indices `[.., k]`
+    /// become `[.., h]`, each token the gate-weighted sum of its experts' outputs.
+    MoeCombine,
 }
 
 impl OpKind {
@@ -192,6 +212,10 @@ impl OpKind {
             OpKind::CrossEntropy => "cross_entropy",
             OpKind::Slice => "slice",
             OpKind::Transpose => "transpose",
+            OpKind::Concat => "concat",
+            OpKind::MoeRouter => "moe_router",
+            OpKind::MoeDispatch => "moe_dispatch",
+            OpKind::MoeCombine => "moe_combine",
         }
     }
 
@@ -318,6 +342,67 @@ impl Graph {
             .filter(|t| t.kind == TensorKind::Parameter)
             .map(Tensor::elements)
             .fold(0u64, u64::saturating_add)
+    }
+
+    /// Parameters one token's forward pass reads: every parameter, except that of each
+    /// mixture-of-experts layer's routed experts (weights split as [`Split::Experts`] or
+    /// [`Split::ExpertModel`]) only the `k` of `E` its router chooses count. Returns the count
+    /// with the input embedding tables whole (as Mistral counts Mixtral-8x7B's 12.9B) and
+    /// without them (as DeepSeek counts V3's 37B): a token reads one row of them.
+    pub fn active_parameter_counts(&self) -> (u64, u64) {
+        // Tables only embedding lookups read (a tied table is read whole by the output layer).
+        let mut lookup_only = vec![true; self.tensors.len()];
+        for op in self.ops.iter().filter(|o| o.pass == Pass::Forward) {
+            if op.kind != OpKind::Embedding {
+                for &t in &op.inputs {
+                    lookup_only[t.0 as usize] = false;
+                }
+            }
+        }
+        let mut active = 0.0f64;
+        let mut tables = 0.0f64;
+        let mut seen = vec![false; self.tensors.len()];
+        for layer in &self.layers {
+            // The layer's routing fraction k / E, from its router's scores and gates.
+            let routed = layer.forward.iter().find_map(|&o| {
+                let op = self.op(o);
+                (op.kind == OpKind::MoeRouter).then(|| {
+                    let e = *self.tensor(op.inputs[0]).shape.last().unwrap_or(&1);
+                    let k = *self.tensor(op.outputs[0]).shape.last().unwrap_or(&1);
+                    k as f64 / e.max(1) as f64
+                })
+            });
+            for &o in &layer.forward {
+                for &t in &self.op(o).inputs {
+                    let tensor = self.tensor(t);
+                    if tensor.kind != TensorKind::Parameter || seen[t.0 as usize] {
+                        continue;
+                    }
+                    seen[t.0 as usize] = true;
+                    let n = tensor.elements() as f64;
+                    active += match (tensor.split, routed) {
+                        (Split::Experts | Split::ExpertModel(_), Some(f)) => n * f,
+                        _ => n,
+                    };
+                    if lookup_only[t.0 as usize] {
+                        tables += n;
+                    }
+                }
+            }
+        }
+        (active.round() as u64, (active - tables).round() as u64)
+    }
+
+    /// The first op of a kind that only the Megatron-LM layout space prices: those of
+    /// mixture-of-experts layers and of multi-head latent attention (the intra-op ILP and the
+    /// CPU executor do not model them yet).
+    pub fn first_megatron_only_op(&self) -> Option<&Op> {
+        self.ops.iter().find(|o| {
+            matches!(
+                o.kind,
+                OpKind::Concat | OpKind::MoeRouter | OpKind::MoeDispatch | OpKind::MoeCombine
+            )
+        })
     }
 
     /// Parameters owned by each layer: a weight belongs to the first layer that reads it.

@@ -63,6 +63,11 @@ pub struct GraphSummary {
     pub seq: u64,
     /// Trained parameters.
     pub parameters: u64,
+    /// Parameters one token's forward pass reads (fewer than `parameters` only with
+    /// mixture-of-experts layers), input embedding tables counted whole.
+    pub active_parameters: u64,
+    /// The same without the input embedding tables (of which a token reads one row).
+    pub active_parameters_without_input_embedding: u64,
     /// Forward FLOPs per token.
     pub forward_flops_per_token: f64,
     /// Forward + backward FLOPs per token (no recomputation).
@@ -130,6 +135,7 @@ impl Graph {
     pub fn summary(&self) -> GraphSummary {
         let tokens = (self.micro_batch * self.seq) as f64;
         let owned = self.owned_parameters();
+        let active = self.active_parameter_counts();
         let mut groups: Vec<LayerGroup> = Vec::new();
         let mut prev: Option<Vec<String>> = None;
         for li in 0..self.layers.len() {
@@ -173,6 +179,8 @@ impl Graph {
             micro_batch: self.micro_batch,
             seq: self.seq,
             parameters: self.parameter_count(),
+            active_parameters: active.0,
+            active_parameters_without_input_embedding: active.1,
             forward_flops_per_token: self.forward_flops() / tokens,
             training_flops_per_token: (self.forward_flops() + self.backward_flops()) / tokens,
             ops: self.ops.len(),

@@ -86,10 +86,7 @@ fn joined(specs: &[Spec]) -> String {
 impl StageModel<'_> {
     /// The tensor-parallel configuration the mesh stands for.
     fn tp_config(&self, m: MegatronSharding) -> TpConfig {
-        TpConfig {
-            t: self.mesh.shape[1],
-            sp: m.sp,
-        }
+        TpConfig::dense(self.mesh.shape[1], m.sp)
     }
 
     /// Megatron-LM's spec of `t` with `divided` its axis split over the tensor-parallel group.

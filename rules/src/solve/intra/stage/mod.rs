@@ -139,6 +139,15 @@ pub enum IntraError {
     /// The ILP failed.
     #[error(transparent)]
     Ilp(#[from] ilp::IlpError),
+    /// The range holds an op the intra-op space does not model (mixture-of-experts routing,
+    /// multi-head latent attention).
+    #[error("op `{op}` ({kind}): the intra-op ILP does not model it yet")]
+    Unsupported {
+        /// The op's name.
+        op: String,
+        /// Its kind.
+        kind: &'static str,
+    },
 }
 
 /// Why a collective runs.
@@ -541,6 +550,15 @@ impl<'g> StageModel<'g> {
                 layer.forward.iter().chain(&layer.backward).copied()
             })
             .collect();
+        if let Some(op) = graph
+            .first_megatron_only_op()
+            .filter(|op| layers.contains(&(op.layer as usize)))
+        {
+            return Err(IntraError::Unsupported {
+                op: op.name.clone(),
+                kind: op.kind.name(),
+            });
+        }
         // Op ids are in execution order (forward, then backward in reverse).
         ops.sort_unstable();
         let layer_of: HashMap<OpId, usize> = layers
