@@ -18,38 +18,40 @@ pub fn comparison(
     (right, b): (&str, &autopar_rules::plan::estimate::Estimate),
 ) {
     use autopar_engine::whatif::{memory_components, time_components};
-    let _ = writeln!(s, "  {:<32} {:>12} {:>12} {:>12}", "", left, right, "delta");
-    let row = |s: &mut String, name: &str, x: f64, y: f64, unit: &str| {
-        let _ = writeln!(
-            s,
-            "  {name:<32} {x:>10.3}{unit} {y:>10.3}{unit} {:>+10.3}{unit}",
-            y - x
-        );
-    };
-    row(s, "step", a.step_time_s, b.step_time_s, " s");
+    // Every row's label, values and unit, so the label column fits the longest label.
+    let mut rows: Vec<(String, f64, f64, &str)> =
+        vec![("step".into(), a.step_time_s, b.step_time_s, " s")];
     for ((name, x), (_, y)) in time_components(&a.time)
         .into_iter()
         .zip(time_components(&b.time))
     {
-        row(s, name, x, y, " s");
+        rows.push((name.into(), x, y, " s"));
     }
     for ((name, x), (_, y)) in memory_components(&a.memory)
         .into_iter()
         .zip(memory_components(&b.memory))
     {
-        row(s, &format!("memory: {name}"), x / GIB, y / GIB, "G");
+        rows.push((format!("memory: {name}"), x / GIB, y / GIB, "G"));
     }
-    row(
-        s,
-        "memory per device",
+    rows.push((
+        "memory per device".into(),
         a.memory_per_device_gib,
         b.memory_per_device_gib,
         "G",
-    );
+    ));
+    let w = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
+    let _ = writeln!(s, "  {:<w$} {:>12} {:>12} {:>12}", "", left, right, "delta");
+    for (name, x, y, unit) in &rows {
+        let _ = writeln!(
+            s,
+            "  {name:<w$} {x:>10.3}{unit} {y:>10.3}{unit} {:>+10.3}{unit}",
+            y - x
+        );
+    }
     let yes = |f: bool| if f { "yes" } else { "no" };
     let _ = writeln!(
         s,
-        "  {:<32} {:>12} {:>12}   of {:.1} and {:.1} GiB usable",
+        "  {:<w$} {:>12} {:>12}   of {:.1} and {:.1} GiB usable",
         "fits",
         yes(a.fits),
         yes(b.fits),

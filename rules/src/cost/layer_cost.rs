@@ -1,4 +1,4 @@
-//! What one layer costs on one device under a tensor- and context-parallel configuration:
+//! What one layer costs on one device under a tensor-, context- and expert-parallel configuration:
 //! kernel time and communication per micro-batch, activations kept for the backward pass under each
 //! recomputation mode, parameters held.
 
