@@ -422,3 +422,160 @@ pub fn indivisible_sequence(g: &Graph, t: u64) -> Option<(String, usize, u64)> {
         _ => None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::frontend::{
+        Attention, Bias, LowerOptions, Mlp, MoeConfig, MoeRouting, Norm, Position,
+        TransformerConfig,
+    };
+    use crate::model::graph::DType;
+
+    /// One MoE block of 4 experts (top-2, width 32) on a 16-wide stream, 8 tokens per
+    /// micro-batch: 4 tokens per expert.
+    fn moe_block() -> Graph {
+        TransformerConfig {
+            hidden: 16,
+            layers: 1,
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 8,
+            ffn_hidden: 32,
+            vocab: 64,
+            max_seq: 8,
+            mlp: Mlp::SwiGlu,
+            norm: Norm::RmsNorm,
+            position: Position::Rope,
+            tied_embeddings: false,
+            bias: Bias::None,
+            dropout: false,
+            moe: Some(MoeConfig {
+                experts: 4,
+                top_k: 2,
+                expert_ffn: 32,
+                shared_ffn: 0,
+                dense_layers: 0,
+                router_bias: false,
+                routing: MoeRouting::default(),
+            }),
+            mla: None,
+            qk_norm: false,
+        }
+        .lower(
+            "moe",
+            &LowerOptions {
+                micro_batch: 1,
+                seq: 8,
+                dtype: DType::Bf16,
+                attention: Attention::Flash,
+                vocab_multiple: 1,
+            },
+        )
+        .expect("lowers")
+    }
+
+    fn op<'g>(g: &'g Graph, name: &str) -> &'g Op {
+        g.ops.iter().find(|o| o.name == name).expect("op")
+    }
+
+    fn tensor(g: &Graph, name: &str) -> TensorId {
+        TensorId(
+            g.tensors
+                .iter()
+                .position(|t| t.name == name)
+                .expect("tensor") as u32,
+        )
+    }
+
+    /// The dispatch's buffer `[4, 4, 16]` in bf16 is 512 bytes for the tensor-parallel pair's 8
+    /// tokens; each rank routes its 4 (256 bytes). Expert parallelism over both ranks
+    /// exchanges them all-to-all (the group's 512 bytes) each way; expert tensor parallelism
+    /// gathers both ranks' copies (512 bytes) and scatters the partial outputs back.
+    #[test]
+    fn dispatch_and_combine_exchange_each_ranks_tokens_over_their_groups() {
+        let g = moe_block();
+        let (dispatch, combine) = (
+            op(&g, "layers.0.experts.dispatch"),
+            op(&g, "layers.0.experts.combine"),
+        );
+        assert_eq!(g.tensor(dispatch.outputs[0]).shape, vec![4, 4, 16]);
+        let ep = TpConfig {
+            t: 2,
+            sp: true,
+            ep: 2,
+            etp: 1,
+        };
+        let want = |kind, phase, group| TpCollective {
+            kind,
+            bytes: 512.0,
+            phase,
+            group,
+        };
+        for o in [dispatch, combine] {
+            assert_eq!(
+                collectives(&g, o, ep),
+                vec![
+                    want(Collective::AllToAll, Phase::Forward, Group::Expert),
+                    want(Collective::AllToAll, Phase::Backward, Group::Expert),
+                ]
+            );
+        }
+        let etp = TpConfig::dense(2, true);
+        assert_eq!(
+            collectives(&g, dispatch, etp),
+            vec![
+                want(Collective::AllGather, Phase::Forward, Group::ExpertTensor),
+                want(
+                    Collective::ReduceScatter,
+                    Phase::Backward,
+                    Group::ExpertTensor
+                ),
+            ]
+        );
+        assert_eq!(
+            collectives(&g, combine, etp),
+            vec![
+                want(
+                    Collective::ReduceScatter,
+                    Phase::Forward,
+                    Group::ExpertTensor
+                ),
+                want(Collective::AllGather, Phase::Backward, Group::ExpertTensor),
+            ]
+        );
+        // No expert groups, no exchange.
+        assert!(collectives(&g, dispatch, TpConfig::dense(1, false)).is_empty());
+    }
+
+    /// What one rank holds and runs: under ep 2 its 2 experts whole, with both ranks' tokens
+    /// of them (4 per expert); under etp 2 all 4 experts at half width with all 4 tokens of
+    /// each. Either way a rank runs half the experts' FLOPs.
+    #[test]
+    fn a_rank_holds_its_experts_and_runs_its_share() {
+        let g = moe_block();
+        let fc1 = op(&g, "layers.0.experts.fc1");
+        let (buffer, w1, up) = (fc1.inputs[0], fc1.inputs[1], fc1.outputs[0]);
+        let ep = TpConfig {
+            t: 2,
+            sp: true,
+            ep: 2,
+            etp: 1,
+        };
+        let etp = TpConfig::dense(2, true);
+        assert_eq!(device_shape_in_op(&g, fc1, buffer, ep), vec![2, 4, 16]);
+        assert_eq!(device_shape_in_op(&g, fc1, w1, ep), vec![2, 16, 64]);
+        assert_eq!(device_shape_in_op(&g, fc1, up, ep), vec![2, 4, 64]);
+        assert_eq!(device_shape_in_op(&g, fc1, buffer, etp), vec![4, 4, 16]);
+        assert_eq!(device_shape_in_op(&g, fc1, w1, etp), vec![4, 16, 32]);
+        assert_eq!(device_shape_in_op(&g, fc1, up, etp), vec![4, 4, 32]);
+        for cfg in [ep, etp] {
+            assert_eq!(op_device_flops(&g, fc1, cfg), fc1.flops / 2.0);
+            let s = gemm_shape(&g, fc1, cfg).expect("a product");
+            assert_eq!(s.batch * s.m * s.n * 2.0 * 16.0, fc1.flops / 2.0);
+            assert_eq!(stored_bytes(&g, w1, cfg), g.tensor(w1).bytes() as f64 / 2.0);
+        }
+        let x = tensor(&g, "layers.0.mlp_norm.out");
+        assert!(!is_expert_parameter(&g, x) && is_expert_parameter(&g, w1));
+    }
+}
