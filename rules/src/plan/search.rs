@@ -39,7 +39,9 @@ pub struct SearchSpace {
     /// Expert-parallel degrees (mixture-of-experts models; 1 for dense ones).
     #[serde(default = "no_context_parallelism")]
     pub ep: Vec<u64>,
-    /// Expert tensor-parallel degrees (mixture-of-experts models; 1 for dense ones).
+    /// Expert tensor-parallel degrees (mixture-of-experts models; 1 for dense ones); empty:
+    /// 1 and each layout's tp (Megatron-Core's two usual layouts: experts whole, or split as
+    /// the dense layers are).
     #[serde(default = "no_context_parallelism")]
     pub etp: Vec<u64>,
 }
@@ -81,7 +83,7 @@ impl SearchSpace {
 
     /// The default space for a model with `experts` routed experts per MoE block on
     /// `gpus` GPUs: the default space plus every power-of-two expert-parallel degree that
-    /// divides the experts, and expert tensor-parallel degrees as tp's.
+    /// divides the experts, and expert tensor parallelism of 1 or the layout's tp.
     pub fn default_for_experts(gpus_per_node: u64, gpus: u64, experts: u64) -> Self {
         let mut space = SearchSpace::default_for(gpus_per_node);
         let mut ep = vec![1];
@@ -89,7 +91,7 @@ impl SearchSpace {
             ep.push(ep[ep.len() - 1] * 2);
         }
         space.ep = ep;
-        space.etp = space.tp.clone();
+        space.etp = Vec::new();
         space
     }
 }
@@ -185,9 +187,16 @@ pub fn candidates(space: &SearchSpace, gpus: u64, global_batch: u64) -> Vec<Layo
             } else {
                 &space.cp_comm[..]
             };
+            let etps = if space.etp.is_empty() {
+                let mut both = vec![1, tp];
+                both.dedup();
+                both
+            } else {
+                space.etp.clone()
+            };
             for &cp_comm in comms {
                 for &ep in &space.ep {
-                    for &etp in &space.etp {
+                    for &etp in &etps {
                         let base = Layout {
                             tp,
                             cp,
