@@ -917,10 +917,7 @@ impl Loader<'_> {
             }
         };
         let gpus_per_node = clusters[cluster].gpus_per_node;
-        let experts = match def {
-            ModelDef::Transformer(c) => c.moe.map(|m| m.experts),
-            ModelDef::Graph(_) => None,
-        };
+        let experts = def.transformer().and_then(|c| c.moe).map(|m| m.experts);
         let mut search = match experts {
             Some(e) => SearchSpace::default_for_experts(gpus_per_node, clusters[cluster].gpus(), e),
             None => SearchSpace::default_for(gpus_per_node),

@@ -8,7 +8,6 @@ use crate::render;
 use autopar_engine::EngineError;
 use autopar_engine::session::Session;
 use autopar_engine::workspace::DEFAULT_VOCAB_MULTIPLE;
-use autopar_rules::model::frontend::ModelDef;
 use autopar_rules::plan::estimate::Estimator;
 use autopar_rules::plan::layout::Layout;
 use autopar_rules::plan::runtime::GivenSettings;
@@ -63,7 +62,7 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             )));
         }
     };
-    let moe = matches!(&def, ModelDef::Transformer(c) if c.moe.is_some());
+    let moe = def.transformer().is_some_and(|c| c.moe.is_some());
     let layout = Layout {
         cp: a.cp,
         cp_comm: a.cp_comm_type.into(),

@@ -11,7 +11,7 @@ use crate::cost::context_parallel::{self, AttentionBytes, CpConfig, CpGroups};
 use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, ProfileRead, kernel_name};
 use crate::cost::tensor_parallel::{
     Group, Phase, TpConfig, collectives, device_shape_in_op, divided_axis_in_op, gemm_shape,
-    is_expert_parameter, op_device_flops, stored_bytes, stored_elements, tensor_bytes_in_op,
+    op_device_flops, stored_bytes, stored_elements, tensor_bytes_in_op,
 };
 use crate::model::graph::{
     DType, Graph, LayerKind, Op, OpId, OpKind, Pass, Split, TensorId, TensorKind,
@@ -490,7 +490,8 @@ impl<'g> LayerCostContext<'g> {
             .sum();
         c.expert_params = self.owned[li]
             .iter()
-            .filter(|&&t| is_expert_parameter(g, t))
+            // Routed experts' weights, reduced over the expert data-parallel group.
+            .filter(|&&t| g.tensor(t).split.is_expert())
             .map(|&t| stored_elements(g, t, tp))
             .sum();
         c.borrowed_params = self.borrowed(li, tp);

@@ -131,10 +131,6 @@ fn expert_shape(g: &Graph, t: TensorId, cfg: TpConfig) -> Option<Vec<u64>> {
     Some(shape)
 }
 
-fn is_expert(g: &Graph, t: TensorId) -> bool {
-    matches!(g.tensor(t).split, Split::Experts | Split::ExpertModel(_))
-}
-
 /// When a collective runs relative to the op that needs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -255,12 +251,6 @@ pub fn stored_bytes(g: &Graph, t: TensorId, cfg: TpConfig) -> f64 {
     }
 }
 
-/// Whether a parameter is a routed expert's weight (reduced and sharded over the expert
-/// data-parallel group rather than the data-parallel one).
-pub fn is_expert_parameter(g: &Graph, t: TensorId) -> bool {
-    is_expert(g, t)
-}
-
 /// Per-device stored elements of a tensor (for parameter counts).
 pub fn stored_elements(g: &Graph, t: TensorId, cfg: TpConfig) -> f64 {
     stored_bytes(g, t, cfg) / g.tensor(t).dtype.bytes() as f64
@@ -275,7 +265,7 @@ pub fn op_device_flops(g: &Graph, op: &Op, cfg: TpConfig) -> f64 {
             .inputs
             .iter()
             .chain(&op.outputs)
-            .any(|&t| is_expert(g, t))
+            .any(|&t| g.tensor(t).split.is_expert())
         || (cfg.sp && op.inputs.iter().chain(&op.outputs).any(|&t| is_seq(g, t)));
     if sharded {
         op.flops / cfg.t as f64
@@ -576,6 +566,6 @@ mod tests {
             assert_eq!(stored_bytes(&g, w1, cfg), g.tensor(w1).bytes() as f64 / 2.0);
         }
         let x = tensor(&g, "layers.0.mlp_norm.out");
-        assert!(!is_expert_parameter(&g, x) && is_expert_parameter(&g, w1));
+        assert!(!g.tensor(x).split.is_expert() && g.tensor(w1).split.is_expert());
     }
 }

@@ -807,24 +807,7 @@ impl<'a> Estimator<'a> {
         // weights before the forward and the backward (and again for a full recomputation).
         // Prefetching hides them behind the same layer's compute; what exceeds it is exposed.
         // Routed experts' weights are sharded over the expert data-parallel group instead.
-        let sharded = [
-            (
-                params - c.expert_params,
-                d,
-                self.cluster.group_link(l.tp, d),
-            ),
-            (
-                c.expert_params,
-                l.expert_grad_ranks(),
-                self.expert_dp_link(l),
-            ),
-        ];
-        let over = |kind: Collective, bytes: f64| -> f64 {
-            sharded
-                .iter()
-                .map(|&(n, ranks, link)| collective_time(kind, ranks, n * bytes, link))
-                .sum()
-        };
+        let over = |kind, bytes| self.weight_collective(kind, params, c.expert_params, bytes, l);
         if l.zero >= 2 && (d > 1 || l.expert_grad_ranks() > 1) {
             let rs = over(Collective::ReduceScatter, grad_bytes);
             let ag = over(Collective::AllGather, weight_bytes);
@@ -853,11 +836,24 @@ impl<'a> Estimator<'a> {
         }
     }
 
-    /// Links of the expert data-parallel group: its ranks `etp x ep` apart (Megatron-Core's
-    /// expert rank order etp, ep, edp, pp).
-    pub(crate) fn expert_dp_link(&self, l: &Layout) -> Link {
-        self.cluster
-            .group_link(l.ep.saturating_mul(l.etp), l.expert_grad_ranks())
+    /// Time of collective `kind` over the ranks holding each weight, for `params` parameters
+    /// per device (of which `expert` are routed experts') at `bytes` each: the dense weights
+    /// over the data- and context-parallel group (`tp` apart), then the experts' over the
+    /// expert data-parallel group (`etp x ep` apart, Megatron-Core's expert rank order etp,
+    /// ep, edp, pp).
+    fn weight_collective(
+        &self,
+        kind: Collective,
+        params: f64,
+        expert: f64,
+        bytes: f64,
+        l: &Layout,
+    ) -> f64 {
+        let (d, edp) = (l.grad_ranks(), l.expert_grad_ranks());
+        let dense_link = self.cluster.group_link(l.tp, d);
+        let expert_link = self.cluster.group_link(l.ep.saturating_mul(l.etp), edp);
+        collective_time(kind, d, (params - expert) * bytes, dense_link)
+            + collective_time(kind, edp, expert * bytes, expert_link)
     }
 
     /// Time to send an activation of `bytes` (unsharded) from stage `from` to stage `to`: with
@@ -914,7 +910,7 @@ impl<'a> Estimator<'a> {
         let device = &cluster.device;
         let precision = self.opts.precision;
         // `d`: the ranks holding each weight (data- and context-parallel together).
-        let (p, v, t, d) = (l.pp, l.interleave, l.tp, l.grad_ranks());
+        let (p, v, d) = (l.pp, l.interleave, l.grad_ranks());
         let (pu, vu) = (p as usize, v as usize);
         let m = l.num_microbatches();
         let mu = m as usize;
@@ -925,9 +921,8 @@ impl<'a> Estimator<'a> {
             ..
         } = self.opts.state_bytes();
         let stage_rank = |j: u64| j * l.stage_ranks();
-        let dp_link = cluster.group_link(t, d);
         // The routed experts' ranks of the same weights (MoE parallel folding).
-        let (edp, edp_link) = (l.expert_grad_ranks(), self.expert_dp_link(l));
+        let edp = l.expert_grad_ranks();
         let stage_of = |li: usize| -> usize {
             chunks
                 .iter()
@@ -1110,16 +1105,8 @@ impl<'a> Estimator<'a> {
         let mut grad_sync = 0.0f64;
         for (j, s) in stages.iter().enumerate() {
             // Dense weights over the data-parallel group, routed experts' over theirs.
-            let groups = [
-                (s.params - s.expert_params, d, dp_link),
-                (s.expert_params, edp, edp_link),
-            ];
-            let over = |kind: Collective, bytes: f64| -> f64 {
-                groups
-                    .iter()
-                    .map(|&(n, ranks, link)| collective_time(kind, ranks, n * bytes, link))
-                    .sum()
-            };
+            let over =
+                |kind, bytes| self.weight_collective(kind, s.params, s.expert_params, bytes, l);
             let reduce = match l.zero {
                 0 => over(Collective::AllReduce, grad_bytes),
                 1 => over(Collective::ReduceScatter, grad_bytes),

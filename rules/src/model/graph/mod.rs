@@ -90,6 +90,14 @@ pub enum Split {
     ExpertModel(u8),
 }
 
+impl Split {
+    /// Whether the split is an expert-major one ([`Split::Experts`] or
+    /// [`Split::ExpertModel`]): a routed expert's weight or token buffer.
+    pub fn is_expert(self) -> bool {
+        matches!(self, Split::Experts | Split::ExpertModel(_))
+    }
+}
+
 /// A tensor of the graph.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Tensor {
@@ -380,8 +388,8 @@ impl Graph {
                     }
                     seen[t.0 as usize] = true;
                     let n = tensor.elements() as f64;
-                    active += match (tensor.split, routed) {
-                        (Split::Experts | Split::ExpertModel(_), Some(f)) => n * f,
+                    active += match routed {
+                        Some(f) if tensor.split.is_expert() => n * f,
                         _ => n,
                     };
                     if lookup_only[t.0 as usize] {
