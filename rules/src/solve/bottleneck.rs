@@ -5,11 +5,20 @@
 //! `t` ranges over the sorted distinct part costs. Writing `Φ(t)` for the minimum sum under
 //! bound `t` (non-increasing in `t`), every solution whose largest part costs `M` has total at
 //! least `Φ(M) + weight * M`, and the solver run at `t = M` finds one with at most that total.
-//! Instead of running the solver for every candidate, the search bisects the candidate list and
-//! discards an interval `(a, b]` of bounds when no solution whose maximum lies in it can win:
-//! when `Φ(b) + weight * t_{a+1}` already reaches the best total, or when `Φ(b) = Φ(a)` (such a
-//! solution has at least the sum of, and a larger maximum than, the one found at `a`). This
-//! subsumes the classic stop `(weight + 1) * t >= best` and stays exact.
+//! Parts are non-negative, so a solution's sum is at least its largest part and its total at
+//! least `(weight + 1) * M`: once a solution of total `X` is known, no bound at or above
+//! `X / (weight + 1)` can win (the classic stop), which usually leaves a narrow window just above
+//! the smallest feasible bound.
+//!
+//! The search never evaluates a bound it can rule out that way. Solvers whose work grows with the
+//! bound (the stage DP's bands widen with it) are cheap at small bounds, so the smallest feasible
+//! bound is found by galloping up from the smallest candidate (1, 3, 7, 15, ... candidates) and
+//! then bisecting, not by bisecting the whole list from its largest, most expensive end. The
+//! window above it is then searched by bisection over intervals `(a, z]` of candidates, each
+//! discarded when no solution whose maximum lies in it can win: when
+//! `max(Φ(z), t_{a+1}) + weight * t_{a+1}` already reaches the best total (with a lower bound of
+//! `Φ(z)` where `z` was not evaluated), or when `Φ(z) = Φ(a)` (such a solution has at least the
+//! sum of, and a larger maximum than, the one found at `a`). The search stays exact.
 
 /// A solution of the bound-`t` subproblem: its sum, its actual largest part, and the solution.
 pub struct Bounded<S> {
@@ -31,10 +40,10 @@ pub struct Best<S> {
     pub evaluated: usize,
 }
 
-/// Runs the search over `bounds` (sorted, distinct). `solve(t)` returns the minimum-sum solution
-/// with every part at most `t`, or `None` if there is none; it must be monotone (feasible at `t`
-/// implies feasible at larger bounds). `gap` skips bounds closer than this to an evaluated one
-/// (zero keeps the search exact).
+/// Runs the search over `bounds` (sorted, distinct, non-negative). `solve(t)` returns the
+/// minimum-sum solution with every part (non-negative) at most `t`, or `None` if there is none;
+/// it must be monotone (feasible at `t` implies feasible at larger bounds). `gap` skips bounds
+/// closer than this to an evaluated one (zero keeps the search exact).
 pub fn minimize<S>(
     bounds: &[f64],
     weight: f64,
@@ -44,44 +53,82 @@ pub fn minimize<S>(
     let top = bounds.len().checked_sub(1)?;
     let mut best: Option<(f64, S)> = None;
     let mut evaluated = 0;
-    let mut evaluate = |t: f64, best: &mut Option<(f64, S)>| -> Option<f64> {
+    let mut evaluate = |i: usize, best: &mut Option<(f64, S)>| -> Option<f64> {
         evaluated += 1;
-        let b = solve(t)?;
+        let b = solve(bounds[i])?;
         let total = b.sum + weight * b.max;
         if best.as_ref().is_none_or(|(bt, _)| total < *bt) {
             *best = Some((total, b.solution));
         }
         Some(b.sum)
     };
-    let phi_top = evaluate(bounds[top], &mut best)?;
-    // The smallest feasible bound, by bisection (feasibility is monotone).
-    let (mut lo, mut hi) = (0usize, top);
-    while lo < hi {
-        let mid = (lo + hi) / 2;
-        if evaluate(bounds[mid], &mut best).is_some() {
-            hi = mid;
-        } else {
-            lo = mid + 1;
+    // Feasible candidates evaluated: (index, Φ).
+    let mut known: Vec<(usize, f64)> = Vec::new();
+    // The smallest feasible candidate: gallop up to a feasible one, then bisect below it.
+    let mut infeasible: Option<usize> = None;
+    let mut probe = 0;
+    let mut feasible = loop {
+        if let Some(phi) = evaluate(probe, &mut best) {
+            known.push((probe, phi));
+            break probe;
+        }
+        infeasible = Some(probe);
+        if probe == top {
+            return None;
+        }
+        probe = (2 * probe + 1).min(top);
+    };
+    while let Some(below) = infeasible.filter(|&b| b + 1 < feasible) {
+        let mid = (below + 1 + feasible) / 2;
+        match evaluate(mid, &mut best) {
+            Some(phi) => {
+                known.push((mid, phi));
+                feasible = mid;
+            }
+            None => infeasible = Some(mid),
         }
     }
-    if lo < top
-        && let Some(phi_lo) = evaluate(bounds[lo], &mut best)
+    known.sort_by_key(|&(i, _)| i);
+    // Intervals (a, z] of candidates not yet covered, with Φ(a), a lower bound of Φ(z) (exact
+    // where z was evaluated, else 0) and whether z was evaluated.
+    let mut stack: Vec<(usize, f64, usize, f64, bool)> = known
+        .windows(2)
+        .map(|w| (w[0].0, w[0].1, w[1].0, w[1].1, true))
+        .collect();
+    if let Some(&(last, phi)) = known.last()
+        && last < top
     {
-        let mut stack = vec![(lo, phi_lo, top, phi_top)];
-        while let Some((a, phi_a, z, phi_z)) = stack.pop() {
-            if z <= a + 1 || phi_z >= phi_a || bounds[z] - bounds[a] < gap {
-                continue;
-            }
-            let floor = phi_z + weight * bounds[a + 1];
-            if best.as_ref().is_some_and(|(b, _)| floor >= *b) {
-                continue;
-            }
-            let mid = (a + z) / 2;
-            let Some(phi_mid) = evaluate(bounds[mid], &mut best) else {
-                continue;
-            };
-            stack.push((a, phi_a, mid, phi_mid));
-            stack.push((mid, phi_mid, z, phi_z));
+        stack.push((last, phi, top, 0.0, false));
+    }
+    while let Some((a, phi_a, mut z, phi_z, mut z_known)) = stack.pop() {
+        let Some(best_total) = best.as_ref().map(|(b, _)| *b) else {
+            break;
+        };
+        // Candidates at or above best / (weight + 1) cannot win.
+        let cap = a + bounds[a + 1..=z].partition_point(|&t| (weight + 1.0) * t < best_total);
+        if cap < z {
+            z = cap;
+            z_known = false;
+        }
+        if z <= a || (z == a + 1 && z_known) || phi_z >= phi_a || bounds[z] - bounds[a] < gap {
+            continue;
+        }
+        let t_next = bounds[a + 1];
+        if phi_z.max(t_next) + weight * t_next >= best_total {
+            continue;
+        }
+        // Strictly inside (a, z) when z was evaluated, else possibly z itself.
+        let mid = if z_known {
+            (a + z) / 2
+        } else {
+            (a + z).div_ceil(2)
+        };
+        let Some(phi_mid) = evaluate(mid, &mut best) else {
+            continue;
+        };
+        stack.push((a, phi_a, mid, phi_mid, true));
+        if mid < z {
+            stack.push((mid, phi_mid, z, phi_z, z_known));
         }
     }
     best.map(|(total, solution)| Best {
@@ -122,5 +169,41 @@ mod tests {
         assert_eq!(best.total, 18.0);
         assert_eq!(best.solution, (6.0, 6.0));
         assert!(minimize(&bounds, 2.0, 0.0, |_| None::<Bounded<()>>).is_none());
+    }
+
+    proptest::proptest! {
+        /// On random solution sets (each a list of non-negative parts), the search's optimum
+        /// equals the exhaustive minimum of `sum + weight * max`, and it never evaluates a
+        /// bound twice.
+        #[test]
+        fn equals_exhaustive_search(
+            sols in proptest::collection::vec(
+                proptest::collection::vec(0u32..40, 1..5), 1..30),
+            weight in 0u32..50,
+        ) {
+            let sols: Vec<(f64, f64)> = sols
+                .iter()
+                .map(|parts| {
+                    let sum: u32 = parts.iter().sum();
+                    let max = parts.iter().copied().max().unwrap_or(0);
+                    (f64::from(sum), f64::from(max))
+                })
+                .collect();
+            let w = f64::from(weight);
+            let expect = sols.iter().map(|&(s, m)| s + w * m).fold(f64::INFINITY, f64::min);
+            let bounds = candidates(sols.iter().map(|&(_, m)| m));
+            let mut seen = Vec::new();
+            let mut twice = false;
+            let best = minimize(&bounds, w, 0.0, |t| {
+                twice |= seen.contains(&t.to_bits());
+                seen.push(t.to_bits());
+                sols.iter()
+                    .filter(|(_, m)| *m <= t)
+                    .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)))
+                    .map(|&(sum, max)| Bounded { sum, max, solution: () })
+            });
+            proptest::prop_assert!(!twice, "a bound was evaluated twice");
+            proptest::prop_assert_eq!(best.map(|b| b.total), Some(expect));
+        }
     }
 }
