@@ -14,8 +14,8 @@ use std::fmt::Write;
 /// component and per device, whether each fits.
 pub fn comparison(
     s: &mut String,
-    (left, a): (&str, &autopar_rules::plan::estimate::Estimate),
-    (right, b): (&str, &autopar_rules::plan::estimate::Estimate),
+    (left, a): (&str, &autopar_engine::whatif::Components),
+    (right, b): (&str, &autopar_engine::whatif::Components),
 ) {
     use autopar_engine::whatif::{memory_components, time_components};
     // Every row's label, values and unit, so the label column fits the longest label.

@@ -6,7 +6,7 @@
 use crate::render::{layout_line, secs, thousands};
 use autopar_engine::whatif::{memory_components, time_components};
 use autopar_rules::cost::cluster::GIB;
-use autopar_rules::plan::estimate::Estimate;
+use autopar_rules::plan::estimate::{Estimate, MemoryBreakdown, TimeBreakdown};
 use autopar_rules::plan::format::Plan;
 use autopar_rules::plan::ilp::Space;
 use autopar_rules::solve::schedule::{BlockKind, Simulation, shown_spec, simulate};
@@ -45,10 +45,27 @@ pub fn html(plan: &Plan, explain: Option<&str>) -> String {
         esc(&title)
     );
     summary(&mut s, plan);
+    // The step and memory charts show the plan as chosen: an ILP plan's own pipeline.
+    let ilp = plan
+        .ilp
+        .as_ref()
+        .filter(|_| plan.space == Space::Ilp)
+        .and_then(|p| {
+            let stages: Option<Vec<MemoryBreakdown>> = p.stages.iter().map(|s| s.memory).collect();
+            Some((p.time()?, stages?, p.memory()?))
+        });
+    let (time, stages, peak) = match ilp {
+        Some((time, stages, peak)) => (time, stages, peak),
+        None => (
+            e.time,
+            e.stages.iter().map(|st| st.memory).collect(),
+            e.memory,
+        ),
+    };
     let _ = writeln!(s, "<h2>Step time</h2>");
-    step_breakdown(&mut s, e);
+    step_breakdown(&mut s, &time);
     let _ = writeln!(s, "<h2>Memory per device, by stage</h2>");
-    memory_bars(&mut s, e);
+    memory_bars(&mut s, &stages, &peak, e.memory_capacity);
     let _ = writeln!(s, "<h2>Pipeline schedule</h2>");
     schedule(&mut s, e);
     let _ = writeln!(s, "<h2>Layouts searched</h2>");
@@ -131,8 +148,9 @@ fn summary(s: &mut String, plan: &Plan) {
             "space",
             match (&plan.space, &plan.ilp) {
                 (Space::Ilp, Some(ilp)) => format!(
-                    "the ILP space's pipeline wins: {}, {} per step; the charts below show the \
-                     best Megatron-LM layout",
+                    "the ILP space's pipeline wins: {}, {} per step; the step and memory charts \
+                     show it, the schedule, layouts and layers per stage the best Megatron-LM \
+                     layout",
                     ilp.describe(),
                     secs(ilp.step_time_s)
                 ),
@@ -161,8 +179,8 @@ fn legend(s: &mut String, items: &[(&str, &str, String)]) {
     let _ = writeln!(s, "</div>");
 }
 
-fn step_breakdown(s: &mut String, e: &Estimate) {
-    let parts = time_components(&e.time);
+fn step_breakdown(s: &mut String, time: &TimeBreakdown) {
+    let parts = time_components(time);
     let total: f64 = parts
         .iter()
         .map(|p| p.1)
@@ -198,17 +216,18 @@ fn step_breakdown(s: &mut String, e: &Estimate) {
     legend(s, &items);
 }
 
-fn memory_bars(s: &mut String, e: &Estimate) {
-    let cap = e.memory_capacity / GIB;
-    let top = e
-        .stages
+/// Stacked bars of each stage's memory by component against the usable `capacity` (bytes);
+/// the legend gives the `peak` stage's figures.
+fn memory_bars(s: &mut String, stages: &[MemoryBreakdown], peak: &MemoryBreakdown, capacity: f64) {
+    let cap = capacity / GIB;
+    let top = stages
         .iter()
-        .map(|st| st.memory.total / GIB)
+        .map(|st| st.total / GIB)
         .fold(cap, f64::max)
         .max(f64::MIN_POSITIVE)
         * 1.08;
     let (h, left, bottom) = (240.0, 48.0, 22.0);
-    let n = e.stages.len().max(1) as f64;
+    let n = stages.len().max(1) as f64;
     let slot = (WIDTH - left) / n;
     let bar = (slot * 0.7).min(60.0);
     let y = |gib: f64| (h - bottom) * (1.0 - gib / top);
@@ -226,10 +245,10 @@ fn memory_bars(s: &mut String, e: &Estimate) {
             y(g) + 4.0
         );
     }
-    for (j, st) in e.stages.iter().enumerate() {
+    for (j, st) in stages.iter().enumerate() {
         let x = left + slot * j as f64 + (slot - bar) / 2.0;
         let mut acc = 0.0;
-        for (i, (name, b)) in memory_components(&st.memory).iter().enumerate() {
+        for (i, (name, b)) in memory_components(st).iter().enumerate() {
             let g = b / GIB;
             if g <= 0.0 {
                 continue;
@@ -261,7 +280,6 @@ fn memory_bars(s: &mut String, e: &Estimate) {
     );
     let _ = writeln!(s, "</svg>");
     // The legend's figures are the peak stage's.
-    let peak = &e.memory;
     let items: Vec<(&str, &str, String)> = memory_components(peak)
         .iter()
         .enumerate()

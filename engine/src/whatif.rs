@@ -6,22 +6,86 @@ use crate::EngineError;
 use crate::workspace::Workspace;
 use autopar_rules::plan::estimate::{Estimate, Estimator, MemoryBreakdown, TimeBreakdown};
 use autopar_rules::plan::format::Plan;
+use autopar_rules::plan::ilp::Space;
 use autopar_rules::plan::layout::Layout;
 use serde::Serialize;
 
-/// The plan's layout and the alternative, priced alike.
+/// The plan as it was chosen and the alternative, priced alike.
 #[derive(Clone, Debug, Serialize)]
 pub struct WhatIf {
-    /// The plan's Megatron-LM layout, as the build priced it.
-    pub plan: Estimate,
-    /// The step time of the plan's ILP pipeline, when the plan chose it.
-    pub plan_ilp_step_time_s: Option<f64>,
+    /// The plan as the build chose it: its ILP pipeline's components when it chose the ILP
+    /// space, else its Megatron-LM layout's.
+    pub plan: Components,
+    /// The plan's Megatron-LM layout as the build priced it (for an ILP plan, the best
+    /// Megatron-LM layout; the flags left out of `whatif` come from it).
+    pub plan_layout: Estimate,
     /// The alternative layout, balanced and simulated as the build refines a layout.
     pub alternative: Estimate,
     /// Alternative less plan.
     pub delta: Delta,
     /// The main reason for the difference, in one line.
     pub reason: String,
+}
+
+/// A plan's or a layout's step and memory, component by component.
+#[derive(Clone, Debug, Serialize)]
+pub struct Components {
+    /// Which space it comes from.
+    pub space: Space,
+    /// What is priced, in one line: a Megatron-LM layout, or the ILP pipeline.
+    pub describe: String,
+    /// Step time, s.
+    pub step_time_s: f64,
+    /// Where the step goes; the parts add up to it. For the ILP space, the tensor-parallel
+    /// communication row holds the stage's op collectives and resharding.
+    pub time: TimeBreakdown,
+    /// Memory of the most loaded device, by component, bytes.
+    pub memory: MemoryBreakdown,
+    /// Memory per device, GiB.
+    pub memory_per_device_gib: f64,
+    /// Usable memory per device, bytes.
+    pub memory_capacity: f64,
+    /// Whether it fits.
+    pub fits: bool,
+}
+
+impl Components {
+    /// A Megatron-LM layout's.
+    pub fn of_estimate(e: &Estimate) -> Self {
+        Components {
+            space: Space::Megatron,
+            describe: e.layout.describe(),
+            step_time_s: e.step_time_s,
+            time: e.time,
+            memory: e.memory,
+            memory_per_device_gib: e.memory_per_device_gib,
+            memory_capacity: e.memory_capacity,
+            fits: e.fits,
+        }
+    }
+
+    /// The plan as the build chose it: its ILP pipeline when it chose the ILP space and the
+    /// plan file records the pipeline's components, else its Megatron-LM layout.
+    pub fn of_plan(plan: &Plan) -> Self {
+        let ilp = plan
+            .ilp
+            .as_ref()
+            .filter(|_| plan.space == Space::Ilp)
+            .and_then(|p| Some((p, p.time()?, p.memory()?)));
+        match ilp {
+            Some((p, time, memory)) => Components {
+                space: Space::Ilp,
+                describe: format!("the ILP pipeline, {}", p.describe()),
+                step_time_s: p.step_time_s,
+                time,
+                memory,
+                memory_per_device_gib: p.memory_per_device_gib,
+                memory_capacity: plan.estimate.memory_capacity,
+                fits: true,
+            },
+            None => Components::of_estimate(&plan.estimate),
+        }
+    }
 }
 
 /// Alternative less plan, component by component.
@@ -43,7 +107,7 @@ pub fn time_components(t: &TimeBreakdown) -> [(&'static str, f64); 8] {
         ("compute", t.compute),
         ("recomputation", t.recompute),
         (
-            "tensor-, context- and expert-parallel communication",
+            "intra-stage communication (TP, CP, EP, resharding)",
             t.tp_comm,
         ),
         ("pipeline transfers", t.p2p),
@@ -95,8 +159,8 @@ fn secs(s: f64) -> String {
 }
 
 /// The one-line reason: the alternative does not fit, or the component that moved most.
-fn reason(plan: &Estimate, alt: &Estimate, d: &TimeBreakdown) -> String {
-    let name = alt.layout.describe();
+fn reason(plan: &Components, alt: &Components, d: &TimeBreakdown) -> String {
+    let name = &alt.describe;
     if !alt.fits {
         return format!(
             "{name} does not fit: it needs {:.1} GiB per device, the device has {:.1} GiB usable",
@@ -104,7 +168,7 @@ fn reason(plan: &Estimate, alt: &Estimate, d: &TimeBreakdown) -> String {
             alt.memory_capacity / autopar_rules::cost::cluster::GIB
         );
     }
-    if alt.layout == plan.layout {
+    if alt.space == plan.space && alt.describe == plan.describe {
         return format!("{name} is the plan's own layout");
     }
     let (component, by) = time_components(d)
@@ -130,7 +194,7 @@ fn reason(plan: &Estimate, alt: &Estimate, d: &TimeBreakdown) -> String {
 }
 
 /// `b` less `a`, and the main reason for the difference (`a` read as the plan).
-pub fn compare(a: &Estimate, b: &Estimate) -> (Delta, String) {
+pub fn compare(a: &Components, b: &Components) -> (Delta, String) {
     let time = time_delta(&b.time, &a.time);
     let reason = reason(a, b, &time);
     (
@@ -153,9 +217,11 @@ pub struct PlanDiff {
     pub step_time_s: [f64; 2],
     /// Each plan's space.
     pub space: [autopar_rules::plan::ilp::Space; 2],
-    /// Their Megatron-LM layouts, B less A.
+    /// Each plan as the build chose it (its ILP pipeline or its Megatron-LM layout).
+    pub plans: [Components; 2],
+    /// B less A.
     pub delta: Delta,
-    /// The main reason for the difference of their Megatron-LM layouts (A read as the plan).
+    /// The main reason for the difference (A read as the plan).
     pub reason: String,
 }
 
@@ -192,11 +258,13 @@ pub fn diff(a: &Plan, b: &Plan) -> PlanDiff {
         }
     }
     differ("space", format!("{:?}", a.space), format!("{:?}", b.space));
-    let (delta, reason) = compare(&a.estimate, &b.estimate);
+    let plans = [Components::of_plan(a), Components::of_plan(b)];
+    let (delta, reason) = compare(&plans[0], &plans[1]);
     PlanDiff {
         inputs,
         step_time_s: [a.step_time_s(), b.step_time_s()],
         space: [a.space, b.space],
+        plans,
         delta,
         reason,
     }
@@ -218,15 +286,13 @@ pub fn whatif(
     let est = Estimator::new(&model.name, &model.def, &plan.cluster, plan.training)
         .with_profile(t.profile.as_deref());
     let alternative = est.refine(layout)?.estimate;
-    let p = &plan.estimate;
-    let (delta, reason) = compare(p, &alternative);
+    let chosen = Components::of_plan(plan);
+    let (delta, reason) = compare(&chosen, &Components::of_estimate(&alternative));
     Ok(WhatIf {
         reason,
         delta,
-        plan_ilp_step_time_s: (plan.space == autopar_rules::plan::ilp::Space::Ilp)
-            .then(|| plan.ilp.as_ref().map(|i| i.step_time_s))
-            .flatten(),
-        plan: p.clone(),
+        plan: chosen,
+        plan_layout: plan.estimate.clone(),
         alternative,
     })
 }

@@ -38,7 +38,8 @@ fn a_layout_beside_the_plan_component_by_component() {
         (alt["tp"].as_u64(), alt["pp"].as_u64(), alt["dp"].as_u64()),
         (Some(1), Some(2), Some(4))
     );
-    assert_eq!(alt["interleave"], j["plan"]["layout"]["interleave"]);
+    assert_eq!(alt["interleave"], j["plan_layout"]["layout"]["interleave"]);
+    assert_eq!(j["plan"]["space"], "megatron");
     let step = |v: &serde_json::Value| v["step_time_s"].as_f64().unwrap_or(f64::NAN);
     let d = step(&j["alternative"]) - step(&j["plan"]);
     assert!(
@@ -71,7 +72,7 @@ fn a_layout_beside_the_plan_component_by_component() {
     let text = ws.run(&["whatif", "tiny-llama-3d", "--tp", "1", "--mbs", "2"]);
     assert!(
         text.stdout
-            .contains("tensor-, context- and expert-parallel communication"),
+            .contains("intra-stage communication (TP, CP, EP, resharding)"),
         "{}",
         text.stdout
     );
@@ -138,4 +139,62 @@ fn a_layout_beside_the_plan_component_by_component() {
     assert_eq!(odd.code, 2, "{}", odd.stderr);
     assert!(odd.stderr.contains("--tp 3"), "{}", odd.stderr);
     assert_eq!(ws.run(&["whatif", "nope"]).code, 2);
+}
+
+/// A plan of the ILP space is set beside the layout as the build chose it: its pipeline's
+/// components (the slowest stage's kernels, op collectives with resharding, transfers, the
+/// bubble, gradient synchronisation, optimizer; the most loaded stage's memory), which add up
+/// to its step and its memory, not its best Megatron-LM layout's.
+#[test]
+fn an_ilp_plan_is_compared_as_chosen() {
+    let ws = TempWorkspace::default_copy();
+    let b = ws.run(&["build", "tiny-llama-cpu-stages"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let plan: serde_json::Value =
+        serde_json::from_str(&ws.read("plans/tiny-llama-cpu-stages.json")).expect("plan file");
+    assert_eq!(plan["space"], "ilp");
+    let r = ws.run(&["whatif", "tiny-llama-cpu-stages", "--json"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let j = r.json();
+    let num = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
+    assert_eq!(j["plan"]["space"], "ilp");
+    assert_eq!(j["plan"]["step_time_s"], plan["ilp"]["step_time_s"]);
+    assert_eq!(
+        j["plan"]["memory_per_device_gib"],
+        plan["ilp"]["memory_per_device_gib"]
+    );
+    let step = num(&j["plan"]["step_time_s"]);
+    let parts: f64 = j["plan"]["time"]
+        .as_object()
+        .expect("time")
+        .values()
+        .map(num)
+        .sum();
+    assert!(
+        (parts - step).abs() <= 1e-9 * step,
+        "{parts} vs {step}: {j}"
+    );
+    let m = &j["plan"]["memory"];
+    let sum: f64 = ["weights", "grads", "optimizer", "activations", "workspace"]
+        .iter()
+        .map(|k| num(&m[*k]))
+        .sum();
+    assert!((sum - num(&m["total"])).abs() <= 1e-6 * sum, "{j}");
+    assert!(
+        (num(&m["total"]) / (1u64 << 30) as f64 - num(&j["plan"]["memory_per_device_gib"])).abs()
+            < 1e-9,
+        "{j}"
+    );
+    // The alternative (the plan's best Megatron-LM layout, flags left out) less the ILP plan.
+    let d = num(&j["alternative"]["step_time_s"]) - step;
+    assert!((num(&j["delta"]["step_time_s"]) - d).abs() <= 1e-12, "{j}");
+    assert_eq!(j["alternative"]["layout"], j["plan_layout"]["layout"]);
+    let text = ws.run(&["whatif", "tiny-llama-cpu-stages"]);
+    assert_eq!(text.code, 0, "{}", text.stderr);
+    assert!(
+        text.stdout
+            .contains("against the plan: the ILP pipeline, micro-batch"),
+        "{}",
+        text.stdout
+    );
 }

@@ -38,15 +38,15 @@ pub fn diff(a: &std::path::Path, b: &std::path::Path, json: bool) -> Result<(), 
         s.push_str(&format!("  input     {i}\n"));
     }
     s.push_str(&format!(
-        "  step      {:.3} s ({:?}) -> {:.3} s ({:?})\n  layouts   {} -> {}\n",
+        "  step      {:.3} s ({:?}) -> {:.3} s ({:?})\n  plans     {} -> {}\n",
         d.step_time_s[0],
         d.space[0],
         d.step_time_s[1],
         d.space[1],
-        pa.estimate.layout.describe(),
-        pb.estimate.layout.describe()
+        d.plans[0].describe,
+        d.plans[1].describe
     ));
-    render::comparison(&mut s, ("A", &pa.estimate), ("B", &pb.estimate));
+    render::comparison(&mut s, ("A", &d.plans[0]), ("B", &d.plans[1]));
     s.push_str(&format!("  => {}\n", d.reason));
     out!("{s}");
     Ok(())

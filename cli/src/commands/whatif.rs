@@ -6,13 +6,15 @@ use crate::args::WhatifArgs;
 use crate::output::out;
 use crate::render;
 use autopar_engine::session::Session;
-use autopar_engine::whatif::whatif;
+use autopar_engine::whatif::{Components, whatif};
+use autopar_rules::plan::ilp::Space;
 use autopar_rules::plan::layout::Layout;
 use std::fmt::Write;
 
 pub fn run(session: &Session, a: &WhatifArgs) -> Result<(), Failure> {
     let ws = session.workspace()?;
     let plan = super::target_or_file_plan(&ws, Some(&a.target), None)?;
+    // Flags left out keep the plan's Megatron-LM layout (an ILP plan's best one).
     let p = plan.estimate.layout;
     let (tp, pp, cp) = (
         a.tp.unwrap_or(p.tp),
@@ -55,23 +57,25 @@ pub fn run(session: &Session, a: &WhatifArgs) -> Result<(), Failure> {
         return print_json(&w);
     }
     let mut s = String::new();
-    let (pl, al) = (&w.plan, &w.alternative);
+    let al = Components::of_estimate(&w.alternative);
     let _ = writeln!(
         s,
-        "whatif {}: {} against the plan's {} ({} x {} {})",
+        "whatif {}: {} against the plan: {} ({} x {} {})",
         a.target,
-        al.layout.describe(),
-        pl.layout.describe(),
+        al.describe,
+        w.plan.describe,
         plan.cluster.nodes,
         plan.cluster.gpus_per_node,
         plan.cluster.device.name
     );
-    render::comparison(&mut s, ("plan", pl), ("what-if", al));
-    if let Some(t) = w.plan_ilp_step_time_s {
+    render::comparison(&mut s, ("plan", &w.plan), ("what-if", &al));
+    if w.plan.space == Space::Ilp {
         let _ = writeln!(
             s,
-            "  the plan chose the ILP space's pipeline, {t:.3} s per step; its best Megatron-LM \
-             layout is compared here"
+            "  (the ILP pipeline's intra-stage communication is its op collectives and \
+             resharding; its best Megatron-LM layout, {}, takes {:.3} s)",
+            w.plan_layout.layout.describe(),
+            w.plan_layout.step_time_s
         );
     }
     let _ = writeln!(s, "  => {}", w.reason);

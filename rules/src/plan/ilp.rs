@@ -20,6 +20,7 @@ use crate::cost::cluster::{Cluster, GIB};
 use crate::cost::sharding::Mesh;
 use crate::model::frontend::LowerOptions;
 use crate::model::graph::{DType, Graph, Pass};
+use crate::plan::estimate::{MemoryBreakdown, TimeBreakdown};
 use crate::plan::layout::TrainingOptions;
 use crate::solve::intra::chain::{boundary_bytes, moved};
 use crate::solve::intra::stage::{MegatronSharding, StageModel, StagePlan};
@@ -209,6 +210,16 @@ pub struct IlpStage {
     pub recompute_s: f64,
     /// Memory per device with those in flight, including the runtime's reserve, GiB.
     pub memory_gib: f64,
+    /// Of `forward_s + backward_s`, the kernels without recomputation, s per micro-batch (the
+    /// rest is recomputation, the op collectives and resharding, and `p2p_s`); `None` in plan
+    /// files written before it was recorded.
+    #[serde(default)]
+    pub compute_s: Option<f64>,
+    /// `memory_gib` by component, bytes (activations: the micro-batches in flight with the
+    /// recomputation chosen, and transient buffers; workspace: the runtime's reserve); `None`
+    /// in plan files written before it was recorded.
+    #[serde(default)]
+    pub memory: Option<MemoryBreakdown>,
     /// Every op's specs.
     pub ops: Vec<OpSpecs>,
     /// Every weight's specs.
@@ -253,6 +264,47 @@ pub struct IlpPlan {
 }
 
 impl IlpPlan {
+    /// Where the step goes, as [`crate::plan::estimate::Estimate::time`] splits a Megatron-LM
+    /// layout's: the slowest stage's (forward and backward per micro-batch, the largest)
+    /// kernels, recomputation, op collectives with resharding (as tensor-parallel
+    /// communication) and transfers over every micro-batch, the rest of the simulated
+    /// pipeline as its bubble, then the exposed gradient synchronisation and the optimizer.
+    /// The parts add up to the step time. `None` for a plan file that does not record its
+    /// stages' kernel time.
+    pub fn time(&self) -> Option<TimeBreakdown> {
+        let m = self.num_microbatches.max(1) as f64;
+        let busy = |s: &IlpStage| s.forward_s + s.backward_s;
+        let slowest = self
+            .stages
+            .iter()
+            .max_by(|a, b| busy(a).total_cmp(&busy(b)))?;
+        let (compute, recompute, p2p, work) = (
+            slowest.compute_s?,
+            slowest.recompute_s,
+            slowest.p2p_s,
+            busy(slowest),
+        );
+        Some(TimeBreakdown {
+            compute: compute * m,
+            recompute: recompute.max(0.0) * m,
+            tp_comm: (work - compute - recompute - p2p).max(0.0) * m,
+            p2p: p2p * m,
+            zero_comm: 0.0,
+            bubble: (self.pipeline_s - work * m).max(0.0),
+            grad_sync: self.grad_sync_s,
+            optimizer: self.optimizer_s,
+        })
+    }
+
+    /// The memory of the most loaded stage's devices, by component. `None` for a plan file
+    /// that does not record it.
+    pub fn memory(&self) -> Option<MemoryBreakdown> {
+        self.stages
+            .iter()
+            .max_by(|a, b| a.memory_gib.total_cmp(&b.memory_gib))?
+            .memory
+    }
+
     /// The plan in one line: micro-batch, stages and their meshes (runs of equal meshes
     /// counted).
     pub fn describe(&self) -> String {
@@ -461,6 +513,19 @@ pub fn price(
                     .collect(),
                 recompute_s: st.recompute_s,
                 memory_gib: (st.memory + cluster.device.reserved_bytes) / GIB,
+                compute_s: Some(plan.per_microbatch.compute),
+                memory: Some({
+                    let m = &plan.memory;
+                    let states = m.weights + m.gradients + m.optimizer;
+                    MemoryBreakdown {
+                        weights: m.weights,
+                        grads: m.gradients,
+                        optimizer: m.optimizer,
+                        activations: (st.memory - states).max(0.0),
+                        workspace: cluster.device.reserved_bytes,
+                        total: st.memory.max(states) + cluster.device.reserved_bytes,
+                    }
+                }),
                 ops: plan
                     .ops
                     .iter()
@@ -785,6 +850,8 @@ mod tests {
             recomputed_names: recomputed.iter().map(|l| format!("layer{l}")).collect(),
             recompute_s: 0.0,
             memory_gib: 0.0,
+            compute_s: None,
+            memory: None,
             ops: Vec::new(),
             parameters: Vec::new(),
             megatron: MegatronComparison {
