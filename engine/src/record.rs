@@ -111,9 +111,10 @@ pub fn read_record(root: &Path, target: &str) -> Option<BuildRecord> {
     serde_json::from_str(&text).ok()
 }
 
-/// Stores the record of a build.
+/// Stores the record of a build (compact JSON: a target of the ILP space records every layer
+/// table's key components, megabytes that every build reads and writes again).
 pub fn write_record(root: &Path, record: &BuildRecord) -> Result<(), EngineError> {
-    let json = serde_json::to_vec_pretty(record).map_err(|e| EngineError::Encode {
+    let json = serde_json::to_vec(record).map_err(|e| EngineError::Encode {
         path: record_path(root, &record.target),
         reason: e.to_string(),
     })?;
