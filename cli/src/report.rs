@@ -4,7 +4,7 @@
 //! split per stage and what the last build recomputed.
 
 use crate::render::{layout_line, secs, thousands};
-use autopar_engine::whatif::{memory_components, time_components};
+use autopar_engine::whatif::{Components, memory_components, time_components};
 use autopar_rules::cost::cluster::GIB;
 use autopar_rules::plan::estimate::{Estimate, MemoryBreakdown, TimeBreakdown};
 use autopar_rules::plan::format::Plan;
@@ -46,26 +46,16 @@ pub fn html(plan: &Plan, explain: Option<&str>) -> String {
     );
     summary(&mut s, plan);
     // The step and memory charts show the plan as chosen: an ILP plan's own pipeline.
-    let ilp = plan
-        .ilp
-        .as_ref()
-        .filter(|_| plan.space == Space::Ilp)
-        .and_then(|p| {
-            let stages: Option<Vec<MemoryBreakdown>> = p.stages.iter().map(|s| s.memory).collect();
-            Some((p.time()?, stages?, p.memory()?))
-        });
-    let (time, stages, peak) = match ilp {
-        Some((time, stages, peak)) => (time, stages, peak),
-        None => (
-            e.time,
-            e.stages.iter().map(|st| st.memory).collect(),
-            e.memory,
-        ),
-    };
+    let chosen = Components::of_plan(plan);
     let _ = writeln!(s, "<h2>Step time</h2>");
-    step_breakdown(&mut s, &time);
+    step_breakdown(&mut s, &chosen.time);
     let _ = writeln!(s, "<h2>Memory per device, by stage</h2>");
-    memory_bars(&mut s, &stages, &peak, e.memory_capacity);
+    memory_bars(
+        &mut s,
+        &chosen.stage_memory,
+        &chosen.memory,
+        chosen.memory_capacity,
+    );
     let _ = writeln!(s, "<h2>Pipeline schedule</h2>");
     schedule(&mut s, e);
     let _ = writeln!(s, "<h2>Layouts searched</h2>");

@@ -41,6 +41,8 @@ pub struct Components {
     pub time: TimeBreakdown,
     /// Memory of the most loaded device, by component, bytes.
     pub memory: MemoryBreakdown,
+    /// Memory of each stage's devices, by component, bytes.
+    pub stage_memory: Vec<MemoryBreakdown>,
     /// Memory per device, GiB.
     pub memory_per_device_gib: f64,
     /// Usable memory per device, bytes.
@@ -58,6 +60,7 @@ impl Components {
             step_time_s: e.step_time_s,
             time: e.time,
             memory: e.memory,
+            stage_memory: e.stages.iter().map(|st| st.memory).collect(),
             memory_per_device_gib: e.memory_per_device_gib,
             memory_capacity: e.memory_capacity,
             fits: e.fits,
@@ -71,14 +74,19 @@ impl Components {
             .ilp
             .as_ref()
             .filter(|_| plan.space == Space::Ilp)
-            .and_then(|p| Some((p, p.time()?, p.memory()?)));
+            .and_then(|p| {
+                let stages: Option<Vec<MemoryBreakdown>> =
+                    p.stages.iter().map(|s| s.memory).collect();
+                Some((p, p.time()?, p.memory()?, stages?))
+            });
         match ilp {
-            Some((p, time, memory)) => Components {
+            Some((p, time, memory, stage_memory)) => Components {
                 space: Space::Ilp,
                 describe: format!("the ILP pipeline, {}", p.describe()),
                 step_time_s: p.step_time_s,
                 time,
                 memory,
+                stage_memory,
                 memory_per_device_gib: p.memory_per_device_gib,
                 memory_capacity: plan.estimate.memory_capacity,
                 fits: true,
