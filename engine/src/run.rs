@@ -10,6 +10,7 @@ use crate::executor::{
 };
 use crate::workspace::Workspace;
 use autopar_rules::canonical::digest;
+use autopar_rules::cost::context_parallel::hierarchical_inner;
 use autopar_rules::cost::sharding::Spec;
 use autopar_rules::model::frontend::LowerOptions;
 use autopar_rules::model::graph::{DType, Graph, Pass, TensorId, TensorKind};
@@ -95,6 +96,9 @@ pub fn exec_layout(plan: &Plan) -> ExecLayout {
     let e = &plan.estimate;
     ExecLayout {
         tp: e.layout.tp as usize,
+        cp: e.layout.cp as usize,
+        cp_comm: e.layout.cp_comm,
+        cp_a2a: hierarchical_inner(e.layout.tp, e.layout.cp, plan.cluster.gpus_per_node) as usize,
         pp: e.layout.pp as usize,
         dp: e.layout.dp as usize,
         sequence_parallel: e.layout.sequence_parallel,
@@ -157,21 +161,16 @@ pub fn prepare(ws: &Workspace, plan: &Plan) -> Result<Prepared, EngineError> {
 /// The graph and layout of the plan's best Megatron-LM layout (`estimate`).
 fn prepare_megatron(ws: &Workspace, plan: &Plan) -> Result<(Graph, ExecLayout), EngineError> {
     let (l, m) = (&plan.estimate.layout, plan.estimate.num_microbatches);
-    if l.cp > 1 {
-        return Err(ExecError::Lower(format!(
-            "the plan splits each sequence over cp = {} ranks ({}), and the executor does not run \
-             context parallelism yet; `autopar estimate` and `autopar export` take the layout",
-            l.cp,
-            l.cp_comm.name()
-        ))
-        .into());
-    }
-    let devices = l.tp.checked_mul(l.pp).and_then(|x| x.checked_mul(l.dp));
+    let devices =
+        l.tp.checked_mul(l.cp)
+            .and_then(|x| x.checked_mul(l.pp))
+            .and_then(|x| x.checked_mul(l.dp));
     if devices != Some(plan.cluster.gpus()) {
         return Err(ExecError::Lower(format!(
-            "the plan is inconsistent: tp {} x pp {} x dp {} is not the {} GPUs of its cluster \
-             `{}`; rebuild it with `autopar build {}`",
+            "the plan is inconsistent: tp {} x cp {} x pp {} x dp {} is not the {} GPUs of its \
+             cluster `{}`; rebuild it with `autopar build {}`",
             l.tp,
+            l.cp,
             l.pp,
             l.dp,
             plan.cluster.gpus(),
@@ -276,6 +275,9 @@ fn ilp_layout(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, Exec
     let (placements, states) = ilp_placements(&graph, ilp, &meshes)?;
     let layout = ExecLayout {
         tp: 1,
+        cp: 1,
+        cp_comm: Default::default(),
+        cp_a2a: 1,
         pp: ilp.stages.len(),
         dp: 1,
         sequence_parallel: false,

@@ -68,6 +68,9 @@ pub fn layout(
 ) -> ExecLayout {
     ExecLayout {
         tp,
+        cp: 1,
+        cp_comm: Default::default(),
+        cp_a2a: 1,
         pp: chunks.len(),
         dp,
         sequence_parallel: sp,
@@ -181,6 +184,9 @@ pub fn mesh_layout(
 ) -> ExecLayout {
     ExecLayout {
         tp: 1,
+        cp: 1,
+        cp_comm: Default::default(),
+        cp_a2a: 1,
         pp: chunks.len(),
         dp: 1,
         sequence_parallel: false,

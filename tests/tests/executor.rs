@@ -1,14 +1,16 @@
 //! The CPU executor: a sharded training step equals the single-device step (loss, every
 //! gradient and the updated parameters within 1e-4 relative) under data, tensor, sequence,
-//! pipeline and interleaved-pipeline parallelism, ZeRO, and their combinations.
+//! context, pipeline and interleaved-pipeline parallelism, ZeRO, and their combinations.
 
 use autopar_engine::executor::placement::State;
 use autopar_engine::executor::{ExecError, ExecLayout, RunOptions, check, lower, run_program};
+use autopar_rules::cost::context_parallel::CpComm;
 use autopar_rules::model::graph::Graph;
 use autopar_tests::executor::{
     MeshScheme, layout, mesh_layout, mesh_placements, sharded_states, staged_placements, tiny_gpt,
     tiny_llama,
 };
+use std::collections::BTreeMap;
 
 const OPTS: RunOptions = RunOptions {
     steps: 2,
@@ -169,6 +171,67 @@ fn megatron_collectives_per_block() {
     assert!(partial.iter().all(|n| n.contains("norm")), "{partial:?}");
 }
 
+/// `layout` with every sequence split over `cp` ranks exchanging keys and values by `comm`
+/// (`a2a+p2p`: a ring of all-to-all groups of 2).
+fn with_cp(layout: ExecLayout, cp: usize, comm: CpComm) -> ExecLayout {
+    ExecLayout {
+        cp,
+        cp_comm: comm,
+        cp_a2a: 2,
+        ..layout
+    }
+}
+
+/// Context parallelism: every sequence stored in load-balanced order (rank r holds chunks r and
+/// 2cp-1-r), attention as a ring of key/value blocks (p2p; cp 2 and 4), Ulysses' all-to-alls
+/// (a2a), all-gathered keys and values (allgather), or a ring of 2 Ulysses groups of 2
+/// (a2a+p2p); alone, and with tensor and sequence, pipeline and data parallelism and ZeRO.
+#[test]
+fn context_parallel_attention_matches_one_device() {
+    let whole = vec![vec![(0, 5)]];
+    let g1 = tiny_llama(1, 64, 1);
+    // Outside the attention core every op works on its rank's tokens: the only collectives
+    // that are not inside the core's kernel are the core's own (per block, forward and
+    // backward) and the loss's sum (along each mesh axis that splits sequences).
+    let per_block = |name: &str, n: usize| (name.to_string(), 4 * n);
+    for (cp, comm, core) in [
+        (2, CpComm::P2p, vec![]),
+        (4, CpComm::P2p, vec![]),
+        (2, CpComm::A2a, vec![per_block("all_to_all", 8)]),
+        (4, CpComm::A2aP2p, vec![per_block("all_to_all", 8)]),
+        (
+            2,
+            CpComm::AllGather,
+            vec![per_block("all_gather", 2), per_block("reduce_scatter", 2)],
+        ),
+    ] {
+        let l = with_cp(layout(1, 1, false, 0, 2, whole.clone()), cp, comm);
+        let collectives: BTreeMap<String, usize> = lower(&g1, &l)
+            .expect("lowers")
+            .collectives(0)
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        let mut expected: BTreeMap<String, usize> = core.into_iter().collect();
+        let axes = if comm == CpComm::A2aP2p { 2 } else { 1 };
+        expected.insert("all_reduce".into(), axes);
+        assert_eq!(collectives, expected, "{}", l.describe());
+        assert_matches(&g1, &l);
+    }
+    // 8 virtual devices: tp2 (sequence parallel) x cp2 (ring) x pp2.
+    let g2 = tiny_llama(1, 64, 2);
+    let stages = vec![vec![(0, 2)], vec![(3, 5)]];
+    assert_matches(
+        &g2,
+        &with_cp(layout(1, 2, true, 0, 2, stages), 2, CpComm::P2p),
+    );
+    // dp2 x cp2 with ZeRO-1: gradients reduced over both, Ulysses on two heads per rank.
+    assert_matches(
+        &g1,
+        &with_cp(layout(2, 1, false, 1, 1, whole), 2, CpComm::A2a),
+    );
+}
+
 #[test]
 fn layouts_that_cannot_run_are_refused() {
     let g = tiny_llama(1, 32, 4);
@@ -199,6 +262,59 @@ fn layouts_that_cannot_run_are_refused() {
     )
     .expect_err("rounds");
     assert!(e.to_string().contains("multiple of the 2 stages"), "{e}");
+    // Context parallelism: 2 cp chunks of the sequence, heads for Ulysses, a fused core.
+    let whole = || layout(1, 1, false, 0, 1, vec![vec![(0, 5)]]);
+    let e = lower(&g, &with_cp(whole(), 3, CpComm::P2p)).expect_err("chunks");
+    assert!(e.to_string().contains("2 x cp = 6 equal chunks"), "{e}");
+    let e = lower(&g, &with_cp(whole(), 4, CpComm::A2a)).expect_err("heads");
+    assert!(
+        e.to_string().contains("tp x 4 = 4 ranks") && e.to_string().contains("has 2"),
+        "{e}"
+    );
+    let odd = ExecLayout {
+        cp_a2a: 3,
+        ..with_cp(whole(), 4, CpComm::A2aP2p)
+    };
+    let e = lower(&g, &odd).expect_err("hierarchical");
+    assert!(e.to_string().contains("groups of 3"), "{e}");
+    let gpt = tiny_gpt(1, 32, 1);
+    let e = lower(
+        &gpt,
+        &with_cp(
+            layout(1, 1, false, 0, 1, vec![vec![(0, 3)]]),
+            2,
+            CpComm::P2p,
+        ),
+    )
+    .expect_err("unfused");
+    assert!(e.to_string().contains("fused attention core"), "{e}");
+}
+
+/// The default long-sequence CPU targets run as planned and match one device: ring attention
+/// over 4 context-parallel devices, Ulysses over 2.
+#[test]
+fn default_context_parallel_targets_run_and_check() {
+    let ws = autopar_tests::TempWorkspace::default_copy();
+    let targets = [
+        ("tiny-llama-cpu-cp", 4, "p2p"),
+        ("tiny-llama-cpu-ulysses", 2, "a2a"),
+    ];
+    let b = ws.run(&["build", targets[0].0, targets[1].0]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    for (target, cp, comm) in targets {
+        let plan: serde_json::Value =
+            serde_json::from_str(&ws.read(&format!("plans/{target}.json"))).expect("plan");
+        let layout = &plan["estimate"]["layout"];
+        assert_eq!(layout["cp"], cp, "{target}");
+        assert_eq!(layout["cp_comm"], comm, "{target}");
+        let r = ws.run(&["run", target, "--check", "--steps", "2", "--json"]);
+        assert_eq!(r.code, 0, "{target}: {}", r.stderr);
+        let j = r.json();
+        assert_eq!(j["devices"], cp, "{target}");
+        assert_eq!(j["check"]["passed"], true, "{target}: {}", j["check"]);
+        assert_eq!(j["layout"]["cp"], cp, "{target}");
+        assert_eq!(j["layout"]["cp_comm"], comm, "{target}");
+    }
 }
 
 #[test]

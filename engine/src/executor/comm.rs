@@ -223,6 +223,22 @@ impl Endpoint {
         Ok(gather(&refs, from.0, from.1))
     }
 
+    /// One step of a ring over `group`: this device's `data` goes to the next member and the
+    /// previous member's comes back (ring attention's paired send and receive).
+    pub fn shift(
+        &mut self,
+        group: &[usize],
+        index: usize,
+        data: Vec<f32>,
+    ) -> Result<Vec<f32>, ExecError> {
+        let n = group.len();
+        if n == 1 {
+            return Ok(data);
+        }
+        let all = self.exchange(group, index, data)?;
+        Ok(all[(index + n - 1) % n].clone())
+    }
+
     /// Sum over `group`, in place.
     pub fn all_reduce_sum(
         &mut self,

@@ -1,6 +1,7 @@
 //! The CPU backend: one thread per virtual device running its stage's actions on f32 shards,
 //! talking to the others through the in-process [`Fabric`].
 
+use super::attention::zigzag_position;
 use super::comm::{Endpoint, Fabric, Payload, Tag};
 use super::kernels::{self, Group};
 use super::lower::{Action, Init, Program, Role};
@@ -87,6 +88,26 @@ pub fn coord_of(prog: &Program, rank: usize) -> Coord {
         rest -= l.dp * n;
     }
     Coord { pp: 0, dp: 0, m: 0 }
+}
+
+/// Sequences `[b, s, ..]` stored in the load-balanced order of `cp` context-parallel ranks
+/// (Megatron-Core's `get_batch_on_this_cp_rank`): storage index `j` holds position
+/// [`zigzag_position`]`(j)`, so that a contiguous split gives rank `r` chunks `r` and
+/// `2 cp - 1 - r`.
+fn zigzag_order(t: &Tensor, cp: usize) -> Tensor {
+    let s = t.shape[1];
+    let inner: usize = t.shape[2..].iter().product();
+    let mut data = Vec::with_capacity(t.len());
+    for seq in t.data.chunks(s * inner) {
+        for j in 0..s {
+            let from = zigzag_position(j, s, cp) * inner;
+            data.extend_from_slice(&seq[from..from + inner]);
+        }
+    }
+    Tensor {
+        shape: t.shape.clone(),
+        data,
+    }
 }
 
 /// The coordinates on `mesh` of mesh index `m` (axis 0 major).
@@ -248,6 +269,9 @@ impl Group for KernelGroup<'_> {
     }
     fn all_reduce_max(&mut self, data: &mut [f32]) -> Result<(), ExecError> {
         self.ep.all_reduce_max(self.group, self.rank, data)
+    }
+    fn shift(&mut self, data: Vec<f32>) -> Result<Vec<f32>, ExecError> {
+        self.ep.shift(self.group, self.rank, data)
     }
 }
 
@@ -484,10 +508,13 @@ impl<'p> Device<'p> {
                 });
             }
         }
-        let whole = Tensor {
+        let mut whole = Tensor {
             shape: info.shape.clone(),
             data,
         };
+        if l.cp > 1 && info.shape.len() >= 2 {
+            whole = zigzag_order(&whole, l.cp);
+        }
         shard(&whole, &info.placement, &self.coords, &self.mesh)
     }
 
@@ -679,7 +706,7 @@ impl<'p> Device<'p> {
                 &ds,
                 &mut group,
                 &mut into,
-            );
+            )?;
             drop(into);
             for (&v, sum) in s.inputs.iter().zip(sums) {
                 if let Some(sum) = sum {

@@ -1,9 +1,12 @@
 //! CPU kernels: the forward and backward computation of every op kind on local tensor shards.
 //!
-//! Kernels see only their shard. The few that need the rest of their tensor-parallel group
-//! (a vocabulary-parallel embedding or cross-entropy) get it through [`Group`]; everything else
-//! is local, the lowering having placed collectives around the kernel.
+//! Kernels see only their shard. The few that need the rest of their group (a
+//! vocabulary-parallel embedding or cross-entropy, ring attention, and the rotary embedding and
+//! attention of a sequence split over the group, which need their rank's positions) get it
+//! through [`Group`]; everything else is local, the lowering having placed collectives around
+//! the kernel.
 
+use super::attention::{self, Keys};
 use super::tensor::{Mat, Tensor, matmul};
 use serde::{Deserialize, Serialize};
 
@@ -57,13 +60,23 @@ pub enum Kernel {
     Mul,
     /// Identity (dropout executed with probability zero, so runs are deterministic).
     Identity,
-    /// Rotary embedding of `[.., s, d]` (rotate-half convention), positions along axis `-2`.
-    Rope,
-    /// Causal scaled dot-product attention of `q [b, h, s, d]`, `k, v [b, g, s, d]`; the
-    /// output is token-major, `[b, s, h, d]`.
+    /// Rotary embedding of `[.., s, d]` (rotate-half convention), positions along axis `-2`;
+    /// when the kernel's group splits the sequence, this rank holds its `rank`-th share.
+    Rope {
+        /// Context-parallel ranks whose load-balanced order the sequence is stored in
+        /// ([`attention::zigzag_position`]; 1: in order).
+        zigzag: usize,
+    },
+    /// Causal scaled dot-product attention of `q [b, h, sq, d]`, `k, v [b, g, sk, d]`; the
+    /// output is token-major, `[b, sq, h, d]`, and the rows' log-sum-exp is kept for the
+    /// backward.
     Attention {
         /// Factor applied to the scores (`1/sqrt(d)`).
         scale: f32,
+        /// As [`Kernel::Rope`]'s.
+        zigzag: usize,
+        /// Where the keys and values come from (context parallelism).
+        keys: Keys,
     },
     /// Mean softmax cross-entropy of logits `[.., V]` against labels.
     CrossEntropy {
@@ -97,6 +110,8 @@ pub trait Group {
     fn all_reduce_sum(&mut self, data: &mut [f32]) -> Result<(), super::ExecError>;
     /// Element-wise maximum over the group, in place.
     fn all_reduce_max(&mut self, data: &mut [f32]) -> Result<(), super::ExecError>;
+    /// One step of a ring: sends `data` to the next rank and returns the previous rank's.
+    fn shift(&mut self, data: Vec<f32>) -> Result<Vec<f32>, super::ExecError>;
 }
 
 /// Results of a forward kernel: its outputs and what its backward needs besides operands and
@@ -211,8 +226,19 @@ pub fn forward(
                 .collect(),
         ),
         Kernel::Identity => single(x[0].data.clone()),
-        Kernel::Rope => single(rope(x[0], false)),
-        Kernel::Attention { scale } => single(attention_forward(x[0], x[1], x[2], *scale)),
+        Kernel::Rope { zigzag } => single(rope(x[0], false, *zigzag, group)),
+        Kernel::Attention {
+            scale,
+            zigzag,
+            keys,
+        } => {
+            let (out, lse) = attention::forward((x[0], x[1], x[2]), *scale, *zigzag, *keys, group)?;
+            aux = Some(Tensor {
+                shape: vec![lse.len()],
+                data: lse,
+            });
+            single(out)
+        }
         Kernel::CrossEntropy {
             vocab_parallel,
             row_parts,
@@ -272,7 +298,7 @@ pub fn backward(
     dy: &[&Tensor],
     group: &mut dyn Group,
     into: &mut [Option<&mut Tensor>],
-) -> Vec<Option<Tensor>> {
+) -> Result<Vec<Option<Tensor>>, super::ExecError> {
     let like = |t: &Tensor, data: Vec<f32>| {
         Some(Tensor {
             shape: t.shape.clone(),
@@ -280,7 +306,7 @@ pub fn backward(
         })
     };
     let d = dy[0];
-    match kernel {
+    Ok(match kernel {
         Kernel::Embedding { vocab_parallel } => {
             let (ids, table) = (x[0], x[1]);
             let h = table.last();
@@ -441,9 +467,23 @@ pub fn backward(
             ),
         ],
         Kernel::Identity => vec![like(x[0], d.data.clone())],
-        Kernel::Rope => vec![like(x[0], rope(d, true))],
-        Kernel::Attention { scale } => {
-            let (dq, dk, dv) = attention_backward(x[0], x[1], x[2], d, *scale);
+        Kernel::Rope { zigzag } => vec![like(x[0], rope(d, true, *zigzag, group))],
+        Kernel::Attention {
+            scale,
+            zigzag,
+            keys,
+        } => {
+            let lse = aux.map(|a| a.data.as_slice()).unwrap_or(&[]);
+            let (dq, dk, dv) = attention::backward(
+                (x[0], x[1], x[2]),
+                y[0],
+                lse,
+                d,
+                *scale,
+                *zigzag,
+                *keys,
+                group,
+            )?;
             vec![like(x[0], dq), like(x[1], dk), like(x[2], dv)]
         }
         Kernel::CrossEntropy {
@@ -472,7 +512,7 @@ pub fn backward(
         }
         Kernel::Slice { .. } => vec![like(x[0], slice_backward(kernel, x[0], dy))],
         Kernel::Transpose { a, b } => vec![Some(swap_axes(d, *a, *b))],
-    }
+    })
 }
 
 /// This rank and the group size for a vocabulary-parallel kernel, (0, 1) for a replicated one.
@@ -677,14 +717,17 @@ fn softmax_causal(x: &Tensor, scale: f32) -> Vec<f32> {
     out
 }
 
-/// Rotary embedding (rotate-half) of `[.., s, d]`; `inverse` rotates back (its backward).
-fn rope(x: &Tensor, inverse: bool) -> Vec<f32> {
+/// Rotary embedding (rotate-half) of `[.., s, d]`; `inverse` rotates back (its backward). The
+/// rows are this rank's share of its group's sequence, stored in the order of `zigzag`
+/// context-parallel ranks.
+fn rope(x: &Tensor, inverse: bool, zigzag: usize, group: &dyn Group) -> Vec<f32> {
     let r = x.shape.len();
     let (s, d) = (x.shape[r - 2], x.shape[r - 1]);
+    let (rank, ranks) = group.rank();
     let half = d / 2;
     let mut out = x.data.clone();
     for (row, (src, dst)) in x.data.chunks(d).zip(out.chunks_mut(d)).enumerate() {
-        let pos = (row % s) as f32;
+        let pos = attention::zigzag_position(rank * s + row % s, s * ranks, zigzag) as f32;
         for i in 0..half {
             let freq = ROPE_THETA.powf(-2.0 * i as f32 / d as f32);
             let (sin, cos) = (pos * freq).sin_cos();
@@ -695,105 +738,6 @@ fn rope(x: &Tensor, inverse: bool) -> Vec<f32> {
         }
     }
     out
-}
-
-/// Probabilities of causal attention for one head: `softmax(scale q kᵀ)` as an `s x s` matrix.
-fn attention_probs(q: &[f32], k: &[f32], s: usize, d: usize, scale: f32) -> Vec<f32> {
-    let mut p = vec![0.0f32; s * s];
-    matmul(Mat::new(q, s, d), Mat::t(k, s, d), &mut p, false);
-    let t = Tensor {
-        shape: vec![s, s],
-        data: p,
-    };
-    softmax_causal(&t, scale)
-}
-
-fn attention_forward(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Vec<f32> {
-    let r = q.shape.len();
-    let (s, d) = (q.shape[r - 2], q.shape[r - 1]);
-    let map = batch_map(&q.shape, &k.shape);
-    let heads = q.shape[1];
-    let mut out = vec![0.0f32; q.len()];
-    let mut head = vec![0.0f32; s * d];
-    for (i, &j) in map.iter().enumerate() {
-        let qs = &q.data[i * s * d..(i + 1) * s * d];
-        let ks = &k.data[j * s * d..(j + 1) * s * d];
-        let vs = &v.data[j * s * d..(j + 1) * s * d];
-        let p = attention_probs(qs, ks, s, d, scale);
-        matmul(Mat::new(&p, s, s), Mat::new(vs, s, d), &mut head, false);
-        let (b, h) = (i / heads, i % heads);
-        for t in 0..s {
-            let at = ((b * s + t) * heads + h) * d;
-            out[at..at + d].copy_from_slice(&head[t * d..(t + 1) * d]);
-        }
-    }
-    out
-}
-
-/// Backward of attention, recomputing the probabilities as FlashAttention does.
-fn attention_backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    d_out: &Tensor,
-    scale: f32,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let r = q.shape.len();
-    let (s, d) = (q.shape[r - 2], q.shape[r - 1]);
-    let map = batch_map(&q.shape, &k.shape);
-    let mut dq = vec![0.0f32; q.len()];
-    let mut dk = vec![0.0f32; k.len()];
-    let mut dv = vec![0.0f32; v.len()];
-    for (i, &j) in map.iter().enumerate() {
-        let (qi, kj) = (i * s * d..(i + 1) * s * d, j * s * d..(j + 1) * s * d);
-        let p = attention_probs(&q.data[qi.clone()], &k.data[kj.clone()], s, d, scale);
-        let heads = q.shape[1];
-        let (b, h) = (i / heads, i % heads);
-        let dout: Vec<f32> = (0..s)
-            .flat_map(|t| {
-                let at = ((b * s + t) * heads + h) * d;
-                d_out.data[at..at + d].iter().copied()
-            })
-            .collect();
-        let dout = dout.as_slice();
-        // dv += pᵀ · dout; dp = dout · vᵀ.
-        matmul(
-            Mat::t(&p, s, s),
-            Mat::new(dout, s, d),
-            &mut dv[kj.clone()],
-            true,
-        );
-        let mut dp = vec![0.0f32; s * s];
-        matmul(
-            Mat::new(dout, s, d),
-            Mat::t(&v.data[kj.clone()], s, d),
-            &mut dp,
-            false,
-        );
-        // Softmax backward (with the scale): ds = scale p (dp - rowsum(dp p)).
-        let mut ds = vec![0.0f32; s * s];
-        for row in 0..s {
-            let pr = &p[row * s..(row + 1) * s];
-            let dr = &dp[row * s..(row + 1) * s];
-            let dot: f32 = pr.iter().zip(dr).map(|(a, b)| a * b).sum();
-            for c in 0..s {
-                ds[row * s + c] = scale * pr[c] * (dr[c] - dot);
-            }
-        }
-        matmul(
-            Mat::new(&ds, s, s),
-            Mat::new(&k.data[kj.clone()], s, d),
-            &mut dq[qi.clone()],
-            false,
-        );
-        matmul(
-            Mat::t(&ds, s, s),
-            Mat::new(&q.data[qi], s, d),
-            &mut dk[kj],
-            true,
-        );
-    }
-    (dq, dk, dv)
 }
 
 /// Local widths of the parts of a slice's input (its local last axis divided like the whole).

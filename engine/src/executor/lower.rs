@@ -2,7 +2,9 @@
 //!
 //! Every stage runs on a logical mesh and every tensor gets a placement on it, one state per
 //! mesh axis: Megatron-LM's scheme on the one-axis mesh of the tensor-parallel group (as the
-//! graph's [`Split`]s state it), or an intra-op plan's specs on its stages' meshes. Every forward
+//! graph's [`Split`]s state it; under context parallelism the mesh is `[cp, tp]` and every
+//! activation's sequence axis is split along axis 0), or an intra-op plan's specs on its
+//! stages' meshes. Every forward
 //! op becomes one or two [`Step`]s: the placement each operand must be in (with the collectives
 //! that bring it there), the kernel, the placement its outputs come out in (and the collectives
 //! to their placements), and the same for the backward, each mesh axis's states derived by the
@@ -13,15 +15,17 @@
 //! gets its list of [`Action`]s in the order of the 1F1B or interleaved 1F1B schedule.
 
 use super::ExecError;
+use super::attention::Keys;
 use super::kernels::Kernel;
 use super::placement::{Conversion, Placement, State, conversions};
+use autopar_rules::cost::context_parallel::CpComm;
 use autopar_rules::model::graph::{Graph, OpKind, Split, TensorId, TensorKind};
 use autopar_rules::solve::schedule::{BlockKind, Schedule, stage_program};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Version of the lowered program layout (part of its cache key).
-pub const PROGRAM_VERSION: u32 = 3;
+pub const PROGRAM_VERSION: u32 = 4;
 
 /// The parallel layout a program is lowered for.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -29,6 +33,17 @@ pub struct ExecLayout {
     /// Tensor-parallel degree of Megatron-LM's layouts (the one-axis mesh of every stage when
     /// `meshes` is empty).
     pub tp: usize,
+    /// Context-parallel degree of Megatron-LM's layouts: every sequence split over `cp` ranks
+    /// in load-balanced order, the stage's mesh then `[cp, tp]`.
+    #[serde(default = "one")]
+    pub cp: usize,
+    /// How the context-parallel ranks attend to each other's keys and values.
+    #[serde(default)]
+    pub cp_comm: CpComm,
+    /// Under `a2a+p2p`, the ranks of the all-to-all level (inside a node); the ring runs over
+    /// `cp / cp_a2a` groups of them, and the stage's mesh is `[cp / cp_a2a, cp_a2a, tp]`.
+    #[serde(default = "one")]
+    pub cp_a2a: usize,
     /// Pipeline stages.
     pub pp: usize,
     /// Data-parallel replicas of the whole pipeline (Megatron-LM's data parallelism; an
@@ -67,11 +82,18 @@ pub struct ExecLayout {
     pub states: BTreeMap<String, Placement>,
 }
 
+fn one() -> usize {
+    1
+}
+
 impl ExecLayout {
     /// One device running every layer: the reference a sharded run is compared with.
     pub fn single(layers: usize, microbatches: usize) -> ExecLayout {
         ExecLayout {
             tp: 1,
+            cp: 1,
+            cp_comm: CpComm::default(),
+            cp_a2a: 1,
             pp: 1,
             dp: 1,
             sequence_parallel: false,
@@ -94,8 +116,18 @@ impl ExecLayout {
     pub fn mesh(&self, stage: usize) -> Vec<usize> {
         match self.meshes.get(stage) {
             Some(m) if !self.meshes.is_empty() => m.clone(),
+            _ if self.hierarchical() => {
+                vec![self.cp / self.cp_a2a.max(1), self.cp_a2a, self.tp]
+            }
+            _ if self.cp > 1 => vec![self.cp, self.tp],
             _ => vec![self.tp],
         }
+    }
+
+    /// Whether sequences are split over two mesh axes, a ring of all-to-all groups
+    /// (`a2a+p2p`).
+    fn hierarchical(&self) -> bool {
+        self.cp > 1 && self.cp_comm == CpComm::A2aP2p
     }
 
     /// Devices of one replica's stage `stage`.
@@ -125,9 +157,22 @@ impl ExecLayout {
             );
         }
         format!(
-            "dp{} tp{} pp{} v{}{}{} m{}",
+            "dp{} tp{}{} pp{} v{}{}{} m{}",
             self.dp,
             self.tp,
+            if self.hierarchical() {
+                format!(
+                    " cp{} ({}, {} x {})",
+                    self.cp,
+                    self.cp_comm.name(),
+                    self.cp / self.cp_a2a.max(1),
+                    self.cp_a2a
+                )
+            } else if self.cp > 1 {
+                format!(" cp{} ({})", self.cp, self.cp_comm.name())
+            } else {
+                String::new()
+            },
             self.pp,
             self.interleave(),
             if self.sequence_parallel { " sp" } else { "" },
@@ -385,11 +430,13 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
     }
     let axes = layout.mesh(0).len();
     let parts = split_parts(graph);
+    let seq_axes = sequence_axes(graph);
+    let context = Context::of(layout);
     let mut values: Vec<ValueInfo> = Vec::with_capacity(graph.tensors.len());
     for (i, t) in graph.tensors.iter().enumerate() {
         let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
         let placement = if layout.placements.is_empty() && layout.meshes.is_empty() {
-            megatron_placement(t.split, &shape, parts[i].as_ref(), layout)
+            megatron_placement(t.split, &shape, parts[i].as_ref(), seq_axes[i], layout)
         } else {
             match layout.placements.get(&t.name) {
                 Some(p) => plan_placement(p, &shape, parts[i].as_ref(), &t.name)?,
@@ -503,7 +550,7 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
                 };
                 ins.push(local);
             }
-            let steps = lower_op(graph, oid, &ins, &mut values, &mesh)?;
+            let steps = lower_op(graph, oid, &ins, &mut values, &mesh, context)?;
             for s in &steps {
                 for &o in &s.outputs {
                     produced_in.insert(o, vs);
@@ -603,13 +650,21 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
 }
 
 /// A tensor's placement in Megatron-LM's layouts: its graph split in the tensor-parallel
-/// group (a sequence split only under sequence parallelism).
+/// group (a sequence split only under sequence parallelism), after, under context
+/// parallelism, its sequence axis `seq` split over the context-parallel ranks.
 fn megatron_placement(
     split: Split,
     shape: &[usize],
     parts: Option<&Vec<usize>>,
+    seq: Option<usize>,
     layout: &ExecLayout,
 ) -> Placement {
+    // The mesh is the context-parallel axes (none, one, or the two of `a2a+p2p`), then tp.
+    let context_axes = layout.mesh(0).len().saturating_sub(1);
+    let context = (0..context_axes).map(|_| match seq {
+        Some(a) => split_whole(a, shape),
+        None => State::Replicated,
+    });
     let state = if layout.tp == 1 {
         State::Replicated
     } else {
@@ -627,7 +682,92 @@ fn megatron_placement(
             Split::Experts | Split::ExpertModel(_) => State::Replicated,
         }
     };
-    Placement(vec![state])
+    Placement(context.chain([state]).collect())
+}
+
+/// The sequence axis of every tensor of the forward pass, followed from the fed inputs
+/// (`[b, s]`) through every op; `None` for parameters, the loss and tensors without one.
+/// Context parallelism splits these axes. They are the graph's shapes' axes; consumers of an
+/// attention core read its output token-major (`[b, s, heads, d]`, [`token_major`]).
+fn sequence_axes(graph: &Graph) -> Vec<Option<usize>> {
+    let mut axes: Vec<Option<usize>> = graph
+        .tensors
+        .iter()
+        .map(|t| (t.kind == TensorKind::Input && t.shape.len() >= 2).then_some(1))
+        .collect();
+    let mut read = axes.clone();
+    for layer in &graph.layers {
+        for &oid in &layer.forward {
+            let op = graph.op(oid);
+            let first = op.inputs.first().and_then(|t| read[t.0 as usize]);
+            let any = op.inputs.iter().find_map(|t| read[t.0 as usize]);
+            for &o in &op.outputs {
+                let rank = graph.tensor(o).shape.len();
+                let axis = match op.kind {
+                    // `[b, s, n*d]` viewed as `[b, n, s, d]` moves the sequence one axis on.
+                    OpKind::Slice => first.map(|a| {
+                        let grows = op
+                            .inputs
+                            .first()
+                            .is_some_and(|&x| rank > graph.tensor(x).shape.len());
+                        if grows && a >= 1 { a + 1 } else { a }
+                    }),
+                    OpKind::Transpose => first.map(|a| {
+                        match op
+                            .inputs
+                            .first()
+                            .and_then(|x| transpose_axes(graph, x.0, o.0))
+                        {
+                            Some((p, q)) if a == p => q,
+                            Some((p, q)) if a == q => p,
+                            _ => a,
+                        }
+                    }),
+                    OpKind::CrossEntropy => None,
+                    OpKind::Embedding | OpKind::MatMul { .. } => first,
+                    _ => any,
+                };
+                let axis = axis.filter(|&a| a + 1 < rank);
+                axes[o.0 as usize] = axis;
+                read[o.0 as usize] = match op.kind {
+                    OpKind::FlashAttention { .. } => axis.map(|a| if a == 2 { 1 } else { a }),
+                    _ => axis,
+                };
+            }
+        }
+    }
+    axes
+}
+
+/// Context parallelism as the rules see it: the load-balanced order every sequence is stored
+/// in (the layout's `cp`; 1: in order), and the mesh axes that split sequences (axis 0 of a
+/// Megatron-LM layout's `[cp, tp]` mesh; under `a2a+p2p` the ring's axis 0 and the all-to-all's
+/// axis 1 of `[cp / a, a, tp]`) with how the ranks along each exchange keys and values.
+#[derive(Clone, Copy, Debug)]
+struct Context {
+    zigzag: usize,
+    axes: [Option<CpComm>; 2],
+}
+
+impl Context {
+    fn of(layout: &ExecLayout) -> Context {
+        let axes = if layout.hierarchical() {
+            [Some(CpComm::P2p), Some(CpComm::A2a)]
+        } else if layout.cp > 1 {
+            [Some(layout.cp_comm), None]
+        } else {
+            [None, None]
+        };
+        Context {
+            zigzag: layout.cp.max(1),
+            axes,
+        }
+    }
+
+    /// How the ranks along mesh axis `a` exchange keys and values, if it splits sequences.
+    fn comm_on(self, a: usize) -> Option<CpComm> {
+        self.axes.get(a).copied().flatten()
+    }
 }
 
 /// A plan's placement of a tensor: a split of a fused last axis divides each of its parts
@@ -737,8 +877,16 @@ fn defer_gradient_reductions(
 }
 
 fn check_layout(graph: &Graph, layout: &ExecLayout) -> Result<(), ExecError> {
-    if layout.tp == 0 || layout.pp == 0 || layout.dp == 0 || layout.microbatches == 0 {
+    if layout.tp == 0
+        || layout.cp == 0
+        || layout.pp == 0
+        || layout.dp == 0
+        || layout.microbatches == 0
+    {
         return Err(err("degrees and micro-batches must be at least 1"));
+    }
+    if layout.cp > 1 {
+        check_context(graph, layout)?;
     }
     if !layout.meshes.is_empty() {
         let axes = layout.meshes[0].len();
@@ -796,6 +944,65 @@ fn check_layout(graph: &Graph, layout: &ExecLayout) -> Result<(), ExecError> {
             "the chunks hold {next} layers, the model has {}",
             graph.layers.len()
         )));
+    }
+    Ok(())
+}
+
+/// Why `graph` cannot run with its sequences split over `layout.cp` ranks, if it cannot.
+fn check_context(graph: &Graph, layout: &ExecLayout) -> Result<(), ExecError> {
+    let cp = layout.cp;
+    if !layout.placements.is_empty() || !layout.meshes.is_empty() {
+        return Err(err(
+            "context parallelism is a degree of Megatron-LM's layouts; an intra-op plan places \
+             sequences on its own meshes",
+        ));
+    }
+    let a2a = match layout.cp_comm {
+        CpComm::A2a => cp,
+        CpComm::A2aP2p => layout.cp_a2a,
+        CpComm::P2p | CpComm::AllGather => 1,
+    };
+    if layout.cp_comm == CpComm::A2aP2p && (a2a == 0 || cp % a2a != 0) {
+        return Err(err(format!(
+            "cp_comm `a2a+p2p` groups the cp = {cp} ranks into all-to-all groups of {a2a}, \
+             which does not divide them"
+        )));
+    }
+    if graph.seq % (2 * cp as u64) != 0 {
+        return Err(err(format!(
+            "the sequence of {} tokens does not cut into 2 x cp = {} equal chunks (rank r \
+             holds chunks r and 2cp-1-r)",
+            graph.seq,
+            2 * cp
+        )));
+    }
+    let forward = graph.ops.iter().filter(|o| o.grad_of.is_none());
+    for op in forward {
+        match op.kind {
+            OpKind::Softmax => {
+                return Err(err(format!(
+                    "`{}`: context parallelism splits a fused attention core; this model's \
+                     attention is unfused (a softmax over the whole score matrix)",
+                    op.name
+                )));
+            }
+            OpKind::FlashAttention { .. } if a2a > 1 => {
+                let ranks = (a2a * layout.tp) as u64;
+                for &t in &op.inputs[..2] {
+                    let heads = graph.tensor(t).shape.get(1).copied().unwrap_or(0);
+                    if heads % ranks != 0 {
+                        return Err(err(format!(
+                            "`{}`: Ulysses (cp_comm {}) splits heads over tp x {a2a} = {ranks} \
+                             ranks; `{}` has {heads}",
+                            op.name,
+                            layout.cp_comm.name(),
+                            graph.tensor(t).name
+                        )));
+                    }
+                }
+            }
+            _ => {}
+        }
     }
     Ok(())
 }
@@ -913,6 +1120,9 @@ fn parameter_init(graph: &Graph, t: TensorId) -> Init {
 /// A kernel with the states it reads and writes along one mesh axis.
 struct Rule {
     kernel: Kernel,
+    /// The kernel works with its group along this axis: a vocabulary split, a sequence split
+    /// whose positions it reads, or keys and values passed or gathered over it.
+    talks: bool,
     inputs: Vec<u32>,
     outputs: Vec<u32>,
     in_states: Vec<State>,
@@ -950,6 +1160,7 @@ fn lower_op(
     ins: &[u32],
     values: &mut Vec<ValueInfo>,
     mesh: &[usize],
+    context: Context,
 ) -> Result<Vec<Step>, ExecError> {
     let op = graph.op(oid);
     let outs: Vec<u32> = op.outputs.iter().map(|t| t.0).collect();
@@ -976,7 +1187,22 @@ fn lower_op(
         _ => None,
     };
     let per_axis = (0..mesh.len())
-        .map(|a| axis_rules(graph, oid, ins, &outs, values, (a, mesh[a]), bias_target))
+        .map(|a| {
+            let on = AxisContext {
+                zigzag: context.zigzag,
+                comm: context.comm_on(a),
+            };
+            axis_rules(
+                graph,
+                oid,
+                ins,
+                &outs,
+                values,
+                (a, mesh[a]),
+                on,
+                bias_target,
+            )
+        })
         .collect::<Result<Vec<_>, _>>()?;
     merge(&op.name, per_axis)?
         .into_iter()
@@ -1000,8 +1226,17 @@ fn token_major(out: &mut ValueInfo) {
     }
 }
 
+/// What one mesh axis's rules know of context parallelism: the order sequences are stored in,
+/// and, on the axis splitting them, how its ranks exchange keys and values.
+#[derive(Clone, Copy, Debug)]
+struct AxisContext {
+    zigzag: usize,
+    comm: Option<CpComm>,
+}
+
 /// One mesh axis's rules for an op, the axis given with its devices (`bias_target`: the value
 /// a product writes before its bias is added, when another axis reduces the product first).
+#[allow(clippy::too_many_arguments)]
 fn axis_rules(
     graph: &Graph,
     oid: autopar_rules::model::graph::OpId,
@@ -1009,6 +1244,7 @@ fn axis_rules(
     outs: &[u32],
     values: &[ValueInfo],
     (axis, mesh_size): (usize, usize),
+    context: AxisContext,
     bias_target: Option<u32>,
 ) -> Result<Vec<Rule>, ExecError> {
     let op = graph.op(oid);
@@ -1129,6 +1365,7 @@ fn axis_rules(
                 (rep.clone(), rep.clone(), rep.clone())
             };
             rules.push(Rule {
+                talks: false,
                 kernel: Kernel::BatchMatMul { transpose_b },
                 inputs: ins.to_vec(),
                 outputs: outs.clone(),
@@ -1139,33 +1376,63 @@ fn axis_rules(
         }
         OpKind::FlashAttention { .. } => {
             // Heads or batch split alike on q, k, v and the output (written token-major,
-            // `[b, s, heads, d]`: its heads are axis 2).
+            // `[b, s, heads, d]`: its heads are axis 2); on the context-parallel axis, the
+            // sequence (axis 2 of q, k, v; 1 of the output) split as the comm type says.
             let states: Vec<State> = [ins[0], ins[1], ins[2]]
                 .iter()
                 .map(|&v| p(v, values))
                 .collect();
             let out = p(outs[0], values);
             let r = rank_of(ins[0], values);
-            let shared = states[0].axis().filter(|&a| {
-                a + 2 < r
-                    && states.iter().all(|s| s.axis() == Some(a))
-                    && out.axis() == Some(if a == 1 { 2 } else { a })
-            });
-            let (ss, so) = if shared.is_some() {
-                (states, out)
-            } else {
-                (vec![rep.clone(); 3], rep.clone())
+            let whole = |v: u32, a: usize| split_whole(a, &values[v as usize].shape);
+            let comm = context
+                .comm
+                .filter(|_| states[0].axis() == Some(r - 2) && out.axis() == Some(1));
+            let (ss, so, gs, keys) = match comm {
+                Some(CpComm::P2p) => (states.clone(), out, states, Keys::Ring),
+                Some(CpComm::AllGather) => (
+                    vec![states[0].clone(), rep.clone(), rep.clone()],
+                    out,
+                    vec![states[0].clone(), State::Partial, State::Partial],
+                    Keys::Gathered,
+                ),
+                Some(CpComm::A2a) => {
+                    // Ulysses: the all-to-alls into and out of a heads split are conversions.
+                    let heads: Vec<State> = ins[..3].iter().map(|&v| whole(v, 1)).collect();
+                    (heads.clone(), whole(outs[0], 2), heads, Keys::Whole)
+                }
+                // Each axis is one level: `Context::of` never asks an axis for both.
+                Some(CpComm::A2aP2p) | None => {
+                    let shared = states[0].axis().filter(|&a| {
+                        a + 2 < r
+                            && states.iter().all(|s| s.axis() == Some(a))
+                            && out.axis() == Some(if a == 1 { 2 } else { a })
+                    });
+                    if shared.is_some() {
+                        (states.clone(), out, states, Keys::Whole)
+                    } else {
+                        (
+                            vec![rep.clone(); 3],
+                            rep.clone(),
+                            vec![rep.clone(); 3],
+                            Keys::Whole,
+                        )
+                    }
+                }
             };
             let d = values[ins[0] as usize].shape.last().copied().unwrap_or(1);
             rules.push(Rule {
+                talks: matches!(keys, Keys::Ring | Keys::Gathered),
                 kernel: Kernel::Attention {
                     scale: 1.0 / (d as f32).sqrt(),
+                    zigzag: context.zigzag,
+                    keys,
                 },
                 inputs: ins.to_vec(),
                 outputs: outs.clone(),
-                in_states: ss.clone(),
+                in_states: ss,
                 out_states: vec![so],
-                grad_states: ss,
+                grad_states: gs,
             });
         }
         OpKind::LayerNorm | OpKind::RmsNorm => {
@@ -1178,6 +1445,7 @@ fn axis_rules(
             in_states.extend(std::iter::repeat_n(rep.clone(), n - 1));
             grad_states.extend(std::iter::repeat_n(pg, n - 1));
             rules.push(Rule {
+                talks: false,
                 kernel: if matches!(op.kind, OpKind::LayerNorm) {
                     Kernel::LayerNorm
                 } else {
@@ -1190,17 +1458,26 @@ fn axis_rules(
                 grad_states,
             });
         }
-        OpKind::Softmax | OpKind::Rope => {
+        OpKind::Softmax => {
             let r = rank_of(ins[0], values);
             let s = keep_unless(p(ins[0], values), &|a| a + 2 >= r);
-            let kernel = if matches!(op.kind, OpKind::Rope) {
-                Kernel::Rope
-            } else {
-                Kernel::Softmax {
-                    scale: softmax_scale(graph, op.inputs[0].0),
-                }
+            let kernel = Kernel::Softmax {
+                scale: softmax_scale(graph, op.inputs[0].0),
             };
             rules.push(unary(kernel, ins[0], outs[0], s));
+        }
+        OpKind::Rope => {
+            // A split of the sequence (axis -2) stays: the kernel reads its rank's positions.
+            let r = rank_of(ins[0], values);
+            let s = keep_unless(p(ins[0], values), &|a| a + 1 == r);
+            let kernel = Kernel::Rope {
+                zigzag: context.zigzag,
+            };
+            let talks = s.axis() == Some(r - 2);
+            rules.push(Rule {
+                talks,
+                ..unary(kernel, ins[0], outs[0], s)
+            });
         }
         OpKind::Gelu | OpKind::Silu | OpKind::Dropout => {
             let kernel = match op.kind {
@@ -1232,6 +1509,7 @@ fn axis_rules(
                 _ => (sx.clone(), sx),
             };
             rules.push(Rule {
+                talks: false,
                 kernel: Kernel::SwiGlu,
                 inputs: ins.to_vec(),
                 outputs: outs.clone(),
@@ -1243,6 +1521,7 @@ fn axis_rules(
         OpKind::Add | OpKind::Mul | OpKind::DropoutAdd => {
             let s = p(outs[0], values);
             rules.push(Rule {
+                talks: false,
                 kernel: if matches!(op.kind, OpKind::Mul) {
                     Kernel::Mul
                 } else {
@@ -1282,6 +1561,7 @@ fn axis_rules(
                 }
             };
             rules.push(Rule {
+                talks: parallel,
                 kernel: Kernel::Embedding {
                     vocab_parallel: parallel,
                 },
@@ -1312,6 +1592,7 @@ fn axis_rules(
                 None => (rep.clone(), rep.clone(), rep.clone()),
             };
             rules.push(Rule {
+                talks: parallel,
                 kernel: Kernel::CrossEntropy {
                     vocab_parallel: parallel,
                     row_parts: if row.is_some() { mesh_size } else { 1 },
@@ -1351,7 +1632,24 @@ fn axis_rules(
             let sx = p(ins[0], values);
             let split =
                 matches!(&sx, State::Split { axis, parts } if axis + 1 == rx && *parts == widths);
-            let (sx, souts) = if split {
+            let leading = sx.axis().filter(|&a| a + 1 < rx);
+            let (sx, souts) = if let Some(a) = leading {
+                // A split of a row axis (the batch, the sequence) carries to every part; the
+                // sequence moves one axis on where `[b, s, n*d]` is viewed as `[b, n, s, d]`.
+                let souts = outs
+                    .iter()
+                    .map(|&o| {
+                        let s = &values[o as usize].shape;
+                        let at = if s.len() == rx + 1 && a >= 1 {
+                            a + 1
+                        } else {
+                            a
+                        };
+                        split_whole(at, s)
+                    })
+                    .collect();
+                (sx, souts)
+            } else if split {
                 let souts = outs
                     .iter()
                     .zip(&widths)
@@ -1375,6 +1673,7 @@ fn axis_rules(
                 (rep.clone(), vec![rep.clone(); outs.len()])
             };
             rules.push(Rule {
+                talks: false,
                 kernel: Kernel::Slice { parts: widths },
                 inputs: ins.to_vec(),
                 outputs: outs.clone(),
@@ -1405,6 +1704,7 @@ fn axis_rules(
                 s => s.clone(),
             };
             rules.push(Rule {
+                talks: false,
                 kernel: Kernel::Transpose { a, b },
                 inputs: ins.to_vec(),
                 outputs: outs.clone(),
@@ -1427,28 +1727,17 @@ fn axis_rules(
 }
 
 /// The rules of every mesh axis as one: the same kernels on the same values, each operand and
-/// result placed by its state on every axis; a kernel communicates along the axes whose rule
-/// splits its vocabulary.
+/// result placed by its state on every axis; a kernel works with its group along the axes
+/// whose rule [`Rule::talks`].
 fn merge(name: &str, per_axis: Vec<Vec<Rule>>) -> Result<Vec<MeshRule>, ExecError> {
     let mut axes = per_axis.into_iter();
     let Some(first) = axes.next() else {
         return Err(err(format!("`{name}`: a mesh of no axes")));
     };
-    let parallel = |k: &Kernel| {
-        matches!(
-            k,
-            Kernel::Embedding {
-                vocab_parallel: true
-            } | Kernel::CrossEntropy {
-                vocab_parallel: true,
-                ..
-            }
-        )
-    };
     let mut out: Vec<MeshRule> = first
         .into_iter()
         .map(|r| MeshRule {
-            kernel_axes: if parallel(&r.kernel) { vec![0] } else { vec![] },
+            kernel_axes: if r.talks { vec![0] } else { vec![] },
             kernel: r.kernel,
             inputs: r.inputs,
             outputs: r.outputs,
@@ -1502,9 +1791,15 @@ fn merge(name: &str, per_axis: Vec<Vec<Rule>>) -> Result<Vec<MeshRule>, ExecErro
                         vocab_parallel: here,
                     },
                 ) => *vocab_parallel |= here,
+                // The context-parallel axis decides where keys and values come from.
+                (Kernel::Attention { keys, .. }, Kernel::Attention { keys: here, .. })
+                    if *here != Keys::Whole =>
+                {
+                    *keys = *here
+                }
                 _ => {}
             }
-            if parallel(&r.kernel) {
+            if r.talks {
                 m.kernel_axes.push(a);
             }
             let push = |to: &mut Vec<Placement>, from: Vec<State>| {
@@ -1538,6 +1833,7 @@ fn matmul_rule(
         grad_states.push(grad);
     }
     Rule {
+        talks: false,
         kernel: Kernel::MatMul {
             transpose_b,
             bias: bias.is_some(),
@@ -1552,6 +1848,7 @@ fn matmul_rule(
 
 fn unary(kernel: Kernel, x: u32, y: u32, s: State) -> Rule {
     Rule {
+        talks: false,
         kernel,
         inputs: vec![x],
         outputs: vec![y],
@@ -1581,6 +1878,7 @@ fn bias_rule(x: u32, bias: u32, y: u32, s: State, rank: usize) -> Rule {
         _ => (State::Replicated, State::Replicated),
     };
     Rule {
+        talks: false,
         kernel: Kernel::BiasAdd,
         inputs: vec![x, bias],
         outputs: vec![y],

@@ -13,6 +13,7 @@
 //! [`MIN_TIME`] of them, at most [`MAX_RUNS`]. Collectives run between threads through the
 //! executor's [`Fabric`], every rank starting each run together.
 
+use super::attention::Keys;
 use super::comm::{Endpoint, Fabric};
 use super::cpu::{id_below, noise};
 use super::kernels::{Group, Kernel, backward, batch_matmul_grad_b, forward, matmul_weight_grad};
@@ -44,6 +45,13 @@ pub struct Timing {
     pub runs: usize,
 }
 
+/// The attention core as one device runs it.
+const WHOLE_ATTENTION: Kernel = Kernel::Attention {
+    scale: 1.0,
+    zigzag: 1,
+    keys: Keys::Whole,
+};
+
 /// The whole tensor-parallel group of a kernel measured on its own: this rank alone.
 struct Alone;
 
@@ -56,6 +64,9 @@ impl Group for Alone {
     }
     fn all_reduce_max(&mut self, _: &mut [f32]) -> Result<(), ExecError> {
         Ok(())
+    }
+    fn shift(&mut self, data: Vec<f32>) -> Result<Vec<f32>, ExecError> {
+        Ok(data)
     }
 }
 
@@ -321,7 +332,9 @@ impl OpBench {
                     "silu" => Kernel::Silu,
                     // Executed with probability zero: a copy.
                     "dropout" => Kernel::Identity,
-                    _ if ins[0].len() >= 2 && ins[0][ins[0].len() - 1] % 2 == 0 => Kernel::Rope,
+                    _ if ins[0].len() >= 2 && ins[0][ins[0].len() - 1] % 2 == 0 => {
+                        Kernel::Rope { zigzag: 1 }
+                    }
                     _ => return Err(bad("expected [.., s, d] with d even")),
                 }
             }
@@ -357,7 +370,7 @@ impl OpBench {
                 if numel(&outs[0]) != numel(&ins[0]) {
                     return Err(bad("result shape does not match q"));
                 }
-                Kernel::Attention { scale: 1.0 }
+                WHOLE_ATTENTION
             }
             "cross_entropy" => {
                 arity(2, 1)?;
@@ -578,7 +591,7 @@ impl OpBench {
                 let kernel = if sig.op == "dropout" {
                     Kernel::Identity
                 } else if ins[0].len() >= 2 && outs[0][outs[0].len() - 1] % 2 == 0 {
-                    Kernel::Rope
+                    Kernel::Rope { zigzag: 1 }
                 } else {
                     return Err(bad("expected [.., s, d] with d even"));
                 };
@@ -630,12 +643,17 @@ impl OpBench {
                     .ok_or_else(|| {
                         bad("expected q [b, h, s, d], k, v [b, g, s, d] and dout like q")
                     })?;
-                bwd(
-                    Kernel::Attention { scale: 1.0 },
-                    vec![noisy(0), noisy(1), noisy(2)],
-                    vec![],
-                    vec![noisy(4)],
-                )
+                // The backward reads the forward's output and log-sum-exp.
+                let x = vec![noisy(0), noisy(1), noisy(2)];
+                let refs: Vec<&Tensor> = x.iter().collect();
+                let f = forward(&WHOLE_ATTENTION, &refs, &[ins[0].clone()], &mut Alone)?;
+                Work::Backward {
+                    kernel: WHOLE_ATTENTION,
+                    x,
+                    y: f.outputs,
+                    aux: f.aux,
+                    dy: vec![noisy(4)],
+                }
             }
             "cross_entropy" => {
                 // [logits, labels] -> dlogits, with the forward's log-sum-exp.
@@ -735,7 +753,7 @@ impl OpBench {
                     &dys,
                     &mut Alone,
                     &mut [],
-                ));
+                )?);
             }
             Work::WeightGrad {
                 x,

@@ -7,6 +7,7 @@
 //! random weights; [`check`] compares a sharded run with the single-device run of the same
 //! model, loss and every gradient. The CUDA backend is probed by [`cuda::probe`].
 
+pub mod attention;
 pub mod comm;
 pub mod cpu;
 pub mod cuda;

@@ -259,9 +259,12 @@ pub fn conversions(from: &Placement, to: &Placement, mesh: &[usize]) -> Option<V
     }
     // Mesh axes whose split goes: those that change, and minor ones splitting the same tensor
     // axis as a split that goes or is made.
-    // Splits that move between tensor axes no other mesh axis splits: one all-to-all each.
+    // Splits that move between tensor axes no minor mesh axis splits: one all-to-all each. (A
+    // major axis splitting the same tensor axis leaves each group of this axis a contiguous
+    // block of it, which the all-to-all exchanges as a whole: hierarchical context
+    // parallelism's heads-for-tokens exchange inside each ring rank's share.)
     let alone = |a: usize, d: Option<usize>| {
-        (0..n).all(|b| b == a || (from.0[b].axis() != d && to.0[b].axis() != d))
+        (a + 1..n).all(|b| from.0[b].axis() != d && to.0[b].axis() != d)
     };
     let swap: Vec<bool> = (0..n)
         .map(|a| match (from.0[a].axis(), to.0[a].axis()) {
