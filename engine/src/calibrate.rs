@@ -35,7 +35,8 @@ const MIN_SENSITIVITY: f64 = 1e-4;
 pub struct FittedKnob {
     /// Key of the number (a `workspace.toml` override key).
     pub key: &'static str,
-    /// The preset's value.
+    /// The value the fit started from: the preset's, with the overrides of the cluster of the
+    /// file's first run on the device.
     pub preset: f64,
     /// The fitted value (the preset's when the runs do not determine it).
     pub fitted: f64,
@@ -60,7 +61,7 @@ pub struct CalibratedRun {
     pub cluster: String,
     /// Measured step time, s.
     pub measured_s: f64,
-    /// Predicted with the preset's numbers, s.
+    /// Predicted with its own cluster's numbers (the preset with that cluster's overrides), s.
     pub preset_s: f64,
     /// Predicted with the numbers fitted to every run, s.
     pub fitted_s: f64,
@@ -150,6 +151,8 @@ pub fn calibrate(
         .iter()
         .map(|k| (k.lower, k.upper_on(&device)))
         .collect();
+    // The fit starts from the first run's cluster's numbers (clusters of one device differ only
+    // by their overrides); the preset column prices each run with its own cluster's.
     let start: Vec<f64> = knobs.iter().map(|k| k.get(&base[0])).collect();
     // Each run's options and lowered graphs, prepared once: only the device changes below.
     let prepared: Vec<(TrainingOptions, Graphs)> = used
@@ -164,7 +167,9 @@ pub fn calibrate(
             Ok((opts, est.graphs()))
         })
         .collect::<Result<_, EngineError>>()?;
-    let predict = |x: &[f64], which: &[usize]| -> Result<Vec<f64>, EngineError> {
+    // Step times of runs `which` with the numbers `x` on every run's device (`None`: each
+    // run's cluster as it is).
+    let predict_with = |x: Option<&[f64]>, which: &[usize]| -> Result<Vec<f64>, EngineError> {
         which
             .par_iter()
             .map(|&i| {
@@ -173,7 +178,7 @@ pub fn calibrate(
                 let (cluster, profile) = &clusters[r.cluster.as_str()];
                 let mut c = cluster.clone();
                 c.device = base[i].clone();
-                for (k, &v) in knobs.iter().zip(x) {
+                for (k, &v) in knobs.iter().zip(x.unwrap_or_default()) {
                     k.set(&mut c.device, v);
                 }
                 let (opts, graphs) = &prepared[i];
@@ -186,9 +191,11 @@ pub fn calibrate(
             })
             .collect()
     };
+    let predict = |x: &[f64], which: &[usize]| predict_with(Some(x), which);
     let all: Vec<usize> = (0..used.len()).collect();
     // Pricing errors (a layout that cannot run) surface here, before any fitting.
-    let preset = predict(&start, &all)?;
+    let preset = predict_with(None, &all)?;
+    let at_start = predict(&start, &all)?;
     let objective = |which: Vec<usize>| {
         let want: Vec<f64> = which.iter().map(|&i| measured[i]).collect();
         move |x: &[f64]| match predict(x, &which) {
@@ -209,7 +216,7 @@ pub fn calibrate(
         let moved = predict(&x, &all)?;
         let s = moved
             .iter()
-            .zip(&preset)
+            .zip(&at_start)
             .map(|(a, b)| (a / b).ln().abs())
             .fold(0.0, f64::max);
         if s > MIN_SENSITIVITY {

@@ -136,6 +136,42 @@ fn calibration_recovers_the_numbers_that_made_the_runs() {
     assert!(!text.contains("internode_efficiency"), "{text}");
 }
 
+/// Runs on two clusters of one device with different overrides: each run's preset column is
+/// its own cluster's price, and one set of numbers is fitted to both.
+#[test]
+fn runs_on_clusters_with_different_overrides_keep_their_own_preset() {
+    let ws = TempWorkspace::with_toml(&workspace(""));
+    synthetic_runs(&ws);
+    let csv = ws.read("runs.csv");
+    // The first two runs name the `truth` cluster (matmul efficiency 0.6) instead of the preset.
+    let mut lines: Vec<String> = csv.lines().map(str::to_string).collect();
+    for line in lines.iter_mut().skip(1).take(2) {
+        *line = line.replacen("a100-80g:1x8", "truth", 1);
+    }
+    ws.write("runs.csv", &(lines.join("\n") + "\n"));
+    let out = calibrate(&ws, &["--json"]).json();
+    let runs = out["calibration"]["runs"].as_array().expect("runs").clone();
+    assert_eq!(runs.len(), LAYOUTS.len());
+    for (run, l) in runs.iter().zip(LAYOUTS) {
+        let cluster = run["cluster"].as_str().expect("cluster");
+        let own = estimate(&ws, cluster, l)["step_time_s"]
+            .as_f64()
+            .expect("time");
+        let preset = run["preset_s"].as_f64().expect("preset");
+        assert!(
+            (preset / own - 1.0).abs() < 1e-9,
+            "{cluster}: {preset} vs {own}"
+        );
+    }
+    // The runs on `truth` are its own prices: no error there under the preset column.
+    let exact = |run: &Value| {
+        let (p, m) = (run["preset_s"].as_f64(), run["measured_s"].as_f64());
+        p.zip(m).map(|(p, m)| (p / m - 1.0).abs())
+    };
+    assert!(exact(&runs[0]).is_some_and(|e| e < 1e-6), "{}", runs[0]);
+    assert!(exact(&runs[2]).is_some_and(|e| e > 0.05), "{}", runs[2]);
+}
+
 /// The written file, attached to a cluster, prices runs as the fit did.
 #[test]
 fn a_cluster_reading_the_file_prices_as_the_fit() {
