@@ -867,9 +867,15 @@ fn json_name(v: &impl serde::Serialize) -> String {
 pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
     let mut s = String::new();
     let l = &o.layout;
+    // Under expert parallelism the stage's mesh holds `ep` data-parallel ranks' micro-batches.
+    let per_rank = if l.ep > 1 {
+        format!(" ({} per data-parallel rank)", o.micro_batch / l.ep.max(1))
+    } else {
+        String::new()
+    };
     let _ = writeln!(
         s,
-        "run {} ({}) on {}: {} virtual device(s), {}, micro-batch {} x {} tokens",
+        "run {} ({}) on {}: {} virtual device(s), {}, micro-batch {} x {} tokens{per_rank}",
         o.target,
         o.model,
         o.backend.name(),

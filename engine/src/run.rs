@@ -94,13 +94,18 @@ pub struct RunOutcome {
 /// The executor's layout of a stored plan.
 pub fn exec_layout(plan: &Plan) -> ExecLayout {
     let e = &plan.estimate;
+    let ep = e.layout.ep.max(1) as usize;
     ExecLayout {
         tp: e.layout.tp as usize,
         cp: e.layout.cp as usize,
         cp_comm: e.layout.cp_comm,
         cp_a2a: hierarchical_inner(e.layout.tp, e.layout.cp, plan.cluster.gpus_per_node) as usize,
+        ep,
+        etp: e.layout.etp.max(1) as usize,
+        moe_drop: plan.training.moe_routing.drop_tokens,
         pp: e.layout.pp as usize,
-        dp: e.layout.dp as usize,
+        // Expert parallelism folds `ep` data-parallel ranks into the stage's mesh.
+        dp: e.layout.dp as usize / ep,
         sequence_parallel: e.layout.sequence_parallel,
         zero: e.layout.zero,
         microbatches: e.num_microbatches as usize,
@@ -116,17 +121,20 @@ pub fn exec_layout(plan: &Plan) -> ExecLayout {
     }
 }
 
-/// The graph a plan runs: its model at the plan's micro-batch and sequence, vocabulary padded
-/// as the plan's tensor-parallel degree pads it. The executor computes in f32.
+/// The graph a plan runs: its model at the plan's micro-batch and sequence (experts' buffers
+/// sized by its routing), vocabulary padded as the plan's tensor-parallel degree pads it. The executor computes in f32. Under expert
+/// parallelism the micro-batch is that of the `ep` data-parallel ranks the stage's mesh holds.
 pub fn plan_graph(ws: &Workspace, plan: &Plan) -> Result<Graph, EngineError> {
     let model = ws.plan_model(plan)?;
     let l = &plan.estimate.layout;
-    model
-        .def
+    let routed = model.def.with_routing(plan.training.moe_routing);
+    routed
+        .as_ref()
+        .unwrap_or(&model.def)
         .lower(
             &model.name,
             &LowerOptions {
-                micro_batch: l.micro_batch,
+                micro_batch: l.micro_batch.saturating_mul(l.ep.max(1)),
                 seq: plan.training.seq,
                 dtype: DType::F32,
                 attention: plan.training.attention,
@@ -176,6 +184,21 @@ fn prepare_megatron(ws: &Workspace, plan: &Plan) -> Result<(Graph, ExecLayout), 
             plan.cluster.gpus(),
             plan.cluster.name,
             plan.target
+        ))
+        .into());
+    }
+    if l.ep > 1 && l.dp % l.ep != 0 {
+        return Err(ExecError::Lower(format!(
+            "the plan folds ep = {} expert ranks over tensor- or context-parallel ranks (dp = \
+             {}); the executor runs expert parallelism over data-parallel ranks (ep dividing dp)",
+            l.ep, l.dp
+        ))
+        .into());
+    }
+    if l.etp != 1 && l.etp != l.tp {
+        return Err(ExecError::Lower(format!(
+            "the plan splits experts over etp = {} ranks; the executor runs etp 1 or tp ({})",
+            l.etp, l.tp
         ))
         .into());
     }
@@ -278,6 +301,9 @@ fn ilp_layout(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, Exec
         cp: 1,
         cp_comm: Default::default(),
         cp_a2a: 1,
+        ep: 1,
+        etp: 1,
+        moe_drop: false,
         pp: ilp.stages.len(),
         dp: 1,
         sequence_parallel: false,

@@ -4,7 +4,8 @@ use autopar_engine::executor::ExecLayout;
 use autopar_engine::executor::placement::{Placement, State};
 use autopar_engine::workspace;
 use autopar_rules::model::frontend::{
-    Attention, Bias, LowerOptions, Mlp, ModelDef, Norm, Position, TransformerConfig,
+    Attention, Bias, LowerOptions, Milli, Mlp, ModelDef, MoeConfig, MoeRouting, Norm, Position,
+    TransformerConfig,
 };
 use autopar_rules::model::graph::{DType, Graph, Split, TensorKind};
 use std::collections::BTreeMap;
@@ -43,6 +44,43 @@ pub fn tiny_gpt(mb: u64, seq: u64, tp: u64) -> Graph {
     lower(&def, mb, seq, tp, Attention::Unfused)
 }
 
+/// A small mixture-of-experts LLaMA: 2 blocks of width 64 routing every token to 2 of 4
+/// SwiGLU experts of width 96, each expert's buffer holding `capacity` times the balanced
+/// share of tokens (dropped past it when `drop`).
+pub fn tiny_moe(mb: u64, seq: u64, tp: u64, capacity: f64, drop: bool) -> Graph {
+    let def = ModelDef::Transformer(TransformerConfig {
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        ffn_hidden: 128,
+        vocab: 250,
+        max_seq: 128,
+        mlp: Mlp::SwiGlu,
+        norm: Norm::RmsNorm,
+        position: Position::Rope,
+        tied_embeddings: false,
+        bias: Bias::None,
+        dropout: false,
+        moe: Some(MoeConfig {
+            experts: 4,
+            top_k: 2,
+            expert_ffn: 96,
+            shared_ffn: 0,
+            dense_layers: 0,
+            router_bias: false,
+            routing: MoeRouting {
+                factor: Milli((capacity * 1000.0) as u64),
+                drop_tokens: drop,
+            },
+        }),
+        mla: None,
+        qk_norm: false,
+    });
+    lower(&def, mb, seq, tp, Attention::Flash)
+}
+
 fn lower(def: &ModelDef, mb: u64, seq: u64, tp: u64, attention: Attention) -> Graph {
     def.lower(
         "test",
@@ -71,6 +109,9 @@ pub fn layout(
         cp: 1,
         cp_comm: Default::default(),
         cp_a2a: 1,
+        ep: 1,
+        etp: 1,
+        moe_drop: false,
         pp: chunks.len(),
         dp,
         sequence_parallel: sp,
@@ -187,6 +228,9 @@ pub fn mesh_layout(
         cp: 1,
         cp_comm: Default::default(),
         cp_a2a: 1,
+        ep: 1,
+        etp: 1,
+        moe_drop: false,
         pp: chunks.len(),
         dp: 1,
         sequence_parallel: false,

@@ -220,7 +220,7 @@ pub fn reference() -> &'static (BTreeMap<String, Vec<u8>>, std::time::Duration) 
         let took = start.elapsed();
         assert_eq!(r.code, 0, "the reference build: {}", r.stderr);
         let plans = plans_of(ws.path());
-        assert_eq!(plans.len(), 32, "16 plans and their traces");
+        assert_eq!(plans.len(), 34, "17 plans and their traces");
         (plans, took)
     })
 }

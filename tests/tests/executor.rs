@@ -8,7 +8,7 @@ use autopar_rules::cost::context_parallel::CpComm;
 use autopar_rules::model::graph::Graph;
 use autopar_tests::executor::{
     MeshScheme, layout, mesh_layout, mesh_placements, sharded_states, staged_placements, tiny_gpt,
-    tiny_llama,
+    tiny_llama, tiny_moe,
 };
 use std::collections::BTreeMap;
 
@@ -232,6 +232,50 @@ fn context_parallel_attention_matches_one_device() {
     );
 }
 
+/// `layout` with `ep` expert-parallel ranks (folded over the data-parallel ones) and experts
+/// split `etp` ways.
+fn with_ep(layout: ExecLayout, ep: usize, etp: usize) -> ExecLayout {
+    ExecLayout { ep, etp, ..layout }
+}
+
+/// Mixture of experts (4 experts, top-2, deterministic routing): the router, the dispatch into
+/// expert buffers and the gate-weighted combine match one device alone, under tensor and
+/// sequence parallelism with the experts whole or split (etp), with the experts divided over
+/// expert-parallel ranks (each holding 2 of the 4), combined with tensor and pipeline
+/// parallelism, and with tokens dropped past the experts' capacity.
+#[test]
+fn mixture_of_experts_matches_one_device() {
+    let whole = vec![vec![(0, 3)]];
+    let stages = vec![vec![(0, 1)], vec![(2, 3)]];
+    // Dropless, buffers sized for every token (capacity 2 x the balanced share, E / k = 2).
+    let g2 = tiny_moe(1, 32, 2, 2.0, false);
+    assert_matches(&g2, &with_ep(layout(1, 2, true, 0, 2, whole.clone()), 1, 2));
+    assert_matches(&g2, &with_ep(layout(1, 2, true, 0, 2, whole.clone()), 1, 1));
+    // ep2: the graph's micro-batch is that of the two data-parallel ranks the mesh holds.
+    let g1x2 = tiny_moe(2, 32, 1, 2.0, false);
+    let g2x2 = tiny_moe(2, 32, 2, 2.0, false);
+    let ep2 = with_ep(layout(1, 1, false, 0, 2, whole.clone()), 2, 1);
+    let prog = lower(&g1x2, &ep2).expect("lowers");
+    let placed = |name: &str| {
+        let v = prog.values.iter().find(|v| v.name == name).expect(name);
+        v.placement.0[0].clone()
+    };
+    // Each expert-parallel rank holds 2 of the 4 experts, and half the batch; dense weights are
+    // whole on each.
+    assert_eq!(placed("layers.0.experts.fc1.weight").axis(), Some(0));
+    assert_eq!(placed("layers.0.attention.qkv.out").axis(), Some(0));
+    assert_eq!(placed("layers.0.router.weight"), State::Replicated);
+    assert_matches(&g1x2, &ep2);
+    assert_matches(&g2x2, &with_ep(layout(1, 2, true, 1, 2, stages), 2, 2));
+    // Tokens dropped past half the balanced share, the same on every device.
+    let dropping = tiny_moe(2, 32, 1, 0.5, true);
+    let l = ExecLayout {
+        moe_drop: true,
+        ..with_ep(layout(1, 1, false, 0, 2, whole), 2, 1)
+    };
+    assert_matches(&dropping, &l);
+}
+
 #[test]
 fn layouts_that_cannot_run_are_refused() {
     let g = tiny_llama(1, 32, 4);
@@ -290,30 +334,44 @@ fn layouts_that_cannot_run_are_refused() {
     assert!(e.to_string().contains("fused attention core"), "{e}");
 }
 
-/// The default long-sequence CPU targets run as planned and match one device: ring attention
-/// over 4 context-parallel devices, Ulysses over 2.
+/// The default long-sequence and mixture-of-experts CPU targets run as planned and match one
+/// device: ring attention over 4 context-parallel devices, Ulysses over 2, and 2 expert-parallel
+/// ranks times 2 tensor-parallel ones.
 #[test]
-fn default_context_parallel_targets_run_and_check() {
+fn default_context_parallel_and_moe_targets_run_and_check() {
     let ws = autopar_tests::TempWorkspace::default_copy();
     let targets = [
-        ("tiny-llama-cpu-cp", 4, "p2p"),
-        ("tiny-llama-cpu-ulysses", 2, "a2a"),
+        "tiny-llama-cpu-cp",
+        "tiny-llama-cpu-ulysses",
+        "tiny-moe-cpu",
     ];
-    let b = ws.run(&["build", targets[0].0, targets[1].0]);
+    let b = ws.run(&["build", targets[0], targets[1], targets[2]]);
     assert_eq!(b.code, 0, "{}", b.stderr);
-    for (target, cp, comm) in targets {
+    for target in targets {
         let plan: serde_json::Value =
             serde_json::from_str(&ws.read(&format!("plans/{target}.json"))).expect("plan");
-        let layout = &plan["estimate"]["layout"];
-        assert_eq!(layout["cp"], cp, "{target}");
-        assert_eq!(layout["cp_comm"], comm, "{target}");
+        let planned = &plan["estimate"]["layout"];
         let r = ws.run(&["run", target, "--check", "--steps", "2", "--json"]);
         assert_eq!(r.code, 0, "{target}: {}", r.stderr);
         let j = r.json();
-        assert_eq!(j["devices"], cp, "{target}");
         assert_eq!(j["check"]["passed"], true, "{target}: {}", j["check"]);
-        assert_eq!(j["layout"]["cp"], cp, "{target}");
-        assert_eq!(j["layout"]["cp_comm"], comm, "{target}");
+        let ran = &j["layout"];
+        let (devices, expected) = match target {
+            "tiny-llama-cpu-cp" => (4, [("cp", 4), ("ep", 1)]),
+            "tiny-llama-cpu-ulysses" => (2, [("cp", 2), ("ep", 1)]),
+            _ => (4, [("cp", 1), ("ep", 2)]),
+        };
+        assert_eq!(j["devices"], devices, "{target}");
+        for (key, n) in expected {
+            assert_eq!(planned[key], n, "{target}: {key}");
+            assert_eq!(ran[key], n, "{target}: {key}");
+        }
+        match target {
+            "tiny-llama-cpu-cp" => assert_eq!(ran["cp_comm"], "p2p"),
+            "tiny-llama-cpu-ulysses" => assert_eq!(ran["cp_comm"], "a2a"),
+            // The expert-parallel ranks are data-parallel ones, inside the stage's mesh.
+            _ => assert_eq!((&planned["dp"], &ran["dp"]), (&2.into(), &1.into())),
+        }
     }
 }
 

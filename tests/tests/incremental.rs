@@ -272,7 +272,7 @@ fn a_killed_build_leaves_a_usable_cache() {
     let _ = child.wait();
     let r = ws.run(&["build", "--json"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
-    assert_eq!(r.json()["planned"], 16);
+    assert_eq!(r.json()["planned"], 17);
     let v = ws.run(&["cache", "verify"]);
     assert_eq!(v.code, 0, "{}", v.stderr);
     assert!(v.stdout.contains(", 0 corrupt removed"), "{}", v.stdout);

@@ -177,7 +177,7 @@ fn an_unreachable_or_stopped_server_never_fails_a_build() {
     let warns = stderr.lines().filter(|l| l.contains("WARN")).count();
     assert!(warns <= 1, "{stderr}");
     let report: Value = serde_json::from_slice(&out.stdout).expect("report");
-    assert_eq!(report["planned"], 16);
+    assert_eq!(report["planned"], 17);
 }
 
 #[test]

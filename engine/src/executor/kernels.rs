@@ -7,6 +7,7 @@
 //! the kernel.
 
 use super::attention::{self, Keys};
+use super::moe;
 use super::tensor::{Mat, Tensor, matmul};
 use serde::{Deserialize, Serialize};
 
@@ -99,6 +100,20 @@ pub enum Kernel {
         a: usize,
         /// Second axis.
         b: usize,
+    },
+    /// A mixture-of-experts router's top-k of `scores [.., E]`: the gates `[.., k]` (softmax
+    /// of the chosen scores) and the chosen experts `[.., k]` ([`moe::route`]).
+    MoeRouter,
+    /// Tokens `[.., h]` copied into their chosen experts' buffers `[E, C, h]`: inputs
+    /// `[tokens, indices, gates]` (the gates choose the tokens kept past the capacity).
+    MoeDispatch {
+        /// Tokens past an expert's capacity are dropped (otherwise an error).
+        drop: bool,
+    },
+    /// The experts' outputs `[E, C, h]` summed into every token with its gates.
+    MoeCombine {
+        /// As [`Kernel::MoeDispatch`]'s.
+        drop: bool,
     },
 }
 
@@ -280,6 +295,24 @@ pub fn forward(
         }
         Kernel::Slice { .. } => slice_forward(kernel, x[0], out_shapes),
         Kernel::Transpose { a, b } => single(swap_axes(x[0], *a, *b).data),
+        Kernel::MoeRouter => {
+            let k = out_shapes[0].last().copied().unwrap_or(1);
+            let (gates, idx) = moe::route(x[0], k);
+            vec![
+                Tensor {
+                    shape: out_shapes[0].clone(),
+                    data: gates,
+                },
+                Tensor {
+                    shape: out_shapes[1].clone(),
+                    data: idx,
+                },
+            ]
+        }
+        Kernel::MoeDispatch { drop } => {
+            single(moe::dispatch(x[0], x[1], x[2], &out_shapes[0], *drop)?)
+        }
+        Kernel::MoeCombine { drop } => single(moe::combine(x[0], x[1], x[2], *drop)?),
     };
     Ok(Forward { outputs, aux })
 }
@@ -512,6 +545,18 @@ pub fn backward(
         }
         Kernel::Slice { .. } => vec![like(x[0], slice_backward(kernel, x[0], dy))],
         Kernel::Transpose { a, b } => vec![Some(swap_axes(d, *a, *b))],
+        Kernel::MoeRouter => {
+            let ds = moe::route_backward(y[0], y[1], &d.data, x[0].last());
+            vec![like(x[0], ds)]
+        }
+        Kernel::MoeDispatch { drop } => {
+            let dx = moe::dispatch_backward(d, x[1], x[2], *drop)?;
+            vec![like(x[0], dx), None, None]
+        }
+        Kernel::MoeCombine { drop } => {
+            let (dy, dg) = moe::combine_backward(x[0], x[1], x[2], d, *drop)?;
+            vec![like(x[0], dy), like(x[1], dg), None]
+        }
     })
 }
 

@@ -44,6 +44,19 @@ pub struct ExecLayout {
     /// `cp / cp_a2a` groups of them, and the stage's mesh is `[cp / cp_a2a, cp_a2a, tp]`.
     #[serde(default = "one")]
     pub cp_a2a: usize,
+    /// Expert-parallel degree of Megatron-LM's layouts, folded over the data-parallel ranks:
+    /// `ep` of them become the stage mesh's first axis, which splits the batch of every
+    /// activation and the experts of every expert weight and buffer.
+    #[serde(default = "one")]
+    pub ep: usize,
+    /// Expert tensor-parallel degree: `tp` splits the experts' width with the tensor-parallel
+    /// group, 1 keeps every expert whole on it.
+    #[serde(default = "one")]
+    pub etp: usize,
+    /// Tokens past an expert's capacity are dropped (otherwise they are an error: a dropless
+    /// plan sized the buffers).
+    #[serde(default)]
+    pub moe_drop: bool,
     /// Pipeline stages.
     pub pp: usize,
     /// Data-parallel replicas of the whole pipeline (Megatron-LM's data parallelism; an
@@ -86,6 +99,17 @@ fn one() -> usize {
     1
 }
 
+/// What one mesh axis of a Megatron-LM layout's stage holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MegatronAxis {
+    /// Data-parallel ranks folded into expert parallelism: the batch split, and the experts.
+    Experts,
+    /// Context-parallel ranks: the sequence split, keys and values exchanged as said.
+    Context(CpComm),
+    /// The tensor-parallel group.
+    Tensor,
+}
+
 impl ExecLayout {
     /// One device running every layer: the reference a sharded run is compared with.
     pub fn single(layers: usize, microbatches: usize) -> ExecLayout {
@@ -94,6 +118,9 @@ impl ExecLayout {
             cp: 1,
             cp_comm: CpComm::default(),
             cp_a2a: 1,
+            ep: 1,
+            etp: 1,
+            moe_drop: false,
             pp: 1,
             dp: 1,
             sequence_parallel: false,
@@ -116,12 +143,27 @@ impl ExecLayout {
     pub fn mesh(&self, stage: usize) -> Vec<usize> {
         match self.meshes.get(stage) {
             Some(m) if !self.meshes.is_empty() => m.clone(),
-            _ if self.hierarchical() => {
-                vec![self.cp / self.cp_a2a.max(1), self.cp_a2a, self.tp]
-            }
-            _ if self.cp > 1 => vec![self.cp, self.tp],
-            _ => vec![self.tp],
+            _ => self.megatron_axes().into_iter().map(|(_, n)| n).collect(),
         }
+    }
+
+    /// The mesh axes of a Megatron-LM layout's stage, major first: the expert-parallel ranks
+    /// (when `ep` > 1), the context-parallel ones (one axis, or two under `a2a+p2p`), then the
+    /// tensor-parallel group, which varies fastest as in Megatron-Core's rank order.
+    fn megatron_axes(&self) -> Vec<(MegatronAxis, usize)> {
+        let mut axes = Vec::new();
+        if self.ep > 1 {
+            axes.push((MegatronAxis::Experts, self.ep));
+        }
+        if self.hierarchical() {
+            let a = self.cp_a2a.max(1);
+            axes.push((MegatronAxis::Context(CpComm::P2p), self.cp / a));
+            axes.push((MegatronAxis::Context(CpComm::A2a), a));
+        } else if self.cp > 1 {
+            axes.push((MegatronAxis::Context(self.cp_comm), self.cp));
+        }
+        axes.push((MegatronAxis::Tensor, self.tp));
+        axes
     }
 
     /// Whether sequences are split over two mesh axes, a ring of all-to-all groups
@@ -157,7 +199,7 @@ impl ExecLayout {
             );
         }
         format!(
-            "dp{} tp{}{} pp{} v{}{}{} m{}",
+            "dp{} tp{}{}{} pp{} v{}{}{} m{}",
             self.dp,
             self.tp,
             if self.hierarchical() {
@@ -170,6 +212,11 @@ impl ExecLayout {
                 )
             } else if self.cp > 1 {
                 format!(" cp{} ({})", self.cp, self.cp_comm.name())
+            } else {
+                String::new()
+            },
+            if self.ep > 1 || self.etp > 1 {
+                format!(" ep{} etp{}", self.ep, self.etp)
             } else {
                 String::new()
             },
@@ -412,11 +459,11 @@ fn err(message: impl Into<String>) -> ExecError {
     ExecError::Lower(message.into())
 }
 
-/// Why an op of a mixture-of-experts layer or of multi-head latent attention cannot run here.
+/// Why an op of multi-head latent attention cannot run here.
 fn unsupported(op: &autopar_rules::model::graph::Op) -> ExecError {
     err(format!(
-        "`{}` ({}): the CPU executor does not run mixture-of-experts layers or multi-head \
-         latent attention yet; plan and estimate such models, and run dense ones",
+        "`{}` ({}): the CPU executor does not run multi-head latent attention yet; plan and \
+         estimate such models",
         op.name,
         op.kind.name()
     ))
@@ -425,7 +472,7 @@ fn unsupported(op: &autopar_rules::model::graph::Op) -> ExecError {
 /// Lowers `graph` for `layout`.
 pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
     check_layout(graph, layout)?;
-    if let Some(op) = graph.first_megatron_only_op() {
+    if let Some(op) = graph.ops.iter().find(|o| matches!(o.kind, OpKind::Concat)) {
         return Err(unsupported(op));
     }
     let axes = layout.mesh(0).len();
@@ -550,7 +597,7 @@ pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
                 };
                 ins.push(local);
             }
-            let steps = lower_op(graph, oid, &ins, &mut values, &mesh, context)?;
+            let steps = lower_op(graph, oid, &ins, &mut values, &mesh, &context)?;
             for s in &steps {
                 for &o in &s.outputs {
                     produced_in.insert(o, vs);
@@ -659,30 +706,39 @@ fn megatron_placement(
     seq: Option<usize>,
     layout: &ExecLayout,
 ) -> Placement {
-    // The mesh is the context-parallel axes (none, one, or the two of `a2a+p2p`), then tp.
-    let context_axes = layout.mesh(0).len().saturating_sub(1);
-    let context = (0..context_axes).map(|_| match seq {
-        Some(a) => split_whole(a, shape),
-        None => State::Replicated,
-    });
-    let state = if layout.tp == 1 {
-        State::Replicated
-    } else {
-        match split {
-            Split::None => State::Replicated,
-            Split::Model(a) => State::Split {
-                axis: a as usize,
-                parts: parts
-                    .cloned()
-                    .unwrap_or_else(|| vec![shape.get(a as usize).copied().unwrap_or(1)]),
-            },
-            Split::Sequence(a) if layout.sequence_parallel => split_whole(a as usize, shape),
-            Split::Sequence(_) => State::Replicated,
-            // Expert tensors: `lower` refuses their graphs before placing anything.
-            Split::Experts | Split::ExpertModel(_) => State::Replicated,
-        }
+    let whole = |a: usize| State::Split {
+        axis: a,
+        parts: parts
+            .filter(|_| a + 1 == shape.len())
+            .cloned()
+            .unwrap_or_else(|| vec![shape.get(a).copied().unwrap_or(1)]),
     };
-    Placement(context.chain([state]).collect())
+    let tensor = |split: Split| match split {
+        _ if layout.tp == 1 => State::Replicated,
+        Split::None => State::Replicated,
+        Split::Model(a) => whole(a as usize),
+        Split::Sequence(a) if layout.sequence_parallel => split_whole(a as usize, shape),
+        Split::Sequence(_) => State::Replicated,
+        // Expert tensor parallelism splits the experts' width with the tensor-parallel group.
+        Split::ExpertModel(a) if layout.etp == layout.tp => whole(a as usize),
+        Split::Experts | Split::ExpertModel(_) => State::Replicated,
+    };
+    let states = layout
+        .megatron_axes()
+        .into_iter()
+        .map(|(axis, _)| match axis {
+            // Experts (axis 0 of expert weights and buffers), or the batch of what has one.
+            MegatronAxis::Experts if split.is_expert() => split_whole(0, shape),
+            MegatronAxis::Experts if seq.is_some() => split_whole(0, shape),
+            MegatronAxis::Experts => State::Replicated,
+            MegatronAxis::Context(_) => match seq {
+                Some(a) => split_whole(a, shape),
+                None => State::Replicated,
+            },
+            MegatronAxis::Tensor => tensor(split),
+        })
+        .collect();
+    Placement(states)
 }
 
 /// The sequence axis of every tensor of the forward pass, followed from the fed inputs
@@ -723,7 +779,7 @@ fn sequence_axes(graph: &Graph) -> Vec<Option<usize>> {
                             _ => a,
                         }
                     }),
-                    OpKind::CrossEntropy => None,
+                    OpKind::CrossEntropy | OpKind::MoeDispatch => None,
                     OpKind::Embedding | OpKind::MatMul { .. } => first,
                     _ => any,
                 };
@@ -740,33 +796,37 @@ fn sequence_axes(graph: &Graph) -> Vec<Option<usize>> {
 }
 
 /// Context parallelism as the rules see it: the load-balanced order every sequence is stored
-/// in (the layout's `cp`; 1: in order), and the mesh axes that split sequences (axis 0 of a
-/// Megatron-LM layout's `[cp, tp]` mesh; under `a2a+p2p` the ring's axis 0 and the all-to-all's
-/// axis 1 of `[cp / a, a, tp]`) with how the ranks along each exchange keys and values.
-#[derive(Clone, Copy, Debug)]
+/// in (the layout's `cp`; 1: in order), and, per mesh axis, how the ranks along it exchange
+/// keys and values when it splits sequences (a Megatron-LM layout's context-parallel axes;
+/// under `a2a+p2p` a ring axis and an all-to-all axis).
+#[derive(Clone, Debug)]
 struct Context {
     zigzag: usize,
-    axes: [Option<CpComm>; 2],
+    comms: Vec<Option<CpComm>>,
+    moe_drop: bool,
 }
 
 impl Context {
     fn of(layout: &ExecLayout) -> Context {
-        let axes = if layout.hierarchical() {
-            [Some(CpComm::P2p), Some(CpComm::A2a)]
-        } else if layout.cp > 1 {
-            [Some(layout.cp_comm), None]
-        } else {
-            [None, None]
-        };
+        let megatron = layout.placements.is_empty() && layout.meshes.is_empty();
+        let comms = layout
+            .megatron_axes()
+            .into_iter()
+            .map(|(axis, _)| match axis {
+                MegatronAxis::Context(c) if megatron => Some(c),
+                _ => None,
+            })
+            .collect();
         Context {
             zigzag: layout.cp.max(1),
-            axes,
+            comms,
+            moe_drop: layout.moe_drop,
         }
     }
 
     /// How the ranks along mesh axis `a` exchange keys and values, if it splits sequences.
-    fn comm_on(self, a: usize) -> Option<CpComm> {
-        self.axes.get(a).copied().flatten()
+    fn comm_on(&self, a: usize) -> Option<CpComm> {
+        self.comms.get(a).copied().flatten()
     }
 }
 
@@ -1065,7 +1125,8 @@ fn split_parts(graph: &Graph) -> Vec<Option<Vec<usize>>> {
                 let f = last(x) / 2;
                 parts[x.0 as usize] = Some(vec![f, f]);
             }
-            OpKind::MatMul { .. } => {
+            // An expert's product (a grouped GEMM) passes them to its weights as a dense one.
+            OpKind::MatMul { .. } | OpKind::BatchMatMul { .. } => {
                 if let Some(p) = op.outputs.first().and_then(|y| parts[y.0 as usize].clone()) {
                     for &w in &op.inputs[1..] {
                         parts[w.0 as usize] = Some(p.clone());
@@ -1160,10 +1221,34 @@ fn lower_op(
     ins: &[u32],
     values: &mut Vec<ValueInfo>,
     mesh: &[usize],
-    context: Context,
+    context: &Context,
 ) -> Result<Vec<Step>, ExecError> {
     let op = graph.op(oid);
     let outs: Vec<u32> = op.outputs.iter().map(|t| t.0).collect();
+    // A dispatch also reads the gates its router wrote with the indices: past an expert's
+    // capacity they choose the tokens kept.
+    let with_gates;
+    let ins = if matches!(op.kind, OpKind::MoeDispatch) {
+        let gates = graph
+            .ops
+            .iter()
+            .find(|o| {
+                o.grad_of.is_none()
+                    && matches!(o.kind, OpKind::MoeRouter)
+                    && o.outputs.get(1) == op.inputs.get(1)
+            })
+            .and_then(|o| o.outputs.first())
+            .ok_or_else(|| {
+                err(format!(
+                    "`{}`: no router wrote the expert indices it dispatches by",
+                    op.name
+                ))
+            })?;
+        with_gates = [ins, &[gates.0]].concat();
+        &with_gates[..]
+    } else {
+        ins
+    };
     if matches!(op.kind, OpKind::FlashAttention { .. }) {
         token_major(&mut values[outs[0] as usize]);
     }
@@ -1191,6 +1276,7 @@ fn lower_op(
             let on = AxisContext {
                 zigzag: context.zigzag,
                 comm: context.comm_on(a),
+                moe_drop: context.moe_drop,
             };
             axis_rules(
                 graph,
@@ -1232,6 +1318,8 @@ fn token_major(out: &mut ValueInfo) {
 struct AxisContext {
     zigzag: usize,
     comm: Option<CpComm>,
+    /// Tokens past an expert's capacity are dropped.
+    moe_drop: bool,
 }
 
 /// One mesh axis's rules for an op, the axis given with its devices (`bias_target`: the value
@@ -1356,22 +1444,55 @@ fn axis_rules(
                 .map(|&v| p(v, values))
                 .collect();
             let r = rank_of(outs[0], values);
+            let rb = rank_of(ins[1], values);
             let shared = states[0]
                 .axis()
                 .filter(|&a| a + 2 < r && states.iter().all(|s| s.axis() == Some(a)));
-            let (sa, sb, sc) = if shared.is_some() {
-                (states[0].clone(), states[1].clone(), states[2].clone())
+            // Besides a split of the leading (batch, heads, experts) axes, an expert's grouped
+            // GEMM splits its width as a dense product does (expert tensor parallelism):
+            // column-parallel on `b`'s last axis, row-parallel on its contraction.
+            let (n_axis, k_axis) = if transpose_b {
+                (rb - 2, rb - 1)
             } else {
-                (rep.clone(), rep.clone(), rep.clone())
+                (rb - 1, rb - 2)
+            };
+            let (reads, grads, out) = match (&states[0], &states[1]) {
+                _ if shared.is_some() => (
+                    [states[0].clone(), states[1].clone()],
+                    [states[0].clone(), states[1].clone()],
+                    states[2].clone(),
+                ),
+                (State::Replicated, State::Split { axis, parts }) if *axis == n_axis => (
+                    [rep.clone(), states[1].clone()],
+                    [State::Partial, states[1].clone()],
+                    State::Split {
+                        axis: r - 1,
+                        parts: parts.clone(),
+                    },
+                ),
+                (State::Split { axis: a, .. }, State::Split { axis, .. })
+                    if *a + 1 == r && *axis == k_axis =>
+                {
+                    (
+                        [states[0].clone(), states[1].clone()],
+                        [states[0].clone(), states[1].clone()],
+                        State::Partial,
+                    )
+                }
+                _ => (
+                    [rep.clone(), rep.clone()],
+                    [rep.clone(), rep.clone()],
+                    rep.clone(),
+                ),
             };
             rules.push(Rule {
                 talks: false,
                 kernel: Kernel::BatchMatMul { transpose_b },
                 inputs: ins.to_vec(),
                 outputs: outs.clone(),
-                in_states: vec![sa.clone(), sb.clone()],
-                out_states: vec![sc],
-                grad_states: vec![sa, sb],
+                in_states: reads.to_vec(),
+                out_states: vec![out],
+                grad_states: grads.to_vec(),
             });
         }
         OpKind::FlashAttention { .. } => {
@@ -1719,7 +1840,52 @@ fn axis_rules(
                 op.name
             )));
         }
-        OpKind::Concat | OpKind::MoeRouter | OpKind::MoeDispatch | OpKind::MoeCombine => {
+        OpKind::MoeRouter => {
+            // Each token's choice is its own: a split of the rows (batch, sequence) carries.
+            let r = rank_of(ins[0], values);
+            let s = keep_unless(p(ins[0], values), &|a| a + 1 == r);
+            let outs_states = outs
+                .iter()
+                .map(|&o| match s.axis() {
+                    Some(a) => split_whole(a, &values[o as usize].shape),
+                    None => rep.clone(),
+                })
+                .collect();
+            rules.push(Rule {
+                talks: false,
+                kernel: Kernel::MoeRouter,
+                inputs: ins.to_vec(),
+                outputs: outs.clone(),
+                in_states: vec![s.clone()],
+                out_states: outs_states,
+                grad_states: vec![s],
+            });
+        }
+        OpKind::MoeDispatch | OpKind::MoeCombine => {
+            // Every rank routes every token of its group (Megatron-Core's all-gather token
+            // dispatcher): the tokens and the router's choices are gathered, each expert's
+            // buffer is filled whole and then kept where the expert lives (a slice), and the
+            // combined tokens are cut back to each rank's rows.
+            let dispatch = matches!(op.kind, OpKind::MoeDispatch);
+            rules.push(Rule {
+                talks: false,
+                kernel: if dispatch {
+                    Kernel::MoeDispatch {
+                        drop: context.moe_drop,
+                    }
+                } else {
+                    Kernel::MoeCombine {
+                        drop: context.moe_drop,
+                    }
+                },
+                inputs: ins.to_vec(),
+                outputs: outs.clone(),
+                in_states: vec![rep.clone(); ins.len()],
+                out_states: vec![rep.clone()],
+                grad_states: vec![rep.clone(); ins.len()],
+            });
+        }
+        OpKind::Concat => {
             return Err(unsupported(op));
         }
     }

@@ -14,6 +14,7 @@ pub mod cuda;
 pub mod kernels;
 pub mod lower;
 pub mod measure;
+pub mod moe;
 pub mod placement;
 pub mod tensor;
 
@@ -330,6 +331,7 @@ pub fn check(
         graph,
         &ExecLayout {
             grad_accumulation_fusion: l.grad_accumulation_fusion,
+            moe_drop: l.moe_drop,
             ..ExecLayout::single(graph.layers.len(), l.microbatches * l.dp)
         },
     )?;
