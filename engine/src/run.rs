@@ -297,23 +297,14 @@ fn ilp_layout(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, Exec
         .collect();
     let (placements, states) = ilp_placements(&graph, ilp, &meshes)?;
     let layout = ExecLayout {
-        tp: 1,
-        cp: 1,
-        cp_comm: Default::default(),
-        cp_a2a: 1,
-        ep: 1,
-        etp: 1,
-        moe_drop: false,
-        pp: ilp.stages.len(),
-        dp: 1,
-        sequence_parallel: false,
-        zero: 0,
-        microbatches: ilp.num_microbatches as usize,
-        chunks,
         grad_accumulation_fusion: plan.training.grad_accumulation_fusion,
-        meshes,
-        placements,
-        states,
+        ..ExecLayout::on_meshes(
+            meshes,
+            ilp.num_microbatches as usize,
+            chunks,
+            placements,
+            states,
+        )
     };
     Ok((graph, layout))
 }

@@ -106,22 +106,12 @@ pub fn layout(
 ) -> ExecLayout {
     ExecLayout {
         tp,
-        cp: 1,
-        cp_comm: Default::default(),
-        cp_a2a: 1,
-        ep: 1,
-        etp: 1,
-        moe_drop: false,
         pp: chunks.len(),
         dp,
         sequence_parallel: sp,
         zero,
-        microbatches,
         chunks,
-        grad_accumulation_fusion: true,
-        meshes: Vec::new(),
-        placements: Default::default(),
-        states: Default::default(),
+        ..ExecLayout::single(0, microbatches)
     }
 }
 
@@ -223,25 +213,7 @@ pub fn mesh_layout(
     placements: BTreeMap<String, Placement>,
     states: BTreeMap<String, Placement>,
 ) -> ExecLayout {
-    ExecLayout {
-        tp: 1,
-        cp: 1,
-        cp_comm: Default::default(),
-        cp_a2a: 1,
-        ep: 1,
-        etp: 1,
-        moe_drop: false,
-        pp: chunks.len(),
-        dp: 1,
-        sequence_parallel: false,
-        zero: 0,
-        microbatches,
-        chunks,
-        grad_accumulation_fusion: true,
-        meshes,
-        placements,
-        states,
-    }
+    ExecLayout::on_meshes(meshes, microbatches, chunks, placements, states)
 }
 
 /// Placements of a pipeline whose stage `j` holds layers `stages[j].0` placed by scheme

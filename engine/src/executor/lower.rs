@@ -77,8 +77,9 @@ pub struct ExecLayout {
     /// that a separate pass adds.
     pub grad_accumulation_fusion: bool,
     /// The logical mesh of every stage (devices along each axis, axis 0 major) when an intra-op
-    /// plan placed the tensors; stages may differ. Empty: every stage's mesh is the
-    /// tensor-parallel group, `[tp]`.
+    /// plan placed the tensors; stages may differ. Empty: every stage's mesh is Megatron-LM's,
+    /// the tensor-parallel group after the expert- and context-parallel axes it has
+    /// ([`ExecLayout::mesh`]).
     #[serde(default)]
     pub meshes: Vec<Vec<usize>>,
     /// Placements an intra-op plan chose, by tensor name, one state per mesh axis; a tensor it
@@ -131,6 +132,26 @@ impl ExecLayout {
             meshes: Vec::new(),
             placements: BTreeMap::new(),
             states: BTreeMap::new(),
+        }
+    }
+
+    /// An intra-op plan's layout: stage `j` holds the layers of `chunks[j]` on the logical mesh
+    /// `meshes[j]`, every tensor placed by `placements` and every parameter's optimizer states
+    /// by `states`.
+    pub fn on_meshes(
+        meshes: Vec<Vec<usize>>,
+        microbatches: usize,
+        chunks: Vec<Vec<(usize, usize)>>,
+        placements: BTreeMap<String, Placement>,
+        states: BTreeMap<String, Placement>,
+    ) -> ExecLayout {
+        ExecLayout {
+            pp: chunks.len(),
+            chunks,
+            meshes,
+            placements,
+            states,
+            ..ExecLayout::single(0, microbatches)
         }
     }
 

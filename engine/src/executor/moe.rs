@@ -97,6 +97,23 @@ fn slots(
     Ok(out)
 }
 
+/// Where every kept (token, choice) sits: its token, its index among the `[.., k]` choices and
+/// the offset of its row in the buffers `[E, C, h]` (`shape`).
+fn placed(
+    gates: &Tensor,
+    idx: &Tensor,
+    shape: &[usize],
+    drop: bool,
+) -> Result<Vec<(usize, usize, usize)>, ExecError> {
+    let (e, c, h) = (shape[0], shape[1], shape[2]);
+    let k = idx.last().max(1);
+    Ok(slots(&gates.data, &idx.data, e, c, drop)?
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, slot)| slot.map(|s| (i / k, i, (idx.data[i] as usize * c + s) * h)))
+        .collect())
+}
+
 /// Tokens `x [.., h]` copied into their experts' buffers `[E, C, h]` (`shape`), as the
 /// chosen experts `idx [.., k]` and their gates say.
 pub fn dispatch(
@@ -106,18 +123,10 @@ pub fn dispatch(
     shape: &[usize],
     drop: bool,
 ) -> Result<Vec<f32>, ExecError> {
-    let (e, c, h) = (shape[0], shape[1], shape[2]);
-    let k = idx.last();
-    let mut out = vec![0.0f32; e * c * h];
-    for (i, slot) in slots(&gates.data, &idx.data, e, c, drop)?
-        .into_iter()
-        .enumerate()
-    {
-        if let Some(s) = slot {
-            let (t, ex) = (i / k.max(1), idx.data[i] as usize);
-            let at = (ex * c + s) * h;
-            out[at..at + h].copy_from_slice(&x.data[t * h..(t + 1) * h]);
-        }
+    let h = shape[2];
+    let mut out = vec![0.0f32; shape.iter().product()];
+    for (t, _, at) in placed(gates, idx, shape, drop)? {
+        out[at..at + h].copy_from_slice(&x.data[t * h..(t + 1) * h]);
     }
     Ok(out)
 }
@@ -129,20 +138,12 @@ pub fn dispatch_backward(
     gates: &Tensor,
     drop: bool,
 ) -> Result<Vec<f32>, ExecError> {
-    let (e, c, h) = (d.shape[0], d.shape[1], d.shape[2]);
-    let k = idx.last();
-    let tokens = idx.len() / k.max(1);
+    let h = d.last();
+    let tokens = idx.len() / idx.last().max(1);
     let mut dx = vec![0.0f32; tokens * h];
-    for (i, slot) in slots(&gates.data, &idx.data, e, c, drop)?
-        .into_iter()
-        .enumerate()
-    {
-        if let Some(s) = slot {
-            let (t, ex) = (i / k.max(1), idx.data[i] as usize);
-            let at = (ex * c + s) * h;
-            for j in 0..h {
-                dx[t * h + j] += d.data[at + j];
-            }
+    for (t, _, at) in placed(gates, idx, &d.shape, drop)? {
+        for (g, v) in dx[t * h..(t + 1) * h].iter_mut().zip(&d.data[at..at + h]) {
+            *g += v;
         }
     }
     Ok(dx)
@@ -156,20 +157,12 @@ pub fn combine(
     idx: &Tensor,
     drop: bool,
 ) -> Result<Vec<f32>, ExecError> {
-    let (e, c, h) = (y.shape[0], y.shape[1], y.shape[2]);
-    let k = idx.last();
-    let tokens = idx.len() / k.max(1);
+    let h = y.last();
+    let tokens = idx.len() / idx.last().max(1);
     let mut out = vec![0.0f32; tokens * h];
-    for (i, slot) in slots(&gates.data, &idx.data, e, c, drop)?
-        .into_iter()
-        .enumerate()
-    {
-        if let Some(s) = slot {
-            let (t, ex) = (i / k.max(1), idx.data[i] as usize);
-            let at = (ex * c + s) * h;
-            for j in 0..h {
-                out[t * h + j] += gates.data[i] * y.data[at + j];
-            }
+    for (t, i, at) in placed(gates, idx, &y.shape, drop)? {
+        for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(&y.data[at..at + h]) {
+            *o += gates.data[i] * v;
         }
     }
     Ok(out)
@@ -183,25 +176,15 @@ pub fn combine_backward(
     d: &Tensor,
     drop: bool,
 ) -> Result<(Vec<f32>, Vec<f32>), ExecError> {
-    let (e, c, h) = (y.shape[0], y.shape[1], y.shape[2]);
-    let k = idx.last();
+    let h = y.last();
     let mut dy = vec![0.0f32; y.len()];
     let mut dg = vec![0.0f32; gates.len()];
-    for (i, slot) in slots(&gates.data, &idx.data, e, c, drop)?
-        .into_iter()
-        .enumerate()
-    {
-        if let Some(s) = slot {
-            let (t, ex) = (i / k.max(1), idx.data[i] as usize);
-            let at = (ex * c + s) * h;
-            let row = &d.data[t * h..(t + 1) * h];
-            let mut dot = 0.0f32;
-            for j in 0..h {
-                dy[at + j] = gates.data[i] * row[j];
-                dot += y.data[at + j] * row[j];
-            }
-            dg[i] = dot;
+    for (t, i, at) in placed(gates, idx, &y.shape, drop)? {
+        let row = &d.data[t * h..(t + 1) * h];
+        for j in 0..h {
+            dy[at + j] = gates.data[i] * row[j];
         }
+        dg[i] = y.data[at..at + h].iter().zip(row).map(|(a, b)| a * b).sum();
     }
     Ok((dy, dg))
 }
