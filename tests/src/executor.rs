@@ -205,17 +205,6 @@ pub fn sharded_states(
     out
 }
 
-/// A layout placing every tensor by `placements` on every stage's mesh in `meshes`.
-pub fn mesh_layout(
-    meshes: Vec<Vec<usize>>,
-    microbatches: usize,
-    chunks: Vec<Vec<(usize, usize)>>,
-    placements: BTreeMap<String, Placement>,
-    states: BTreeMap<String, Placement>,
-) -> ExecLayout {
-    ExecLayout::on_meshes(meshes, microbatches, chunks, placements, states)
-}
-
 /// Placements of a pipeline whose stage `j` holds layers `stages[j].0` placed by scheme
 /// `stages[j].1` (a tensor several stages read takes the last one's), with the placements
 /// `NAME@j` of the values stage `j` receives.

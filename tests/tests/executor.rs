@@ -7,8 +7,8 @@ use autopar_engine::executor::{ExecError, ExecLayout, RunOptions, check, lower, 
 use autopar_rules::cost::context_parallel::CpComm;
 use autopar_rules::model::graph::Graph;
 use autopar_tests::executor::{
-    MeshScheme, layout, mesh_layout, mesh_placements, sharded_states, staged_placements, tiny_gpt,
-    tiny_llama, tiny_moe,
+    MeshScheme, layout, mesh_placements, sharded_states, staged_placements, tiny_gpt, tiny_llama,
+    tiny_moe,
 };
 use std::collections::BTreeMap;
 
@@ -818,7 +818,7 @@ fn two_axis_meshes_match_one_device() {
         },
     ];
     for scheme in &schemes {
-        let l = mesh_layout(
+        let l = ExecLayout::on_meshes(
             vec![vec![2, 2]],
             2,
             vec![vec![(0, 5)]],
@@ -831,7 +831,7 @@ fn two_axis_meshes_match_one_device() {
     // gradients partial until the step's synchronisation.
     let two_d = lower(
         &g,
-        &mesh_layout(
+        &ExecLayout::on_meshes(
             vec![vec![2, 2]],
             2,
             vec![vec![(0, 5)]],
@@ -845,7 +845,7 @@ fn two_axis_meshes_match_one_device() {
     }));
     let dp_tp = lower(
         &g,
-        &mesh_layout(
+        &ExecLayout::on_meshes(
             vec![vec![2, 2]],
             2,
             vec![vec![(0, 5)]],
@@ -867,7 +867,7 @@ fn two_axis_meshes_match_one_device() {
     };
     assert_matches(
         &gpt,
-        &mesh_layout(
+        &ExecLayout::on_meshes(
             vec![vec![2, 2]],
             2,
             vec![vec![(0, 3)]],
@@ -892,7 +892,7 @@ fn optimizer_states_sharded_inside_the_mesh() {
     assert!(states.len() > 10, "{}", states.len());
     assert_matches(
         &g,
-        &mesh_layout(vec![vec![2, 2]], 2, vec![vec![(0, 5)]], placements, states),
+        &ExecLayout::on_meshes(vec![vec![2, 2]], 2, vec![vec![(0, 5)]], placements, states),
     );
 }
 
@@ -913,7 +913,7 @@ fn stages_on_different_meshes() {
         cross: None,
     };
     let placements = staged_placements(&g, &[(0..3, first), (3..6, second.clone())]);
-    let l = mesh_layout(
+    let l = ExecLayout::on_meshes(
         vec![vec![1, 2], vec![2, 2]],
         4,
         vec![vec![(0, 2)], vec![(3, 5)]],
@@ -934,7 +934,7 @@ fn stages_on_different_meshes() {
         model: vec![1],
         cross: None,
     };
-    let l = mesh_layout(
+    let l = ExecLayout::on_meshes(
         vec![vec![1, 2], vec![2, 2]],
         4,
         vec![vec![(0, 1)], vec![(2, 3)]],
