@@ -94,18 +94,19 @@ pub struct RunOutcome {
 /// The executor's layout of a stored plan.
 pub fn exec_layout(plan: &Plan) -> ExecLayout {
     let e = &plan.estimate;
-    let ep = e.layout.ep.max(1) as usize;
+    let l = &e.layout;
+    let over_data = ExecLayout::ep_over_data(l.tp as usize, l.ep as usize, l.etp as usize);
     ExecLayout {
         tp: e.layout.tp as usize,
         cp: e.layout.cp as usize,
         cp_comm: e.layout.cp_comm,
         cp_a2a: hierarchical_inner(e.layout.tp, e.layout.cp, plan.cluster.gpus_per_node) as usize,
-        ep,
-        etp: e.layout.etp.max(1) as usize,
+        ep: l.ep.max(1) as usize,
+        etp: l.etp.max(1) as usize,
         moe_drop: plan.training.moe_routing.drop_tokens,
         pp: e.layout.pp as usize,
-        // Expert parallelism folds `ep` data-parallel ranks into the stage's mesh.
-        dp: e.layout.dp as usize / ep,
+        // Expert parallelism folds its data-parallel ranks into the stage's mesh.
+        dp: e.layout.dp as usize / over_data,
         sequence_parallel: e.layout.sequence_parallel,
         zero: e.layout.zero,
         microbatches: e.num_microbatches as usize,
@@ -122,11 +123,13 @@ pub fn exec_layout(plan: &Plan) -> ExecLayout {
 }
 
 /// The graph a plan runs: its model at the plan's micro-batch and sequence (experts' buffers
-/// sized by its routing), vocabulary padded as the plan's tensor-parallel degree pads it. The executor computes in f32. Under expert
-/// parallelism the micro-batch is that of the `ep` data-parallel ranks the stage's mesh holds.
+/// sized by its routing), vocabulary padded as the plan's tensor-parallel degree pads it. The
+/// executor computes in f32. Under expert parallelism the micro-batch is that of the
+/// data-parallel ranks the stage's mesh holds.
 pub fn plan_graph(ws: &Workspace, plan: &Plan) -> Result<Graph, EngineError> {
     let model = ws.plan_model(plan)?;
     let l = &plan.estimate.layout;
+    let over_data = ExecLayout::ep_over_data(l.tp as usize, l.ep as usize, l.etp as usize);
     let routed = model.def.with_routing(plan.training.moe_routing);
     routed
         .as_ref()
@@ -134,7 +137,7 @@ pub fn plan_graph(ws: &Workspace, plan: &Plan) -> Result<Graph, EngineError> {
         .lower(
             &model.name,
             &LowerOptions {
-                micro_batch: l.micro_batch.saturating_mul(l.ep.max(1)),
+                micro_batch: l.micro_batch.saturating_mul(over_data as u64),
                 seq: plan.training.seq,
                 dtype: DType::F32,
                 attention: plan.training.attention,
@@ -187,11 +190,18 @@ fn prepare_megatron(ws: &Workspace, plan: &Plan) -> Result<(Graph, ExecLayout), 
         ))
         .into());
     }
-    if l.ep > 1 && l.dp % l.ep != 0 {
+    // Megatron-Core's expert group takes the tensor-parallel ranks, then the context-parallel
+    // ones, then data-parallel ones; the executor folds whole tensor-parallel groups and
+    // data-parallel ranks.
+    let over_data = ExecLayout::ep_over_data(l.tp as usize, l.ep as usize, l.etp as usize);
+    let part_of_tensor = l.etp == 1 && l.tp > 1 && l.ep > 1 && l.ep % l.tp != 0;
+    let over_context = l.cp > 1 && over_data > 1;
+    if part_of_tensor || over_context || l.dp % over_data as u64 != 0 {
         return Err(ExecError::Lower(format!(
-            "the plan folds ep = {} expert ranks over tensor- or context-parallel ranks (dp = \
-             {}); the executor runs expert parallelism over data-parallel ranks (ep dividing dp)",
-            l.ep, l.dp
+            "the plan folds ep = {} expert ranks (etp {}) over part of the tensor-parallel \
+             group (tp {}) or over context-parallel ranks (cp {}, dp {}); the executor runs \
+             expert ranks that take whole tensor-parallel groups, then data-parallel ranks",
+            l.ep, l.etp, l.tp, l.cp, l.dp
         ))
         .into());
     }

@@ -364,7 +364,7 @@ fn edited_plans_are_refused_before_they_run() {
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(
         r.stderr
-            .contains("tp 1000000 x pp 2 x dp 2 is not the 8 GPUs"),
+            .contains("tp 1000000 x cp 1 x pp 2 x dp 2 is not the 8 GPUs"),
         "{}",
         r.stderr
     );

@@ -232,17 +232,18 @@ fn context_parallel_attention_matches_one_device() {
     );
 }
 
-/// `layout` with `ep` expert-parallel ranks (folded over the data-parallel ones) and experts
-/// split `etp` ways.
+/// `layout` with `ep` expert-parallel ranks and experts split `etp` ways (the expert group
+/// takes whole tensor-parallel groups when etp is 1, then data-parallel ranks).
 fn with_ep(layout: ExecLayout, ep: usize, etp: usize) -> ExecLayout {
     ExecLayout { ep, etp, ..layout }
 }
 
 /// Mixture of experts (4 experts, top-2, deterministic routing): the router, the dispatch into
 /// expert buffers and the gate-weighted combine match one device alone, under tensor and
-/// sequence parallelism with the experts whole or split (etp), with the experts divided over
-/// expert-parallel ranks (each holding 2 of the 4), combined with tensor and pipeline
-/// parallelism, and with tokens dropped past the experts' capacity.
+/// sequence parallelism with the experts whole or split in width (etp), with the experts
+/// divided over expert-parallel ranks that are data-parallel ones, tensor-parallel ones
+/// (etp 1), or both, combined with pipeline parallelism and ZeRO, and with tokens dropped past
+/// the experts' capacity.
 #[test]
 fn mixture_of_experts_matches_one_device() {
     let whole = vec![vec![(0, 3)]];
@@ -267,6 +268,18 @@ fn mixture_of_experts_matches_one_device() {
     assert_eq!(placed("layers.0.router.weight"), State::Replicated);
     assert_matches(&g1x2, &ep2);
     assert_matches(&g2x2, &with_ep(layout(1, 2, true, 1, 2, stages), 2, 2));
+    // etp 1: the tensor-parallel group splits the experts (ep 2 on tp 2, two replicas), or the
+    // tensor-parallel group and two data-parallel ranks (ep 4: one expert per rank).
+    assert_matches(&g2, &with_ep(layout(2, 2, true, 1, 2, whole.clone()), 2, 1));
+    let ep4 = with_ep(layout(1, 2, true, 0, 2, whole.clone()), 4, 1);
+    let prog = lower(&g2x2, &ep4).expect("lowers");
+    let fc1 = prog
+        .values
+        .iter()
+        .find(|v| v.name == "layers.0.experts.fc1.weight")
+        .expect("expert weight");
+    assert_eq!(fc1.placement.local_shape(&fc1.shape, &[2, 2])[0], 1);
+    assert_matches(&g2x2, &ep4);
     // Tokens dropped past half the balanced share, the same on every device.
     let dropping = tiny_moe(2, 32, 1, 0.5, true);
     let l = ExecLayout {
@@ -369,8 +382,12 @@ fn default_context_parallel_and_moe_targets_run_and_check() {
         match target {
             "tiny-llama-cpu-cp" => assert_eq!(ran["cp_comm"], "p2p"),
             "tiny-llama-cpu-ulysses" => assert_eq!(ran["cp_comm"], "a2a"),
-            // The expert-parallel ranks are data-parallel ones, inside the stage's mesh.
-            _ => assert_eq!((&planned["dp"], &ran["dp"]), (&2.into(), &1.into())),
+            // etp 1: the expert-parallel ranks are the tensor-parallel group, and the two
+            // data-parallel replicas stay replicas.
+            _ => assert_eq!(
+                (&planned["etp"], &planned["dp"], &ran["dp"]),
+                (&1.into(), &2.into(), &2.into())
+            ),
         }
     }
 }

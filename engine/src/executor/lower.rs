@@ -44,9 +44,11 @@ pub struct ExecLayout {
     /// `cp / cp_a2a` groups of them, and the stage's mesh is `[cp / cp_a2a, cp_a2a, tp]`.
     #[serde(default = "one")]
     pub cp_a2a: usize,
-    /// Expert-parallel degree of Megatron-LM's layouts, folded over the data-parallel ranks:
-    /// `ep` of them become the stage mesh's first axis, which splits the batch of every
-    /// activation and the experts of every expert weight and buffer.
+    /// Expert-parallel degree of Megatron-LM's layouts, folded as Megatron-Core folds it: with
+    /// `etp` = 1 the tensor-parallel group holds `tp` of the ranks, the rest are data-parallel
+    /// ranks ([`ExecLayout::ep_over_data`]), which become the stage mesh's first axis: it splits
+    /// the batch of every activation and, with the tensor-parallel axis, the experts of every
+    /// expert weight and buffer.
     #[serde(default = "one")]
     pub ep: usize,
     /// Expert tensor-parallel degree: `tp` splits the experts' width with the tensor-parallel
@@ -173,8 +175,9 @@ impl ExecLayout {
     /// tensor-parallel group, which varies fastest as in Megatron-Core's rank order.
     fn megatron_axes(&self) -> Vec<(MegatronAxis, usize)> {
         let mut axes = Vec::new();
-        if self.ep > 1 {
-            axes.push((MegatronAxis::Experts, self.ep));
+        let over_data = Self::ep_over_data(self.tp, self.ep, self.etp);
+        if over_data > 1 {
+            axes.push((MegatronAxis::Experts, over_data));
         }
         if self.hierarchical() {
             let a = self.cp_a2a.max(1);
@@ -185,6 +188,23 @@ impl ExecLayout {
         }
         axes.push((MegatronAxis::Tensor, self.tp));
         axes
+    }
+
+    /// The expert-parallel ranks that are data-parallel ones: Megatron-Core's expert group
+    /// `etp x ep` takes the tensor-parallel group first, so with `etp` = 1 the experts are split
+    /// over the `tp` ranks and over `ep / tp` data-parallel ones; with `etp` = tp every expert
+    /// is split in width there and the `ep` ranks are all data-parallel.
+    pub fn ep_over_data(tp: usize, ep: usize, etp: usize) -> usize {
+        if etp == 1 && tp > 1 && ep > 1 {
+            (ep / tp).max(1)
+        } else {
+            ep.max(1)
+        }
+    }
+
+    /// Whether the tensor-parallel group splits the experts (expert parallelism with `etp` = 1).
+    fn experts_over_tensor(&self) -> bool {
+        self.etp == 1 && self.tp > 1 && self.ep > 1
     }
 
     /// Whether sequences are split over two mesh axes, a ring of all-to-all groups
@@ -740,7 +760,10 @@ fn megatron_placement(
         Split::Model(a) => whole(a as usize),
         Split::Sequence(a) if layout.sequence_parallel => split_whole(a as usize, shape),
         Split::Sequence(_) => State::Replicated,
-        // Expert tensor parallelism splits the experts' width with the tensor-parallel group.
+        // The experts themselves, or (expert tensor parallelism) their width.
+        Split::Experts | Split::ExpertModel(_) if layout.experts_over_tensor() => {
+            split_whole(0, shape)
+        }
         Split::ExpertModel(a) if layout.etp == layout.tp => whole(a as usize),
         Split::Experts | Split::ExpertModel(_) => State::Replicated,
     };
