@@ -393,9 +393,11 @@ fn a_cache_dir_pointing_at_other_files_is_left_alone() {
 
 #[test]
 fn a_busy_cache_is_waited_for_and_then_worked_around() {
-    // Two builds on one cache serialise: the second waits for the first's lock.
+    // Two builds on one cache serialise: the second waits for the first's lock. The first
+    // plans two targets (seconds), well inside the wait however busy the machine is; the whole
+    // workspace can take longer than the wait in a debug build beside other tests.
     let ws = TempWorkspace::default_copy();
-    let first = ws.spawn(&["build"]);
+    let first = ws.spawn(&["build", "gpt3-175b", "llama2-70b"]);
     std::thread::sleep(Duration::from_millis(50));
     let second = build_ok(&ws, "second of two", &[]);
     let first = first.wait_with_output().expect("first ends");
