@@ -16,7 +16,7 @@
 //! gradient and comes home after the last step.
 
 use super::ExecError;
-use super::kernels::Group;
+use super::kernels::{Group, batch_map};
 use super::tensor::{Mat, Tensor, matmul};
 use serde::{Deserialize, Serialize};
 
@@ -107,20 +107,6 @@ fn layout(
             (positions(rank * dims.sq, dims.sq, s, zigzag), blocks)
         }
     }
-}
-
-/// For every query matrix `[sq, d]` (batch x head), the key matrix it reads (grouped-query
-/// heads share one).
-fn head_map(dims: &Dims, q: &Tensor, k: &Tensor) -> Vec<(usize, usize)> {
-    let (heads, groups) = (dims.heads, k.shape[1]);
-    let per = heads / groups.max(1);
-    let batch = q.shape[0];
-    (0..batch * heads)
-        .map(|i| {
-            let (b, h) = (i / heads, i % heads);
-            (i, b * groups + h / per.max(1))
-        })
-        .collect()
 }
 
 /// Causally masked scores of one query matrix against one key block, scaled.
@@ -275,7 +261,7 @@ pub fn forward(
     let dims = Dims::of(q, k);
     let (qpos, blocks) = layout(keys, &dims, zigzag, group);
     let (qn, kn) = (dims.sq * dims.d, dims.sk * dims.d);
-    let map = head_map(&dims, q, k);
+    let map = batch_map(&q.shape, &k.shape);
     let rows = map.len();
     let mut out_rows = vec![0.0f32; q.len()];
     let mut lse = vec![f32::NEG_INFINITY; rows * dims.sq];
@@ -287,7 +273,7 @@ pub fn forward(
             kb = parts.next().unwrap_or_default();
             vb = parts.next().unwrap_or_default();
         }
-        for &(i, j) in &map {
+        for (i, &j) in map.iter().enumerate() {
             attend_block(
                 &q.data[i * qn..(i + 1) * qn],
                 &kb[j * kn..(j + 1) * kn],
@@ -332,7 +318,7 @@ pub fn backward(
     let dims = Dims::of(q, k);
     let (qpos, blocks) = layout(keys, &dims, zigzag, group);
     let (qn, kn) = (dims.sq * dims.d, dims.sk * dims.d);
-    let map = head_map(&dims, q, k);
+    let map = batch_map(&q.shape, &k.shape);
     let mut dq = vec![0.0f32; q.len()];
     let dout: Vec<Vec<f32>> = (0..map.len())
         .map(|i| token_rows(&d_out.data, &dims, i))
@@ -360,7 +346,7 @@ pub fn backward(
             dk = parts.next().unwrap_or_default();
             dv = parts.next().unwrap_or_default();
         }
-        for &(i, j) in &map {
+        for (i, &j) in map.iter().enumerate() {
             let kj = j * kn..(j + 1) * kn;
             block_backward(
                 (

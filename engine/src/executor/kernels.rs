@@ -669,7 +669,7 @@ fn gelu(x: f32) -> (f32, f32) {
 /// matrix of `b` it multiplies (`b`'s leading axes divide `a`'s: grouped heads share a key).
 /// For every matrix of `a` (shape `a`), the index of the matrix of `b` (shape `b`) it is
 /// multiplied with: `b`'s leading axes may divide `a`'s.
-fn batch_map(a: &[usize], b: &[usize]) -> Vec<usize> {
+pub(super) fn batch_map(a: &[usize], b: &[usize]) -> Vec<usize> {
     let lead_a = &a[..a.len() - 2];
     let lead_b = &b[..b.len() - 2];
     let count: usize = lead_a.iter().product();

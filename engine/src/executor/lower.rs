@@ -750,7 +750,6 @@ fn megatron_placement(
     let whole = |a: usize| State::Split {
         axis: a,
         parts: parts
-            .filter(|_| a + 1 == shape.len())
             .cloned()
             .unwrap_or_else(|| vec![shape.get(a).copied().unwrap_or(1)]),
     };
