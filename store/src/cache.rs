@@ -12,13 +12,16 @@
 //! aside to `<dir>.corrupt-<ms>` with one warning, and a new one takes its place: empty at open,
 //! or, in the middle of a build, holding every entry of the old one that still verifies. A
 //! database that cannot be used for other reasons (no permission, a full disk, another process
-//! holding it past the wait) is reported, and the caller works without it. sled's file lock lets one process use a cache at a time; another `autopar` waits
+//! holding it past the wait) is reported, and the caller works without it. Records larger than
+//! a few KiB are kept in files beside the database ([`record_files`]), so that walking sled's
+//! tree stays cheap. sled's file lock lets one process use a cache at a time; another `autopar` waits
 //! for it (see [`LocalCache::open`]) rather than share it unsafely.
 
 use crate::StoreError;
 use crate::contain::contain;
 use crate::fault;
 use crate::record::{self, Key, RecordError};
+use crate::record_files;
 use crate::seal;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -238,10 +241,26 @@ fn io(e: sled::Error) -> std::io::Error {
     }
 }
 
+/// The record `stored` (sled's value under `key`) stands for: itself, or the file it marks.
+fn resolve<'a>(
+    cache: &Path,
+    key: &Key,
+    stored: &'a [u8],
+) -> std::io::Result<std::borrow::Cow<'a, [u8]>> {
+    if record_files::is_marker(stored) {
+        record_files::read(cache, key).map(std::borrow::Cow::Owned)
+    } else {
+        Ok(std::borrow::Cow::Borrowed(stored))
+    }
+}
+
 /// The files a cache directory holds (sled's and the seal): a directory holding anything else
 /// is not moved aside, whatever state it is in.
 fn is_cache_file(name: &str) -> bool {
-    matches!(name, "conf" | "db" | "blobs" | seal::FILE) || name.starts_with("snap.")
+    matches!(
+        name,
+        "conf" | "db" | "blobs" | seal::FILE | record_files::DIR
+    ) || name.starts_with("snap.")
 }
 
 /// The name of a file in `dir` that is not one of the cache's, if there is one.
@@ -360,12 +379,13 @@ fn warn_repaired(dir: &Path, repair: &Repair) {
 }
 
 /// Copies every entry of the damaged database `old` that still verifies against its key, with
-/// its metadata and last use, into `new`, and returns how many it copied. A build that finds
+/// its metadata and last use (and record file, from `old_dir` to `new_dir`), into `new`, and
+/// returns how many it copied. A build that finds
 /// damage halfway keeps what it (and earlier builds) stored before; nothing unverified moves.
 ///
 /// It runs on a thread of its own, for at most [`SALVAGE_TIMEOUT`], and stops at the first
 /// error or panic of `old`: what lies past damaged pages is lost, as it was already.
-fn salvage(old: Arc<Handle>, new: Arc<Handle>) -> u64 {
+fn salvage(old: Arc<Handle>, new: Arc<Handle>, old_dir: PathBuf, new_dir: PathBuf) -> u64 {
     let copied = Arc::new(AtomicU64::new(0));
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     let counter = copied.clone();
@@ -378,7 +398,15 @@ fn salvage(old: Arc<Handle>, new: Arc<Handle>) -> u64 {
                     let Ok(key) = <[u8; 32]>::try_from(k.as_ref()) else {
                         continue;
                     };
-                    if record::open(&Key(key), &v).is_err() {
+                    let Ok(bytes) = resolve(&old_dir, &Key(key), &v) else {
+                        continue;
+                    };
+                    if record::open(&Key(key), &bytes).is_err() {
+                        continue;
+                    }
+                    if record_files::is_marker(&v)
+                        && record_files::carry(&old_dir, &new_dir, &Key(key), &bytes).is_err()
+                    {
                         continue;
                     }
                     // An entry without readable metadata would be an orphan: left behind.
@@ -567,7 +595,12 @@ impl LocalCache {
                     }
                 });
             let kept = match &opened {
-                Ok(new) => salvage(handle, new.clone()),
+                Ok(new) => salvage(
+                    handle,
+                    new.clone(),
+                    repair.moved_to.clone(),
+                    self.path.clone(),
+                ),
                 Err(_) => 0,
             };
             let repair = Repair { kept, ..repair };
@@ -611,11 +644,29 @@ impl LocalCache {
 
     /// The verified payload under `key`.
     pub fn get(&self, key: &Key) -> Result<Lookup, StoreError> {
-        let Some(bytes) = self
+        let Some(stored) = self
             .call(|h| h.values.get(key.0))
             .map_err(self.error("reading cache"))?
         else {
             return Ok(Lookup::Miss);
+        };
+        let bytes = match resolve(&self.path, key, &stored) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // A file a crash lost before it reached the disk: the result is solved again.
+                tracing::debug!(key = %key.hex(), "cache record file missing; entry removed");
+                let _ = self.remove(key);
+                return Ok(Lookup::Miss);
+            }
+            Err(e) => {
+                tracing::warn!(
+                    key = %key.hex(),
+                    cache = %self.path.display(),
+                    "unreadable cache record file removed: {e}"
+                );
+                let _ = self.remove(key);
+                return Ok(Lookup::Corrupt);
+            }
         };
         match record::open(key, &bytes) {
             Ok(payload) => {
@@ -662,7 +713,15 @@ impl LocalCache {
             path: self.path.clone(),
             source: std::io::Error::other(e),
         })?;
-        let value = record::seal(key, payload);
+        let mut value = record::seal(key, payload);
+        if value.len() > record_files::ABOVE {
+            record_files::write(&self.path, key, &value).map_err(|source| StoreError {
+                action: "writing a cache record file",
+                path: record_files::path(&self.path, key),
+                source,
+            })?;
+            value = record_files::MARKER.to_vec();
+        }
         let used = now_ms().to_be_bytes();
         self.call(|h| {
             use sled::Transactional;
@@ -711,7 +770,11 @@ impl LocalCache {
             h.used.remove(k)?;
             Ok(())
         })
-        .map_err(self.error("removing a cache entry"))
+        .map_err(self.error("removing a cache entry"))?;
+        if let Ok(key) = <[u8; 32]>::try_from(k) {
+            record_files::remove(&self.path, &Key(key));
+        }
+        Ok(())
     }
 
     /// Makes every write so far durable, and seals what the database now holds.
@@ -721,8 +784,7 @@ impl LocalCache {
             .call(|h| {
                 h.db.flush()?;
                 // Every write puts a key in `values` and `meta` in one transaction, so their
-                // counts agree; `meta`'s small values make counting it cheap (counting `values`
-                // reads every stored result, hundreds of MB with the ILP space's tables).
+                // counts agree.
                 Ok(h.meta.len() as u64)
             })
             .map_err(self.error("flushing cache"))?;
@@ -760,7 +822,8 @@ impl LocalCache {
         stats.kinds = kinds.into_iter().map(|(k, (n, b))| (k, n, b)).collect();
         stats.disk_bytes = self
             .call(|h| h.db.size_on_disk())
-            .map_err(self.error("reading cache"))?;
+            .map_err(self.error("reading cache"))?
+            + record_files::bytes(&self.path);
         Ok(stats)
     }
 
@@ -776,7 +839,10 @@ impl LocalCache {
                 let (k, v) = item?;
                 checked += 1;
                 let outcome = match <[u8; 32]>::try_from(k.as_ref()) {
-                    Ok(key) => record::open(&Key(key), &v).err(),
+                    Ok(key) => match resolve(&self.path, &Key(key), &v) {
+                        Ok(bytes) => record::open(&Key(key), &bytes).err(),
+                        Err(_) => Some(RecordError::Damaged),
+                    },
                     Err(_) => Some(RecordError::Damaged),
                 };
                 if let Some(e) = outcome {
@@ -816,6 +882,22 @@ impl LocalCache {
             }
             self.remove_raw(&k)?;
             report.removed += 1;
+        }
+        // Record files no entry points to (a write that stopped between its file and its
+        // entry, half-written temporary files).
+        for (path, key) in record_files::list(&self.path) {
+            let pointed = match key {
+                Some(key) => self
+                    .call(|h| h.values.get(key.0))
+                    .map_err(self.error("verifying cache"))?
+                    .is_some_and(|v| record_files::is_marker(&v)),
+                None => false,
+            };
+            if !pointed {
+                record_files::remove_path(&path);
+                report.orphans += 1;
+                report.removed += 1;
+            }
         }
         self.flush()?;
         report.repairs = self.repairs();
@@ -864,14 +946,24 @@ impl LocalCache {
                 Ok(n)
             })
             .map_err(self.error("clearing cache"))?;
+        record_files::clear(&self.path);
         self.flush()?;
         Ok(n)
     }
 
     /// The raw stored bytes of an entry (record included), for tools that check integrity.
     pub fn raw(&self, key: &Key) -> Result<Option<Vec<u8>>, StoreError> {
-        self.call(|h| Ok(h.values.get(key.0)?.map(|v| v.to_vec())))
-            .map_err(self.error("reading cache"))
+        let stored = self
+            .call(|h| h.values.get(key.0))
+            .map_err(self.error("reading cache"))?;
+        stored
+            .map(|v| resolve(&self.path, key, &v).map(|b| b.into_owned()))
+            .transpose()
+            .map_err(|source| StoreError {
+                action: "reading a cache record file",
+                path: record_files::path(&self.path, key),
+                source,
+            })
     }
 
     /// Stores raw bytes under `key` as if the database had been damaged, for tests of what
@@ -1194,11 +1286,11 @@ mod tests {
     }
 
     #[test]
-    fn damaged_blob_files_never_serve_a_wrong_value() {
-        // Values this large go to sled's `blobs` directory, one file each (noise, which
-        // deflating does not shrink).
+    fn damaged_record_files_never_serve_a_wrong_value() {
+        // Records this large are files beside the database (noise, which deflating does not
+        // shrink); sled holds only a marker for each.
         let big = |i: u8| crate::noise(u64::from(i) + 1, 200_000);
-        for damage in ["flip", "truncate", "empty", "remove", "directory"] {
+        for damage in ["flip", "truncate", "empty", "remove", "directory", "swap"] {
             let dir = tempfile::tempdir().expect("tempdir");
             {
                 let c = LocalCache::open(dir.path(), Duration::ZERO).expect("opens");
@@ -1208,40 +1300,107 @@ mod tests {
                 }
                 c.flush().expect("flush");
             }
-            let blobs: Vec<_> = std::fs::read_dir(dir.path().join("blobs"))
-                .expect("blobs")
-                .flatten()
-                .map(|e| e.path())
+            let files: Vec<PathBuf> = (0..4u8)
+                .map(|i| record_files::path(dir.path(), &Key([i; 32])))
                 .collect();
-            assert!(!blobs.is_empty(), "sled keeps large values as blob files");
-            for b in &blobs {
+            assert!(files.iter().all(|f| f.is_file()), "one file per record");
+            assert!(
+                std::fs::metadata(dir.path().join("db")).map_or(0, |m| m.len()) < 200_000,
+                "the database holds markers, not the records"
+            );
+            let first = std::fs::read(&files[0]).expect("read");
+            for f in &files {
                 match damage {
                     "flip" => {
-                        let mut bytes = std::fs::read(b).expect("read");
+                        let mut bytes = std::fs::read(f).expect("read");
                         let mid = bytes.len() / 2;
                         bytes[mid] ^= 0x10;
-                        std::fs::write(b, bytes).expect("write");
+                        std::fs::write(f, bytes).expect("write");
                     }
                     "truncate" => {
-                        let bytes = std::fs::read(b).expect("read");
-                        std::fs::write(b, &bytes[..bytes.len() / 3]).expect("write");
+                        let bytes = std::fs::read(f).expect("read");
+                        std::fs::write(f, &bytes[..bytes.len() / 3]).expect("write");
                     }
-                    "empty" => std::fs::write(b, b"").expect("write"),
-                    "remove" => std::fs::remove_file(b).expect("remove"),
-                    _ => {
-                        std::fs::remove_file(b).expect("remove");
-                        std::fs::create_dir(b).expect("directory");
+                    "empty" => std::fs::write(f, b"").expect("write"),
+                    "remove" => std::fs::remove_file(f).expect("remove"),
+                    "directory" => {
+                        std::fs::remove_file(f).expect("remove");
+                        std::fs::create_dir(f).expect("directory");
                     }
+                    // Every file holds the intact record of key 0.
+                    _ => std::fs::write(f, &first).expect("write"),
                 }
             }
             let c = LocalCache::open(dir.path(), Duration::ZERO).expect("opens");
             for i in 0..4u8 {
-                if let Ok(Lookup::Hit(v)) = c.get(&Key([i; 32])) {
-                    assert_eq!(v, big(i), "{damage}");
+                let got = c.get(&Key([i; 32])).expect("get");
+                if damage == "swap" && i == 0 {
+                    assert_eq!(got, Lookup::Hit(big(0)), "{damage}");
+                    continue;
                 }
+                let expected = if damage == "remove" {
+                    Lookup::Miss
+                } else {
+                    Lookup::Corrupt
+                };
+                assert_eq!(got, expected, "{damage} {i}");
+                assert_eq!(c.get(&Key([i; 32])).expect("get"), Lookup::Miss, "removed");
             }
-            c.put(&Key([9; 32]), b"v", &meta("x")).expect(damage);
+            // Stored again, served again.
+            c.put(&Key([1; 32]), &big(1), &meta("program"))
+                .expect(damage);
+            assert_eq!(c.get(&Key([1; 32])).expect("get"), Lookup::Hit(big(1)));
         }
+    }
+
+    #[test]
+    fn record_files_follow_their_entries() {
+        let parent = tempfile::tempdir().expect("tempdir");
+        let dir = parent.path().join("cache");
+        let c = LocalCache::open(&dir, Duration::ZERO).expect("opens");
+        let big = |i: u8| crate::noise(u64::from(i) + 1, 50_000);
+        for i in 0..6u8 {
+            c.put(&Key([i; 32]), &big(i), &meta("x")).expect("put");
+        }
+        c.put(&Key([9; 32]), b"small", &meta("x")).expect("put");
+        assert_eq!(
+            record_files::list(&dir).len(),
+            6,
+            "small records stay in sled"
+        );
+        // Removed with their entry, by gc and by clear; stray files go on verify.
+        c.remove(&Key([0; 32])).expect("remove");
+        assert!(!record_files::path(&dir, &Key([0; 32])).exists());
+        std::fs::write(
+            record_files::path(&dir, &Key([1; 32])).with_file_name("stray"),
+            b"x",
+        )
+        .expect("stray");
+        record_files::write(
+            &dir,
+            &Key([40; 32]),
+            &record::seal(&Key([40; 32]), &big(40)),
+        )
+        .expect("orphan");
+        let report = c.verify().expect("verify");
+        assert_eq!((report.orphans, report.removed), (2, 2), "{report:?}");
+        assert_eq!(record_files::list(&dir).len(), 5);
+        // A database found damaged mid-build keeps its records, files included.
+        let calls = AtomicU64::new(0);
+        let _ = c.call(|h| {
+            if calls.fetch_add(1, Ordering::Relaxed) == 0 {
+                panic!("damaged page");
+            }
+            h.values.get([7; 32])
+        });
+        assert_eq!(c.repairs()[0].kept, 6);
+        for i in 1..6u8 {
+            assert_eq!(c.get(&Key([i; 32])).expect("get"), Lookup::Hit(big(i)));
+        }
+        let s = c.stats().expect("stats");
+        assert!(s.disk_bytes >= 5 * 50_000, "{s:?}");
+        assert_eq!(c.clear().expect("clear"), 6);
+        assert!(record_files::list(&dir).is_empty());
     }
 
     #[test]

@@ -11,6 +11,7 @@ mod contain;
 pub mod fault;
 pub mod reapi;
 pub mod record;
+mod record_files;
 pub mod remote;
 mod seal;
 pub mod server;

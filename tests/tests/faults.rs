@@ -160,7 +160,12 @@ fn damage_to_any_file_of_the_cache_never_changes_a_plan() {
             );
             named += usize::from(warned);
             // The next build finds its results again.
-            assert_eq!(solved(&build_ok(&ws, &case, &[])), 0, "{case}: rebuilt");
+            assert_eq!(
+                solved(&build_ok(&ws, &case, &[])),
+                0,
+                "{case}: rebuilt after:\n{}",
+                r.stderr
+            );
         }
     }
     eprintln!(

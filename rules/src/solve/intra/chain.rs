@@ -417,21 +417,34 @@ pub fn layer_table_with(
     )?;
     let mut index_before: HashMap<Vec<Spec>, usize> = HashMap::new();
     let mut index_after: HashMap<Vec<Spec>, usize> = HashMap::new();
+    // Each side's state is a function of the kept values of its slots: looked up once per
+    // distinct combination of those (hundreds), not once per entry (tens of thousands).
+    let mut memo: [HashMap<usize, usize>; 2] = Default::default();
     let mut entries: Vec<(usize, usize, Entry)> = Vec::new();
     let mut joint = vec![0usize; keep.len()];
     for value in values {
-        let state = |range: Range<usize>| -> Vec<Spec> {
-            spec_of[range]
+        let mut side = |i: usize, range: Range<usize>, index: &mut HashMap<Vec<Spec>, usize>| {
+            let code = spec_of[range.clone()]
+                .iter()
+                .try_fold(0usize, |c, (slot, _)| {
+                    c.checked_mul(k[*slot])?.checked_add(joint[*slot])
+                });
+            if let Some(found) = code.and_then(|c| memo[i].get(&c)) {
+                return *found;
+            }
+            let state: Vec<Spec> = spec_of[range]
                 .iter()
                 .map(|(slot, specs)| specs[joint[*slot]].clone())
-                .collect()
+                .collect();
+            let n = index.len();
+            let at = *index.entry(state).or_insert(n);
+            if let Some(c) = code {
+                memo[i].insert(c, at);
+            }
+            at
         };
-        let sb = state(0..before.len());
-        let sa = state(before.len()..spec_of.len());
-        let n = index_before.len();
-        let b = *index_before.entry(sb).or_insert(n);
-        let n = index_after.len();
-        let a = *index_after.entry(sa).or_insert(n);
+        let b = side(0, 0..before.len(), &mut index_before);
+        let a = side(1, before.len()..spec_of.len(), &mut index_after);
         entries.push((b, a, value));
         for i in (0..joint.len()).rev() {
             joint[i] += 1;
@@ -483,13 +496,16 @@ fn fill<T: Send>(
     max_entries: f64,
     read: impl Fn(&[usize]) -> T + Sync,
 ) -> Result<(Vec<usize>, Vec<T>, usize), ChainError> {
-    let back = |choice: &[usize], domains: Option<&[Vec<usize>]>| -> T {
-        let unreduced: Vec<usize> = choice
-            .iter()
-            .enumerate()
-            .map(|(v, &c)| maps[v][domains.map_or(c, |d| d[v][c])])
-            .collect();
-        read(&unreduced)
+    // Reads an entry's plan in unreduced indices, through a buffer each elimination reuses.
+    let back = |choice: &[usize], domains: Option<&[Vec<usize>]>, buf: &mut Vec<usize>| -> T {
+        buf.clear();
+        buf.extend(
+            choice
+                .iter()
+                .enumerate()
+                .map(|(v, &c)| maps[v][domains.map_or(c, |d| d[v][c])]),
+        );
+        read(buf)
     };
     let k: Vec<usize> = keep.iter().map(|&v| p.k(v)).collect();
     let slots: Vec<usize> = (0..keep.len()).filter(|&i| entering[i]).collect();
@@ -512,7 +528,8 @@ fn fill<T: Send>(
         whole.size().work <= pin_count * pin.size().work || pin.size().stored > max_entries
     };
     if one_shot {
-        match exact::marginal_planned(p, &whole, keep, max_entries, |c| back(c, None)) {
+        let mut buf = Vec::new();
+        match exact::marginal_planned(p, &whole, keep, max_entries, |c| back(c, None, &mut buf)) {
             Ok((k, values)) => return Ok((k, values, 1)),
             Err(Declined::TooWide(_)) if !slots.is_empty() => {}
             Err(e) => return Err(ChainError::TooWide(e)),
@@ -538,9 +555,10 @@ fn fill<T: Send>(
         .into_par_iter()
         .map(|fixed| {
             let domains = one_pin(&fixed);
+            let mut buf = Vec::new();
             let (_, values) =
                 exact::marginal_planned(&p.restricted(&domains), &pinned, keep, max_entries, |c| {
-                    back(c, Some(&domains))
+                    back(c, Some(&domains), &mut buf)
                 })
                 .map_err(ChainError::TooWide)?;
             Ok((fixed, values))
