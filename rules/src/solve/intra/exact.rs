@@ -225,12 +225,36 @@ impl Elimination {
     /// with each member's index at that entry and `x = 0`.
     fn for_each_entry(&self, b: usize, mut f: impl FnMut(usize, &[usize])) {
         let bucket = &self.buckets[b];
-        let ks: Vec<usize> = bucket.scope.iter().map(|&v| self.k[v]).collect();
-        let entries: usize = ks.iter().product();
+        let row = bucket.scope.last().map_or(1, |&v| self.k[v]);
+        let along: Vec<usize> = bucket
+            .strides
+            .iter()
+            .map(|(stride, _)| stride.last().copied().unwrap_or(0))
+            .collect();
+        let mut at = vec![0usize; bucket.members.len()];
+        self.for_each_row(b, |first, bases| {
+            for j in 0..row {
+                for ((a, &base), &s) in at.iter_mut().zip(bases).zip(&along) {
+                    *a = base + j * s;
+                }
+                f(first + j, &at);
+            }
+        });
+    }
+
+    /// [`Elimination::for_each_entry`] a row at a time: calls `f(first, bases)` for every
+    /// value of bucket `b`'s scope but its last variable, with the row's first entry and each
+    /// member's index there (last variable and `x` at 0).
+    fn for_each_row(&self, b: usize, mut f: impl FnMut(usize, &[usize])) {
+        let bucket = &self.buckets[b];
+        let outer = bucket.scope.len().saturating_sub(1);
+        let ks: Vec<usize> = bucket.scope[..outer].iter().map(|&v| self.k[v]).collect();
+        let row = bucket.scope.last().map_or(1, |&v| self.k[v]);
+        let rows: usize = ks.iter().product();
         let mut values = vec![0usize; ks.len()];
         let mut bases = vec![0usize; bucket.members.len()];
-        for e in 0..entries {
-            f(e, &bases);
+        for r in 0..rows {
+            f(r * row, &bases);
             for i in (0..ks.len()).rev() {
                 values[i] += 1;
                 if values[i] < ks[i] {
@@ -252,6 +276,35 @@ impl Elimination {
         self.scopes[f]
             .iter()
             .fold(0, |idx, &v| idx * self.k[v] + choice[v])
+    }
+}
+
+/// Sets (`first`) or adds to `sums[j]` the value `values[at + j * along]` for every `j`.
+#[inline]
+fn add_row(sums: &mut [f64], values: &[f64], at: usize, along: usize, first: bool) {
+    let n = sums.len();
+    match (along, first) {
+        (0, true) => sums.fill(values[at]),
+        (0, false) => {
+            let v = values[at];
+            sums.iter_mut().for_each(|s| *s += v);
+        }
+        (1, true) => sums.copy_from_slice(&values[at..at + n]),
+        (1, false) => {
+            for (s, &v) in sums.iter_mut().zip(&values[at..at + n]) {
+                *s += v;
+            }
+        }
+        (_, true) => {
+            for (j, s) in sums.iter_mut().enumerate() {
+                *s = values[at + j * along];
+            }
+        }
+        (_, false) => {
+            for (j, s) in sums.iter_mut().enumerate() {
+                *s += values[at + j * along];
+            }
+        }
     }
 }
 
@@ -278,35 +331,40 @@ impl Pass {
             .chain(p.edges.iter().map(|e| e.cost.clone()))
             .collect();
         let mut argmin = Vec::with_capacity(el.buckets.len());
+        let mut sums: Vec<f64> = Vec::new();
         for (b, bucket) in el.buckets.iter().enumerate() {
             let kx = el.k[bucket.x];
             let entries: usize = bucket.scope.iter().map(|&v| el.k[v]).product();
-            let mut out = vec![0.0; entries];
+            let mut out = vec![f64::INFINITY; entries];
             let mut arg = vec![0u32; entries];
-            let mut sums = vec![0.0f64; kx];
-            el.for_each_entry(b, |e, bases| {
-                // The first member sets the sums, the others add to them; each member's values
-                // for x = 0, 1, ... lie `sx` apart (every member holds x, so `sx >= 1`).
-                let mut members = bucket.members.iter().zip(bases).zip(&bucket.strides);
-                if let Some(((&f, &base), &(_, sx))) = members.next() {
-                    for (s, &v) in sums.iter_mut().zip(values[f][base..].iter().step_by(sx)) {
-                        *s = v;
+            // A row of entries at a time (the scope's last variable, fastest): for each value
+            // of x, every member's values along the row are added at once, contiguous when the
+            // member's own last variable is the row's. Per entry the sums and the choice are
+            // those of one entry at a time: members added in order, the first least x kept.
+            let row = bucket.scope.last().map_or(1, |&v| el.k[v]);
+            sums.resize(row, 0.0);
+            el.for_each_row(b, |first, bases| {
+                let out = &mut out[first..first + row];
+                let arg = &mut arg[first..first + row];
+                for x in 0..kx {
+                    for (m, ((&f, &base), (stride, sx))) in bucket
+                        .members
+                        .iter()
+                        .zip(bases)
+                        .zip(&bucket.strides)
+                        .enumerate()
+                    {
+                        let at = base + x * sx;
+                        let along = stride.last().copied().unwrap_or(0);
+                        add_row(&mut sums, &values[f], at, along, m == 0);
+                    }
+                    for ((o, a), &s) in out.iter_mut().zip(arg.iter_mut()).zip(&sums) {
+                        if s < *o {
+                            *o = s;
+                            *a = x as u32;
+                        }
                     }
                 }
-                for ((&f, &base), &(_, sx)) in members {
-                    for (s, &v) in sums.iter_mut().zip(values[f][base..].iter().step_by(sx)) {
-                        *s += v;
-                    }
-                }
-                let (best, c) = sums
-                    .iter()
-                    .enumerate()
-                    .fold(
-                        (0, f64::INFINITY),
-                        |acc, (i, &c)| if c < acc.1 { (i, c) } else { acc },
-                    );
-                out[e] = c;
-                arg[e] = best as u32;
             });
             values.push(out);
             argmin.push(arg);
