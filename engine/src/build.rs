@@ -370,7 +370,7 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
         layers,
         ilp: ilp_records,
     };
-    if let Err(e) = write_record(&ws.root, &record) {
+    if let Err(e) = write_record(&ws.root, &record, previous.as_ref()) {
         tracing::warn!(error = %e, "could not record the build for `explain`");
     }
     Ok(TargetOutcome {

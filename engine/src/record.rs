@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// One layer cost a build asked for.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LayerRecord {
     /// The first layer that asked, with its parallel setting (`layers.0 · mb 1 · tp 8 sp`).
     pub slot: String,
@@ -25,7 +25,7 @@ pub struct LayerRecord {
 }
 
 /// The plan of a target in one build.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PlanRecord {
     /// Components of the target's key (what the plan depends on, as written).
     pub parts: KeyParts,
@@ -43,7 +43,7 @@ pub struct PlanRecord {
 }
 
 /// One layer table of the ILP space a stage DP read.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TableRecord {
     /// The layer (the first of its class) and the logical mesh (`layers.0 · mesh 2x4`).
     pub slot: String,
@@ -60,7 +60,7 @@ pub struct TableRecord {
 }
 
 /// The ILP space's stage DP at one micro-batch size in one build.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StagesRecord {
     /// Sequences per micro-batch.
     pub micro_batch: u64,
@@ -75,7 +75,7 @@ pub struct StagesRecord {
 }
 
 /// What one build did for one target.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BuildRecord {
     /// Target name.
     pub target: String,
@@ -92,6 +92,14 @@ pub struct BuildRecord {
 }
 
 impl BuildRecord {
+    /// Whether `other` records the same build but for its time.
+    pub fn same_build(&self, other: &BuildRecord) -> bool {
+        self.target == other.target
+            && self.plan == other.plan
+            && self.layers == other.layers
+            && self.ilp == other.ilp
+    }
+
     /// The stage DP this build ran at micro-batch size `mb`.
     pub fn stages(&self, mb: u64) -> Option<&StagesRecord> {
         self.ilp.iter().find(|s| s.micro_batch == mb)
@@ -105,20 +113,45 @@ pub fn record_path(root: &Path, target: &str) -> PathBuf {
         .join(format!("{target}.json"))
 }
 
-/// The last build's record of `target`, if any (an unreadable record counts as none).
+/// The last build's record of `target`, if any (an unreadable record counts as none). Its
+/// time is that of the last build that did the same (see [`write_record`]).
 pub fn read_record(root: &Path, target: &str) -> Option<BuildRecord> {
-    let text = crate::input::read_capped(&record_path(root, target)).ok()?;
-    serde_json::from_str(&text).ok()
+    let path = record_path(root, target);
+    let text = crate::input::read_capped(&path).ok()?;
+    let mut record: BuildRecord = serde_json::from_str(&text).ok()?;
+    let touched = std::fs::metadata(&path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_millis() as u64);
+    record.time_ms = record.time_ms.max(touched);
+    Some(record)
 }
 
 /// Stores the record of a build (compact JSON: a target of the ILP space records every layer
-/// table's key components, megabytes that every build reads and writes again).
-pub fn write_record(root: &Path, record: &BuildRecord) -> Result<(), EngineError> {
+/// table's key components, megabytes that every build reads and writes again). A build that
+/// did exactly what the last one did (`previous`, as read; every rebuild after the first that
+/// finds everything cached) only sets the file's time.
+pub fn write_record(
+    root: &Path,
+    record: &BuildRecord,
+    previous: Option<&BuildRecord>,
+) -> Result<(), EngineError> {
+    let path = record_path(root, &record.target);
+    if previous.is_some_and(|p| p.same_build(record))
+        && std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_modified(std::time::SystemTime::now()))
+            .is_ok()
+    {
+        return Ok(());
+    }
     let json = serde_json::to_vec(record).map_err(|e| EngineError::Encode {
-        path: record_path(root, &record.target),
+        path: path.clone(),
         reason: e.to_string(),
     })?;
-    autopar_store::write_atomic(&record_path(root, &record.target), &json)?;
+    autopar_store::write_atomic(&path, &json)?;
     Ok(())
 }
 
@@ -345,7 +378,57 @@ pub fn table_reasons(old: Option<&TableRecord>, new: &TableRecord) -> Vec<String
 
 #[cfg(test)]
 mod tests {
-    use super::utc;
+    use super::*;
+
+    #[test]
+    fn a_build_like_the_last_keeps_its_record_and_moves_its_time() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let record = BuildRecord {
+            target: "t".into(),
+            time_ms: 1_000,
+            plan: PlanRecord {
+                parts: KeyParts::new("plan"),
+                model: serde_json::json!({"layers": 2}),
+                profile: Vec::new(),
+                source: Source::Solved,
+                reused_after_change: false,
+                reasons: Vec::new(),
+            },
+            layers: Vec::new(),
+            ilp: Vec::new(),
+        };
+        write_record(dir.path(), &record, None).expect("first write");
+        let path = record_path(dir.path(), "t");
+        let bytes = std::fs::read(&path).expect("record");
+        let first = read_record(dir.path(), "t").expect("read back");
+        assert!(first.same_build(&record));
+        // The same build again (later): the bytes stay, the time moves.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let again = BuildRecord {
+            time_ms: 2_000,
+            ..record.clone()
+        };
+        write_record(dir.path(), &again, Some(&first)).expect("second write");
+        assert_eq!(std::fs::read(&path).expect("record"), bytes);
+        let second = read_record(dir.path(), "t").expect("read back");
+        assert!(
+            second.time_ms > first.time_ms,
+            "{} {}",
+            second.time_ms,
+            first.time_ms
+        );
+        // A different build is written in full.
+        let cached = BuildRecord {
+            plan: PlanRecord {
+                source: Source::Local,
+                ..record.plan.clone()
+            },
+            ..record
+        };
+        write_record(dir.path(), &cached, Some(&second)).expect("third write");
+        let third = read_record(dir.path(), "t").expect("read back");
+        assert!(third.same_build(&cached) && !third.same_build(&second));
+    }
 
     #[test]
     fn dates() {
