@@ -658,15 +658,7 @@ impl LocalCache {
                 let _ = self.remove(key);
                 return Ok(Lookup::Miss);
             }
-            Err(e) => {
-                tracing::warn!(
-                    key = %key.hex(),
-                    cache = %self.path.display(),
-                    "unreadable cache record file removed: {e}"
-                );
-                let _ = self.remove(key);
-                return Ok(Lookup::Corrupt);
-            }
+            Err(e) => return Ok(self.remove_corrupt(key, &format!("its record file: {e}"))),
         };
         match record::open(key, &bytes) {
             Ok(payload) => {
@@ -682,16 +674,20 @@ impl LocalCache {
                 let _ = self.remove(key);
                 Ok(Lookup::Miss)
             }
-            Err(e) => {
-                tracing::warn!(
-                    key = %key.hex(),
-                    cache = %self.path.display(),
-                    "corrupt cache entry removed: {e}"
-                );
-                let _ = self.remove(key);
-                Ok(Lookup::Corrupt)
-            }
+            Err(e) => Ok(self.remove_corrupt(key, &e.to_string())),
         }
+    }
+
+    /// Removes the entry under `key`, whose stored bytes are not its result (`why`), with a
+    /// warning naming it.
+    fn remove_corrupt(&self, key: &Key, why: &str) -> Lookup {
+        tracing::warn!(
+            key = %key.hex(),
+            cache = %self.path.display(),
+            "corrupt cache entry removed: {why}"
+        );
+        let _ = self.remove(key);
+        Lookup::Corrupt
     }
 
     /// Whether an entry exists (without reading or verifying it).
