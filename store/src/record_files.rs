@@ -34,14 +34,11 @@ pub(crate) fn path(cache: &Path, key: &Key) -> PathBuf {
     cache.join(DIR).join(&hex[..2]).join(hex)
 }
 
-/// Writes `record` as `key`'s file (replacing any file there).
+/// Writes `record` as `key`'s file (replacing any file there): [`crate::write_atomic`]'s
+/// temporary file and rename, without its fsync.
 pub(crate) fn write(cache: &Path, key: &Key, record: &[u8]) -> std::io::Result<()> {
     let path = path(cache, key);
-    let dir = path.parent().unwrap_or(cache);
-    std::fs::create_dir_all(dir)?;
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".partial-")
-        .tempfile_in(dir)?;
+    let (_, mut tmp) = crate::temporary_beside(&path).map_err(|e| e.source)?;
     tmp.write_all(record)?;
     tmp.persist(&path).map_err(|e| e.error)?;
     Ok(())
@@ -91,7 +88,7 @@ pub(crate) fn list(cache: &Path) -> Vec<(PathBuf, Option<Key>)> {
         };
         for f in files.flatten() {
             let name = f.file_name().to_string_lossy().into_owned();
-            out.push((f.path(), parse_key(&name)));
+            out.push((f.path(), Key::from_hex(&name)));
         }
     }
     out
@@ -111,17 +108,6 @@ pub(crate) fn clear(cache: &Path) {
     let _ = std::fs::remove_dir_all(cache.join(DIR));
 }
 
-fn parse_key(name: &str) -> Option<Key> {
-    if name.len() != 64 {
-        return None;
-    }
-    let mut key = [0u8; 32];
-    for (i, b) in key.iter_mut().enumerate() {
-        *b = u8::from_str_radix(name.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(Key(key))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,8 +118,9 @@ mod tests {
         let p = path(Path::new("/c"), &key);
         assert_eq!(p.parent().and_then(|d| d.file_name()), Some("ab".as_ref()));
         let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
-        assert_eq!(name.as_deref().and_then(parse_key), Some(key));
-        assert_eq!(parse_key(".partial-x"), None);
-        assert_eq!(parse_key(&"zz".repeat(32)), None);
+        assert_eq!(name.as_deref().and_then(Key::from_hex), Some(key));
+        assert_eq!(Key::from_hex(".partial-x"), None);
+        assert_eq!(Key::from_hex(&"zz".repeat(32)), None);
+        assert_eq!(Key::from_hex(&"é".repeat(32)), None);
     }
 }

@@ -131,6 +131,16 @@ struct Bucket {
     strides: Vec<(Vec<usize>, usize)>,
 }
 
+impl Bucket {
+    /// Per member: its stride along the scope's last variable (0 when it does not hold it).
+    fn along(&self) -> Vec<usize> {
+        self.strides
+            .iter()
+            .map(|(stride, _)| stride.last().copied().unwrap_or(0))
+            .collect()
+    }
+}
+
 /// The elimination's structure, the same for every pass.
 struct Elimination {
     /// Domain sizes.
@@ -226,11 +236,7 @@ impl Elimination {
     fn for_each_entry(&self, b: usize, mut f: impl FnMut(usize, &[usize])) {
         let bucket = &self.buckets[b];
         let row = bucket.scope.last().map_or(1, |&v| self.k[v]);
-        let along: Vec<usize> = bucket
-            .strides
-            .iter()
-            .map(|(stride, _)| stride.last().copied().unwrap_or(0))
-            .collect();
+        let along = bucket.along();
         let mut at = vec![0usize; bucket.members.len()];
         self.for_each_row(b, |first, bases| {
             for j in 0..row {
@@ -342,21 +348,21 @@ impl Pass {
             // member's own last variable is the row's. Per entry the sums and the choice are
             // those of one entry at a time: members added in order, the first least x kept.
             let row = bucket.scope.last().map_or(1, |&v| el.k[v]);
+            let along = bucket.along();
             sums.resize(row, 0.0);
             el.for_each_row(b, |first, bases| {
                 let out = &mut out[first..first + row];
                 let arg = &mut arg[first..first + row];
                 for x in 0..kx {
-                    for (m, ((&f, &base), (stride, sx))) in bucket
+                    for (m, (((&f, &base), (_, sx)), &along)) in bucket
                         .members
                         .iter()
                         .zip(bases)
                         .zip(&bucket.strides)
+                        .zip(&along)
                         .enumerate()
                     {
-                        let at = base + x * sx;
-                        let along = stride.last().copied().unwrap_or(0);
-                        add_row(&mut sums, &values[f], at, along, m == 0);
+                        add_row(&mut sums, &values[f], base + x * sx, along, m == 0);
                     }
                     for ((o, a), &s) in out.iter_mut().zip(arg.iter_mut()).zip(&sums) {
                         if s < *o {
