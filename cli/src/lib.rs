@@ -79,7 +79,7 @@ where
         Ok(()) => ExitCode::SUCCESS,
         Err(failure) => {
             match &failure {
-                Failure::Input(e) | Failure::Failed(e) => eprintln!("error: {e:#}"),
+                Failure::Input(e) | Failure::Failed(e) => output::errln!("error: {e:#}"),
                 Failure::Partial => {}
             }
             ExitCode::from(failure.code())

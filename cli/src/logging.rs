@@ -21,5 +21,9 @@ pub fn init(verbose: u8) {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
+        // Its default reports a failed write with `eprintln!`, which panics when stderr is a
+        // closed pipe; the storage crate logs from inside the store's boundary, where a panic
+        // reads as a damaged database.
+        .log_internal_errors(false)
         .try_init();
 }

@@ -1,5 +1,6 @@
 //! Progress: a bar on a terminal; for builds one plain line per target otherwise (CI logs).
 
+use crate::output::errln;
 use autopar_engine::build::{Progress, TargetResult};
 use autopar_engine::cache::Source;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -51,7 +52,7 @@ impl Reporter {
                     Source::Solved => format!("{} layouts searched", o.layouts),
                     other => format!("cached in {}", other.name()),
                 };
-                eprintln!(
+                errln!(
                     "{status} {} ({how}, {:.2} s)",
                     o.name,
                     o.elapsed.as_secs_f64()

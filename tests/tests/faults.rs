@@ -397,6 +397,34 @@ fn a_cache_dir_pointing_at_other_files_is_left_alone() {
 }
 
 #[test]
+fn a_reader_that_goes_away_costs_neither_the_build_nor_the_cache() {
+    // `autopar -vv build 2>&1 | head`: both pipes close while the build writes to them, the
+    // storage crate's debug lines among them (logged from inside the store's boundary, where
+    // a panic would read as a damaged database and move it aside).
+    let ws = TempWorkspace::default_copy();
+    let targets = ["tiny-llama", "tiny-llama-cpu-ilp"];
+    let mut child = ws.spawn(&[&["-vv", "build"][..], &targets[..]].concat());
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let status = child.wait().expect("the build ends");
+    assert!(status.success(), "exit status {status}");
+    let aside: Vec<_> = std::fs::read_dir(ws.path().join(".autopar"))
+        .expect(".autopar exists")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("corrupt"))
+        .collect();
+    assert!(
+        aside.is_empty(),
+        "a healthy cache was moved aside: {aside:?}"
+    );
+    let again = ws.run(&[&["build", "--json"][..], &targets[..]].concat());
+    assert_eq!(again.code, 0, "{}", again.stderr);
+    assert_eq!(solved(&again), 0, "{}", again.stderr);
+    assert!(warnings(&again).is_empty(), "{}", again.stderr);
+}
+
+#[test]
 fn a_busy_cache_is_waited_for_and_then_worked_around() {
     // Two builds on one cache serialise: the second waits for the first's lock. The first
     // plans two targets (seconds), well inside the wait however busy the machine is; the whole

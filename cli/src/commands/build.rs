@@ -3,7 +3,7 @@
 use super::print_json;
 use crate::Failure;
 use crate::args::BuildArgs;
-use crate::output::outln;
+use crate::output::{errln, outln};
 use crate::progress::Reporter;
 use crate::render;
 use autopar_engine::build::{TargetResult, build, dry_run};
@@ -146,7 +146,7 @@ pub fn run_with(
                     outln!("{}", render::plan(&p.plan, Some(&p.path), Some(&p.trace)))
                 }
                 TargetResult::Infeasible { reason } => {
-                    eprintln!("error: target {} is infeasible: {reason}", o.name)
+                    errln!("error: target {} is infeasible: {reason}", o.name)
                 }
             }
         }

@@ -3,7 +3,7 @@
 
 use crate::Failure;
 use crate::args::ExportArgs;
-use crate::output::out;
+use crate::output::{errln, out};
 use autopar_engine::export::{ExportOptions, export};
 use autopar_engine::session::Session;
 
@@ -22,7 +22,7 @@ pub fn run(session: &Session, a: &ExportArgs) -> Result<(), Failure> {
             std::fs::write(path, &text).map_err(|e| {
                 Failure::Failed(anyhow::anyhow!("cannot write {}: {e}", path.display()))
             })?;
-            eprintln!(
+            errln!(
                 "wrote {} ({} launch configuration of `{}`)",
                 path.display(),
                 opts.framework.name(),

@@ -2,7 +2,7 @@
 
 use super::print_json;
 use crate::Failure;
-use crate::output::out;
+use crate::output::{errln, out};
 use crate::render;
 use autopar_engine::build::stale;
 use autopar_engine::plans::read_plan;
@@ -58,7 +58,7 @@ pub fn show(session: &Session, target: &str, json: bool) -> Result<(), Failure> 
     let plan = read_plan(target, &path)?;
     // A stored plan is shown as it is, with a word when the workspace has moved on from it.
     if let Some(reasons) = ws.target(target).and_then(|t| stale(&ws, t)) {
-        eprintln!(
+        errln!(
             "warning: the plan of `{target}` is out of date ({}): `autopar build {target}` \
              replaces it",
             reasons.join("; ")

@@ -3,7 +3,7 @@
 use super::print_json;
 use crate::Failure;
 use crate::args::ProfileRunArgs;
-use crate::output::{out, outln};
+use crate::output::{err, errln, out, outln};
 use crate::render;
 use autopar_engine::EngineError;
 use autopar_engine::cache::LocalCache;
@@ -148,7 +148,7 @@ pub fn import(input: &Path, output: Option<&Path>, device: Option<&str>) -> Resu
     match output {
         Some(out) => {
             autopar_engine::plans::write_text(out, &canonical)?;
-            eprintln!("wrote {} ({} measurements)", out.display(), p.len());
+            errln!("wrote {} ({} measurements)", out.display(), p.len());
         }
         None => out!("{canonical}"),
     }
@@ -166,7 +166,7 @@ pub fn template(session: &Session, target: &str, output: Option<&Path>) -> Resul
     match output {
         Some(out) => {
             autopar_engine::plans::write_text(out, &text)?;
-            eprintln!(
+            errln!(
                 "wrote {} ({} kernels and collectives to measure)",
                 out.display(),
                 p.len()
@@ -230,13 +230,13 @@ pub fn run(session: &Session, a: &ProfileRunArgs) -> Result<(), Failure> {
             );
             // Standard output stays one JSON document with --json.
             if a.json {
-                eprintln!("{wrote}");
+                errln!("{wrote}");
             } else {
                 outln!("{wrote}");
             }
         }
         None => {
-            eprint!("{summary}");
+            err!("{summary}");
             out!("{text}");
         }
     }

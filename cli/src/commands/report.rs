@@ -2,6 +2,7 @@
 
 use crate::Failure;
 use crate::args::ReportArgs;
+use crate::output::errln;
 use autopar_engine::plans::write_text;
 use autopar_engine::record::read_record;
 use autopar_engine::session::Session;
@@ -17,7 +18,7 @@ pub fn run(session: &Session, a: &ReportArgs) -> Result<(), Failure> {
         .clone()
         .unwrap_or_else(|| ws.report_path(&a.target));
     write(&ws, &plan, &path)?;
-    eprintln!("wrote {} (report of `{}`)", path.display(), plan.target);
+    errln!("wrote {} (report of `{}`)", path.display(), plan.target);
     Ok(())
 }
 

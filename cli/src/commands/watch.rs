@@ -5,6 +5,7 @@
 use super::build::run_with;
 use crate::Failure;
 use crate::args::WatchArgs;
+use crate::output::errln;
 use crate::output::outln;
 use autopar_engine::cache::{Cache, Memory, RemoteFlags, cache_dir, remote_config};
 use autopar_engine::session::Session;
@@ -27,7 +28,7 @@ pub fn run(
             continue;
         }
         for p in &changed {
-            eprintln!("changed: {}", p.display());
+            errln!("changed: {}", p.display());
         }
         let now = session.target_keys();
         if now == keys && session.workspace().is_ok() {
@@ -55,7 +56,7 @@ fn build_once(
     });
     match result {
         Ok(()) | Err(Failure::Partial) => {}
-        Err(Failure::Input(e)) | Err(Failure::Failed(e)) => eprintln!("error: {e:#}"),
+        Err(Failure::Input(e)) | Err(Failure::Failed(e)) => errln!("error: {e:#}"),
     }
     outln!("watching for changes (Ctrl-C to stop)");
 }
