@@ -747,7 +747,7 @@ fn range_prices<'t>(
         }
     }
     // What chaining compares, per class's table.
-    let mut ranks: HashMap<usize, Vec<[f64; 2]>> = HashMap::new();
+    let mut ranks: HashMap<usize, chain::Ranking> = HashMap::new();
     for (l, &class) in classes.iter().enumerate() {
         if let (Some(t), std::collections::hash_map::Entry::Vacant(slot)) =
             (table(l), ranks.entry(class))

@@ -639,10 +639,20 @@ pub fn link(prev: &LayerTable, next: &LayerTable) -> Option<Vec<usize>> {
     prev.after.iter().map(|s| index.get(s).copied()).collect()
 }
 
-/// A table's `(cost, memory)` per entry, row-major like its entries: what chaining compares
-/// ([`extend_linked`] reads 16 bytes a candidate instead of a whole entry).
-pub fn ranking(t: &LayerTable) -> Vec<[f64; 2]> {
-    t.entries.iter().map(|e| [e.cost, e.memory]).collect()
+/// A table's cost and memory per entry, each row-major like its entries: what chaining
+/// compares ([`extend_linked`] reads two contiguous rows of numbers instead of whole entries).
+#[derive(Clone, Debug)]
+pub struct Ranking {
+    cost: Vec<f64>,
+    memory: Vec<f64>,
+}
+
+/// The [`Ranking`] of `t`'s entries.
+pub fn ranking(t: &LayerTable) -> Ranking {
+    Ranking {
+        cost: t.entries.iter().map(|e| e.cost).collect(),
+        memory: t.entries.iter().map(|e| e.memory).collect(),
+    }
 }
 
 /// Best entry per state after `next` (whose [`ranking`] is `next_rank`), given `best` per
@@ -652,21 +662,27 @@ pub fn extend_linked(
     best: &[Entry],
     link: &[usize],
     next: &LayerTable,
-    next_rank: &[[f64; 2]],
+    next_rank: &Ranking,
 ) -> Vec<Entry> {
     let width = next.after.len();
-    let mut rank = vec![[f64::INFINITY; 2]; width];
+    let mut cost = vec![f64::INFINITY; width];
+    let mut memory = vec![f64::INFINITY; width];
     let mut from = vec![usize::MAX; width];
     for (p, (&b, e)) in link.iter().zip(best).enumerate() {
         if !e.cost.is_finite() {
             continue;
         }
-        let row = &next_rank[b * width..(b + 1) * width];
-        for ((slot, at), n) in rank.iter_mut().zip(from.iter_mut()).zip(row) {
-            let (cost, memory) = (e.cost + n[0], e.memory + n[1]);
-            if cost < slot[0] || (cost == slot[0] && memory < slot[1]) {
-                *slot = [cost, memory];
-                *at = p;
+        let row = b * width..(b + 1) * width;
+        let slots = cost.iter_mut().zip(memory.iter_mut()).zip(from.iter_mut());
+        let candidates = next_rank.cost[row.clone()]
+            .iter()
+            .zip(&next_rank.memory[row]);
+        // Predecessors come in index order, so a strict improvement keeps ties with the
+        // earlier state.
+        for (((c, m), at), (&nc, &nm)) in slots.zip(candidates) {
+            let (sum, mem) = (e.cost + nc, e.memory + nm);
+            if sum < *c || (sum == *c && mem < *m) {
+                (*c, *m, *at) = (sum, mem, p);
             }
         }
     }
