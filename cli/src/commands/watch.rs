@@ -5,8 +5,7 @@
 use super::build::run_with;
 use crate::Failure;
 use crate::args::WatchArgs;
-use crate::output::errln;
-use crate::output::outln;
+use crate::output::{errln, outln};
 use autopar_engine::cache::{Cache, Memory, RemoteFlags, cache_dir, remote_config};
 use autopar_engine::session::Session;
 use std::path::Path;
