@@ -1219,10 +1219,14 @@ fn set_device_number(device: &mut Device, key: &str, v: f64) -> Result<(), (Stri
         };
         return Err((expected, format!("unknown field `{key}`")));
     };
-    let ok = v.is_finite() && v > 0.0 && (!field.fraction || v <= 1.0);
+    let ok = v.is_finite()
+        && (v > 0.0 || (field.zero_allowed && v == 0.0))
+        && (!field.fraction || v <= 1.0);
     if !ok {
         let expected = if field.fraction {
             "a fraction in (0, 1]".to_string()
+        } else if field.zero_allowed {
+            format!("a number of {} >= 0", field.unit)
         } else {
             format!("a positive number of {}", field.unit)
         };

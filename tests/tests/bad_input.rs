@@ -183,8 +183,8 @@ fn unknown_device_override() {
         "gpus_per_node = 8\noverrides = { nvlink = 900 }",
         "workspace.toml:14:24: field `cluster.overrides.nvlink`: expected one of sm_count, \
          peak_bf16_tflops, peak_fp32_tflops, hbm_gib, hbm_tbps, nvlink_gbps, \
-         nvlink_latency_us, internode_latency_us, matmul_efficiency, attention_efficiency, \
-         hbm_efficiency, nvlink_efficiency, internode_efficiency, kernel_overhead_us, \
+         nvlink_latency_us, internode_latency_us, matmul_efficiency, gemm_pipeline_depth, \
+         attention_efficiency, hbm_efficiency, nvlink_efficiency, internode_efficiency, kernel_overhead_us, \
          reserved_gib, found unknown field `nvlink`",
     );
 }

@@ -30,6 +30,11 @@ pub struct Device {
     pub internode_latency: f64,
     /// Fraction of the tensor-core peak that the matrix products of a training step sustain.
     pub matmul_efficiency: f64,
+    /// Reduction length, in elements, that a matrix product's kernel spends per output tile
+    /// filling its pipeline and writing the tile back (`analytic::depth_efficiency`); 0 for a
+    /// device whose products have no such cost. Absent from plans of earlier versions (0).
+    #[serde(default)]
+    pub gemm_pipeline_depth: f64,
     /// Fraction of the tensor-core peak that fused (flash) attention reaches, forward + backward.
     pub attention_efficiency: f64,
     /// Fraction of the memory bandwidth that streaming kernels reach.
@@ -75,6 +80,9 @@ pub struct DeviceField {
     pub doc: &'static str,
     /// Whether the value is a fraction in (0, 1].
     pub fraction: bool,
+    /// Whether 0 is a meaningful value (the cost the number prices does not exist); every
+    /// other number must be positive.
+    pub zero_allowed: bool,
     /// Accessor.
     pub field: fn(&mut Device) -> &mut f64,
 }
@@ -87,6 +95,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1.0,
         doc: "streaming multiprocessors",
         fraction: false,
+        zero_allowed: false,
         field: |d| &mut d.sm_count,
     },
     DeviceField {
@@ -95,6 +104,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1e12,
         doc: "dense bf16/fp16 tensor-core peak",
         fraction: false,
+        zero_allowed: false,
         field: |d| &mut d.peak_bf16_flops,
     },
     DeviceField {
@@ -103,6 +113,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1e12,
         doc: "fp32 peak without tensor cores",
         fraction: false,
+        zero_allowed: false,
         field: |d| &mut d.peak_fp32_flops,
     },
     DeviceField {
@@ -111,6 +122,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: GIB,
         doc: "memory capacity",
         fraction: false,
+        zero_allowed: false,
         field: |d| &mut d.hbm_bytes,
     },
     DeviceField {
@@ -119,6 +131,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1e12,
         doc: "memory bandwidth",
         fraction: false,
+        zero_allowed: false,
         field: |d| &mut d.hbm_bandwidth,
     },
     DeviceField {
@@ -127,6 +140,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1e9,
         doc: "NVLink bandwidth per GPU and direction",
         fraction: false,
+        zero_allowed: false,
         field: |d| &mut d.nvlink_bandwidth,
     },
     DeviceField {
@@ -135,6 +149,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1e-6,
         doc: "collective start-up latency inside a node",
         fraction: false,
+        zero_allowed: false,
         field: |d| &mut d.nvlink_latency,
     },
     DeviceField {
@@ -143,6 +158,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1e-6,
         doc: "collective start-up latency across nodes",
         fraction: false,
+        zero_allowed: false,
         field: |d| &mut d.internode_latency,
     },
     DeviceField {
@@ -151,7 +167,17 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1.0,
         doc: "fraction of peak that the matrix products of a training step sustain",
         fraction: true,
+        zero_allowed: false,
         field: |d| &mut d.matmul_efficiency,
+    },
+    DeviceField {
+        key: "gemm_pipeline_depth",
+        unit: "elements",
+        scale: 1.0,
+        doc: "reduction length a matrix product spends per output tile filling its pipeline",
+        fraction: false,
+        zero_allowed: true,
+        field: |d| &mut d.gemm_pipeline_depth,
     },
     DeviceField {
         key: "attention_efficiency",
@@ -159,6 +185,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1.0,
         doc: "fraction of peak reached by flash attention",
         fraction: true,
+        zero_allowed: false,
         field: |d| &mut d.attention_efficiency,
     },
     DeviceField {
@@ -167,6 +194,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1.0,
         doc: "fraction of memory bandwidth reached by streaming kernels",
         fraction: true,
+        zero_allowed: false,
         field: |d| &mut d.hbm_efficiency,
     },
     DeviceField {
@@ -175,6 +203,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1.0,
         doc: "fraction of NVLink bandwidth reached by collectives",
         fraction: true,
+        zero_allowed: false,
         field: |d| &mut d.nvlink_efficiency,
     },
     DeviceField {
@@ -183,6 +212,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1.0,
         doc: "fraction of network bandwidth reached by collectives",
         fraction: true,
+        zero_allowed: false,
         field: |d| &mut d.internode_efficiency,
     },
     DeviceField {
@@ -191,6 +221,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: 1e-6,
         doc: "fixed cost per kernel launch",
         fraction: false,
+        zero_allowed: false,
         field: |d| &mut d.kernel_overhead,
     },
     DeviceField {
@@ -199,6 +230,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         scale: GIB,
         doc: "memory held by CUDA context, libraries and NCCL",
         fraction: false,
+        zero_allowed: false,
         field: |d| &mut d.reserved_bytes,
     },
 ];
@@ -209,7 +241,8 @@ pub const PRESET_NAMES: &[&str] = &["a100-40g", "a100-80g", "h100-sxm", "h200", 
 const MIB: f64 = 1024.0 * 1024.0;
 
 /// Fraction of the A100's tensor-core peak that the matrix products of a training step sustain
-/// (dimensionless), before tile and wave quantisation.
+/// (dimensionless), before tile and wave quantisation and the pipeline fill of short reductions
+/// ([`TENSOR_CORE_PIPELINE_DEPTH`]).
 ///
 /// Microbenchmarks bound it from above: `mamf-finder` (S. Bekman, *Machine Learning
 /// Engineering*, "compute" chapter) reaches 271.2 of 312 TFLOP/s (0.87) on the best shape of a
@@ -220,17 +253,32 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// throughput tables for its MPT models (llm-foundry, `scripts/train/benchmarking/README.md`,
 /// 40 and 80 GB, PyTorch FSDP), keeping the 25 rows whose time goes to matrix products: models
 /// of 7B parameters or more, activation checkpointing on, sequences of at most 2048. It is the
-/// value that makes the median error of those rows zero (0.710, each row priced with
-/// llm-foundry's runtime settings and its table's gradient reduction dtype). Megatron-LM's 2021 results (Narayanan et al., Table 1) are not
+/// value that makes the median error of those rows zero (0.724, each row priced with
+/// llm-foundry's runtime settings and its table's gradient reduction dtype; 0.710 before the
+/// pipeline fill was priced). Megatron-LM's 2021 results (Narayanan et al., Table 1) are not
 /// part of the fit and check it. `tests/tests/calibration.rs` repeats the fit.
-pub const AMPERE_MATMUL_EFFICIENCY: f64 = 0.71;
+pub const AMPERE_MATMUL_EFFICIENCY: f64 = 0.72;
+
+/// Reduction length, in elements, that a tensor-core matrix product spends per output tile
+/// outside its main loop ([`Device::gemm_pipeline_depth`]). A tiled kernel computes each output
+/// tile in a loop over the reduction dimension, one k tile at a time, software-pipelined over
+/// shared-memory stages (CUTLASS, *Efficient GEMM in CUDA*, "Software pipelining"): before the
+/// first multiply-accumulate it fills the pipeline, and after the last its epilogue converts
+/// and writes the tile; neither overlaps the tensor cores. Those steps take about one main-loop
+/// iteration per stage, so a tile with reduction `k` takes as long as `k + 192` would at the
+/// main loop's rate. 192 = 3 stages x 64-wide k tiles, the shape of the Ampere bf16 tensor-op
+/// kernels (128x256x64 or 256x128x64 tiles, 3 stages: CUTLASS's default for SM80, and the
+/// structure of cuBLAS's); Hopper's kernels keep the 64-wide k tile, and the same value is
+/// taken. A reduction of 8192 or more loses under 3%; the 768-wide reductions of a 125M model
+/// lose 20%, and the head-dimension reductions of unfused attention's score product more.
+pub const TENSOR_CORE_PIPELINE_DEPTH: f64 = 192.0;
 
 /// Fraction of the H100/H200 tensor-core peak that the matrix products of a training step
 /// sustain (dimensionless). `mamf-finder` bounds it from above at 794.5 of 989 TFLOP/s (0.80; H200
 /// has the same GH100 die and clocks). Calibrated by the rule of [`AMPERE_MATMUL_EFFICIENCY`]
 /// on MosaicML's H100 bf16 table: its 8 rows of 7B or more with checkpointing and sequences of at
-/// most 2048 have a median error of zero at 0.592.
-pub const HOPPER_MATMUL_EFFICIENCY: f64 = 0.59;
+/// most 2048 have a median error of zero at 0.602.
+pub const HOPPER_MATMUL_EFFICIENCY: f64 = 0.60;
 
 /// A built-in device by name.
 ///
@@ -238,7 +286,8 @@ pub const HOPPER_MATMUL_EFFICIENCY: f64 = 0.59;
 /// is quoted there as total bidirectional bandwidth: 600 and 900 GB/s, i.e. 300 and 450 GB/s per
 /// direction). Memory capacity: the total `nvidia-smi` reports. The network between nodes is the
 /// cluster's ([`Network`]); the efficiency and latency of collectives over it are the device's.
-/// Matmul efficiency: calibrated, see [`AMPERE_MATMUL_EFFICIENCY`].
+/// Matmul efficiency: calibrated, see [`AMPERE_MATMUL_EFFICIENCY`]. GEMM pipeline depth: the
+/// tensor-core kernels' tile structure, see [`TENSOR_CORE_PIPELINE_DEPTH`].
 /// Attention efficiency: FlashAttention-2 reports 50-73% of A100 peak forward and less backward
 /// (0.6 for the pair); on Hopper FlashAttention-2 reaches ~35% and FlashAttention-3 ~75% forward
 /// (0.55 between them, the fused kernels Megatron-Core uses sit there). Memory efficiency:
@@ -252,7 +301,8 @@ pub const HOPPER_MATMUL_EFFICIENCY: f64 = 0.59;
 /// `cpu` is one thread of the host as the CPU executor runs it (`autopar run`, `autopar profile
 /// run`), so plans can be executed and their predictions checked on any machine: one core with
 /// two 8-wide f32 FMA units at 3.75 GHz (120 GFLOP/s; no faster bf16 path), of which the
-/// `matrixmultiply` products the backend uses reach 0.55-0.8 on large shapes (0.6 taken); about
+/// `matrixmultiply` products the backend uses reach 0.55-0.8 on large shapes (0.6 taken; no
+/// tensor-core pipeline to fill, so a GEMM pipeline depth of 0); about
 /// 30 GB/s of streaming bandwidth for one core (Adam over 19.4 M parameters, 620 MB, takes
 /// 23 ms); the 8 GiB the CPU backend's state guard allows; collectives between threads through
 /// shared memory. These were measured on the 2-core AMD EPYC machine that made this preset and
@@ -270,6 +320,7 @@ pub fn preset(name: &str) -> Option<Device> {
         nvlink_latency: 10e-6,
         internode_latency: 20e-6,
         matmul_efficiency: AMPERE_MATMUL_EFFICIENCY,
+        gemm_pipeline_depth: TENSOR_CORE_PIPELINE_DEPTH,
         attention_efficiency: 0.6,
         hbm_efficiency: 0.9,
         nvlink_efficiency: 0.77,
@@ -288,6 +339,7 @@ pub fn preset(name: &str) -> Option<Device> {
         nvlink_latency: 10e-6,
         internode_latency: 20e-6,
         matmul_efficiency: HOPPER_MATMUL_EFFICIENCY,
+        gemm_pipeline_depth: TENSOR_CORE_PIPELINE_DEPTH,
         attention_efficiency: 0.55,
         hbm_efficiency: 0.9,
         nvlink_efficiency: 0.8,
@@ -311,6 +363,7 @@ pub fn preset(name: &str) -> Option<Device> {
             nvlink_latency: 20e-6,
             internode_latency: 20e-6,
             matmul_efficiency: 0.6,
+            gemm_pipeline_depth: 0.0,
             attention_efficiency: 0.2,
             hbm_efficiency: 0.9,
             nvlink_efficiency: 0.5,
@@ -637,7 +690,11 @@ mod tests {
             let mut d = preset(name).expect("preset exists");
             for f in DEVICE_FIELDS {
                 let v = *(f.field)(&mut d);
-                assert!(v > 0.0, "{name}.{} = {v}", f.key);
+                assert!(
+                    v > 0.0 || (f.zero_allowed && v == 0.0),
+                    "{name}.{} = {v}",
+                    f.key
+                );
                 if f.fraction {
                     assert!(v <= 1.0, "{name}.{} = {v}", f.key);
                 }
