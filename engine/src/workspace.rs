@@ -1219,18 +1219,8 @@ fn set_device_number(device: &mut Device, key: &str, v: f64) -> Result<(), (Stri
         };
         return Err((expected, format!("unknown field `{key}`")));
     };
-    let ok = v.is_finite()
-        && (v > 0.0 || (field.zero_allowed && v == 0.0))
-        && (!field.fraction || v <= 1.0);
-    if !ok {
-        let expected = if field.fraction {
-            "a fraction in (0, 1]".to_string()
-        } else if field.zero_allowed {
-            format!("a number of {} >= 0", field.unit)
-        } else {
-            format!("a positive number of {}", field.unit)
-        };
-        return Err((expected, v.to_string()));
+    if !field.domain.contains(v) {
+        return Err((field.domain.expected(field.unit), v.to_string()));
     }
     *(field.field)(device) = v * field.scale;
     Ok(())

@@ -78,13 +78,42 @@ pub struct DeviceField {
     pub scale: f64,
     /// What the field means.
     pub doc: &'static str,
-    /// Whether the value is a fraction in (0, 1].
-    pub fraction: bool,
-    /// Whether 0 is a meaningful value (the cost the number prices does not exist); every
-    /// other number must be positive.
-    pub zero_allowed: bool,
+    /// The values the number may take.
+    pub domain: Domain,
     /// Accessor.
     pub field: fn(&mut Device) -> &mut f64,
+}
+
+/// The values a device number may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Domain {
+    /// Greater than 0.
+    Positive,
+    /// 0 or more: 0 means the cost the number prices does not exist.
+    NonNegative,
+    /// A fraction in (0, 1].
+    Fraction,
+}
+
+impl Domain {
+    /// Whether `v` is one of the domain's values.
+    pub fn contains(self, v: f64) -> bool {
+        v.is_finite()
+            && match self {
+                Domain::Positive => v > 0.0,
+                Domain::NonNegative => v >= 0.0,
+                Domain::Fraction => v > 0.0 && v <= 1.0,
+            }
+    }
+
+    /// What a value of the domain is, for an error message (`unit`: the number's unit).
+    pub fn expected(self, unit: &str) -> String {
+        match self {
+            Domain::Positive => format!("a positive number of {unit}"),
+            Domain::NonNegative => format!("a number of {unit} >= 0"),
+            Domain::Fraction => "a fraction in (0, 1]".to_string(),
+        }
+    }
 }
 
 /// Every overridable field of a device, with user-facing units.
@@ -94,8 +123,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "SMs",
         scale: 1.0,
         doc: "streaming multiprocessors",
-        fraction: false,
-        zero_allowed: false,
+        domain: Domain::Positive,
         field: |d| &mut d.sm_count,
     },
     DeviceField {
@@ -103,8 +131,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "TFLOP/s",
         scale: 1e12,
         doc: "dense bf16/fp16 tensor-core peak",
-        fraction: false,
-        zero_allowed: false,
+        domain: Domain::Positive,
         field: |d| &mut d.peak_bf16_flops,
     },
     DeviceField {
@@ -112,8 +139,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "TFLOP/s",
         scale: 1e12,
         doc: "fp32 peak without tensor cores",
-        fraction: false,
-        zero_allowed: false,
+        domain: Domain::Positive,
         field: |d| &mut d.peak_fp32_flops,
     },
     DeviceField {
@@ -121,8 +147,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "GiB",
         scale: GIB,
         doc: "memory capacity",
-        fraction: false,
-        zero_allowed: false,
+        domain: Domain::Positive,
         field: |d| &mut d.hbm_bytes,
     },
     DeviceField {
@@ -130,8 +155,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "TB/s",
         scale: 1e12,
         doc: "memory bandwidth",
-        fraction: false,
-        zero_allowed: false,
+        domain: Domain::Positive,
         field: |d| &mut d.hbm_bandwidth,
     },
     DeviceField {
@@ -139,8 +163,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "GB/s",
         scale: 1e9,
         doc: "NVLink bandwidth per GPU and direction",
-        fraction: false,
-        zero_allowed: false,
+        domain: Domain::Positive,
         field: |d| &mut d.nvlink_bandwidth,
     },
     DeviceField {
@@ -148,8 +171,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "us",
         scale: 1e-6,
         doc: "collective start-up latency inside a node",
-        fraction: false,
-        zero_allowed: false,
+        domain: Domain::Positive,
         field: |d| &mut d.nvlink_latency,
     },
     DeviceField {
@@ -157,8 +179,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "us",
         scale: 1e-6,
         doc: "collective start-up latency across nodes",
-        fraction: false,
-        zero_allowed: false,
+        domain: Domain::Positive,
         field: |d| &mut d.internode_latency,
     },
     DeviceField {
@@ -166,8 +187,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "fraction",
         scale: 1.0,
         doc: "fraction of peak that the matrix products of a training step sustain",
-        fraction: true,
-        zero_allowed: false,
+        domain: Domain::Fraction,
         field: |d| &mut d.matmul_efficiency,
     },
     DeviceField {
@@ -175,8 +195,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "elements",
         scale: 1.0,
         doc: "reduction length a matrix product spends per output tile filling its pipeline",
-        fraction: false,
-        zero_allowed: true,
+        domain: Domain::NonNegative,
         field: |d| &mut d.gemm_pipeline_depth,
     },
     DeviceField {
@@ -184,8 +203,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "fraction",
         scale: 1.0,
         doc: "fraction of peak reached by flash attention",
-        fraction: true,
-        zero_allowed: false,
+        domain: Domain::Fraction,
         field: |d| &mut d.attention_efficiency,
     },
     DeviceField {
@@ -193,8 +211,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "fraction",
         scale: 1.0,
         doc: "fraction of memory bandwidth reached by streaming kernels",
-        fraction: true,
-        zero_allowed: false,
+        domain: Domain::Fraction,
         field: |d| &mut d.hbm_efficiency,
     },
     DeviceField {
@@ -202,8 +219,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "fraction",
         scale: 1.0,
         doc: "fraction of NVLink bandwidth reached by collectives",
-        fraction: true,
-        zero_allowed: false,
+        domain: Domain::Fraction,
         field: |d| &mut d.nvlink_efficiency,
     },
     DeviceField {
@@ -211,8 +227,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "fraction",
         scale: 1.0,
         doc: "fraction of network bandwidth reached by collectives",
-        fraction: true,
-        zero_allowed: false,
+        domain: Domain::Fraction,
         field: |d| &mut d.internode_efficiency,
     },
     DeviceField {
@@ -220,8 +235,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "us",
         scale: 1e-6,
         doc: "fixed cost per kernel launch",
-        fraction: false,
-        zero_allowed: false,
+        domain: Domain::Positive,
         field: |d| &mut d.kernel_overhead,
     },
     DeviceField {
@@ -229,8 +243,7 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         unit: "GiB",
         scale: GIB,
         doc: "memory held by CUDA context, libraries and NCCL",
-        fraction: false,
-        zero_allowed: false,
+        domain: Domain::Positive,
         field: |d| &mut d.reserved_bytes,
     },
 ];
@@ -690,14 +703,7 @@ mod tests {
             let mut d = preset(name).expect("preset exists");
             for f in DEVICE_FIELDS {
                 let v = *(f.field)(&mut d);
-                assert!(
-                    v > 0.0 || (f.zero_allowed && v == 0.0),
-                    "{name}.{} = {v}",
-                    f.key
-                );
-                if f.fraction {
-                    assert!(v <= 1.0, "{name}.{} = {v}", f.key);
-                }
+                assert!(f.domain.contains(v), "{name}.{} = {v}", f.key);
             }
         }
     }
