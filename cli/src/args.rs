@@ -241,16 +241,22 @@ pub enum FormatArg {
     Deepspeed,
     /// Megatron-DeepSpeed: `pretrain_gpt.py` reading the DeepSpeed config.
     MegatronDeepspeed,
+    /// JAX: a self-contained Python program running the plan through XLA (every tensor's
+    /// sharding, stages as jitted functions in the schedule's order).
+    Jax,
 }
 
-impl From<FormatArg> for autopar_engine::export::Framework {
-    fn from(f: FormatArg) -> Self {
-        match f {
-            FormatArg::Megatron => Self::Megatron,
-            FormatArg::Nemo => Self::Nemo,
-            FormatArg::Torchtitan => Self::Torchtitan,
-            FormatArg::Deepspeed => Self::Deepspeed,
-            FormatArg::MegatronDeepspeed => Self::MegatronDeepspeed,
+impl FormatArg {
+    /// The framework whose launch configuration is written (`None`: a JAX program).
+    pub fn framework(self) -> Option<autopar_engine::export::Framework> {
+        use autopar_engine::export::Framework;
+        match self {
+            FormatArg::Megatron => Some(Framework::Megatron),
+            FormatArg::Nemo => Some(Framework::Nemo),
+            FormatArg::Torchtitan => Some(Framework::Torchtitan),
+            FormatArg::Deepspeed => Some(Framework::Deepspeed),
+            FormatArg::MegatronDeepspeed => Some(Framework::MegatronDeepspeed),
+            FormatArg::Jax => None,
         }
     }
 }
@@ -289,6 +295,9 @@ pub enum BackendArg {
     Cpu,
     /// NVIDIA GPUs (CUDA, cuBLAS, NVRTC, NCCL loaded at run time).
     Cuda,
+    /// The plan exported as a JAX program and run by XLA on the devices JAX sees (virtual CPU
+    /// devices, or GPUs through CUDA and NCCL); needs a Python with JAX.
+    Jax,
 }
 
 impl From<BackendArg> for autopar_engine::executor::Backend {
@@ -296,6 +305,7 @@ impl From<BackendArg> for autopar_engine::executor::Backend {
         match b {
             BackendArg::Cpu => Self::Cpu,
             BackendArg::Cuda => Self::Cuda,
+            BackendArg::Jax => Self::Jax,
         }
     }
 }
@@ -319,9 +329,13 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Also run the plan's model on one device and compare the loss of every step, every
-    /// gradient and the updated weights (relative tolerance 1e-4).
+    /// gradient and the updated weights (relative tolerance 1e-4); with `--backend jax`, also
+    /// with autopar's CPU executor.
     #[arg(long)]
     pub check: bool,
+    /// The Python with JAX that `--backend jax` runs (default: $AUTOPAR_PYTHON, else python3).
+    #[arg(long, value_name = "PATH")]
+    pub python: Option<PathBuf>,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,

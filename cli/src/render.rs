@@ -924,6 +924,9 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
                     * (o.predicted_step_time_s / o.measured_step_time_s.max(f64::MIN_POSITIVE)
                         - 1.0)
             )
+        } else if o.jax.is_some() {
+            " (not compared: the cluster's profile times the CPU executor's kernels, not XLA's)"
+                .to_string()
         } else if o.backend == autopar_engine::executor::Backend::Cpu && o.devices > o.host_cores {
             format!(
                 " (not compared: {} virtual devices share this machine's {} cores)",
@@ -935,13 +938,16 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
     );
     let m = o.result.median_phases();
     let p = &o.predicted_time;
-    let _ = writeln!(
-        s,
-        "measured  forward + backward {} · communication {} · optimizer {}",
-        secs(m.forward + m.backward),
-        secs(m.communication),
-        secs(m.optimizer)
-    );
+    // The JAX program times whole steps only.
+    if o.jax.is_none() {
+        let _ = writeln!(
+            s,
+            "measured  forward + backward {} · communication {} · optimizer {}",
+            secs(m.forward + m.backward),
+            secs(m.communication),
+            secs(m.optimizer)
+        );
+    }
     if o.plan_space == autopar_rules::plan::ilp::Space::Ilp {
         let _ = writeln!(
             s,
@@ -960,22 +966,86 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
             secs(p.optimizer)
         );
     }
+    let jax = o.jax.as_ref();
     if let Some(c) = &o.check {
+        let against = if jax.is_some() {
+            " (against the same program on one device)"
+        } else {
+            ""
+        };
+        let _ = writeln!(s, "check     {}{against}", check_line(c));
+    }
+    if let Some(j) = jax {
+        if let Some(c) = &j.cpu_check {
+            let _ = writeln!(
+                s,
+                "check     {} (against autopar's CPU executor on one device)",
+                check_line(c)
+            );
+        }
         let _ = writeln!(
             s,
-            "check     {}: loss {:.1e} over {} step(s), gradients {:.1e} (worst `{}`, {} compared), \
-             weights after one update {:.1e}; tolerance {:.0e}",
-            if c.passed { "PASSED" } else { "FAILED" },
-            c.loss_rel,
-            c.reference.losses.len(),
-            c.grad_rel,
-            c.worst_grad,
-            c.compared,
-            c.param_rel,
-            c.tolerance
+            "jax       JAX {} on {} ({}); program {}, key {}",
+            j.jax_version,
+            j.platform,
+            j.python,
+            j.program_source,
+            &j.program_key[..16.min(j.program_key.len())]
         );
+        let c = &j.collectives;
+        let counts = |m: &autopar_engine::run::CollectiveCounts| {
+            if m.is_empty() {
+                "none".to_string()
+            } else {
+                m.iter()
+                    .map(|(k, n)| format!("{n} {k}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        };
+        let _ = writeln!(
+            s,
+            "collectives of one micro-batch per virtual stage, the plan's (+ gradients it \
+             reduces once per step) against XLA's: {}",
+            if c.agree { "they agree" } else { "they differ" }
+        );
+        for (i, ((p, d), x)) in c
+            .planned
+            .iter()
+            .zip(&c.deferred)
+            .zip(&c.compiled)
+            .enumerate()
+        {
+            let _ = writeln!(
+                s,
+                "  stage {i}: plan {}{} · XLA {}",
+                counts(p),
+                if d.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (+ {})", counts(d))
+                },
+                counts(x)
+            );
+        }
     }
     s
+}
+
+/// One comparison's figures.
+fn check_line(c: &autopar_engine::executor::CheckReport) -> String {
+    format!(
+        "{}: loss {:.1e} over {} step(s), gradients {:.1e} (worst `{}`, {} compared), weights \
+         after one update {:.1e}; tolerance {:.0e}",
+        if c.passed { "PASSED" } else { "FAILED" },
+        c.loss_rel,
+        c.reference.losses.len(),
+        c.grad_rel,
+        c.worst_grad,
+        c.compared,
+        c.param_rel,
+        c.tolerance
+    )
 }
 
 /// Peak FLOP/s of `device` for products computed in `dtype`.

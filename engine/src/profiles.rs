@@ -134,8 +134,17 @@ pub fn measure(
     progress: &mut dyn FnMut(usize, usize, &EntryId),
 ) -> Result<Measured, EngineError> {
     let (modelled, targets) = model_template(ws, model, cluster)?;
-    if backend == Backend::Cuda {
-        cuda::probe()?;
+    match backend {
+        Backend::Cpu => {}
+        Backend::Cuda => cuda::probe()?,
+        Backend::Jax => {
+            return Err(ExecError::Unavailable(
+                "`profile run --backend jax` does not time kernels through XLA yet; measure with \
+                 --backend cpu, or run a plan with `autopar run TARGET --backend jax`"
+                    .into(),
+            )
+            .into());
+        }
     }
     let start = Instant::now();
     let entries = modelled.entries();

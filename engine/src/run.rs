@@ -6,7 +6,7 @@ use crate::cache::{Cache, Source, kind};
 use crate::executor::placement::{Placement, State};
 use crate::executor::{
     Backend, CPU_DEVICE, CheckReport, ExecError, ExecLayout, Program, RunOptions, RunResult, check,
-    cuda, lower, run_program, summarize,
+    compare, cuda, jax, lower, run_program, summarize,
 };
 use crate::workspace::Workspace;
 use autopar_rules::canonical::digest;
@@ -89,6 +89,52 @@ pub struct RunOutcome {
     pub plan_space: Space,
     /// The ILP space's best, when the plan chose it.
     pub ilp: Option<SpaceBest>,
+    /// What the JAX backend ran and compiled (`--backend jax`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jax: Option<JaxReport>,
+}
+
+/// What `run --backend jax` ran: the exported program, the collectives XLA compiled against
+/// the plan's, and (with `--check`) the comparison with autopar's CPU executor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JaxReport {
+    /// The Python that ran it.
+    pub python: String,
+    /// Its JAX version.
+    pub jax_version: String,
+    /// XLA's platform (`cpu`, `gpu`).
+    pub platform: String,
+    /// The program's cache key (hex) and where it came from (`exported`, or a cache level).
+    pub program_key: String,
+    /// `exported`, or the cache level that had the program.
+    pub program_source: String,
+    /// Collectives of one micro-batch's forward and backward on one device, per virtual stage.
+    pub collectives: Collectives,
+    /// The sharded run compared with autopar's CPU executor's single-device run (`--check`).
+    pub cpu_check: Option<CheckReport>,
+}
+
+/// Collectives by kind (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`,
+/// `collective_permute`).
+pub type CollectiveCounts = BTreeMap<String, usize>;
+
+/// The plan's collectives beside those XLA compiled.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Collectives {
+    /// The plan's, per virtual stage: one micro-batch's forward and backward on one device
+    /// (conversions, and the collectives of kernels that talk: a vocabulary-parallel loss).
+    pub planned: Vec<CollectiveCounts>,
+    /// Per virtual stage, the weight gradients the plan leaves partial until the step (data
+    /// parallelism inside an intra-op plan's mesh, sequence-parallel norm weights) and XLA
+    /// reduces in every micro-batch's backward instead: one all-reduce each.
+    pub deferred: Vec<CollectiveCounts>,
+    /// XLA's, per virtual stage: the compiled forward and backward functions together.
+    pub compiled: Vec<CollectiveCounts>,
+    /// XLA's in every stage's optimizer step (the replicas' gradient reduction, ZeRO's
+    /// gathers); the plan's step synchronisation is priced, not counted per micro-batch.
+    pub compiled_update: Vec<CollectiveCounts>,
+    /// Whether every virtual stage's compiled counts are its planned ones plus its deferred.
+    pub agree: bool,
 }
 
 /// The executor's layout of a stored plan.
@@ -534,10 +580,12 @@ pub fn run_plan(
     plan: &Plan,
     backend: Backend,
     opts: &RunOptions,
+    python: Option<&std::path::Path>,
 ) -> Result<RunOutcome, EngineError> {
     if backend == Backend::Cuda {
         cuda::probe()?;
     }
+    let python = jax::interpreter(python);
     let Prepared { graph, layout } = prepare(ws, plan)?;
     let host_cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let devices = layout.devices();
@@ -564,12 +612,15 @@ pub fn run_plan(
         backend.name()
     );
     let (prog, info) = program(cache, &graph, &layout, backend, &description)?;
-    let (result, report) = if opts.check {
+    let (result, report, jax) = if backend == Backend::Jax {
+        let (r, c, j) = run_jax(ws, cache, plan, opts, &python)?;
+        (r, c, Some(j))
+    } else if opts.check {
         let (r, c) = check(&graph, &prog, opts)?;
-        (r, Some(c))
+        (r, Some(c), None)
     } else {
         let reports = run_program(&prog, opts)?;
-        (summarize(&prog, &reports), None)
+        (summarize(&prog, &reports), None, None)
     };
     Ok(RunOutcome {
         target: plan.target.clone(),
@@ -594,5 +645,249 @@ pub fn run_plan(
         ilp: (plan.space == Space::Ilp)
             .then(|| plan.spaces.ilp.clone())
             .flatten(),
+        jax,
+    })
+}
+
+/// Version of the JAX export (part of the exported program's cache key with the runtime's
+/// text).
+pub const JAX_EXPORT_VERSION: u32 = 1;
+
+/// The JAX program of `plan`: its lowered program written by [`jax::program::python`], from
+/// the cache when an earlier export or run wrote the same. Also returns the cache key (hex) and
+/// where the program came from.
+pub fn jax_program(
+    ws: &Workspace,
+    cache: &Cache,
+    plan: &Plan,
+) -> Result<(String, String, String, Program, Graph), EngineError> {
+    let Prepared { graph, layout } = prepare(ws, plan)?;
+    let description = format!("program of {} ({}), jax", plan.target, layout.describe());
+    let (prog, _) = program(cache, &graph, &layout, Backend::Jax, &description)?;
+    let header = jax::program::Header {
+        target: &plan.target,
+        layout: &layout.describe(),
+        cluster: &plan.cluster.name,
+        predicted_step_time_s: plan.step_time_s(),
+    };
+    let key = digest(&(
+        "jax-program",
+        JAX_EXPORT_VERSION,
+        jax::program::RUNTIME,
+        &plan.target,
+        &plan.cluster.name,
+        plan.step_time_s().to_bits(),
+        &graph,
+        &layout,
+    ));
+    if let Some((text, source)) = cache.lookup::<String>(kind::PROGRAM, key) {
+        return Ok((text, key.hex(), source.name().to_string(), prog, graph));
+    }
+    let text = jax::program::python(&graph, &prog, &header)?;
+    cache.put(
+        key,
+        &text,
+        &EntryMeta {
+            kind: "program".into(),
+            description: format!("JAX program of {} ({})", plan.target, layout.describe()),
+            ..EntryMeta::default()
+        },
+    );
+    cache.record(kind::PROGRAM, Source::Solved);
+    Ok((text, key.hex(), "exported".into(), prog, graph))
+}
+
+/// Runs `plan` as a JAX program: exported, run on the devices JAX sees with every compiled
+/// function's HLO written out, and with `--check` compared with the single-device run of the
+/// same program and with the CPU executor's.
+fn run_jax(
+    ws: &Workspace,
+    cache: &Cache,
+    plan: &Plan,
+    opts: &RunOptions,
+    python: &std::path::Path,
+) -> Result<(RunResult, Option<CheckReport>, JaxReport), EngineError> {
+    let jax_version = jax::probe(python)?;
+    let (text, key, source, prog, graph) = jax_program(ws, cache, plan)?;
+    let dir = tempfile::Builder::new()
+        .prefix("autopar-jax-")
+        .tempdir()
+        .map_err(|e| ExecError::Unavailable(format!("cannot make a temporary folder: {e}")))?;
+    let script = dir.path().join(format!("{}.py", plan.target));
+    std::fs::write(&script, &text)
+        .map_err(|e| ExecError::Unavailable(format!("cannot write {}: {e}", script.display())))?;
+    let hlo = dir.path().join("hlo");
+    let (dump, single_dump) = (dir.path().join("sharded"), dir.path().join("single"));
+    let sharded = jax::run(&jax::Invocation {
+        python,
+        script: &script,
+        steps: opts.steps,
+        seed: opts.seed,
+        single: false,
+        dump: opts.check.then_some(dump.as_path()),
+        hlo: Some(&hlo),
+    })?;
+    let collectives = compiled_collectives(&prog, &hlo)?;
+    let (check, cpu_check) = match &sharded.snapshot {
+        Some(ours) => {
+            let single = jax::run(&jax::Invocation {
+                python,
+                script: &script,
+                steps: opts.steps,
+                seed: opts.seed,
+                single: true,
+                dump: Some(&single_dump),
+                hlo: None,
+            })?;
+            let theirs = single.snapshot.unwrap_or_default();
+            let reference = crate::executor::reference_program(&graph, &prog)?;
+            let cpu = run_program(
+                &reference,
+                &RunOptions {
+                    check: true,
+                    ..*opts
+                },
+            )?;
+            let cpu_snapshot = crate::executor::snapshot(&reference, &cpu);
+            (
+                Some(compare(ours, &theirs, single.result)),
+                Some(compare(ours, &cpu_snapshot, summarize(&reference, &cpu))),
+            )
+        }
+        None => (None, None),
+    };
+    Ok((
+        sharded.result,
+        check,
+        JaxReport {
+            python: python.display().to_string(),
+            jax_version,
+            platform: sharded.platform,
+            program_key: key,
+            program_source: source,
+            collectives,
+            cpu_check,
+        },
+    ))
+}
+
+/// The plan's collectives beside the ones XLA's SPMD partitioner inserted, read from the HLO
+/// the program dumped into `hlo` after that pass (`jit_forward_<chunk>`, `jit_backward_<chunk>`,
+/// `jit_update_<stage>`; the first compilation of each).
+fn compiled_collectives(prog: &Program, hlo: &std::path::Path) -> Result<Collectives, ExecError> {
+    let files: Vec<String> = std::fs::read_dir(hlo)
+        .map_err(|e| {
+            ExecError::Panic(format!(
+                "the JAX program dumped no HLO in {}: {e}",
+                hlo.display()
+            ))
+        })?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.contains("after_spmd-partitioning") && n.ends_with(".txt"))
+        .collect();
+    let l = &prog.layout;
+    // Whether a function (`forward_<chunk>`, `backward_<chunk>`, `update_<stage>`) runs on one
+    // device.
+    let single_device = |function: &str| {
+        let index: usize = function
+            .rsplit('_')
+            .next()
+            .and_then(|i| i.parse().ok())
+            .unwrap_or(0);
+        let stage = if function.starts_with("update") {
+            index
+        } else {
+            prog.chunks.get(index).map_or(0, |c| c.stage)
+        };
+        l.dp * l.stage_devices(stage) == 1
+    };
+    let read = |function: String| -> Result<CollectiveCounts, ExecError> {
+        let marker = format!(".jit_{function}.");
+        let Some(file) = files.iter().filter(|n| n.contains(&marker)).min() else {
+            // XLA partitions nothing on one device, and dumps nothing.
+            return if single_device(&function) {
+                Ok(CollectiveCounts::new())
+            } else {
+                Err(ExecError::Panic(format!(
+                    "XLA dumped no HLO of `{function}` after its SPMD partitioner in {} (a JAX \
+                     whose pass names differ from JAX 0.10's?)",
+                    hlo.display()
+                )))
+            };
+        };
+        let text = std::fs::read_to_string(hlo.join(file))
+            .map_err(|e| ExecError::Panic(format!("cannot read {file}: {e}")))?;
+        Ok(jax::hlo::collectives(&text))
+    };
+    let planned: Vec<CollectiveCounts> = (0..prog.chunks.len())
+        .map(|c| {
+            let mut counts: CollectiveCounts = prog
+                .collectives(c)
+                .into_iter()
+                .map(|(k, n)| (k.to_string(), n))
+                .collect();
+            for (k, n) in prog.kernel_collectives(c) {
+                *counts.entry(k.to_string()).or_insert(0) += n;
+            }
+            counts
+        })
+        .collect();
+    // Gradients the plan leaves partial until the step's synchronisation: XLA completes them
+    // in every micro-batch's backward, one all-reduce each (a jitted function's result cannot
+    // stay a partial sum).
+    let deferred: Vec<CollectiveCounts> = prog
+        .chunks
+        .iter()
+        .map(|code| {
+            let mesh = l.mesh(code.stage);
+            let n = code
+                .parameters
+                .iter()
+                .filter(|&&v| {
+                    prog.values[v as usize]
+                        .grad_placement
+                        .as_ref()
+                        .is_some_and(|g| {
+                            g.0.iter().enumerate().any(|(a, s)| {
+                                *s == State::Partial && mesh.get(a).is_some_and(|&d| d > 1)
+                            })
+                        })
+                })
+                .count();
+            if n == 0 {
+                CollectiveCounts::new()
+            } else {
+                CollectiveCounts::from([("all_reduce".to_string(), n)])
+            }
+        })
+        .collect();
+    let mut compiled = Vec::new();
+    for c in 0..prog.chunks.len() {
+        let mut counts = read(format!("forward_{c}"))?;
+        for (k, n) in read(format!("backward_{c}"))? {
+            *counts.entry(k).or_insert(0) += n;
+        }
+        compiled.push(counts);
+    }
+    let compiled_update = (0..prog.layout.pp)
+        .map(|s| read(format!("update_{s}")))
+        .collect::<Result<_, _>>()?;
+    let expected: Vec<CollectiveCounts> = planned
+        .iter()
+        .zip(&deferred)
+        .map(|(p, d)| {
+            let mut e = p.clone();
+            for (k, n) in d {
+                *e.entry(k.clone()).or_insert(0) += n;
+            }
+            e
+        })
+        .collect();
+    Ok(Collectives {
+        agree: expected == compiled,
+        planned,
+        deferred,
+        compiled,
+        compiled_update,
     })
 }

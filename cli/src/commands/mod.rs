@@ -70,7 +70,7 @@ pub fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Graph(a) => graph::run(&session, a),
         Command::Validate(a) => validate::run(&session, a),
         Command::Calibrate(a) => calibrate::run(&session, a),
-        Command::Export(a) => export::run(&session, a),
+        Command::Export(a) => export::run(&session, a, dir),
         Command::Whatif(a) => whatif::run(&session, a),
         Command::Report(a) => report::run(&session, a),
         Command::Completions { shell } => {

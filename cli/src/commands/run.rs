@@ -25,7 +25,7 @@ pub fn run(session: &Session, a: &RunArgs, dir: Option<&Path>) -> Result<(), Fai
         check: a.check,
     };
     tracing::info!(target = %plan.target, backend = backend.name(), "running");
-    let outcome = run_plan(&ws, &cache, &plan, backend, &opts)?;
+    let outcome = run_plan(&ws, &cache, &plan, backend, &opts, a.python.as_deref())?;
     cache.flush();
     if a.json {
         print_json(&outcome)?;
@@ -37,10 +37,18 @@ pub fn run(session: &Session, a: &RunArgs, dir: Option<&Path>) -> Result<(), Fai
 
 /// A check that found a difference fails the command.
 fn failed_check(o: &RunOutcome) -> Result<(), Failure> {
-    match &o.check {
-        Some(c) if !c.passed => Err(Failure::Failed(anyhow::anyhow!(
-            "the sharded run differs from the single-device run by more than {:.0e} (loss {:.1e}, \
-             gradient {:.1e} at `{}`, weights {:.1e})",
+    let cpu = o.jax.as_ref().and_then(|j| j.cpu_check.as_ref());
+    let checks = [
+        (o.check.as_ref(), "the single-device run"),
+        (cpu, "autopar's CPU executor"),
+    ];
+    match checks
+        .into_iter()
+        .find(|(c, _)| c.is_some_and(|c| !c.passed))
+    {
+        Some((Some(c), against)) => Err(Failure::Failed(anyhow::anyhow!(
+            "the sharded run differs from {against} by more than {:.0e} (loss {:.1e}, gradient \
+             {:.1e} at `{}`, weights {:.1e})",
             c.tolerance,
             c.loss_rel,
             c.grad_rel,

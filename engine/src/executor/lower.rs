@@ -494,6 +494,31 @@ impl Program {
         }
         out
     }
+
+    /// Collectives that kernels of virtual stage `chunk` run themselves, by name, for one
+    /// micro-batch on one device: a vocabulary-parallel loss all-reduces its rows' maximum,
+    /// sum and target logit; a ring attention passes key/value blocks round its group.
+    pub fn kernel_collectives(&self, chunk: usize) -> BTreeMap<&'static str, usize> {
+        let mut out = BTreeMap::new();
+        let Some(code) = self.chunks.get(chunk) else {
+            return out;
+        };
+        for step in &code.steps {
+            let parallel = |axes: &[usize]| {
+                axes.iter()
+                    .any(|&a| self.layout.mesh(code.stage).get(a).is_some_and(|&n| n > 1))
+            };
+            if let Kernel::CrossEntropy {
+                vocab_parallel: true,
+                ..
+            } = step.kernel
+                && parallel(&step.kernel_axes)
+            {
+                *out.entry("all_reduce").or_insert(0) += 3;
+            }
+        }
+        out
+    }
 }
 
 fn err(message: impl Into<String>) -> ExecError {

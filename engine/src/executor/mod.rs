@@ -11,6 +11,7 @@ pub mod attention;
 pub mod comm;
 pub mod cpu;
 pub mod cuda;
+pub mod jax;
 pub mod kernels;
 pub mod lower;
 pub mod measure;
@@ -41,6 +42,8 @@ pub enum Backend {
     Cpu,
     /// NVIDIA GPUs through CUDA, cuBLAS, NVRTC and NCCL.
     Cuda,
+    /// The plan exported as a JAX program and run by XLA (virtual CPU devices, or GPUs).
+    Jax,
 }
 
 impl Backend {
@@ -49,6 +52,7 @@ impl Backend {
         match self {
             Backend::Cpu => "cpu",
             Backend::Cuda => "cuda",
+            Backend::Jax => "jax",
         }
     }
 }
@@ -315,8 +319,101 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
     diff.sqrt() / norm.sqrt().max(1e-30)
 }
 
+/// What a run computed, whole and by value name: the loss of every step, the gradients of the
+/// first step (before any synchronisation, summed over the devices holding pieces of them) and
+/// the weights after its update, in value order.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    /// Loss of every step.
+    pub losses: Vec<f64>,
+    /// Gradient of every parameter at the first step.
+    pub grads: Vec<(String, Tensor)>,
+    /// Every parameter after the first update.
+    pub params: Vec<(String, Tensor)>,
+}
+
+/// The snapshot of a CPU run of `prog` (run with `check`).
+pub fn snapshot(prog: &Program, reports: &[DeviceReport]) -> Snapshot {
+    let named = |m: BTreeMap<u32, Tensor>| {
+        m.into_iter()
+            .map(|(v, t)| (prog.values[v as usize].name.clone(), t))
+            .collect()
+    };
+    Snapshot {
+        losses: summarize(prog, reports).losses,
+        grads: named(whole_grads(prog, reports, 0)),
+        params: named(whole_params(prog, reports)),
+    }
+}
+
+/// The single-device program of `prog`'s graph: the reference a sharded run is compared with.
+pub fn reference_program(graph: &Graph, prog: &Program) -> Result<Program, ExecError> {
+    let l = &prog.layout;
+    lower(
+        graph,
+        &ExecLayout {
+            grad_accumulation_fusion: l.grad_accumulation_fusion,
+            moe_drop: l.moe_drop,
+            ..ExecLayout::single(graph.layers.len(), l.microbatches * l.dp)
+        },
+    )
+}
+
+/// `ours` set beside `theirs` (the reference): every step's loss, every gradient of the first
+/// step, where both runs start from the same weights (the worst is the first of the largest
+/// differences, in value order), and every weight after the first update. Later steps are
+/// compared by their losses: Adam's normalisation amplifies rounding in near-zero gradients,
+/// so later weights differ by more than rounding.
+pub fn compare(ours: &Snapshot, theirs: &Snapshot, reference: RunResult) -> CheckReport {
+    let loss_rel = ours
+        .losses
+        .iter()
+        .zip(&theirs.losses)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(1e-30))
+        .fold(
+            if ours.losses.len() == theirs.losses.len() {
+                0.0
+            } else {
+                f64::INFINITY
+            },
+            f64::max,
+        );
+    let find = |list: &[(String, Tensor)], name: &str| -> Option<Tensor> {
+        list.iter().find(|(n, _)| n == name).map(|(_, t)| t.clone())
+    };
+    let (mut grad_rel, mut worst, mut compared) = (0.0f64, String::new(), 0);
+    let mine: BTreeMap<&str, &Tensor> = ours.grads.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    for (name, g) in &theirs.grads {
+        let r = mine
+            .get(name.as_str())
+            .map_or(f64::INFINITY, |x| rel(&x.data, &g.data));
+        compared += 1;
+        if r > grad_rel || worst.is_empty() {
+            grad_rel = grad_rel.max(r);
+            worst = name.clone();
+        }
+    }
+    let param_rel = theirs
+        .params
+        .iter()
+        .map(|(n, t)| find(&ours.params, n).map_or(f64::INFINITY, |x| rel(&x.data, &t.data)))
+        .fold(0.0, f64::max);
+    let passed =
+        loss_rel <= CHECK_TOLERANCE && grad_rel <= CHECK_TOLERANCE && param_rel <= CHECK_TOLERANCE;
+    CheckReport {
+        loss_rel,
+        grad_rel,
+        worst_grad: worst,
+        param_rel,
+        compared,
+        tolerance: CHECK_TOLERANCE,
+        passed,
+        reference,
+    }
+}
+
 /// Runs `prog` and the single-device program of the same graph with the same seed, and
-/// compares losses, every gradient of every step and the final parameters.
+/// compares losses, every gradient of the first step and the parameters after it.
 pub fn check(
     graph: &Graph,
     prog: &Program,
@@ -326,64 +423,16 @@ pub fn check(
         check: true,
         ..*opts
     };
-    let l = &prog.layout;
-    let reference = lower(
-        graph,
-        &ExecLayout {
-            grad_accumulation_fusion: l.grad_accumulation_fusion,
-            moe_drop: l.moe_drop,
-            ..ExecLayout::single(graph.layers.len(), l.microbatches * l.dp)
-        },
-    )?;
+    let reference = reference_program(graph, prog)?;
     let sharded = run_program(prog, &opts)?;
     let single = run_program(&reference, &opts)?;
-    let (ours, theirs) = (summarize(prog, &sharded), summarize(&reference, &single));
-    let loss_rel = ours
-        .losses
-        .iter()
-        .zip(&theirs.losses)
-        .map(|(a, b)| (a - b).abs() / b.abs().max(1e-30))
-        .fold(0.0, f64::max);
-    let (mut grad_rel, mut worst, mut compared) = (0.0f64, String::new(), 0);
-    // Gradients and updated parameters of the first step, where both runs start from the same
-    // weights, in graph order (the worst is the first of the largest differences); later steps
-    // are compared by their losses (Adam's normalisation amplifies rounding in near-zero
-    // gradients, so later weights differ by more than rounding).
-    {
-        let a = whole_grads(prog, &sharded, 0);
-        let b = whole_grads(&reference, &single, 0);
-        for (v, g) in &b {
-            let r = a.get(v).map_or(f64::INFINITY, |x| rel(&x.data, &g.data));
-            compared += 1;
-            if r > grad_rel || worst.is_empty() {
-                grad_rel = grad_rel.max(r);
-                worst = prog.values[*v as usize].name.clone();
-            }
-        }
-    }
-    let (pa, pb) = (
-        whole_params(prog, &sharded),
-        whole_params(&reference, &single),
+    let theirs = summarize(&reference, &single);
+    let report = compare(
+        &snapshot(prog, &sharded),
+        &snapshot(&reference, &single),
+        theirs,
     );
-    let param_rel = pb
-        .iter()
-        .map(|(v, t)| pa.get(v).map_or(f64::INFINITY, |x| rel(&x.data, &t.data)))
-        .fold(0.0, f64::max);
-    let passed =
-        loss_rel <= CHECK_TOLERANCE && grad_rel <= CHECK_TOLERANCE && param_rel <= CHECK_TOLERANCE;
-    Ok((
-        ours,
-        CheckReport {
-            loss_rel,
-            grad_rel,
-            worst_grad: worst,
-            param_rel,
-            compared,
-            tolerance: CHECK_TOLERANCE,
-            passed,
-            reference: theirs,
-        },
-    ))
+    Ok((summarize(prog, &sharded), report))
 }
 
 #[cfg(test)]

@@ -1,0 +1,211 @@
+//! The JAX backend (README "Running plans on JAX"): every default CPU target's plan exported
+//! as a JAX program, run by XLA's SPMD partitioner on virtual CPU devices, and compared with
+//! the single-device run of the same program and with autopar's own CPU executor; the
+//! collectives XLA compiled set beside the plan's.
+//!
+//! They need a Python with JAX (`$AUTOPAR_PYTHON`, else `python3`; `.ci/run` makes a virtual
+//! environment). Without one, each test prints why it is skipped and passes.
+
+use autopar_engine::executor::jax;
+use autopar_tests::TempWorkspace;
+
+/// The Python with JAX, or `None` after printing why the test is skipped.
+fn python() -> Option<String> {
+    let python = jax::interpreter(None);
+    match jax::probe(&python) {
+        Ok(version) => {
+            eprintln!("JAX {version} at {}", python.display());
+            Some(python.display().to_string())
+        }
+        Err(e) => {
+            eprintln!(
+                "skipped: no Python with JAX ({e}); set {} to one (README, \"Running plans on JAX\")",
+                jax::PYTHON_ENV
+            );
+            None
+        }
+    }
+}
+
+/// `run TARGET --backend jax --check` on the default workspace: the outcome's JSON.
+fn run_checked(ws: &TempWorkspace, python: &str, target: &str) -> serde_json::Value {
+    let r = ws.run(&[
+        "run",
+        target,
+        "--backend",
+        "jax",
+        "--check",
+        "--steps",
+        "2",
+        "--python",
+        python,
+        "--json",
+    ]);
+    assert_eq!(r.code, 0, "{target}: {}", r.stderr);
+    r.json()
+}
+
+#[test]
+fn default_cpu_targets_run_on_jax_as_on_one_device_and_on_the_cpu_executor() {
+    let Some(python) = python() else {
+        return;
+    };
+    let ws = TempWorkspace::default_copy();
+    // Every default CPU target the JAX backend lowers (tiny-moe-cpu's routing is not yet).
+    let targets = [
+        "tiny-llama-cpu",
+        "tiny-llama-cpu-ilp",
+        "tiny-llama-cpu-stages",
+        "tiny-llama-cpu-2d",
+        "tiny-llama-cpu-cp",
+        "tiny-llama-cpu-ulysses",
+    ];
+    let mut args = vec!["build"];
+    args.extend(targets);
+    let b = ws.run(&args);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    println!(
+        "{:<24} {:>12} {:>12} {:>10} {:>10}  collectives per micro-batch (planned + deferred / compiled)",
+        "target", "measured s", "predicted s", "vs 1 dev", "vs cpu"
+    );
+    for target in targets {
+        let j = run_checked(&ws, &python, target);
+        let check = &j["check"];
+        let cpu = &j["jax"]["cpu_check"];
+        assert_eq!(
+            check["passed"], true,
+            "{target} against one device: {check}"
+        );
+        assert_eq!(
+            cpu["passed"], true,
+            "{target} against the CPU executor: {cpu}"
+        );
+        // The same weights and data as the CPU executor: the first step's loss agrees to
+        // rounding, not just within the tolerance.
+        let (a, b) = (&j["result"]["losses"][0], &cpu["reference"]["losses"][0]);
+        let (a, b) = (a.as_f64().unwrap_or(0.0), b.as_f64().unwrap_or(1.0));
+        assert!((a - b).abs() / b < 1e-5, "{target}: loss {a} against {b}");
+        let c = &j["jax"]["collectives"];
+        println!(
+            "{target:<24} {:>12.4} {:>12.4} {:>10.1e} {:>10.1e}  {} + {} / {}",
+            j["measured_step_time_s"].as_f64().unwrap_or(0.0),
+            j["predicted_step_time_s"].as_f64().unwrap_or(0.0),
+            check["grad_rel"].as_f64().unwrap_or(0.0),
+            cpu["grad_rel"].as_f64().unwrap_or(0.0),
+            c["planned"],
+            c["deferred"],
+            c["compiled"],
+        );
+        // XLA inserts the plan's collectives where the plan's layout is Megatron-LM's or its
+        // stages change meshes; the intra-op plans' 2D reshardings and the ring of context
+        // parallelism are lowered differently by XLA (README).
+        if matches!(
+            target,
+            "tiny-llama-cpu" | "tiny-llama-cpu-stages" | "tiny-llama-cpu-ulysses"
+        ) {
+            assert_eq!(c["agree"], true, "{target}: {c}");
+        }
+    }
+}
+
+#[test]
+fn a_megatron_layout_of_every_dimension_runs_on_jax() {
+    let Some(python) = python() else {
+        return;
+    };
+    let ws = TempWorkspace::default_copy();
+    // tp2 with sequence parallelism, pp2 with 2 interleaved chunks, dp2 and ZeRO-1, on 8
+    // virtual devices.
+    let b = ws.run(&["build", "tiny-llama-3d"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let j = run_checked(&ws, &python, "tiny-llama-3d");
+    assert_eq!(j["check"]["passed"], true, "{}", j["check"]);
+    assert_eq!(
+        j["jax"]["cpu_check"]["passed"], true,
+        "{}",
+        j["jax"]["cpu_check"]
+    );
+    let c = &j["jax"]["collectives"];
+    let (planned, deferred, compiled) = (&c["planned"], &c["deferred"], &c["compiled"]);
+    assert_eq!(compiled.as_array().map(Vec::len), Some(4), "{c}");
+    // The middle chunks (one block each): the sequence-parallel all-gathers and
+    // reduce-scatters of the plan, and one all-reduce per norm weight, whose gradient the plan
+    // reduces once per step and XLA once per micro-batch.
+    for chunk in 1..3 {
+        assert_eq!(planned[chunk]["all_gather"], 4, "{c}");
+        assert_eq!(compiled[chunk]["all_gather"], 4, "{c}");
+        assert_eq!(compiled[chunk]["reduce_scatter"], 4, "{c}");
+        assert_eq!(
+            compiled[chunk]["all_reduce"], deferred[chunk]["all_reduce"],
+            "{c}"
+        );
+    }
+}
+
+#[test]
+fn the_exported_program_is_readable_python_of_the_plan() {
+    let ws = TempWorkspace::default_copy();
+    let b = ws.run(&["build", "tiny-llama-cpu-ilp"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let out = ws.path().join("plan.py");
+    let out = out.to_string_lossy();
+    let e = ws.run(&[
+        "export",
+        "tiny-llama-cpu-ilp",
+        "--format",
+        "jax",
+        "-o",
+        &out,
+    ]);
+    assert_eq!(e.code, 0, "{}", e.stderr);
+    let text = ws.read("plan.py");
+    // The plan's meshes, a sharding per value, the model's ops, and the schedule.
+    for needle in [
+        "MESHES = [[1, 2]]",
+        "SPECS = {",
+        "def chunk_0(p, recv, fed, shard):",
+        "rms_norm(",
+        "attention(",
+        "ORDER = [(\"F\", 0, 0)",
+        "def main():",
+    ] {
+        assert!(
+            text.contains(needle),
+            "no `{needle}` in the exported program"
+        );
+    }
+    let again = ws.run(&["export", "tiny-llama-cpu-ilp", "--format", "jax"]);
+    assert_eq!(again.code, 0, "{}", again.stderr);
+    assert_eq!(
+        again.stdout.trim_end(),
+        text.trim_end(),
+        "a second export differs"
+    );
+}
+
+#[test]
+fn without_jax_the_backend_says_what_is_missing() {
+    let ws = TempWorkspace::default_copy();
+    let b = ws.run(&["build", "tiny-llama-cpu"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let r = ws.run(&[
+        "run",
+        "tiny-llama-cpu",
+        "--backend",
+        "jax",
+        "--python",
+        "/nonexistent/python3",
+    ]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("/nonexistent/python3") && r.stderr.contains("pip install jax"),
+        "{}",
+        r.stderr
+    );
+    // A model the JAX backend does not lower is refused by name, before any Python runs.
+    let b = ws.run(&["build", "tiny-moe-cpu"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let e = ws.run(&["export", "tiny-moe-cpu", "--format", "jax"]);
+    assert_eq!(e.code, 2, "{}", e.stderr);
+    assert!(e.stderr.contains("mixture-of-experts"), "{}", e.stderr);
+}
