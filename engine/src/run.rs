@@ -649,10 +649,6 @@ pub fn run_plan(
     })
 }
 
-/// Version of the JAX export (part of the exported program's cache key with the runtime's
-/// text).
-pub const JAX_EXPORT_VERSION: u32 = 1;
-
 /// The JAX program of `plan`: its lowered program written by [`jax::program::python`], from
 /// the cache when an earlier export or run wrote the same. Also returns the cache key (hex) and
 /// where the program came from.
@@ -672,8 +668,7 @@ pub fn jax_program(
     };
     let key = digest(&(
         "jax-program",
-        JAX_EXPORT_VERSION,
-        jax::program::RUNTIME,
+        jax::program::SOURCE,
         &plan.target,
         &plan.cluster.name,
         plan.step_time_s().to_bits(),
@@ -822,7 +817,7 @@ fn compiled_collectives(prog: &Program, hlo: &std::path::Path) -> Result<Collect
     let planned: Vec<CollectiveCounts> = (0..prog.chunks.len())
         .map(|c| {
             let mut counts: CollectiveCounts = prog
-                .collectives(c)
+                .collective_calls(c)
                 .into_iter()
                 .map(|(k, n)| (k.to_string(), n))
                 .collect();

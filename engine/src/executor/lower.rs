@@ -482,17 +482,48 @@ impl Program {
             return out;
         };
         for step in &code.steps {
-            let lists = step
-                .before
-                .iter()
-                .chain(&step.after)
-                .chain(&step.grad_before)
-                .chain(step.grad_after.iter().flatten());
-            for c in lists.flatten().filter(|c| c.communicates()) {
+            for c in Self::lists(step).flatten().filter(|c| c.communicates()) {
                 *out.entry(c.name()).or_insert(0) += 1;
             }
         }
         out
+    }
+
+    /// [`Program::collectives`] counted as calls: consecutive conversions of one kind along
+    /// different mesh axes in one list are one collective over their combined group (as XLA
+    /// issues them: an all-gather of a tensor axis split over both axes of a 2D mesh is one
+    /// all-gather over its four devices).
+    pub fn collective_calls(&self, chunk: usize) -> BTreeMap<&'static str, usize> {
+        let mut out = BTreeMap::new();
+        let Some(code) = self.chunks.get(chunk) else {
+            return out;
+        };
+        for step in &code.steps {
+            for list in Self::lists(step) {
+                let mut previous: Option<&Conversion> = None;
+                for c in list.iter().filter(|c| c.communicates()) {
+                    let merged = previous.is_some_and(|p| {
+                        p.name() == c.name()
+                            && p.axis() != c.axis()
+                            && !matches!(c, Conversion::AllToAll { .. })
+                    });
+                    if !merged {
+                        *out.entry(c.name()).or_insert(0) += 1;
+                    }
+                    previous = Some(c);
+                }
+            }
+        }
+        out
+    }
+
+    /// Every conversion list of a step: forward before and after, backward before and after.
+    fn lists(step: &Step) -> impl Iterator<Item = &Vec<Conversion>> {
+        step.before
+            .iter()
+            .chain(&step.after)
+            .chain(&step.grad_before)
+            .chain(step.grad_after.iter().flatten())
     }
 
     /// Collectives that kernels of virtual stage `chunk` run themselves, by name, for one

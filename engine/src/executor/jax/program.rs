@@ -22,6 +22,10 @@ use std::fmt::Write;
 /// The runtime every exported program ends with.
 pub const RUNTIME: &str = include_str!("runtime.py");
 
+/// The generator's and the runtime's source: part of an exported program's cache key, so
+/// that a changed exporter never serves a program it would no longer write.
+pub const SOURCE: [&str; 2] = [include_str!("program.rs"), RUNTIME];
+
 /// Names the runtime defines, which a value's variable must not shadow.
 const RESERVED: &[&str] = &[
     "p",
@@ -671,7 +675,24 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
                 return Err(refuse("this split in parts"));
             }
             let call = match &step.kernel {
-                Kernel::Embedding { .. } => format!("embedding({}, {})", arg(0)?, arg(1)?),
+                Kernel::Embedding { .. } => {
+                    let out = step.outputs[0];
+                    let grad = converted(
+                        &prog.values[out as usize].placement,
+                        step.grad_before.first().map_or(&[][..], Vec::as_slice),
+                    );
+                    let table = &prog.values[step.inputs[1] as usize].placement;
+                    match (entries(&grad), entries(table)) {
+                        (Some(g), Some(t)) => format!(
+                            "embedding({}, {}, shard, {}, {})",
+                            arg(0)?,
+                            arg(1)?,
+                            render(&g),
+                            render(&t)
+                        ),
+                        _ => format!("embedding({}, {})", arg(0)?, arg(1)?),
+                    }
+                }
                 Kernel::MatMul { transpose_b, bias } => {
                     let t = if *transpose_b {
                         ", transpose_b=True"
@@ -758,6 +779,26 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
                 .map(|&o| names.var(o, &name(o)))
                 .collect();
             let _ = writeln!(src, "    {} = {call}", outs.join(", "));
+            // What the kernel writes, where the plan converts it afterwards: held there first,
+            // so that XLA converts it as the plan does. A row gather from a table split by rows
+            // writes partial rows, completed where they are written (else XLA's propagation
+            // shards the ids instead and gathers them); other partial sums are left to XLA.
+            for (i, (&o, var)) in step.outputs.iter().zip(&outs).enumerate() {
+                let (Some(state), Some(after)) = (step.out_states.get(i), step.after.get(i)) else {
+                    continue;
+                };
+                let written = if state.0.contains(&State::Partial) {
+                    matches!(step.kernel, Kernel::Embedding { .. }).then(|| state.completed())
+                } else {
+                    Some(state.clone())
+                };
+                if let Some(e) = written
+                    .filter(|w| !after.is_empty() && *w != prog.values[o as usize].placement)
+                    .and_then(|w| entries(&w))
+                {
+                    let _ = writeln!(src, "    {var} = shard({var}, {})", render(&e));
+                }
+            }
             for (&o, var) in step.outputs.iter().zip(&outs) {
                 if let Some(s) = specs.get(&name(o)) {
                     let _ = writeln!(src, "    {var} = shard({var}, {s})");

@@ -98,8 +98,28 @@ def input_batch(seed, step, microbatch, name):
 
 # ---- ops, on one data-parallel replica's whole tensors ----
 
-def embedding(ids, table):
-    return jnp.take(table, ids, axis=0)
+def embedding(ids, table, shard=None, grad_spec=None, table_spec=None):
+    """Row gather. Its gradient is read as `grad_spec` and added into the table's rows where
+    they are (`table_spec`): with the table split by rows, every device adds into its own
+    rows, as Megatron-LM's vocabulary-parallel embedding does, instead of XLA's default of
+    adding into a whole table and reducing it."""
+
+    @jax.custom_vjp
+    def gather(ids, table):
+        return jnp.take(table, ids, axis=0, mode="clip")
+
+    def forward(ids, table):
+        return gather(ids, table), (ids, table)
+
+    def backward(saved, dy):
+        ids, table = saved
+        if shard is not None:
+            dy = shard(dy, grad_spec)
+        grad = jnp.zeros_like(table).at[ids].add(dy)
+        return None, grad if shard is None else shard(grad, table_spec)
+
+    gather.defvjp(forward, backward)
+    return gather(ids, table)
 
 
 def matmul(x, w, transpose_b=False):
