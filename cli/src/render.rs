@@ -1018,7 +1018,7 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
         {
             let _ = writeln!(
                 s,
-                "  stage {i}: plan {}{} · XLA {}",
+                "  virtual stage {i}: plan {}{} · XLA {}",
                 counts(p),
                 if d.is_empty() {
                     String::new()

@@ -94,7 +94,7 @@ pub struct Invocation<'a> {
     pub single: bool,
     /// Write a snapshot here (`PATH.json`, `PATH.bin`).
     pub dump: Option<&'a Path>,
-    /// Write every compiled function's HLO into this folder.
+    /// Dump every function's HLO after XLA's SPMD partitioner into this folder.
     pub hlo: Option<&'a Path>,
 }
 

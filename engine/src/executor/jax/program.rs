@@ -13,7 +13,7 @@
 
 use crate::executor::ExecError;
 use crate::executor::kernels::Kernel;
-use crate::executor::lower::{Action, Init, Program, Role};
+use crate::executor::lower::{Action, ChunkCode, Init, Program, Role};
 use crate::executor::placement::{Conversion, Placement, State};
 use autopar_rules::model::graph::{Graph, OpKind, TensorId};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -205,6 +205,25 @@ fn state_entries(
     e.resize(e.len().max(axis + 1), Vec::new());
     e[axis].insert(0, "data".into());
     Some(e)
+}
+
+/// Writes a Python dict literal `NAME = {...}` of `entries` (values already Python source),
+/// after `comment` (one or more comment lines).
+fn write_dict(src: &mut String, comment: &str, name: &str, entries: &BTreeMap<String, String>) {
+    let _ = writeln!(src, "{comment}\n{name} = {{");
+    for (k, v) in entries {
+        let _ = writeln!(src, "    {}: {v},", quoted(k));
+    }
+    let _ = writeln!(src, "}}");
+}
+
+/// Per chunk, the names of the values `of` lists, as a Python list of lists.
+fn per_chunk(prog: &Program, of: impl Fn(&ChunkCode) -> &[u32]) -> String {
+    py_list(
+        prog.chunks
+            .iter()
+            .map(|c| py_list(of(c).iter().map(|&v| quoted(&prog.values[v as usize].name)))),
+    )
 }
 
 fn py_list<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
@@ -448,14 +467,12 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
             stage_params[code.stage].insert(info.name.clone());
         }
     }
-    let _ = writeln!(
-        src,
-        "# Weights: value id (the seed of its noise), shape, initialisation.\nPARAMETERS = {{"
+    write_dict(
+        &mut src,
+        "# Weights: value id (the seed of its noise), shape, initialisation.",
+        "PARAMETERS",
+        &params,
     );
-    for (n, p) in &params {
-        let _ = writeln!(src, "    {}: {p},", quoted(n));
-    }
-    let _ = writeln!(src, "}}");
     let _ = writeln!(
         src,
         "STAGE_PARAMETERS = {}",
@@ -468,11 +485,7 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
     let _ = writeln!(
         src,
         "CHUNK_PARAMETERS = {}",
-        py_list(
-            prog.chunks
-                .iter()
-                .map(|c| py_list(c.parameters.iter().map(|&v| quoted(&name(v)))))
-        )
+        per_chunk(prog, |c| &c.parameters)
     );
     let mut inputs = BTreeMap::new();
     for code in &prog.chunks {
@@ -488,56 +501,34 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
             );
         }
     }
-    let _ = writeln!(
-        src,
-        "# Fed inputs: value id, shape of one replica's micro-batch, bound of integer ids.\nINPUTS = {{"
+    write_dict(
+        &mut src,
+        "# Fed inputs: value id, shape of one replica's micro-batch, bound of integer ids.",
+        "INPUTS",
+        &inputs,
     );
-    for (n, i) in &inputs {
-        let _ = writeln!(src, "    {}: {i},", quoted(n));
-    }
-    let _ = writeln!(src, "}}");
-    let _ = writeln!(
-        src,
-        "CHUNK_INPUTS = {}",
-        py_list(
-            prog.chunks
-                .iter()
-                .map(|c| py_list(c.inputs.iter().map(|&v| quoted(&name(v)))))
-        )
-    );
+    let _ = writeln!(src, "CHUNK_INPUTS = {}", per_chunk(prog, |c| &c.inputs));
     let _ = writeln!(
         src,
         "# Activations each chunk receives, as it names them and as the chunk before names them.\n\
          CHUNK_RECV = {}\nCHUNK_RECV_FROM = {}",
-        py_list(
-            prog.chunks
-                .iter()
-                .map(|c| py_list(c.recv.iter().map(|&v| quoted(&name(v)))))
-        ),
-        py_list(
-            prog.chunks
-                .iter()
-                .map(|c| py_list(c.recv_from.iter().map(|&v| quoted(&name(v)))))
-        )
+        per_chunk(prog, |c| &c.recv),
+        per_chunk(prog, |c| &c.recv_from)
     );
-    let _ = writeln!(
-        src,
+    write_dict(
+        &mut src,
         "# Every value's sharding on its stage's mesh, one entry per tensor axis (trailing axes\n\
          # replicated); a value not named is left to XLA (a partial sum, completed where a later\n\
-         # constraint asks).\nSPECS = {{"
+         # constraint asks).",
+        "SPECS",
+        &specs,
     );
-    for (n, s) in &specs {
-        let _ = writeln!(src, "    {}: {s},", quoted(n));
-    }
-    let _ = writeln!(src, "}}");
-    let _ = writeln!(
-        src,
-        "# Optimizer states (Adam's moments) sharded further than their weights (ZeRO).\nSTATE_SPECS = {{"
+    write_dict(
+        &mut src,
+        "# Optimizer states (Adam's moments) sharded further than their weights (ZeRO).",
+        "STATE_SPECS",
+        &state_specs,
     );
-    for (n, s) in &state_specs {
-        let _ = writeln!(src, "    {}: {s},", quoted(n));
-    }
-    let _ = writeln!(src, "}}");
     let mut storage_lines = BTreeMap::new();
     for (&v, st) in &storages {
         storage_lines.insert(
@@ -545,14 +536,12 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
             format!("({}, {}, {})", st.axis, py_list(st.parts.iter()), st.pieces),
         );
     }
-    let _ = writeln!(
-        src,
-        "# Values split in parts, stored piece-major: axis, whole parts, pieces.\nSTORAGE = {{"
+    write_dict(
+        &mut src,
+        "# Values split in parts, stored piece-major: axis, whole parts, pieces.",
+        "STORAGE",
+        &storage_lines,
     );
-    for (n, s) in &storage_lines {
-        let _ = writeln!(src, "    {}: {s},", quoted(n));
-    }
-    let _ = writeln!(src, "}}");
     let _ = writeln!(
         src,
         "# Weights several stages hold, whose gradients are summed.\nTIED = {{{}}}",
