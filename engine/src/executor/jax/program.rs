@@ -758,9 +758,32 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
                     )
                 }
                 Kernel::Transpose { a, b } => format!("jnp.swapaxes({}, {a}, {b})", arg(0)?),
-                Kernel::MoeRouter | Kernel::MoeDispatch { .. } | Kernel::MoeCombine { .. } => {
-                    return Err(refuse("mixture-of-experts routing yet"));
+                Kernel::MoeRouter => {
+                    let k = step
+                        .outputs
+                        .first()
+                        .and_then(|&o| prog.values[o as usize].shape.last().copied())
+                        .unwrap_or(1);
+                    format!("moe_router({}, {k})", arg(0)?)
                 }
+                Kernel::MoeDispatch { drop } => {
+                    let shape = &prog.values[step.outputs[0] as usize].shape;
+                    format!(
+                        "moe_dispatch({}, {}, {}, {}, {})",
+                        arg(0)?,
+                        arg(1)?,
+                        arg(2)?,
+                        py_tuple(shape),
+                        if *drop { "True" } else { "False" }
+                    )
+                }
+                Kernel::MoeCombine { drop } => format!(
+                    "moe_combine({}, {}, {}, {})",
+                    arg(0)?,
+                    arg(1)?,
+                    arg(2)?,
+                    if *drop { "True" } else { "False" }
+                ),
             };
             let outs: Vec<String> = step
                 .outputs

@@ -217,6 +217,56 @@ def split(x, parts, pieces=1, heads=None):
     return out
 
 
+def moe_router(scores, k):
+    """Megatron-Core's default router: each token's k highest scores (ties to the lower
+    expert), its gates the softmax of those scores. Gates [.., k] and experts [.., k]."""
+    top, experts = jax.lax.top_k(scores, k)
+    return jax.nn.softmax(top, axis=-1), experts
+
+
+def moe_slots(experts, gates, count, capacity, drop):
+    """The slot of every (token, choice) in its expert's buffer, in token order, and whether it
+    is kept. Past the capacity, a plan that drops tokens keeps the highest gates (ties to the
+    earlier token, Megatron-Core's `--moe-token-drop-policy probs`); a dropless plan sized its
+    buffers for every token, and what would not fit is left out (autopar's CPU executor stops
+    with an error there)."""
+    flat = experts.reshape(-1)
+    n = flat.shape[0]
+    order = jnp.arange(n)
+    if drop:
+        g = jax.lax.stop_gradient(gates).reshape(-1)
+        # Rank within its expert by gate, highest first, the earlier token on a tie.
+        ranked = jnp.lexsort((order, -g, flat))
+        start = jnp.searchsorted(flat[ranked], jnp.arange(count))
+        rank = jnp.zeros(n, jnp.int32).at[ranked].set(order - start[flat[ranked]])
+        kept = rank < capacity
+    else:
+        kept = jnp.ones(n, bool)
+    onehot = jax.nn.one_hot(flat, count, dtype=jnp.int32) * kept[:, None]
+    slot = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), flat[:, None], axis=1)[:, 0] - 1
+    return slot, kept & (slot < capacity)
+
+
+def moe_dispatch(x, experts, gates, shape, drop):
+    """Tokens [.., h] copied into their chosen experts' buffers [E, C, h]."""
+    count, capacity, h = shape
+    k = experts.shape[-1]
+    slot, kept = moe_slots(experts, gates, count, capacity, drop)
+    tokens = jnp.repeat(x.reshape(-1, h), k, axis=0) * kept[:, None]
+    where = jnp.where(kept, slot, capacity)
+    return jnp.zeros(shape, x.dtype).at[experts.reshape(-1), where].add(tokens, mode="drop")
+
+
+def moe_combine(y, gates, experts, drop):
+    """Every token's gate-weighted sum of its experts' outputs y [E, C, h]."""
+    count, capacity, h = y.shape
+    k = experts.shape[-1]
+    slot, kept = moe_slots(experts, gates, count, capacity, drop)
+    picked = y[experts.reshape(-1), jnp.clip(slot, 0, capacity - 1)] * kept[:, None]
+    out = (picked.reshape(-1, k, h) * gates.reshape(-1, k, 1)).sum(axis=1)
+    return out.reshape(experts.shape[:-1] + (h,))
+
+
 # ---- meshes and shardings ----
 
 def stage_mesh(stage, single):
