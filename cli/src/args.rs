@@ -469,6 +469,9 @@ pub struct ProfileRunArgs {
     /// Backend that runs the kernels.
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: BackendArg,
+    /// The Python with JAX that `--backend jax` runs (default: $AUTOPAR_PYTHON, else python3).
+    #[arg(long, value_name = "PATH")]
+    pub python: Option<PathBuf>,
     /// Where to write the profile (default: standard output, the summary then goes to
     /// standard error).
     #[arg(short, long)]

@@ -2,13 +2,14 @@
 //! (`autopar profile run`).
 
 use crate::EngineError;
-use crate::executor::cuda;
 use crate::executor::measure::{OpBench, time_collective};
 use crate::executor::{Backend, CPU_DEVICE, ExecError};
+use crate::executor::{cuda, jax};
 use crate::workspace::{Target, Workspace};
 use autopar_rules::cost::profile::{EntryId, OpSignature, Profile};
 use autopar_rules::plan::estimate::Estimator;
 use autopar_rules::plan::search::pricing_combinations;
+use std::path::Path;
 use std::time::Instant;
 
 /// Every kernel and tensor-parallel collective `t`'s search prices, with the times the
@@ -124,6 +125,90 @@ impl Measured {
     }
 }
 
+/// [`measure`] through XLA: every entry the CPU backend would time, as the same computation,
+/// timed by one JAX process on the devices it sees (the profile's device is theirs).
+fn measure_jax(
+    modelled: Profile,
+    targets: Vec<String>,
+    python: Option<&Path>,
+    progress: &mut dyn FnMut(usize, usize, &EntryId),
+) -> Result<Measured, EngineError> {
+    let python = jax::interpreter(python);
+    jax::probe(&python)?;
+    let start = Instant::now();
+    let entries = modelled.entries();
+    let mut skipped = Vec::new();
+    // (entry, its work for the profiler, the FLOPs of a product)
+    let mut work = Vec::new();
+    for (i, (entry, _)) in entries.iter().enumerate() {
+        progress(i, entries.len(), entry);
+        match entry {
+            EntryId::Op(sig) => match OpBench::new(sig) {
+                Ok(b) => work.push((entry, b.jax_work(), b.product_flops())),
+                Err(e @ (ExecError::NoKernel(_) | ExecError::TooLarge(_))) => {
+                    skipped.push(Skipped {
+                        entry: entry.clone(),
+                        reason: e.to_string(),
+                    })
+                }
+                Err(e) => return Err(e.into()),
+            },
+            EntryId::Collective(sig, bytes) => work.push((
+                entry,
+                serde_json::json!({
+                    "collective": sig.collective,
+                    "ranks": sig.ranks,
+                    "bytes": bytes,
+                }),
+                None,
+            )),
+        }
+    }
+    let devices = entries
+        .iter()
+        .filter_map(|(e, _)| match e {
+            EntryId::Collective(sig, _) => usize::try_from(sig.ranks).ok(),
+            EntryId::Op(_) => None,
+        })
+        .max()
+        .unwrap_or(1);
+    let list: Vec<serde_json::Value> = work.iter().map(|(_, w, _)| w.clone()).collect();
+    let timed = jax::profile::time(&python, &list, devices)?;
+    let mut profile = Profile::new(jax::profile::device_name(
+        &timed.platform,
+        &timed.device_kind,
+    )?);
+    let mut fastest_product: Option<(OpSignature, f64)> = None;
+    for ((entry, _, flops), result) in work.into_iter().zip(timed.results) {
+        match (entry, result) {
+            (EntryId::Op(sig), Ok(seconds)) => {
+                if let Some(flops) = flops {
+                    let rate = flops / seconds.max(f64::MIN_POSITIVE);
+                    if fastest_product.as_ref().is_none_or(|(_, r)| rate > *r) {
+                        fastest_product = Some((sig.clone(), rate));
+                    }
+                }
+                profile.insert_op(sig.clone(), seconds * 1e6);
+            }
+            (EntryId::Collective(sig, bytes), Ok(seconds)) => {
+                profile.insert_collective(*sig, *bytes, seconds * 1e6)
+            }
+            (_, Err(reason)) => skipped.push(Skipped {
+                entry: entry.clone(),
+                reason,
+            }),
+        }
+    }
+    Ok(Measured {
+        profile,
+        modelled,
+        skipped,
+        targets,
+        fastest_product,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
 /// Measures every entry of `model` on `cluster`'s template on `backend`; `progress` is told
 /// each entry before it is measured, with its index and the count.
 pub fn measure(
@@ -131,20 +216,14 @@ pub fn measure(
     model: &str,
     cluster: &str,
     backend: Backend,
+    python: Option<&Path>,
     progress: &mut dyn FnMut(usize, usize, &EntryId),
 ) -> Result<Measured, EngineError> {
     let (modelled, targets) = model_template(ws, model, cluster)?;
     match backend {
         Backend::Cpu => {}
         Backend::Cuda => cuda::probe()?,
-        Backend::Jax => {
-            return Err(ExecError::Unavailable(
-                "`profile run --backend jax` does not time kernels through XLA yet; measure with \
-                 --backend cpu, or run a plan with `autopar run TARGET --backend jax`"
-                    .into(),
-            )
-            .into());
-        }
+        Backend::Jax => return measure_jax(modelled, targets, python, progress),
     }
     let start = Instant::now();
     let entries = modelled.entries();

@@ -340,7 +340,7 @@ fn what_a_framework_lacks_is_named_never_dropped() {
     assert!(g.stderr.contains("not LLaMA-shaped"), "{}", g.stderr);
 
     // Bad input: unknown format, unknown target, no plan built.
-    assert_eq!(export(&ws, "plain", "jax").code, 2);
+    assert_eq!(export(&ws, "plain", "keras").code, 2);
     assert_eq!(export(&ws, "nope", "nemo").code, 2);
     let unbuilt = export(&ws, "llama3-8b", "nemo");
     assert_ne!(unbuilt.code, 0);

@@ -192,8 +192,14 @@ pub fn run(session: &Session, a: &ProfileRunArgs) -> Result<(), Failure> {
             bar.set_message(e.to_string());
         }
     };
-    let measured =
-        autopar_engine::profiles::measure(&ws, &a.model, &a.cluster, backend, &mut progress)?;
+    let measured = autopar_engine::profiles::measure(
+        &ws,
+        &a.model,
+        &a.cluster,
+        backend,
+        a.python.as_deref(),
+        &mut progress,
+    )?;
     if let Some(bar) = &bar {
         bar.finish_and_clear();
     }

@@ -698,6 +698,59 @@ impl OpBench {
         Ok(work)
     }
 
+    /// The same work for the JAX profiler (`profile run --backend jax`), as JSON: `work`
+    /// (`forward`, `backward`, `weight_grad`, `batch_grad_b`), the kernel as the lowering names
+    /// it, and its operands' shapes (integer ids with their bound).
+    pub fn jax_work(&self) -> serde_json::Value {
+        use serde_json::json;
+        let specs = |kernel: &Kernel, x: &[Tensor]| -> Vec<serde_json::Value> {
+            let bound = |i: usize| match (kernel, i) {
+                (Kernel::Embedding { .. }, 0) => x.get(1).and_then(|t| t.shape.first().copied()),
+                (Kernel::CrossEntropy { .. }, 1) => x.first().map(Tensor::last),
+                _ => None,
+            };
+            x.iter()
+                .enumerate()
+                .map(|(i, t)| json!({"shape": t.shape, "bound": bound(i)}))
+                .collect()
+        };
+        match &self.work {
+            Work::Forward {
+                kernel,
+                x,
+                out_shapes,
+            } => json!({
+                "work": "forward",
+                "kernel": kernel,
+                "inputs": specs(kernel, x),
+                "out_shapes": out_shapes,
+            }),
+            Work::Backward { kernel, x, dy, .. } => json!({
+                "work": "backward",
+                "kernel": kernel,
+                "inputs": specs(kernel, x),
+                "out_shapes": dy.iter().map(|t| t.shape.clone()).collect::<Vec<_>>(),
+            }),
+            Work::WeightGrad { mkn, bias, .. } => json!({
+                "work": "weight_grad",
+                "mkn": [mkn.0, mkn.1, mkn.2],
+                "bias": bias,
+            }),
+            Work::BatchGradB {
+                a,
+                d,
+                b_shape,
+                transpose_b,
+            } => json!({
+                "work": "batch_grad_b",
+                "a": a.shape,
+                "d": d.shape,
+                "b_shape": b_shape,
+                "transpose_b": transpose_b,
+            }),
+        }
+    }
+
     /// Floating-point operations of a matrix product (`None` for other kernels).
     pub fn product_flops(&self) -> Option<f64> {
         let flops = match &self.work {

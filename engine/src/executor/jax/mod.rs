@@ -8,6 +8,7 @@
 //! every compiled function's HLO, whose collectives [`hlo::collectives`] counts.
 
 pub mod hlo;
+pub mod profile;
 pub mod program;
 
 use super::tensor::Tensor;

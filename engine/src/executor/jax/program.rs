@@ -19,12 +19,15 @@ use autopar_rules::model::graph::{Graph, OpKind, TensorId};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write;
 
-/// The runtime every exported program ends with.
+/// The model's ops in jax.numpy, shared by exported programs and the profiler.
+pub const OPS: &str = include_str!("ops.py");
+
+/// The runtime every exported program ends with: data, weights, the pipeline driver, Adam.
 pub const RUNTIME: &str = include_str!("runtime.py");
 
-/// The generator's and the runtime's source: part of an exported program's cache key, so
-/// that a changed exporter never serves a program it would no longer write.
-pub const SOURCE: [&str; 2] = [include_str!("program.rs"), RUNTIME];
+/// The generator's, the ops' and the runtime's source: part of an exported program's cache
+/// key, so that a changed exporter never serves a program it would no longer write.
+pub const SOURCE: [&str; 3] = [include_str!("program.rs"), OPS, RUNTIME];
 
 /// Names the runtime defines, which a value's variable must not shadow.
 const RESERVED: &[&str] = &[
@@ -339,6 +342,29 @@ fn order(prog: &Program) -> Result<Vec<(char, usize, usize)>, ExecError> {
     }
 }
 
+/// The imports every generated script starts with, XLA's options set first: `devices`
+/// virtual CPU devices (where JAX runs on the CPU), and with `--hlo DIR` every function's HLO
+/// after the SPMD partitioner dumped into DIR.
+pub(super) fn imports(devices: usize) -> String {
+    format!(
+        "import argparse\nimport json\nimport os\nimport sys\nimport time\n\n\
+         DEVICES = {devices}\n\n\n\
+         def xla_flags():\n    \
+             \"\"\"XLA's options, read when JAX starts: on CPU, DEVICES virtual devices; with --hlo DIR,\n    \
+             every function's HLO after the SPMD partitioner, dumped into DIR.\"\"\"\n    \
+             flags = os.environ.get(\"XLA_FLAGS\", \"\")\n    \
+             if \"xla_force_host_platform_device_count\" not in flags:\n        \
+                 flags += f\" --xla_force_host_platform_device_count={{DEVICES}}\"\n    \
+             if \"--hlo\" in sys.argv[:-1]:\n        \
+                 where = sys.argv[sys.argv.index(\"--hlo\") + 1]\n        \
+                 flags += (f\" --xla_dump_to={{where}} --xla_dump_hlo_pass_re=spmd-partitioning\"\n                  \
+                           \" --xla_dump_hlo_module_re=jit_(forward|backward|update)_\")\n    \
+             os.environ[\"XLA_FLAGS\"] = flags.strip()\n\n\n\
+         xla_flags()\n\
+         import numpy as np\nimport jax\nimport jax.numpy as jnp\nfrom jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
+    )
+}
+
 /// The forward op of the graph that writes value `v`, when `v` is a graph tensor.
 fn writer(graph: &Graph, v: u32) -> Option<&autopar_rules::model::graph::Op> {
     graph
@@ -414,24 +440,7 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
         env!("CARGO_PKG_VERSION"),
         devices,
     );
-    let _ = writeln!(
-        src,
-        "import argparse\nimport json\nimport os\nimport sys\nimport time\n\n\
-         DEVICES = {devices}\n\n\n\
-         def xla_flags():\n    \
-             \"\"\"XLA's options, read when JAX starts: on CPU, DEVICES virtual devices; with --hlo DIR,\n    \
-             every function's HLO after the SPMD partitioner, dumped into DIR.\"\"\"\n    \
-             flags = os.environ.get(\"XLA_FLAGS\", \"\")\n    \
-             if \"xla_force_host_platform_device_count\" not in flags:\n        \
-                 flags += f\" --xla_force_host_platform_device_count={{DEVICES}}\"\n    \
-             if \"--hlo\" in sys.argv[:-1]:\n        \
-                 where = sys.argv[sys.argv.index(\"--hlo\") + 1]\n        \
-                 flags += (f\" --xla_dump_to={{where}} --xla_dump_hlo_pass_re=spmd-partitioning\"\n                  \
-                           \" --xla_dump_hlo_module_re=jit_(forward|backward|update)_\")\n    \
-             os.environ[\"XLA_FLAGS\"] = flags.strip()\n\n\n\
-         xla_flags()\n\
-         import numpy as np\nimport jax\nimport jax.numpy as jnp\nfrom jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
-    );
+    src.push_str(&imports(devices));
     let _ = writeln!(
         src,
         "# Data-parallel replicas of every stage, micro-batches per step, context-parallel ranks\n\
@@ -850,6 +859,7 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
         "\n\nCHUNKS = {}\n",
         py_list((0..prog.chunks.len()).map(|c| format!("chunk_{c}")))
     );
+    src.push_str(OPS);
     src.push_str(RUNTIME);
     Ok(src)
 }
