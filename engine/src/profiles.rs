@@ -125,6 +125,21 @@ impl Measured {
     }
 }
 
+/// Keeps `sig` as the fastest product so far when its `flops` in `seconds` beat it.
+fn note_product(
+    fastest: &mut Option<(OpSignature, f64)>,
+    sig: &OpSignature,
+    flops: Option<f64>,
+    seconds: f64,
+) {
+    if let Some(flops) = flops {
+        let rate = flops / seconds.max(f64::MIN_POSITIVE);
+        if fastest.as_ref().is_none_or(|(_, r)| rate > *r) {
+            *fastest = Some((sig.clone(), rate));
+        }
+    }
+}
+
 /// [`measure`] through XLA: every entry the CPU backend would time, as the same computation,
 /// timed by one JAX process on the devices it sees (the profile's device is theirs).
 fn measure_jax(
@@ -182,12 +197,7 @@ fn measure_jax(
     for ((entry, _, flops), result) in work.into_iter().zip(timed.results) {
         match (entry, result) {
             (EntryId::Op(sig), Ok(seconds)) => {
-                if let Some(flops) = flops {
-                    let rate = flops / seconds.max(f64::MIN_POSITIVE);
-                    if fastest_product.as_ref().is_none_or(|(_, r)| rate > *r) {
-                        fastest_product = Some((sig.clone(), rate));
-                    }
-                }
+                note_product(&mut fastest_product, sig, flops, seconds);
                 profile.insert_op(sig.clone(), seconds * 1e6);
             }
             (EntryId::Collective(sig, bytes), Ok(seconds)) => {
@@ -235,12 +245,7 @@ pub fn measure(
         let measured = match entry {
             EntryId::Op(sig) => OpBench::new(sig).and_then(|b| {
                 let t = b.time()?;
-                if let Some(flops) = b.product_flops() {
-                    let rate = flops / t.seconds.max(f64::MIN_POSITIVE);
-                    if fastest_product.as_ref().is_none_or(|(_, r)| rate > *r) {
-                        fastest_product = Some((sig.clone(), rate));
-                    }
-                }
+                note_product(&mut fastest_product, sig, b.product_flops(), t.seconds);
                 profile.insert_op(sig.clone(), t.seconds * 1e6);
                 Ok(())
             }),

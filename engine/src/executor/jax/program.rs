@@ -78,24 +78,30 @@ struct Storage {
     pieces: usize,
 }
 
+/// How a value placed by `placement` on `mesh` is stored: piece-major when a tensor axis is
+/// split in parts, `None` when plainly; an error for what the storage cannot hold.
 fn storage(placement: &Placement, mesh: &[usize]) -> Result<Option<Storage>, String> {
     let mut found: Option<Storage> = None;
     for (a, s) in placement.0.iter().enumerate() {
         let State::Split { axis, parts } = s else {
             continue;
         };
+        if parts.len() < 2 {
+            continue;
+        }
         let n = mesh.get(a).copied().unwrap_or(1);
         match &mut found {
-            Some(st) if st.axis == *axis && st.parts == *parts => st.pieces *= n,
-            Some(_) => return Err("an axis split in parts together with another split".into()),
-            None if parts.len() > 1 => {
+            // A second mesh axis splitting the same parts (listed as that group holds them):
+            // the pieces multiply, major first.
+            Some(st) if st.axis == *axis => st.pieces *= n,
+            Some(_) => return Err("two tensor axes split in parts".into()),
+            None => {
                 found = Some(Storage {
                     axis: *axis,
                     parts: parts.clone(),
                     pieces: n,
                 })
             }
-            None => {}
         }
     }
     // A split in parts must be the only split of its axis.

@@ -121,7 +121,6 @@ def replicas(spec):
 
 class Pipeline:
     def __init__(self, seed, single):
-        self.single = single
         self.meshes = [stage_mesh(s, single) for s in range(len(MESHES))]
         self.sharders = [Sharder(m) for m in self.meshes]
         self.params = []
@@ -129,9 +128,10 @@ class Pipeline:
         for s, names in enumerate(STAGE_PARAMETERS):
             p = {n: self.put(initial_parameter(seed, n), s, SPECS.get(n)) for n in names}
             self.params.append(p)
-            self.moments.append({n: (jnp.zeros_like(self.put(p[n], s, STATE_SPECS.get(n))),
-                                     jnp.zeros_like(self.put(p[n], s, STATE_SPECS.get(n))))
-                                 for n in names})
+            # Adam's moments, placed as the optimizer states are (as the weight, unless ZeRO).
+            zeros = {n: jnp.zeros(p[n].shape, p[n].dtype, device=NamedSharding(
+                         self.meshes[s], P(*(STATE_SPECS.get(n, SPECS.get(n)) or ())))) for n in names}
+            self.moments.append({n: (zeros[n], zeros[n]) for n in names})
         self.updates = 0
         self.forward = [self.make_forward(c) for c in range(len(CHUNKS))]
         self.backward = [named_jit(lambda vjp, dy: vjp(dy), f"backward_{c}") for c in range(len(CHUNKS))]
