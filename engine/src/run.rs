@@ -207,11 +207,18 @@ pub struct Prepared {
 /// pipeline runs it, every stage on its own logical mesh with every tensor placed as the plan's
 /// specs say; a plan of the Megatron-LM space runs its layout.
 pub fn prepare(ws: &Workspace, plan: &Plan) -> Result<Prepared, EngineError> {
+    let prepared = prepare_any(ws, plan)?;
+    check_budget(&prepared.graph, &prepared.layout, &plan.model.name)?;
+    Ok(prepared)
+}
+
+/// [`prepare`] without the CPU backend's budget: what an exported program runs, on whatever
+/// devices it is given.
+pub fn prepare_any(ws: &Workspace, plan: &Plan) -> Result<Prepared, EngineError> {
     let (graph, layout) = match (plan.space, &plan.ilp) {
         (Space::Ilp, Some(ilp)) => ilp_run(ws, plan, ilp)?,
         _ => prepare_megatron(ws, plan)?,
     };
-    check_budget(&graph, &layout, &plan.model.name)?;
     Ok(Prepared { graph, layout })
 }
 
@@ -657,7 +664,7 @@ pub fn jax_program(
     cache: &Cache,
     plan: &Plan,
 ) -> Result<(String, String, String, Program, Graph), EngineError> {
-    let Prepared { graph, layout } = prepare(ws, plan)?;
+    let Prepared { graph, layout } = prepare_any(ws, plan)?;
     let description = format!("program of {} ({}), jax", plan.target, layout.describe());
     let (prog, _) = program(cache, &graph, &layout, Backend::Jax, &description)?;
     let header = jax::program::Header {

@@ -182,6 +182,12 @@ fn the_exported_program_is_readable_python_of_the_plan() {
         text.trim_end(),
         "a second export differs"
     );
+    // A plan too large to run on this machine still exports, for the GPUs it is for.
+    let b = ws.run(&["build", "gpt2-small"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let big = ws.run(&["export", "gpt2-small", "--format", "jax"]);
+    assert_eq!(big.code, 0, "{}", big.stderr);
+    assert!(big.stdout.contains("DEVICES = 8"), "{}", big.stdout);
 }
 
 #[test]
