@@ -620,7 +620,7 @@ pub fn run_plan(
     );
     let (prog, info) = program(cache, &graph, &layout, backend, &description)?;
     let (result, report, jax) = if backend == Backend::Jax {
-        let (r, c, j) = run_jax(ws, cache, plan, opts, &python)?;
+        let (r, c, j) = run_jax(cache, plan, (&graph, &layout, &prog), opts, &python)?;
         (r, c, Some(j))
     } else if opts.check {
         let (r, c) = check(&graph, &prog, opts)?;
@@ -656,17 +656,34 @@ pub fn run_plan(
     })
 }
 
+/// An exported JAX program.
+#[derive(Clone, Debug)]
+pub struct JaxProgram {
+    /// The program's text.
+    pub text: String,
+    /// Its cache key (hex).
+    pub key: String,
+    /// `exported`, or the cache level that had it.
+    pub source: String,
+}
+
 /// The JAX program of `plan`: its lowered program written by [`jax::program::python`], from
-/// the cache when an earlier export or run wrote the same. Also returns the cache key (hex) and
-/// where the program came from.
-pub fn jax_program(
-    ws: &Workspace,
-    cache: &Cache,
-    plan: &Plan,
-) -> Result<(String, String, String, Program, Graph), EngineError> {
+/// the cache when an earlier export or run wrote the same.
+pub fn jax_program(ws: &Workspace, cache: &Cache, plan: &Plan) -> Result<JaxProgram, EngineError> {
     let Prepared { graph, layout } = prepare_any(ws, plan)?;
     let description = format!("program of {} ({}), jax", plan.target, layout.describe());
     let (prog, _) = program(cache, &graph, &layout, Backend::Jax, &description)?;
+    jax_source(cache, plan, &graph, &layout, &prog)
+}
+
+/// [`jax_program`] of a plan already lowered to `prog` (from `graph` under `layout`).
+fn jax_source(
+    cache: &Cache,
+    plan: &Plan,
+    graph: &Graph,
+    layout: &ExecLayout,
+    prog: &Program,
+) -> Result<JaxProgram, EngineError> {
     let header = jax::program::Header {
         target: &plan.target,
         layout: &layout.describe(),
@@ -679,13 +696,17 @@ pub fn jax_program(
         &plan.target,
         &plan.cluster.name,
         plan.step_time_s().to_bits(),
-        &graph,
-        &layout,
+        graph,
+        layout,
     ));
     if let Some((text, source)) = cache.lookup::<String>(kind::PROGRAM, key) {
-        return Ok((text, key.hex(), source.name().to_string(), prog, graph));
+        return Ok(JaxProgram {
+            text,
+            key: key.hex(),
+            source: source.name().to_string(),
+        });
     }
-    let text = jax::program::python(&graph, &prog, &header)?;
+    let text = jax::program::python(graph, prog, &header)?;
     cache.put(
         key,
         &text,
@@ -696,21 +717,25 @@ pub fn jax_program(
         },
     );
     cache.record(kind::PROGRAM, Source::Solved);
-    Ok((text, key.hex(), "exported".into(), prog, graph))
+    Ok(JaxProgram {
+        text,
+        key: key.hex(),
+        source: "exported".into(),
+    })
 }
 
 /// Runs `plan` as a JAX program: exported, run on the devices JAX sees with every compiled
 /// function's HLO written out, and with `--check` compared with the single-device run of the
 /// same program and with the CPU executor's.
 fn run_jax(
-    ws: &Workspace,
     cache: &Cache,
     plan: &Plan,
+    (graph, layout, prog): (&Graph, &ExecLayout, &Program),
     opts: &RunOptions,
     python: &std::path::Path,
 ) -> Result<(RunResult, Option<CheckReport>, JaxReport), EngineError> {
     let jax_version = jax::probe(python)?;
-    let (text, key, source, prog, graph) = jax_program(ws, cache, plan)?;
+    let JaxProgram { text, key, source } = jax_source(cache, plan, graph, layout, prog)?;
     let dir = tempfile::Builder::new()
         .prefix("autopar-jax-")
         .tempdir()
@@ -729,7 +754,7 @@ fn run_jax(
         dump: opts.check.then_some(dump.as_path()),
         hlo: Some(&hlo),
     })?;
-    let collectives = compiled_collectives(&prog, &hlo)?;
+    let collectives = compiled_collectives(prog, &hlo)?;
     let (check, cpu_check) = match &sharded.snapshot {
         Some(ours) => {
             let single = jax::run(&jax::Invocation {
@@ -742,7 +767,7 @@ fn run_jax(
                 hlo: None,
             })?;
             let theirs = single.snapshot.unwrap_or_default();
-            let reference = crate::executor::reference_program(&graph, &prog)?;
+            let reference = crate::executor::reference_program(graph, prog)?;
             let cpu = run_program(
                 &reference,
                 &RunOptions {

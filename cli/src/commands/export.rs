@@ -17,9 +17,9 @@ pub fn run(session: &Session, a: &ExportArgs, dir: Option<&Path>) -> Result<(), 
     let Some(framework) = a.format.framework() else {
         // A JAX program: the plan's lowered program, written as Python.
         let cache = Cache::open(&cache_dir(dir, &ws));
-        let (text, ..) = jax_program(&ws, &cache, &plan)?;
+        let program = jax_program(&ws, &cache, &plan)?;
         cache.flush();
-        return write(a, &text, "JAX program", &plan.target);
+        return write(a, &program.text, "JAX program", &plan.target);
     };
     let opts = ExportOptions {
         framework,
