@@ -556,12 +556,15 @@ pub struct PipelineArgs {
 /// Solver of `autopar solve sharding`.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum ShardingSolverArg {
-    /// The exact solver when the graph allows, else the ILP.
+    /// The exact solver when the graph allows, else the ILP; D-Rec above 5,000 variables.
     Auto,
     /// Only the exact (variable-elimination) solver.
     Exact,
     /// Only the ILP (good_lp / microlp).
     Ilp,
+    /// D-Rec (MindSpore's symbolic double-recursive partitioning): linear time, not proven
+    /// optimal.
+    Drec,
 }
 
 /// `autopar solve sharding`.

@@ -716,6 +716,8 @@ pub fn sharding(r: &ShardingResult, micro_batch: u64) -> String {
     let s = &p.solve;
     let status = if s.optimal {
         "optimal".to_string()
+    } else if s.solver == "drec" {
+        "heuristic, not proven optimal".to_string()
     } else {
         format!("time limit, gap {:.2}%", s.gap * 100.0)
     };

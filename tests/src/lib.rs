@@ -6,6 +6,7 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 pub mod executor;
+pub mod graphs;
 pub mod load;
 pub mod megatron;
 pub mod misbehave;

@@ -4,7 +4,7 @@
 use super::print_json;
 use crate::Failure;
 use crate::args::{BalanceArgs, PipelineArgs, ShardingArgs, ShardingSolverArg};
-use crate::output::outln;
+use crate::output::{errln, outln};
 use autopar_engine::alpa::solve_stages;
 use autopar_engine::cache::{Cache, RemoteFlags, UPLOAD_DEADLINE};
 use autopar_engine::pipeline::{PipelineRequest, solve_pipeline};
@@ -330,11 +330,15 @@ pub fn sharding(session: &Session, a: &ShardingArgs) -> Result<(), Failure> {
             ShardingSolverArg::Auto => SolverChoice::Auto,
             ShardingSolverArg::Exact => SolverChoice::Exact,
             ShardingSolverArg::Ilp => SolverChoice::Ilp,
+            ShardingSolverArg::Drec => SolverChoice::Drec,
         },
         time_limit: a.time_limit,
         chain: a.chain,
     };
     let r = solve_sharding(session, &req)?;
+    for w in &r.plan.solve.warnings {
+        errln!("warning: {w}");
+    }
     if a.json {
         let mut value = described(&r.plan, &r.model, &r.cluster.name, r.seq, a.mbs)?;
         if let Some(obj) = value.as_object_mut() {

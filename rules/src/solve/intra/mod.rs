@@ -3,6 +3,7 @@
 //! resharding under a memory budget, solved exactly.
 
 pub mod chain;
+pub mod drec;
 pub mod einsum;
 pub mod exact;
 pub mod ilp;

@@ -267,6 +267,7 @@ impl StageModel<'_> {
             undominated: strategies,
             edges: self.problem.edges.len(),
             width: 0.0,
+            warnings: Vec::new(),
         };
         Ok(self.decode(&choice, info))
     }

@@ -1,0 +1,725 @@
+//! D-Rec (Wang et al., Euro-Par 2021, "Efficient and Systematic Partitioning of Large and
+//! Deep Neural Networks for Parallelization"; MindSpore's `recursive_programming` search
+//! mode): a linear-time sharding heuristic, run on the same problem the exact solver and the
+//! ILP solve (ALGORITHMS.md §3).
+//!
+//! Two recursions:
+//! * **over the device hierarchy**: the mesh axes are cut one after the other, the slowest
+//!   link first (across nodes, then inside a node). On each level every variable fixes what
+//!   it cuts on that axis, keeping what it cut on the levels before and leaving the later
+//!   axes uncut, so a level's costs are those of its local shapes;
+//! * **over the operators**, in a fixed order: the heaviest first, then always the heaviest
+//!   of those next to one already placed (the paper's neighbourhood order; the heaviest
+//!   overall when no placed variable has an unplaced neighbour). Each takes the cut of least
+//!   cost given its neighbours, never looking back: an edge to a neighbour placed on this
+//!   level counts as it stands, one to a neighbour not placed yet counts what it would make
+//!   that neighbour pay at least (the weight left whole by a row split costs its gradient's
+//!   synchronisation, which autopar's problem puts on the edge to the parameter, where the
+//!   paper counts it as the operator's own). An operator cuts some dimension on every level
+//!   where one divides (every op is partitioned over all devices, as in the paper); where
+//!   none does it stays replicated on that axis, and the solver says so.
+//!
+//! Costs are the problem's: each strategy's kernel on its tile (the roofline of FLOPs and
+//! bytes) and the bytes its collectives and redistributions move over each level's links.
+//! The paper prices bytes alone; on autopar's transformer blocks that left D-Rec 1% to 32%
+//! above the optimum (GPT-3 175B and LLaMA-2 70B blocks on 1x8, 2x4, 4x8 and 8x1 H100
+//! meshes), against 0% to 11% with the kernels counted, because an operator cut is then
+//! weighed against what it saves.
+//!
+//! Two passes the paper does not have follow. When the plan does not fit the memory budget
+//! (the paper's cost model has no memory), a repair moves variables to leaner strategies, the
+//! least extra cost per byte saved first, until it fits. Then a bounded local refinement
+//! ([`REFINE_SWEEPS`] sweeps) lets each variable, then each edge's two ends together, take
+//! what lowers the objective with the rest as it stands, within the budget.
+//!
+//! Time: one sweep per level over every strategy of every variable and its edges, and each
+//! refinement sweep over every edge's table: O(levels x sum of edge tables x degree), plus
+//! the order's heap, O((V + E) log V). No optimality is proven: D-Rec's plans are reported
+//! as not optimal, and the `drec` tests and benchmark measure the gap.
+
+use super::problem::Problem;
+use rayon::prelude::*;
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+/// What cutting a strategy makes on one mesh axis: `0` for nothing cut, else any code that
+/// is equal for strategies cutting the same way.
+pub type Cut = u16;
+
+/// A D-Rec problem.
+pub struct Input<'a> {
+    /// The problem: costs per strategy and pair of strategies, memory and budget.
+    pub problem: &'a Problem,
+    /// Per variable, per strategy, per mesh axis: what it cuts.
+    pub cuts: &'a [Vec<[Cut; 2]>],
+    /// Per variable: whether it must cut something on every level where it can (operators);
+    /// otherwise it takes whatever costs least (parameters' and entering tensors' layouts).
+    pub forced: &'a [bool],
+    /// The mesh axes to cut, in order (the slowest link first; axes of one device left out).
+    pub levels: &'a [usize],
+}
+
+/// What D-Rec chose.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Outcome {
+    /// Strategy per variable.
+    pub choice: Vec<usize>,
+    /// (variable, mesh axis) of every forced variable that nothing could cut on that axis:
+    /// it stays replicated there.
+    pub uncut: Vec<(usize, usize)>,
+    /// Mesh axes no operator cuts (the range replicated across them): cutting them cost
+    /// more.
+    pub skipped: Vec<usize>,
+    /// Variables the repair moved to a leaner strategy.
+    pub repaired: usize,
+    /// Moves the refinement made.
+    pub refined: usize,
+    /// Whether the budget bound: the plan was repaired, or the refinement left a better move
+    /// that did not fit.
+    pub bound: bool,
+}
+
+/// An entry of the order's heap: next to a placed variable first, then heaviest, then the
+/// lowest index.
+#[derive(PartialEq)]
+struct Next {
+    adjacent: bool,
+    weight: f64,
+    var: usize,
+}
+
+impl Eq for Next {}
+
+impl Ord for Next {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.adjacent
+            .cmp(&other.adjacent)
+            .then(self.weight.total_cmp(&other.weight))
+            .then(other.var.cmp(&self.var))
+    }
+}
+
+impl PartialOrd for Next {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// Per variable, its edges: (edge index, whether the variable is the edge's `u`).
+fn incidence(p: &Problem) -> Vec<Vec<(usize, bool)>> {
+    let mut out = vec![Vec::new(); p.vars.len()];
+    for (i, e) in p.edges.iter().enumerate() {
+        out[e.u].push((i, true));
+        out[e.v].push((i, false));
+    }
+    out
+}
+
+/// Cost of edge `e` with `v` on strategy `c` and the other side on `w`.
+fn edge_cost(p: &Problem, e: usize, is_u: bool, c: usize, w: usize) -> f64 {
+    let edge = &p.edges[e];
+    let kv = p.k(edge.v);
+    if is_u {
+        edge.cost[c * kv + w]
+    } else {
+        edge.cost[w * kv + c]
+    }
+}
+
+/// The other end of edge `e` seen from `is_u`.
+fn other(p: &Problem, e: usize, is_u: bool) -> usize {
+    if is_u { p.edges[e].v } else { p.edges[e].u }
+}
+
+/// The operator order: heaviest first, then by neighbourhood.
+pub fn order(p: &Problem, inc: &[Vec<(usize, bool)>]) -> Vec<usize> {
+    let weight: Vec<f64> = p
+        .vars
+        .iter()
+        .map(|v| v.cost.iter().copied().fold(0.0, f64::max))
+        .collect();
+    let mut heap: BinaryHeap<Next> = (0..p.vars.len())
+        .map(|var| Next {
+            adjacent: false,
+            weight: weight[var],
+            var,
+        })
+        .collect();
+    let mut placed = vec![false; p.vars.len()];
+    let mut out = Vec::with_capacity(p.vars.len());
+    while let Some(Next { var, .. }) = heap.pop() {
+        if placed[var] {
+            continue;
+        }
+        placed[var] = true;
+        out.push(var);
+        for &(e, is_u) in &inc[var] {
+            let w = other(p, e, is_u);
+            if !placed[w] {
+                heap.push(Next {
+                    adjacent: true,
+                    weight: weight[w],
+                    var: w,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Prices of memory the greedy pass tries when its plan at price 0 is over the budget, as
+/// multiples of that plan's cost per byte.
+const MEMORY_PRICES: [f64; 8] = [1.0 / 64.0, 1.0 / 16.0, 0.25, 1.0, 4.0, 16.0, 64.0, 256.0];
+
+/// Runs D-Rec once for every subset of the levels (each mesh axis cut by every operator, or
+/// by none: the whole range replicated across it; at most 4 runs, in parallel) and keeps the
+/// plan of least objective, the one cutting more levels on a tie; `None` when not even the
+/// leanest plan fits the budget.
+///
+/// When the budget binds (the greedy plan is over it, or it stops the refinement), the
+/// greedy pass runs again with memory priced
+/// into every strategy's cost at each of [`MEMORY_PRICES`] (a Lagrangian relaxation of the
+/// budget, as the exact solver's bounds use), each plan repaired and refined under the true
+/// objective; the best of all wins.
+pub fn solve(input: &Input) -> Option<Outcome> {
+    let p = input.problem;
+    let inc = incidence(p);
+    let order = order(p, &inc);
+    let first = masks(input, &inc, &order, 0.0)?;
+    if !first.1.bound {
+        return Some(first.1);
+    }
+    let (cost, memory) = p.evaluate(&first.1.choice);
+    let per_byte = cost / memory.max(f64::MIN_POSITIVE);
+    let mut best = first;
+    for price in MEMORY_PRICES {
+        let run = masks(input, &inc, &order, price * per_byte)?;
+        if run.0 < best.0 {
+            best = run;
+        }
+    }
+    Some(best.1)
+}
+
+/// [`recurse`] for every subset of the levels, with memory priced at `lambda` per byte in
+/// the greedy pass: the best plan and its objective.
+fn masks(
+    input: &Input,
+    inc: &[Vec<(usize, bool)>],
+    order: &[usize],
+    lambda: f64,
+) -> Option<(f64, Outcome)> {
+    let p = input.problem;
+    let all = input.levels.len();
+    // The masks run side by side; the least objective wins, then the most levels cut (the
+    // highest mask).
+    let runs: Vec<Option<(f64, u32, Outcome)>> = (0..1u32 << all)
+        .into_par_iter()
+        .map(|mask| {
+            let levels: Vec<usize> = (0..all)
+                .filter(|i| mask & (1 << i) != 0)
+                .map(|i| input.levels[i])
+                .collect();
+            let mut out = recurse(input, &levels, inc, order, lambda)?;
+            out.skipped = (0..all)
+                .filter(|i| mask & (1 << i) == 0)
+                .map(|i| input.levels[i])
+                .collect();
+            let (cost, _) = p.evaluate(&out.choice);
+            Some((cost, mask, out))
+        })
+        .collect();
+    runs.into_iter()
+        .collect::<Option<Vec<_>>>()?
+        .into_iter()
+        .min_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
+        .map(|(cost, _, out)| (cost, out))
+}
+
+/// D-Rec cutting `levels` in order, memory priced at `lambda` per byte in the greedy pass;
+/// then repaired and refined under the objective and the budget.
+fn recurse(
+    input: &Input,
+    levels: &[usize],
+    inc: &[Vec<(usize, bool)>],
+    order: &[usize],
+    lambda: f64,
+) -> Option<Outcome> {
+    let p = input.problem;
+    let own = |v: usize, c: usize| p.vars[v].cost[c] + lambda * p.vars[v].memory[c];
+    let n = p.vars.len();
+    // Every variable starts uncut on every axis: its replicated strategy.
+    let mut choice: Vec<usize> = (0..n)
+        .map(|v| {
+            (0..p.k(v))
+                .find(|&c| input.cuts[v][c] == [0, 0])
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut uncut = Vec::new();
+    for (li, &axis) in levels.iter().enumerate() {
+        let later = &levels[li + 1..];
+        let mut done = vec![false; n];
+        // Per variable, the strategies it may take on this level: what it cut on the levels
+        // before kept, the later axes uncut, and (an operator) a cut on this axis if any.
+        let reachable: Vec<Vec<usize>> = (0..n)
+            .map(|v| {
+                let now = input.cuts[v][choice[v]];
+                let mut out: Vec<usize> = (0..p.k(v))
+                    .filter(|&c| {
+                        // Axes cut before, and axes left out, keep what they have (nothing,
+                        // for those left out); later axes stay uncut.
+                        let cut = input.cuts[v][c];
+                        (0..2).all(|a| {
+                            a == axis
+                                || if later.contains(&a) {
+                                    cut[a] == 0
+                                } else {
+                                    cut[a] == now[a]
+                                }
+                        })
+                    })
+                    .collect();
+                if input.forced[v] && out.iter().any(|&c| input.cuts[v][c][axis] != 0) {
+                    out.retain(|&c| input.cuts[v][c][axis] != 0);
+                } else if input.forced[v] {
+                    uncut.push((v, axis));
+                }
+                out
+            })
+            .collect();
+        let alone: Vec<f64> = (0..n)
+            .map(|w| {
+                reachable[w]
+                    .iter()
+                    .map(|&x| own(w, x))
+                    .fold(f64::INFINITY, f64::min)
+            })
+            .collect();
+        for &v in order {
+            let candidates = &reachable[v];
+            let cost = |c: usize| -> f64 {
+                let mut s = own(v, c);
+                for &(e, is_u) in &inc[v] {
+                    let w = other(p, e, is_u);
+                    s += if done[w] {
+                        edge_cost(p, e, is_u, c, choice[w])
+                    } else {
+                        // A neighbour not placed yet: what the edge makes it pay at least,
+                        // its own cost included, over what it would pay alone.
+                        reachable[w]
+                            .iter()
+                            .map(|&x| edge_cost(p, e, is_u, c, x) + own(w, x))
+                            .fold(f64::INFINITY, f64::min)
+                            - alone[w]
+                    };
+                }
+                s
+            };
+            let mut best = choice[v];
+            let mut best_key = (f64::INFINITY, f64::INFINITY);
+            for &c in candidates {
+                let key = (cost(c), p.vars[v].memory[c]);
+                if key.0 < best_key.0 || (key.0 == best_key.0 && key.1 < best_key.1) {
+                    (best, best_key) = (c, key);
+                }
+            }
+            choice[v] = best;
+            done[v] = true;
+        }
+    }
+    let repaired = repair(p, inc, &mut choice)?;
+    let (refined, blocked) = refine(p, inc, order, &mut choice);
+    Some(Outcome {
+        choice,
+        uncut,
+        skipped: Vec::new(),
+        repaired,
+        refined,
+        bound: repaired > 0 || blocked,
+    })
+}
+
+/// Sweeps limit of [`refine`].
+pub const REFINE_SWEEPS: usize = 4;
+
+/// Per variable and strategy, its cost with every neighbour as it stands (its own cost plus
+/// its edges), kept up to date as variables move.
+struct Locals {
+    /// Start of each variable's row in `cost`.
+    start: Vec<usize>,
+    cost: Vec<f64>,
+}
+
+impl Locals {
+    fn new(p: &Problem, inc: &[Vec<(usize, bool)>], choice: &[usize]) -> Locals {
+        let mut start = Vec::with_capacity(p.vars.len() + 1);
+        let mut cost = Vec::new();
+        for (v, var) in p.vars.iter().enumerate() {
+            start.push(cost.len());
+            for c in 0..var.cost.len() {
+                let mut s = var.cost[c];
+                for &(e, is_u) in &inc[v] {
+                    s += edge_cost(p, e, is_u, c, choice[other(p, e, is_u)]);
+                }
+                cost.push(s);
+            }
+        }
+        start.push(cost.len());
+        Locals { start, cost }
+    }
+
+    fn row(&self, v: usize) -> &[f64] {
+        &self.cost[self.start[v]..self.start[v + 1]]
+    }
+
+    /// Moves `v` from `from` to `to`: each neighbour's row sees its edge change.
+    fn moved(&mut self, p: &Problem, inc: &[Vec<(usize, bool)>], v: usize, from: usize, to: usize) {
+        for &(e, is_u) in &inc[v] {
+            let w = other(p, e, is_u);
+            let row = &mut self.cost[self.start[w]..self.start[w + 1]];
+            for (c, slot) in row.iter_mut().enumerate() {
+                // Seen from `w`, which is the other end.
+                *slot += edge_cost(p, e, !is_u, c, to) - edge_cost(p, e, !is_u, c, from);
+            }
+        }
+    }
+}
+
+/// Local refinement under the objective, for at most [`REFINE_SWEEPS`] sweeps or until one
+/// changes nothing: in D-Rec's order each variable takes the strategy that lowers the
+/// objective most with every neighbour as it stands, then each edge's two ends take the pair
+/// that does, the plan staying within the budget. Every move lowers the objective. Each
+/// variable's cost per strategy is kept up to date as its neighbours move, so a sweep costs
+/// the edges' tables once plus the rows of the moved variables' neighbours. Returns the
+/// number of moves, and whether the budget stopped a move that would have lowered the
+/// objective.
+fn refine(
+    p: &Problem,
+    inc: &[Vec<(usize, bool)>],
+    order: &[usize],
+    choice: &mut [usize],
+) -> (usize, bool) {
+    let mut memory = p.evaluate(choice).1;
+    let mut locals = Locals::new(p, inc, choice);
+    let mut moves = 0;
+    let mut blocked = false;
+    let better = |cost: f64, than: f64| cost < than - 1e-15 * than.abs();
+    for _ in 0..REFINE_SWEEPS {
+        let mut changed = false;
+        for &v in order {
+            let now = choice[v];
+            let row = locals.row(v);
+            let mut best = now;
+            for (c, &cost) in row.iter().enumerate() {
+                let m = memory - p.vars[v].memory[now] + p.vars[v].memory[c];
+                if better(cost, row[best]) {
+                    if p.fits(m) {
+                        best = c;
+                    } else {
+                        blocked = true;
+                    }
+                }
+            }
+            if best != now {
+                memory += p.vars[v].memory[best] - p.vars[v].memory[now];
+                choice[v] = best;
+                locals.moved(p, inc, v, now, best);
+                moves += 1;
+                changed = true;
+            }
+        }
+        // Then each edge's two ends together, the rest as it stands: each end's row less
+        // this edge, plus the edge.
+        for e in &p.edges {
+            let (u, v) = (e.u, e.v);
+            let kv = p.k(v);
+            let (nu, nv) = (choice[u], choice[v]);
+            let (lu, lv) = (locals.row(u), locals.row(v));
+            let base = memory - p.vars[u].memory[nu] - p.vars[v].memory[nv];
+            let now = lu[nu] + lv[nv] - e.cost[nu * kv + nv];
+            let mut best = (nu, nv, now);
+            for (cu, &a) in lu.iter().enumerate() {
+                let a = a - e.cost[cu * kv + nv];
+                for (cv, &b) in lv.iter().enumerate() {
+                    let cost = a + b - e.cost[nu * kv + cv] + e.cost[cu * kv + cv];
+                    if better(cost, best.2) {
+                        if p.fits(base + p.vars[u].memory[cu] + p.vars[v].memory[cv]) {
+                            best = (cu, cv, cost);
+                        } else {
+                            blocked = true;
+                        }
+                    }
+                }
+            }
+            if (best.0, best.1) != (nu, nv) {
+                memory = base + p.vars[u].memory[best.0] + p.vars[v].memory[best.1];
+                choice[u] = best.0;
+                locals.moved(p, inc, u, nu, best.0);
+                choice[v] = best.1;
+                locals.moved(p, inc, v, nv, best.1);
+                moves += 1;
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    (moves, blocked)
+}
+
+/// Moves variables to leaner strategies until `choice` fits the budget: in passes, each
+/// over the variables in order of the least extra cost per byte saved (computed at the start
+/// of the pass), each taking its own best such move as things stand. Ends because every move
+/// saves memory and the all-leanest plan fits; `None` when it does not. Returns the number
+/// of moves.
+fn repair(p: &Problem, inc: &[Vec<(usize, bool)>], choice: &mut [usize]) -> Option<usize> {
+    let Some(budget) = p.memory_budget else {
+        return Some(0);
+    };
+    if !super::problem::within_budget(p.leanest().memory, budget) {
+        return None;
+    }
+    let mut memory = p.evaluate(choice).1;
+    let mut locals = Locals::new(p, inc, choice);
+    // The move of `v` of least extra cost per byte saved: (ratio, strategy, bytes saved).
+    let best_move = |v: usize, choice: &[usize], locals: &Locals| -> Option<(f64, usize, f64)> {
+        let row = locals.row(v);
+        let (now_cost, now_mem) = (row[choice[v]], p.vars[v].memory[choice[v]]);
+        (0..p.k(v))
+            .filter(|&c| p.vars[v].memory[c] < now_mem)
+            .map(|c| {
+                let saved = now_mem - p.vars[v].memory[c];
+                ((row[c] - now_cost) / saved, c, saved)
+            })
+            .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
+    };
+    let mut moves = 0;
+    while !super::problem::within_budget(memory, budget) {
+        let mut pass: Vec<(f64, usize)> = (0..p.vars.len())
+            .filter_map(|v| best_move(v, choice, &locals).map(|(r, _, _)| (r, v)))
+            .collect();
+        if pass.is_empty() {
+            // Unreachable while the leanest plan fits; never loop.
+            return None;
+        }
+        pass.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        for (_, v) in pass {
+            if let Some((_, c, saved)) = best_move(v, choice, &locals) {
+                locals.moved(p, inc, v, choice[v], c);
+                choice[v] = c;
+                memory -= saved;
+                moves += 1;
+                if super::problem::within_budget(memory, budget) {
+                    break;
+                }
+            }
+        }
+        // Recompute rather than trust the running sum's rounding.
+        memory = p.evaluate(choice).1;
+    }
+    Some(moves)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::solve::intra::problem::{Edge, Var};
+    use proptest::prelude::*;
+
+    fn var(cost: &[f64], memory: &[f64]) -> Var {
+        Var {
+            cost: cost.to_vec(),
+            memory: memory.to_vec(),
+        }
+    }
+
+    /// Two operators on one axis: strategy 0 replicated (dear), 1 and 2 cutting dimensions 1
+    /// and 2; redistribution costs 5 unless both cut alike.
+    fn pair(budget: Option<f64>) -> (Problem, Vec<Vec<[Cut; 2]>>) {
+        let p = Problem {
+            vars: vec![
+                var(&[20.0, 1.0, 2.0], &[4.0, 2.0, 2.0]),
+                var(&[20.0, 3.0, 1.0], &[4.0, 2.0, 1.0]),
+            ],
+            edges: vec![Edge {
+                u: 0,
+                v: 1,
+                cost: vec![0.0, 5.0, 5.0, 5.0, 0.0, 5.0, 5.0, 5.0, 0.0],
+            }],
+            memory_budget: budget,
+        };
+        let cuts = vec![vec![[0, 0], [1, 0], [2, 0]]; 2];
+        (p, cuts)
+    }
+
+    #[test]
+    fn operators_cut_and_follow_their_placed_neighbours() {
+        let (p, cuts) = pair(None);
+        let out = solve(&Input {
+            problem: &p,
+            cuts: &cuts,
+            forced: &[true, true],
+            levels: &[0],
+        })
+        .expect("no budget");
+        // Variable 1 is the heavier: placed first, it takes its cheapest cut (2); variable 0
+        // follows it (2 + 0 < 1 + 5).
+        assert_eq!(out.choice, vec![2, 2]);
+        assert!(out.uncut.is_empty() && out.skipped.is_empty());
+        assert_eq!(out.repaired, 0);
+    }
+
+    #[test]
+    fn nothing_to_cut_stays_replicated_and_is_reported() {
+        let p = Problem {
+            vars: vec![var(&[1.0], &[1.0])],
+            edges: vec![],
+            memory_budget: None,
+        };
+        let out = solve(&Input {
+            problem: &p,
+            cuts: &[vec![[0, 0]]],
+            forced: &[true],
+            levels: &[0, 1],
+        })
+        .expect("no budget");
+        assert_eq!(out.choice, vec![0]);
+        assert_eq!(out.uncut, vec![(0, 0), (0, 1)]);
+        assert!(out.skipped.is_empty());
+    }
+
+    #[test]
+    fn a_level_whose_cuts_cost_more_is_left_uncut() {
+        // Cutting (strategies 1, 2) costs more than staying whole: no operator cuts the axis
+        // (the run that skips the level finds it; the refinement of the run that cuts it
+        // reaches it too, and wins the tie).
+        let (mut p, cuts) = pair(None);
+        p.vars[0].cost[0] = 0.0;
+        p.vars[1].cost[0] = 0.0;
+        let out = solve(&Input {
+            problem: &p,
+            cuts: &cuts,
+            forced: &[true, true],
+            levels: &[0],
+        })
+        .expect("no budget");
+        assert_eq!(out.choice, vec![0, 0]);
+    }
+
+    #[test]
+    fn a_plan_over_the_budget_is_repaired_or_refused() {
+        // A budget of 2 is below the leanest plan's memory (2 + 1): refused.
+        let (p, cuts) = pair(Some(2.0));
+        let input = Input {
+            problem: &p,
+            cuts: &cuts,
+            forced: &[false, false],
+            levels: &[0],
+        };
+        assert_eq!(solve(&input), None);
+        // Replication cheap and fat (memory 8) under a budget of 4.
+        let (mut p, cuts) = pair(Some(4.0));
+        p.vars[0].cost[0] = 0.0;
+        p.vars[1].cost[0] = 0.0;
+        let out = solve(&Input {
+            problem: &p,
+            cuts: &cuts,
+            forced: &[false, false],
+            levels: &[0],
+        })
+        .expect("the leanest plan fits");
+        let (_, memory) = p.evaluate(&out.choice);
+        assert!(memory <= 4.0, "{out:?}");
+    }
+
+    /// A random problem on a 2-axis mesh: per variable, strategies each cutting a dimension
+    /// (0 = none, 1..=2) on each axis, one of them replicated.
+    fn instance() -> impl Strategy<Value = (Problem, Vec<Vec<[Cut; 2]>>, Vec<bool>)> {
+        (1usize..=6)
+            .prop_flat_map(|n| {
+                (
+                    proptest::collection::vec(proptest::collection::vec(0u16..3, 2..=5), n),
+                    proptest::collection::vec((0usize..n, 0usize..n), 0..=8),
+                    proptest::collection::vec(any::<bool>(), n),
+                    0.0f64..1.3,
+                    any::<u64>(),
+                )
+            })
+            .prop_map(|(codes, pairs, forced, budget_frac, seed)| {
+                let mut state = seed | 1;
+                let mut next = move || {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state % 1000) as f64 / 100.0
+                };
+                // Strategy 0 is replicated; the others cut by their codes.
+                let cuts: Vec<Vec<[Cut; 2]>> = codes
+                    .iter()
+                    .map(|c| {
+                        std::iter::once([0, 0])
+                            .chain(c.iter().enumerate().map(|(i, &x)| [x, (i % 3) as Cut]))
+                            .collect()
+                    })
+                    .collect();
+                let vars: Vec<Var> = cuts
+                    .iter()
+                    .map(|c| Var {
+                        cost: (0..c.len()).map(|_| next()).collect(),
+                        memory: (0..c.len()).map(|_| next()).collect(),
+                    })
+                    .collect();
+                let k = |v: usize| cuts[v].len();
+                let edges: Vec<Edge> = pairs
+                    .into_iter()
+                    .filter(|(u, v)| u != v)
+                    .map(|(u, v)| Edge {
+                        u,
+                        v,
+                        cost: (0..k(u) * k(v)).map(|_| next()).collect(),
+                    })
+                    .collect();
+                let least: f64 = vars
+                    .iter()
+                    .map(|v| v.memory.iter().copied().fold(f64::INFINITY, f64::min))
+                    .sum();
+                let most: f64 = vars
+                    .iter()
+                    .map(|v| v.memory.iter().copied().fold(0.0, f64::max))
+                    .sum();
+                let budget = (budget_frac < 1.2).then_some(least + (most - least) * budget_frac);
+                let p = Problem {
+                    vars,
+                    edges,
+                    memory_budget: budget,
+                }
+                .merged_edges();
+                (p, cuts, forced)
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// D-Rec finds a plan exactly when one fits, never one over the budget, never one
+        /// below the optimum, and its objective is what it reports.
+        #[test]
+        fn drec_is_feasible_exactly_when_the_problem_is(
+            (p, cuts, forced) in instance(),
+        ) {
+            let optimum = p.brute_force();
+            let out = solve(&Input { problem: &p, cuts: &cuts, forced: &forced, levels: &[0, 1] });
+            prop_assert_eq!(optimum.is_some(), out.is_some());
+            if let (Some(best), Some(out)) = (optimum, out) {
+                let (cost, memory) = p.evaluate(&out.choice);
+                prop_assert!(p.fits(memory), "{} over the budget", memory);
+                prop_assert!(cost >= best.cost - 1e-9 * best.cost.abs());
+                for (v, &c) in out.choice.iter().enumerate() {
+                    prop_assert!(c < p.k(v));
+                }
+            }
+        }
+    }
+}

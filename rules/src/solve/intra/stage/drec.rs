@@ -1,0 +1,150 @@
+//! D-Rec on a layer range: what each strategy of the range's variables cuts on each mesh
+//! axis, and the plan read back ([`crate::solve::intra::drec`]).
+
+use super::{IntraError, SolveInfo, StageModel, StagePlan};
+use crate::solve::intra::drec::{self, Cut};
+use std::time::Instant;
+
+/// Warnings listed one by one; the rest are counted.
+const LISTED_WARNINGS: usize = 10;
+
+impl StageModel<'_> {
+    /// Per variable, per strategy, per mesh axis: what the strategy cuts (the loop dimension
+    /// of an operator; the tensor axes of a parameter's weight and states; the tensor axis of
+    /// an entering tensor), and per variable whether it is an operator.
+    fn cuts(&self) -> (Vec<Vec<[Cut; 2]>>, Vec<bool>) {
+        let code = |axis: Option<usize>| axis.map_or(0, |i| i as Cut + 1);
+        let mut cuts: Vec<Vec<[Cut; 2]>> = vec![Vec::new(); self.var_sizes.len()];
+        let mut forced = vec![false; self.var_sizes.len()];
+        for node in self.nodes.iter().filter(|n| n.leader.is_none()) {
+            cuts[node.var] = node
+                .realized
+                .iter()
+                .map(|r| [code(r.assign[0]), code(r.assign[1])])
+                .collect();
+            forced[node.var] = true;
+        }
+        for p in &self.params {
+            cuts[p.var] = p
+                .choices
+                .iter()
+                .map(|(w, o)| [0, 1].map(|a| code(w.axis_on(a)) | (code(o.axis_on(a)) << 8)))
+                .collect();
+        }
+        for s in &self.sources {
+            cuts[s.var] = s
+                .specs
+                .iter()
+                .map(|spec| [0, 1].map(|a| code(spec.axis_on(a))))
+                .collect();
+        }
+        (cuts, forced)
+    }
+
+    /// The mesh axes D-Rec cuts, the slowest link first (across nodes, then inside them).
+    fn levels(&self) -> Vec<usize> {
+        let mut axes: Vec<usize> = (0..2).filter(|&a| self.mesh.shape[a] > 1).collect();
+        axes.sort_by(|&a, &b| {
+            self.mesh.links[a]
+                .bandwidth
+                .total_cmp(&self.mesh.links[b].bandwidth)
+                .then(a.cmp(&b))
+        });
+        axes
+    }
+
+    /// D-Rec's plan with variable `v` limited to `allowed[v]`.
+    pub(super) fn solve_drec(
+        &self,
+        allowed: &[Vec<usize>],
+        start: Instant,
+    ) -> Result<StagePlan, IntraError> {
+        let everything = allowed
+            .iter()
+            .zip(&self.var_sizes)
+            .all(|(a, &k)| a.len() == k);
+        let restricted;
+        let full = if everything {
+            &self.problem
+        } else {
+            restricted = self.problem.restricted(allowed);
+            &restricted
+        };
+        let (all_cuts, forced) = self.cuts();
+        let cuts: Vec<Vec<[Cut; 2]>> = all_cuts
+            .iter()
+            .zip(allowed)
+            .map(|(c, within)| within.iter().map(|&i| c[i]).collect())
+            .collect();
+        let levels = self.levels();
+        let outcome = drec::solve(&drec::Input {
+            problem: full,
+            cuts: &cuts,
+            forced: &forced,
+            levels: &levels,
+        })
+        .ok_or_else(|| self.no_fit())?;
+        let g = self.graph;
+        let mut warnings: Vec<String> = outcome
+            .uncut
+            .iter()
+            .take(LISTED_WARNINGS)
+            .filter_map(|&(v, axis)| {
+                let node = self
+                    .nodes
+                    .iter()
+                    .find(|n| n.var == v && n.leader.is_none())?;
+                let op = g.op(node.op);
+                Some(format!(
+                    "op `{}` ({}): no dimension divides mesh axis {axis} ({} devices); kept \
+                     replicated on it",
+                    op.name,
+                    op.kind.name(),
+                    self.mesh.shape[axis]
+                ))
+            })
+            .collect();
+        if outcome.uncut.len() > LISTED_WARNINGS {
+            warnings.push(format!(
+                "and {} more ops kept replicated on a mesh axis",
+                outcome.uncut.len() - LISTED_WARNINGS
+            ));
+        }
+        for &axis in &outcome.skipped {
+            warnings.push(format!(
+                "no op is cut on mesh axis {axis} ({} devices): cutting it cost more, so the \
+                 range is replicated across it",
+                self.mesh.shape[axis]
+            ));
+        }
+        if outcome.repaired > 0 {
+            warnings.push(format!(
+                "D-Rec's plan exceeded the memory budget: {} variables moved to leaner \
+                 strategies",
+                outcome.repaired
+            ));
+        }
+        let (cost, _) = full.evaluate(&outcome.choice);
+        let strategies = self.problem.vars.iter().map(|v| v.cost.len()).sum();
+        let info = SolveInfo {
+            solver: "drec".into(),
+            optimal: false,
+            gap: 0.0,
+            seconds: start.elapsed().as_secs_f64(),
+            cost,
+            variables: full.vars.len(),
+            strategies,
+            undominated: full.vars.iter().map(|v| v.cost.len()).sum(),
+            edges: full.edges.len(),
+            width: 0.0,
+            warnings,
+        };
+        let choice: Vec<usize> = outcome
+            .choice
+            .iter()
+            .zip(allowed)
+            .map(|(&c, within)| within[c])
+            .collect();
+        Ok(self.decode(&choice, info))
+    }
+}

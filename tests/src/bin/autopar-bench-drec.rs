@@ -1,0 +1,284 @@
+//! Benchmark of D-Rec against the optimum (issue: D-Rec as a linear-time sharding solver).
+//!
+//! * `blocks`: the first transformer block of each dense model the default workspace plans
+//!   (GPT-3 175B, LLaMA-2 70B, LLaMA-3 8B, GPT-2 small; micro-batch 1, their own sequence
+//!   length) on H100 meshes 1x8, 2x4, 4x8 and 8x1, under the device's memory (`hbm`) and
+//!   under a budget halfway between the leanest plan and the unconstrained optimum (`tight`):
+//!   the exact solver's optimum, D-Rec's objective, the gap, and both solve times.
+//! * `graphs`: generated graph files (`autopar_tests::graphs`: stacked transformer and MLP
+//!   blocks, U-Net-like units) of about 100, 1,000, 5,000 and 20,000 forward ops, the whole
+//!   range on 1x8 and 2x4, no memory budget: the time to build the problem, D-Rec's solve
+//!   time and objective, and the exact optimum up to 1,000 forward ops (beyond, the exact
+//!   solver takes from seconds to minutes: 22 s at 5,000).
+//!
+//! `cargo run --release -p autopar-tests --bin autopar-bench-drec [-- REPEATS]`
+
+use autopar_rules::cost::memory::Precision;
+use autopar_rules::model::frontend::parse_graph_file;
+use autopar_rules::model::graph::{DType, Graph, LayerKind, Pass};
+use autopar_rules::plan::runtime::Runtime;
+use autopar_rules::solve::intra::stage::{SolverChoice, StageModel, StageOptions, StagePlan};
+use autopar_tests::graphs::{Family, graph_file};
+use autopar_tests::sharding::{lower, mesh};
+use std::ops::Range;
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// (model file, sequence length) of the blocks measured.
+const MODELS: [(&str, u64); 4] = [
+    ("gpt3-175b.json", 2048),
+    ("llama2-70b.json", 4096),
+    ("llama3-8b.json", 8192),
+    ("gpt2-small.json", 1024),
+];
+/// Meshes measured, nodes x GPUs.
+const MESHES: [(u64, u64); 4] = [(1, 8), (2, 4), (4, 8), (8, 1)];
+/// Forward ops of the generated graphs (about).
+const SIZES: [usize; 4] = [100, 1_000, 5_000, 20_000];
+/// Largest generated graph whose optimum is computed.
+const EXACT_UP_TO: usize = 1_000;
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Solves `layers` of `graph` on `a x b` with `solver`, `repeats` times: the plan and the
+/// median solve time, ms (the problem built once, not timed).
+fn solve(
+    graph: &Graph,
+    layers: Range<usize>,
+    (a, b): (u64, u64),
+    opts: StageOptions,
+    repeats: usize,
+) -> Result<(StagePlan, f64), String> {
+    let (m, cluster) = mesh(a, b);
+    let model =
+        StageModel::build(graph, layers, m, &cluster.device, opts).map_err(|e| e.to_string())?;
+    let mut times = Vec::with_capacity(repeats);
+    let mut plan = None;
+    for _ in 0..repeats {
+        let start = Instant::now();
+        plan = Some(model.solve().map_err(|e| e.to_string())?);
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok((plan.ok_or("no repeats")?, median(times)))
+}
+
+/// The options `autopar solve sharding` solves with (the default runtime's gradient buffers).
+fn opts(solver: SolverChoice, budget: Option<f64>) -> StageOptions<'static> {
+    let runtime = Runtime::default();
+    StageOptions {
+        solver,
+        memory_budget: budget,
+        grad_accumulation_fusion: runtime.grad_accumulation_fusion(),
+        grad_reduce_in_fp32: runtime.grad_reduce_in_fp32(Precision::Bf16),
+        ..StageOptions::default()
+    }
+}
+
+fn gap(drec: f64, optimum: f64) -> f64 {
+    (drec / optimum - 1.0) * 100.0
+}
+
+fn blocks(repeats: usize) -> Result<Vec<f64>, String> {
+    println!(
+        "{:<11} {:<5} {:<6} {:>4} {:>10} {:>13} {:>12} {:>8} {:>9} {:>8}",
+        "block",
+        "mesh",
+        "budget",
+        "vars",
+        "strategies",
+        "optimum ms",
+        "D-Rec ms",
+        "gap",
+        "exact ms",
+        "D-Rec ms"
+    );
+    let mut gaps = Vec::new();
+    for (file, seq) in MODELS {
+        for (a, b) in MESHES {
+            let graph = lower(file, 1, Some(seq), a * b);
+            let block = graph
+                .layers
+                .iter()
+                .position(|l| l.kind == LayerKind::Block)
+                .ok_or("no transformer block")?;
+            let layers = block..block + 1;
+            let (m, cluster) = mesh(a, b);
+            let free = solve(
+                &graph,
+                layers.clone(),
+                (a, b),
+                opts(SolverChoice::Exact, None),
+                1,
+            )?
+            .0;
+            let lean = StageModel::build(
+                &graph,
+                layers.clone(),
+                m,
+                &cluster.device,
+                opts(SolverChoice::Exact, None),
+            )
+            .map_err(|e| e.to_string())?
+            .problem()
+            .leanest()
+            .memory;
+            for (name, budget) in [
+                ("hbm", cluster.device.hbm_bytes),
+                ("tight", 0.5 * (lean + free.memory.total)),
+            ] {
+                let (exact, exact_ms) = solve(
+                    &graph,
+                    layers.clone(),
+                    (a, b),
+                    opts(SolverChoice::Exact, Some(budget)),
+                    repeats,
+                )?;
+                let (drec, drec_ms) = solve(
+                    &graph,
+                    layers.clone(),
+                    (a, b),
+                    opts(SolverChoice::Drec, Some(budget)),
+                    repeats,
+                )?;
+                if drec.memory.total > budget * (1.0 + 1e-9) {
+                    return Err(format!(
+                        "{file} on {a}x{b} ({name}): D-Rec's plan is over the budget"
+                    ));
+                }
+                let g = gap(drec.objective, exact.objective);
+                gaps.push(g);
+                println!(
+                    "{:<11} {:<5} {:<6} {:>4} {:>10} {:>13.4} {:>12.4} {:>7.1}% {:>9.2} {:>8.2}",
+                    file.trim_end_matches(".json"),
+                    format!("{a}x{b}"),
+                    name,
+                    drec.solve.variables,
+                    drec.solve.strategies,
+                    exact.objective * 1e3,
+                    drec.objective * 1e3,
+                    g,
+                    exact_ms,
+                    drec_ms
+                );
+            }
+        }
+    }
+    Ok(gaps)
+}
+
+fn graphs(repeats: usize) -> Result<(), String> {
+    println!(
+        "{:<11} {:>7} {:>7} {:<5} {:>6} {:>9} {:>9} {:>10} {:>13} {:>13} {:>8} {:>9}",
+        "graph",
+        "fwd ops",
+        "IR ops",
+        "mesh",
+        "vars",
+        "strategies",
+        "build ms",
+        "D-Rec ms",
+        "D-Rec obj ms",
+        "optimum ms",
+        "gap",
+        "exact ms"
+    );
+    for family in [Family::Transformer, Family::Mlp, Family::UNet] {
+        for size in SIZES {
+            let units = (size.saturating_sub(4) / family.ops_per_unit()).max(1);
+            let text = graph_file(family, units);
+            let graph = parse_graph_file(&text)
+                .and_then(|s| s.lower(1, 2048, DType::Bf16))
+                .map_err(|e| format!("{} x {units}: {e}", family.name()))?;
+            let forward = graph.ops.iter().filter(|o| o.pass == Pass::Forward).count();
+            let all = 0..graph.layers.len();
+            for shape in [(1, 8), (2, 4)] {
+                let (m, cluster) = mesh(shape.0, shape.1);
+                let start = Instant::now();
+                let model = StageModel::build(
+                    &graph,
+                    all.clone(),
+                    m,
+                    &cluster.device,
+                    opts(SolverChoice::Drec, None),
+                )
+                .map_err(|e| e.to_string())?;
+                let build_ms = start.elapsed().as_secs_f64() * 1e3;
+                drop(model);
+                let (drec, drec_ms) = solve(
+                    &graph,
+                    all.clone(),
+                    shape,
+                    opts(SolverChoice::Drec, None),
+                    repeats,
+                )?;
+                let exact = if forward <= EXACT_UP_TO {
+                    Some(solve(
+                        &graph,
+                        all.clone(),
+                        shape,
+                        opts(SolverChoice::Exact, None),
+                        1,
+                    )?)
+                } else {
+                    None
+                };
+                let (optimum, g, exact_ms) = match &exact {
+                    Some((p, ms)) => (
+                        format!("{:.3}", p.objective * 1e3),
+                        format!("{:.1}%", gap(drec.objective, p.objective)),
+                        format!("{ms:.0}"),
+                    ),
+                    None => ("-".into(), "-".into(), "-".into()),
+                };
+                println!(
+                    "{:<11} {:>7} {:>7} {:<5} {:>6} {:>9} {:>9.0} {:>10.1} {:>13.3} {:>13} {:>8} {:>9}",
+                    family.name(),
+                    forward,
+                    graph.ops.len(),
+                    format!("{}x{}", shape.0, shape.1),
+                    drec.solve.variables,
+                    drec.solve.strategies,
+                    build_ms,
+                    drec_ms,
+                    drec.objective * 1e3,
+                    optimum,
+                    g,
+                    exact_ms
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let repeats: usize = match std::env::args().nth(1).map(|a| a.parse()) {
+        None => 3,
+        Some(Ok(n)) if n > 0 => n,
+        Some(_) => {
+            eprintln!("usage: autopar-bench-drec [REPEATS > 0]");
+            return ExitCode::from(2);
+        }
+    };
+    let gaps = match blocks(repeats) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let worst = gaps.iter().copied().fold(0.0, f64::max);
+    let mean = gaps.iter().sum::<f64>() / gaps.len().max(1) as f64;
+    println!("blocks: D-Rec above the optimum by {mean:.1}% on average, {worst:.1}% at worst\n");
+    if let Err(e) = graphs(repeats) {
+        eprintln!("{e}");
+        return ExitCode::FAILURE;
+    }
+    println!(
+        "(solve times: median of {repeats}; build: the problem's strategies and tables, once)"
+    );
+    ExitCode::SUCCESS
+}
