@@ -525,6 +525,7 @@ fn repair(p: &Problem, inc: &[Vec<(usize, bool)>], choice: &mut [usize]) -> Opti
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::solve::intra::problem::testing::random;
     use crate::solve::intra::problem::{Edge, Var};
     use proptest::prelude::*;
 
@@ -554,16 +555,25 @@ mod tests {
         (p, cuts)
     }
 
+    /// D-Rec on `p` with every variable forced or none, cutting `levels`.
+    fn drec(
+        p: &Problem,
+        cuts: &[Vec<[Cut; 2]>],
+        forced: bool,
+        levels: &[usize],
+    ) -> Option<Outcome> {
+        solve(&Input {
+            problem: p,
+            cuts,
+            forced: &vec![forced; p.vars.len()],
+            levels,
+        })
+    }
+
     #[test]
     fn operators_cut_and_follow_their_placed_neighbours() {
         let (p, cuts) = pair(None);
-        let out = solve(&Input {
-            problem: &p,
-            cuts: &cuts,
-            forced: &[true, true],
-            levels: &[0],
-        })
-        .expect("no budget");
+        let out = drec(&p, &cuts, true, &[0]).expect("no budget");
         // Variable 1 is the heavier: placed first, it takes its cheapest cut (2); variable 0
         // follows it (2 + 0 < 1 + 5).
         assert_eq!(out.choice, vec![2, 2]);
@@ -578,13 +588,7 @@ mod tests {
             edges: vec![],
             memory_budget: None,
         };
-        let out = solve(&Input {
-            problem: &p,
-            cuts: &[vec![[0, 0]]],
-            forced: &[true],
-            levels: &[0, 1],
-        })
-        .expect("no budget");
+        let out = drec(&p, &[vec![[0, 0]]], true, &[0, 1]).expect("no budget");
         assert_eq!(out.choice, vec![0]);
         assert_eq!(out.uncut, vec![(0, 0), (0, 1)]);
         assert!(out.skipped.is_empty());
@@ -598,13 +602,7 @@ mod tests {
         let (mut p, cuts) = pair(None);
         p.vars[0].cost[0] = 0.0;
         p.vars[1].cost[0] = 0.0;
-        let out = solve(&Input {
-            problem: &p,
-            cuts: &cuts,
-            forced: &[true, true],
-            levels: &[0],
-        })
-        .expect("no budget");
+        let out = drec(&p, &cuts, true, &[0]).expect("no budget");
         assert_eq!(out.choice, vec![0, 0]);
     }
 
@@ -612,24 +610,12 @@ mod tests {
     fn a_plan_over_the_budget_is_repaired_or_refused() {
         // A budget of 2 is below the leanest plan's memory (2 + 1): refused.
         let (p, cuts) = pair(Some(2.0));
-        let input = Input {
-            problem: &p,
-            cuts: &cuts,
-            forced: &[false, false],
-            levels: &[0],
-        };
-        assert_eq!(solve(&input), None);
+        assert_eq!(drec(&p, &cuts, false, &[0]), None);
         // Replication cheap and fat (memory 8) under a budget of 4.
         let (mut p, cuts) = pair(Some(4.0));
         p.vars[0].cost[0] = 0.0;
         p.vars[1].cost[0] = 0.0;
-        let out = solve(&Input {
-            problem: &p,
-            cuts: &cuts,
-            forced: &[false, false],
-            levels: &[0],
-        })
-        .expect("the leanest plan fits");
+        let out = drec(&p, &cuts, false, &[0]).expect("the leanest plan fits");
         let (_, memory) = p.evaluate(&out.choice);
         assert!(memory <= 4.0, "{out:?}");
     }
@@ -648,13 +634,6 @@ mod tests {
                 )
             })
             .prop_map(|(codes, pairs, forced, budget_frac, seed)| {
-                let mut state = seed | 1;
-                let mut next = move || {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    (state % 1000) as f64 / 100.0
-                };
                 // Strategy 0 is replicated; the others cut by their codes.
                 let cuts: Vec<Vec<[Cut; 2]>> = codes
                     .iter()
@@ -664,39 +643,8 @@ mod tests {
                             .collect()
                     })
                     .collect();
-                let vars: Vec<Var> = cuts
-                    .iter()
-                    .map(|c| Var {
-                        cost: (0..c.len()).map(|_| next()).collect(),
-                        memory: (0..c.len()).map(|_| next()).collect(),
-                    })
-                    .collect();
-                let k = |v: usize| cuts[v].len();
-                let edges: Vec<Edge> = pairs
-                    .into_iter()
-                    .filter(|(u, v)| u != v)
-                    .map(|(u, v)| Edge {
-                        u,
-                        v,
-                        cost: (0..k(u) * k(v)).map(|_| next()).collect(),
-                    })
-                    .collect();
-                let least: f64 = vars
-                    .iter()
-                    .map(|v| v.memory.iter().copied().fold(f64::INFINITY, f64::min))
-                    .sum();
-                let most: f64 = vars
-                    .iter()
-                    .map(|v| v.memory.iter().copied().fold(0.0, f64::max))
-                    .sum();
-                let budget = (budget_frac < 1.2).then_some(least + (most - least) * budget_frac);
-                let p = Problem {
-                    vars,
-                    edges,
-                    memory_budget: budget,
-                }
-                .merged_edges();
-                (p, cuts, forced)
+                let ks: Vec<usize> = cuts.iter().map(Vec::len).collect();
+                (random(&ks, pairs, budget_frac, seed), cuts, forced)
             })
     }
 

@@ -12,7 +12,7 @@ pub mod stage;
 
 #[cfg(test)]
 mod tests {
-    use super::problem::{Edge, Problem, Var};
+    use super::problem::Problem;
     use super::{exact, ilp};
     use proptest::prelude::*;
 
@@ -27,46 +27,7 @@ mod tests {
                 )
             })
             .prop_map(|(ks, pairs, budget_frac, seed)| {
-                // Deterministic pseudo-random costs from the seed.
-                let mut state = seed | 1;
-                let mut next = move || {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    (state % 1000) as f64 / 100.0
-                };
-                let vars: Vec<Var> = ks
-                    .iter()
-                    .map(|&k| Var {
-                        cost: (0..k).map(|_| next()).collect(),
-                        memory: (0..k).map(|_| next()).collect(),
-                    })
-                    .collect();
-                let edges: Vec<Edge> = pairs
-                    .into_iter()
-                    .filter(|(u, v)| u != v)
-                    .map(|(u, v)| Edge {
-                        u,
-                        v,
-                        cost: (0..ks[u] * ks[v]).map(|_| next()).collect(),
-                    })
-                    .collect();
-                // A budget between the least and the most memory any choice needs.
-                let least: f64 = vars
-                    .iter()
-                    .map(|v| v.memory.iter().copied().fold(f64::INFINITY, f64::min))
-                    .sum();
-                let most: f64 = vars
-                    .iter()
-                    .map(|v| v.memory.iter().copied().fold(0.0, f64::max))
-                    .sum();
-                let budget = (budget_frac < 1.2).then_some(least + (most - least) * budget_frac);
-                Problem {
-                    vars,
-                    edges,
-                    memory_budget: budget,
-                }
-                .merged_edges()
+                super::problem::testing::random(&ks, pairs, budget_frac, seed)
             })
     }
 

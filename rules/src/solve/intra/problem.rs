@@ -267,3 +267,59 @@ impl Problem {
         }
     }
 }
+
+/// Random problems for the solvers' property tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::{Edge, Problem, Var};
+
+    /// A problem with `ks[v]` strategies per variable, an edge per pair of distinct variables
+    /// in `pairs`, costs and memories drawn from `seed` (0 to 10), and a budget at
+    /// `budget_frac` of the way from the least to the most memory any choice needs (none from
+    /// 1.2 up).
+    pub fn random(
+        ks: &[usize],
+        pairs: Vec<(usize, usize)>,
+        budget_frac: f64,
+        seed: u64,
+    ) -> Problem {
+        let mut state = seed | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % 1000) as f64 / 100.0
+        };
+        let vars: Vec<Var> = ks
+            .iter()
+            .map(|&k| Var {
+                cost: (0..k).map(|_| next()).collect(),
+                memory: (0..k).map(|_| next()).collect(),
+            })
+            .collect();
+        let edges: Vec<Edge> = pairs
+            .into_iter()
+            .filter(|(u, v)| u != v)
+            .map(|(u, v)| Edge {
+                u,
+                v,
+                cost: (0..ks[u] * ks[v]).map(|_| next()).collect(),
+            })
+            .collect();
+        let least: f64 = vars
+            .iter()
+            .map(|v| v.memory.iter().copied().fold(f64::INFINITY, f64::min))
+            .sum();
+        let most: f64 = vars
+            .iter()
+            .map(|v| v.memory.iter().copied().fold(0.0, f64::max))
+            .sum();
+        let budget = (budget_frac < 1.2).then_some(least + (most - least) * budget_frac);
+        Problem {
+            vars,
+            edges,
+            memory_budget: budget,
+        }
+        .merged_edges()
+    }
+}

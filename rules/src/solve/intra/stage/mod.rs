@@ -626,6 +626,8 @@ impl<'g> StageModel<'g> {
             }
         }
         let mut produced: HashMap<TensorId, (usize, usize)> = HashMap::new();
+        // Per forward op, the nodes of its input-gradient ops, in order (`sibling_read`).
+        let mut input_grads: HashMap<OpId, Vec<usize>> = HashMap::new();
         let mut param_of: HashMap<TensorId, usize> = HashMap::new();
         let mut source_of: HashMap<TensorId, usize> = HashMap::new();
         for (n, &o) in ops.iter().enumerate() {
@@ -682,6 +684,11 @@ impl<'g> StageModel<'g> {
                     (var, None, realized)
                 }
             };
+            if let Some(fwd) = op.grad_of
+                && !graph.makes_weight_gradient(o)
+            {
+                input_grads.entry(fwd).or_default().push(n);
+            }
             model.nodes.push(OpNode {
                 op: o,
                 var,
@@ -709,7 +716,7 @@ impl<'g> StageModel<'g> {
                         input: i,
                     });
                 } else {
-                    let from = match (model.sibling_read(n, o, t), produced.get(&t)) {
+                    let from = match (model.sibling_read(o, t, &input_grads), produced.get(&t)) {
                         (Some(copy), _) => copy,
                         (None, Some(&(p, j))) => Producer::Op(p, j),
                         (None, None) => {
@@ -1483,20 +1490,22 @@ impl<'g> StageModel<'g> {
         }
     }
 
-    /// Node `n` (op `o`) reads `t`: when `o` is a weight-gradient product and the
-    /// input-gradient product of the same forward op read `t` before it, that copy.
-    fn sibling_read(&self, n: usize, o: OpId, t: TensorId) -> Option<Producer> {
+    /// Op `o` reads `t`: when `o` is a weight-gradient product and the input-gradient
+    /// product of the same forward op (the last of `input_grads`, the nodes of each forward
+    /// op's input-gradient ops so far) read `t` before it, that copy.
+    fn sibling_read(
+        &self,
+        o: OpId,
+        t: TensorId,
+        input_grads: &HashMap<OpId, Vec<usize>>,
+    ) -> Option<Producer> {
         let g = self.graph;
         let fwd = g.op(o).grad_of?;
         if !g.makes_weight_gradient(o) {
             return None;
         }
-        (0..n).rev().find_map(|m| {
-            let other = g.op(self.nodes[m].op);
-            if other.grad_of != Some(fwd) || g.makes_weight_gradient(self.nodes[m].op) {
-                return None;
-            }
-            let i = other.inputs.iter().position(|&u| u == t)?;
+        input_grads.get(&fwd)?.iter().rev().find_map(|&m| {
+            let i = g.op(self.nodes[m].op).inputs.iter().position(|&u| u == t)?;
             Some(Producer::Read(m, i))
         })
     }
