@@ -67,8 +67,7 @@ pub struct Outcome {
     /// (variable, mesh axis) of every forced variable that nothing could cut on that axis:
     /// it stays replicated there.
     pub uncut: Vec<(usize, usize)>,
-    /// Mesh axes no operator cuts (the range replicated across them): cutting them cost
-    /// more.
+    /// Mesh axes no operator cuts in the plan (the range replicated across them).
     pub skipped: Vec<usize>,
     /// Variables the repair moved to a leaner strategy.
     pub repaired: usize,
@@ -220,11 +219,7 @@ fn masks(
                 .filter(|i| mask & (1 << i) != 0)
                 .map(|i| input.levels[i])
                 .collect();
-            let mut out = recurse(input, &levels, inc, order, lambda)?;
-            out.skipped = (0..all)
-                .filter(|i| mask & (1 << i) == 0)
-                .map(|i| input.levels[i])
-                .collect();
+            let out = recurse(input, &levels, inc, order, lambda)?;
             let (cost, _) = p.evaluate(&out.choice);
             Some((cost, mask, out))
         })
@@ -330,10 +325,16 @@ fn recurse(
     }
     let repaired = repair(p, inc, &mut choice)?;
     let (refined, blocked) = refine(p, inc, order, &mut choice);
+    let skipped = input
+        .levels
+        .iter()
+        .copied()
+        .filter(|&a| (0..n).all(|v| !input.forced[v] || input.cuts[v][choice[v]][a] == 0))
+        .collect();
     Some(Outcome {
         choice,
         uncut,
-        skipped: Vec::new(),
+        skipped,
         repaired,
         refined,
         bound: repaired > 0 || blocked,
@@ -591,14 +592,14 @@ mod tests {
         let out = drec(&p, &[vec![[0, 0]]], true, &[0, 1]).expect("no budget");
         assert_eq!(out.choice, vec![0]);
         assert_eq!(out.uncut, vec![(0, 0), (0, 1)]);
-        assert!(out.skipped.is_empty());
+        assert_eq!(out.skipped, vec![0, 1]);
     }
 
     #[test]
     fn a_level_whose_cuts_cost_more_is_left_uncut() {
         // Cutting (strategies 1, 2) costs more than staying whole: no operator cuts the axis
         // (the run that skips the level finds it; the refinement of the run that cuts it
-        // reaches it too, and wins the tie).
+        // reaches it too).
         let (mut p, cuts) = pair(None);
         p.vars[0].cost[0] = 0.0;
         p.vars[1].cost[0] = 0.0;

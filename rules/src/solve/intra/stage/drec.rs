@@ -112,8 +112,8 @@ impl StageModel<'_> {
         }
         for &axis in &outcome.skipped {
             warnings.push(format!(
-                "no op is cut on mesh axis {axis} ({} devices): cutting it cost more, so the \
-                 range is replicated across it",
+                "no op is cut on mesh axis {axis} ({} devices): the range is replicated \
+                 across it",
                 self.mesh.shape[axis]
             ));
         }
