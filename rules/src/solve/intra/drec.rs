@@ -280,6 +280,11 @@ fn recurse(
                 } else if input.forced[v] {
                     uncut.push((v, axis));
                 }
+                // A variable limited to strategies that cut a later axis (its replicated one
+                // not allowed) keeps what it has.
+                if out.is_empty() {
+                    out.push(choice[v]);
+                }
                 out
             })
             .collect();
@@ -593,6 +598,25 @@ mod tests {
         assert_eq!(out.choice, vec![0]);
         assert_eq!(out.uncut, vec![(0, 0), (0, 1)]);
         assert_eq!(out.skipped, vec![0, 1]);
+    }
+
+    #[test]
+    fn a_variable_without_its_replicated_strategy_keeps_what_it_is_allowed() {
+        // Variable 0 may only cut axis 1 (a boundary pinned by a chain), variable 1 anything.
+        let p = Problem {
+            vars: vec![var(&[1.0], &[1.0]), var(&[3.0, 1.0, 2.0], &[1.0, 1.0, 1.0])],
+            edges: vec![Edge {
+                u: 0,
+                v: 1,
+                cost: vec![5.0, 5.0, 0.0],
+            }],
+            memory_budget: None,
+        };
+        let cuts = vec![vec![[0, 1]], vec![[0, 0], [1, 0], [0, 1]]];
+        let out = drec(&p, &cuts, true, &[0, 1]).expect("no budget");
+        assert_eq!(out.choice, vec![0, 2]);
+        let (cost, _) = p.evaluate(&out.choice);
+        assert_eq!(cost, 3.0);
     }
 
     #[test]
