@@ -3,6 +3,7 @@
 use autopar_engine::executor::ExecLayout;
 use autopar_engine::executor::placement::{Placement, State};
 use autopar_engine::workspace;
+use autopar_rules::cost::profile::{EntryId, Profile, parse_profile};
 use autopar_rules::model::frontend::{
     Attention, Bias, LowerOptions, Milli, Mlp, ModelDef, MoeConfig, MoeRouting, Norm, Position,
     TransformerConfig,
@@ -229,4 +230,52 @@ pub fn staged_placements(
         }
     }
     out
+}
+
+/// TOML to append to a workspace: a CPU cluster `cluster` of 2 devices, and the target
+/// `tiny-cpu` on it (`tiny-llama` in fp32, 2 sequences of 32 tokens, micro-batch 1), whose
+/// search prices tensor parallelism over 1 and 2 devices.
+pub fn tiny_cpu_target(cluster: &str) -> String {
+    format!(
+        r#"
+{}
+[[target]]
+name = "tiny-cpu"
+model = "tiny-llama"
+cluster = "{cluster}"
+global_batch = 2
+seq_len = 32
+precision = "fp32"
+[target.search]
+micro_batch = [1]
+"#,
+        two_device_cluster(cluster)
+    )
+}
+
+fn two_device_cluster(cluster: &str) -> String {
+    format!("[[cluster]]\nname = \"{cluster}\"\npreset = \"cpu\"\nnodes = 1\ngpus_per_node = 2\n")
+}
+
+/// `toml` with the cluster `cluster` of [`tiny_cpu_target`] reading the profile `profile`
+/// from `measured.json`.
+pub fn attach_profile(toml: &str, cluster: &str, profile: &str) -> String {
+    let plain = two_device_cluster(cluster);
+    toml.replace(
+        &plain,
+        &format!("{plain}profiles = [\"{profile}\"]\n\n[[profile]]\nname = \"{profile}\"\nfile = \"measured.json\"\n"),
+    )
+}
+
+/// The profile in `measured.json` of `ws`: asserts that it holds exactly the entries
+/// `autopar profile template target` lists, each with a positive time.
+pub fn measured_covers_template(ws: &crate::TempWorkspace, target: &str) -> Profile {
+    let template = ws.run(&["profile", "template", target]);
+    assert_eq!(template.code, 0, "{}", template.stderr);
+    let want = parse_profile(&template.stdout).expect("template");
+    let got = parse_profile(&ws.read("measured.json")).expect("profile");
+    let keys = |p: &Profile| -> Vec<EntryId> { p.entries().into_iter().map(|(e, _)| e).collect() };
+    assert_eq!(keys(&got), keys(&want));
+    assert!(got.entries().iter().all(|(_, t)| *t > 0.0));
+    got
 }

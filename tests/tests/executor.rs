@@ -7,8 +7,8 @@ use autopar_engine::executor::{ExecError, ExecLayout, RunOptions, check, lower, 
 use autopar_rules::cost::context_parallel::CpComm;
 use autopar_rules::model::graph::Graph;
 use autopar_tests::executor::{
-    MeshScheme, layout, mesh_placements, sharded_states, staged_placements, tiny_gpt, tiny_llama,
-    tiny_moe,
+    MeshScheme, attach_profile, layout, measured_covers_template, mesh_placements, sharded_states,
+    staged_placements, tiny_cpu_target, tiny_gpt, tiny_llama, tiny_moe,
 };
 use std::collections::BTreeMap;
 
@@ -689,25 +689,7 @@ micro_batch = [1]
 fn profile_run_measures_what_the_targets_price_and_plans_read_it() {
     let ws = autopar_tests::TempWorkspace::default_copy();
     let mut toml = ws.read("workspace.toml");
-    toml.push_str(
-        r#"
-[[cluster]]
-name = "two-threads"
-preset = "cpu"
-nodes = 1
-gpus_per_node = 2
-
-[[target]]
-name = "tiny-cpu"
-model = "tiny-llama"
-cluster = "two-threads"
-global_batch = 2
-seq_len = 32
-precision = "fp32"
-[target.search]
-micro_batch = [1]
-"#,
-    );
+    toml.push_str(&tiny_cpu_target("two-threads"));
     ws.write("workspace.toml", &toml);
     let before = ws.run(&["build", "tiny-cpu", "--json"]);
     assert_eq!(before.code, 0, "{}", before.stderr);
@@ -735,29 +717,17 @@ micro_batch = [1]
             .is_some_and(|f| f > 0.0)
     );
     // Every kernel and collective the target's search prices (tp 1 and 2) has a positive time.
-    let template = ws.run(&["profile", "template", "tiny-cpu"]);
-    assert_eq!(template.code, 0, "{}", template.stderr);
-    let want = autopar_rules::cost::profile::parse_profile(&template.stdout).expect("template");
-    let got =
-        autopar_rules::cost::profile::parse_profile(&ws.read("measured.json")).expect("profile");
+    let got = measured_covers_template(&ws, "tiny-cpu");
     assert_eq!(got.device, "cpu");
-    let keys = |p: &autopar_rules::cost::profile::Profile| -> Vec<_> {
-        p.entries().into_iter().map(|(e, _)| e).collect()
-    };
-    assert_eq!(keys(&got), keys(&want));
-    assert!(got.entries().iter().all(|(_, t)| *t > 0.0));
     assert!(
-        keys(&got)
+        got.entries()
             .iter()
-            .any(|e| matches!(e, autopar_rules::cost::profile::EntryId::Collective(..))),
+            .any(|(e, _)| matches!(e, autopar_rules::cost::profile::EntryId::Collective(..))),
         "tensor parallelism over two threads measures collectives"
     );
 
     // Attached to the cluster, the measurements replace the modelled times.
-    let attached = toml.replace(
-        "name = \"two-threads\"\npreset = \"cpu\"\nnodes = 1\ngpus_per_node = 2\n",
-        "name = \"two-threads\"\npreset = \"cpu\"\nnodes = 1\ngpus_per_node = 2\nprofiles = [\"measured\"]\n\n[[profile]]\nname = \"measured\"\nfile = \"measured.json\"\n",
-    );
+    let attached = attach_profile(&toml, "two-threads", "measured");
     ws.write("workspace.toml", &attached);
     let after = ws.run(&["build", "tiny-cpu"]);
     assert_eq!(after.code, 0, "{}", after.stderr);

@@ -8,6 +8,7 @@
 
 use autopar_engine::executor::jax;
 use autopar_tests::TempWorkspace;
+use autopar_tests::executor::{attach_profile, measured_covers_template, tiny_cpu_target};
 
 /// The Python with JAX, or `None` after printing why the test is skipped.
 fn python() -> Option<String> {
@@ -218,25 +219,7 @@ fn profile_run_times_every_entry_through_xla() {
     };
     let ws = TempWorkspace::default_copy();
     let mut toml = ws.read("workspace.toml");
-    toml.push_str(
-        r#"
-[[cluster]]
-name = "two-devices"
-preset = "cpu"
-nodes = 1
-gpus_per_node = 2
-
-[[target]]
-name = "tiny-cpu"
-model = "tiny-llama"
-cluster = "two-devices"
-global_batch = 2
-seq_len = 32
-precision = "fp32"
-[target.search]
-micro_batch = [1]
-"#,
-    );
+    toml.push_str(&tiny_cpu_target("two-devices"));
     ws.write("workspace.toml", &toml);
     let r = ws.run(&[
         "profile",
@@ -258,21 +241,9 @@ micro_batch = [1]
     assert_eq!(summary["device"], "cpu", "{summary}");
     assert_eq!(summary["skipped"], serde_json::json!([]), "{summary}");
     // Every kernel and collective the target prices has a positive time.
-    let template = ws.run(&["profile", "template", "tiny-cpu"]);
-    assert_eq!(template.code, 0, "{}", template.stderr);
-    let want = autopar_rules::cost::profile::parse_profile(&template.stdout).expect("template");
-    let got =
-        autopar_rules::cost::profile::parse_profile(&ws.read("measured.json")).expect("profile");
-    let keys = |p: &autopar_rules::cost::profile::Profile| -> Vec<_> {
-        p.entries().into_iter().map(|(e, _)| e).collect()
-    };
-    assert_eq!(keys(&got), keys(&want));
-    assert!(got.entries().iter().all(|(_, t)| *t > 0.0));
+    measured_covers_template(&ws, "tiny-cpu");
     // The profile feeds planning as a CPU backend's does.
-    let attached = toml.replace(
-        "name = \"two-devices\"\npreset = \"cpu\"\nnodes = 1\ngpus_per_node = 2\n",
-        "name = \"two-devices\"\npreset = \"cpu\"\nnodes = 1\ngpus_per_node = 2\nprofiles = [\"xla\"]\n\n[[profile]]\nname = \"xla\"\nfile = \"measured.json\"\n",
-    );
+    let attached = attach_profile(&toml, "two-devices", "xla");
     ws.write("workspace.toml", &attached);
     let b = ws.run(&["build", "tiny-cpu"]);
     assert_eq!(b.code, 0, "{}", b.stderr);
