@@ -7,7 +7,7 @@
 //!   the exact solver's optimum, D-Rec's objective, the gap, and both solve times.
 //! * `graphs`: generated graph files (`autopar_tests::graphs`: stacked transformer and MLP
 //!   blocks, U-Net-like units) of about 100, 1,000, 5,000 and 20,000 forward ops, the whole
-//!   range on 1x8 and 2x4, no memory budget: the time to build the problem, D-Rec's solve
+//!   range on 1x8 and 2x4, no memory budget: the time to build D-Rec's problem, its solve
 //!   time and objective, and the exact optimum up to 1,000 forward ops (beyond, the exact
 //!   solver takes from seconds to minutes: 22 s at 5,000).
 //!
@@ -43,18 +43,26 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
-/// Solves `layers` of `graph` on `a x b` with `solver`, `repeats` times: the plan and the
-/// median solve time, ms (the problem built once, not timed).
+/// A problem solved: the plan, the time to build the problem and the median solve time, ms.
+struct Solved {
+    plan: StagePlan,
+    build_ms: f64,
+    solve_ms: f64,
+}
+
+/// Builds the problem of `layers` of `graph` on `a x b` once and solves it `repeats` times.
 fn solve(
     graph: &Graph,
     layers: Range<usize>,
     (a, b): (u64, u64),
     opts: StageOptions,
     repeats: usize,
-) -> Result<(StagePlan, f64), String> {
+) -> Result<Solved, String> {
     let (m, cluster) = mesh(a, b);
+    let start = Instant::now();
     let model =
         StageModel::build(graph, layers, m, &cluster.device, opts).map_err(|e| e.to_string())?;
+    let build_ms = start.elapsed().as_secs_f64() * 1e3;
     let mut times = Vec::with_capacity(repeats);
     let mut plan = None;
     for _ in 0..repeats {
@@ -62,7 +70,11 @@ fn solve(
         plan = Some(model.solve().map_err(|e| e.to_string())?);
         times.push(start.elapsed().as_secs_f64() * 1e3);
     }
-    Ok((plan.ok_or("no repeats")?, median(times)))
+    Ok(Solved {
+        plan: plan.ok_or("no repeats")?,
+        build_ms,
+        solve_ms: median(times),
+    })
 }
 
 /// The options `autopar solve sharding` solves with (the default runtime's gradient buffers).
@@ -106,43 +118,36 @@ fn blocks(repeats: usize) -> Result<Vec<f64>, String> {
                 .ok_or("no transformer block")?;
             let layers = block..block + 1;
             let (m, cluster) = mesh(a, b);
-            let free = solve(
-                &graph,
-                layers.clone(),
-                (a, b),
-                opts(SolverChoice::Exact, None),
-                1,
-            )?
-            .0;
-            let lean = StageModel::build(
+            let free = StageModel::build(
                 &graph,
                 layers.clone(),
                 m,
                 &cluster.device,
                 opts(SolverChoice::Exact, None),
             )
-            .map_err(|e| e.to_string())?
-            .problem()
-            .leanest()
-            .memory;
+            .map_err(|e| e.to_string())?;
+            let lean = free.problem().leanest().memory;
+            let free = free.solve().map_err(|e| e.to_string())?;
             for (name, budget) in [
                 ("hbm", cluster.device.hbm_bytes),
                 ("tight", 0.5 * (lean + free.memory.total)),
             ] {
-                let (exact, exact_ms) = solve(
+                let exact = solve(
                     &graph,
                     layers.clone(),
                     (a, b),
                     opts(SolverChoice::Exact, Some(budget)),
                     repeats,
                 )?;
-                let (drec, drec_ms) = solve(
+                let drec = solve(
                     &graph,
                     layers.clone(),
                     (a, b),
                     opts(SolverChoice::Drec, Some(budget)),
                     repeats,
                 )?;
+                let (exact_ms, drec_ms) = (exact.solve_ms, drec.solve_ms);
+                let (exact, drec) = (exact.plan, drec.plan);
                 if drec.memory.total > budget * (1.0 + 1e-9) {
                     return Err(format!(
                         "{file} on {a}x{b} ({name}): D-Rec's plan is over the budget"
@@ -195,19 +200,11 @@ fn graphs(repeats: usize) -> Result<(), String> {
             let forward = graph.ops.iter().filter(|o| o.pass == Pass::Forward).count();
             let all = 0..graph.layers.len();
             for shape in [(1, 8), (2, 4)] {
-                let (m, cluster) = mesh(shape.0, shape.1);
-                let start = Instant::now();
-                let model = StageModel::build(
-                    &graph,
-                    all.clone(),
-                    m,
-                    &cluster.device,
-                    opts(SolverChoice::Drec, None),
-                )
-                .map_err(|e| e.to_string())?;
-                let build_ms = start.elapsed().as_secs_f64() * 1e3;
-                drop(model);
-                let (drec, drec_ms) = solve(
+                let Solved {
+                    plan: drec,
+                    build_ms,
+                    solve_ms: drec_ms,
+                } = solve(
                     &graph,
                     all.clone(),
                     shape,
@@ -226,10 +223,10 @@ fn graphs(repeats: usize) -> Result<(), String> {
                     None
                 };
                 let (optimum, g, exact_ms) = match &exact {
-                    Some((p, ms)) => (
-                        format!("{:.3}", p.objective * 1e3),
-                        format!("{:.1}%", gap(drec.objective, p.objective)),
-                        format!("{ms:.0}"),
+                    Some(e) => (
+                        format!("{:.3}", e.plan.objective * 1e3),
+                        format!("{:.1}%", gap(drec.objective, e.plan.objective)),
+                        format!("{:.0}", e.solve_ms),
                     ),
                     None => ("-".into(), "-".into(), "-".into()),
                 };

@@ -71,8 +71,6 @@ pub struct Outcome {
     pub skipped: Vec<usize>,
     /// Variables the repair moved to a leaner strategy.
     pub repaired: usize,
-    /// Moves the refinement made.
-    pub refined: usize,
     /// Whether the budget bound: the plan was repaired, or the refinement left a better move
     /// that did not fit.
     pub bound: bool,
@@ -182,6 +180,10 @@ const MEMORY_PRICES: [f64; 8] = [1.0 / 64.0, 1.0 / 16.0, 0.25, 1.0, 4.0, 16.0, 6
 /// objective; the best of all wins.
 pub fn solve(input: &Input) -> Option<Outcome> {
     let p = input.problem;
+    // Every run's repair ends within the budget when the leanest plan does.
+    if !p.fits(p.leanest().memory) {
+        return None;
+    }
     let inc = incidence(p);
     let order = order(p, &inc);
     let first = masks(input, &inc, &order, 0.0)?;
@@ -328,8 +330,9 @@ fn recurse(
             done[v] = true;
         }
     }
-    let repaired = repair(p, inc, &mut choice)?;
-    let (refined, blocked) = refine(p, inc, order, &mut choice);
+    let mut locals = Locals::new(p, inc, &choice);
+    let repaired = repair(p, inc, &mut choice, &mut locals)?;
+    let blocked = refine(p, inc, order, &mut choice, &mut locals);
     let skipped = input
         .levels
         .iter()
@@ -341,7 +344,6 @@ fn recurse(
         uncut,
         skipped,
         repaired,
-        refined,
         bound: repaired > 0 || blocked,
     })
 }
@@ -397,18 +399,16 @@ impl Locals {
 /// objective most with every neighbour as it stands, then each edge's two ends take the pair
 /// that does, the plan staying within the budget. Every move lowers the objective. Each
 /// variable's cost per strategy is kept up to date as its neighbours move, so a sweep costs
-/// the edges' tables once plus the rows of the moved variables' neighbours. Returns the
-/// number of moves, and whether the budget stopped a move that would have lowered the
-/// objective.
+/// the edges' tables once plus the rows of the moved variables' neighbours. Returns whether
+/// the budget stopped a move that would have lowered the objective.
 fn refine(
     p: &Problem,
     inc: &[Vec<(usize, bool)>],
     order: &[usize],
     choice: &mut [usize],
-) -> (usize, bool) {
+    locals: &mut Locals,
+) -> bool {
     let mut memory = p.evaluate(choice).1;
-    let mut locals = Locals::new(p, inc, choice);
-    let mut moves = 0;
     let mut blocked = false;
     let better = |cost: f64, than: f64| cost < than - 1e-15 * than.abs();
     for _ in 0..REFINE_SWEEPS {
@@ -431,7 +431,6 @@ fn refine(
                 memory += p.vars[v].memory[best] - p.vars[v].memory[now];
                 choice[v] = best;
                 locals.moved(p, inc, v, now, best);
-                moves += 1;
                 changed = true;
             }
         }
@@ -464,7 +463,6 @@ fn refine(
                 locals.moved(p, inc, u, nu, best.0);
                 choice[v] = best.1;
                 locals.moved(p, inc, v, nv, best.1);
-                moves += 1;
                 changed = true;
             }
         }
@@ -472,23 +470,24 @@ fn refine(
             break;
         }
     }
-    (moves, blocked)
+    blocked
 }
 
 /// Moves variables to leaner strategies until `choice` fits the budget: in passes, each
 /// over the variables in order of the least extra cost per byte saved (computed at the start
-/// of the pass), each taking its own best such move as things stand. Ends because every move
-/// saves memory and the all-leanest plan fits; `None` when it does not. Returns the number
-/// of moves.
-fn repair(p: &Problem, inc: &[Vec<(usize, bool)>], choice: &mut [usize]) -> Option<usize> {
+/// of the pass), each taking its own best such move as things stand (`locals` kept up to
+/// date). Ends because every move saves memory and the all-leanest plan fits, which
+/// [`solve`] checks first; `None` were no move left. Returns the number of moves.
+fn repair(
+    p: &Problem,
+    inc: &[Vec<(usize, bool)>],
+    choice: &mut [usize],
+    locals: &mut Locals,
+) -> Option<usize> {
     let Some(budget) = p.memory_budget else {
         return Some(0);
     };
-    if !super::problem::within_budget(p.leanest().memory, budget) {
-        return None;
-    }
     let mut memory = p.evaluate(choice).1;
-    let mut locals = Locals::new(p, inc, choice);
     // The move of `v` of least extra cost per byte saved: (ratio, strategy, bytes saved).
     let best_move = |v: usize, choice: &[usize], locals: &Locals| -> Option<(f64, usize, f64)> {
         let row = locals.row(v);
@@ -504,7 +503,7 @@ fn repair(p: &Problem, inc: &[Vec<(usize, bool)>], choice: &mut [usize]) -> Opti
     let mut moves = 0;
     while !super::problem::within_budget(memory, budget) {
         let mut pass: Vec<(f64, usize)> = (0..p.vars.len())
-            .filter_map(|v| best_move(v, choice, &locals).map(|(r, _, _)| (r, v)))
+            .filter_map(|v| best_move(v, choice, locals).map(|(r, _, _)| (r, v)))
             .collect();
         if pass.is_empty() {
             // Unreachable while the leanest plan fits; never loop.
@@ -512,7 +511,7 @@ fn repair(p: &Problem, inc: &[Vec<(usize, bool)>], choice: &mut [usize]) -> Opti
         }
         pass.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         for (_, v) in pass {
-            if let Some((_, c, saved)) = best_move(v, choice, &locals) {
+            if let Some((_, c, saved)) = best_move(v, choice, locals) {
                 locals.moved(p, inc, v, choice[v], c);
                 choice[v] = c;
                 memory -= saved;
