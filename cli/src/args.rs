@@ -545,12 +545,28 @@ pub struct PipelineArgs {
     /// checkpointing recomputes the fewest seconds of layers that fit).
     #[arg(long)]
     pub no_recompute: bool,
+    /// What fills the layer tables: `auto` eliminates exactly and uses D-Rec for a layer too
+    /// large for that, `exact` leaves such a layer off its mesh, `drec` uses D-Rec for
+    /// every layer (not proven optimal).
+    #[arg(long, value_enum, default_value_t = TableSolverArg::Auto)]
+    pub solver: TableSolverArg,
     /// Model options.
     #[command(flatten)]
     pub model_options: ModelOptions,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// What fills the layer tables of `autopar solve pipeline`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum TableSolverArg {
+    /// The exact elimination; D-Rec for a layer too large for it.
+    Auto,
+    /// Only the exact elimination (a layer too large for it is left off that mesh).
+    Exact,
+    /// D-Rec for every layer: linear time, not proven optimal.
+    Drec,
 }
 
 /// Solver of `autopar solve sharding`.

@@ -8,6 +8,7 @@ use autopar_rules::plan::format::{Plan, shell_quote};
 use autopar_rules::plan::ilp::{IlpPlan, Space};
 use autopar_rules::plan::layout::{Layout, Recompute};
 use autopar_rules::plan::partition::Attempt;
+use autopar_rules::solve::intra::chain::TableSolver;
 use std::fmt::Write;
 
 /// Two priced layouts side by side, component by component: step, time components, memory by
@@ -540,6 +541,17 @@ fn ilp_plan(out: &mut String, p: &IlpPlan) {
             s.memory_gib
         );
     }
+    let solvers: Vec<StageSolvers> =
+        p.stages
+            .iter()
+            .map(|s| {
+                let layers = s.solvers.iter().flat_map(|span| {
+                    (span.layers[0]..span.layers[1]).map(move |l| (l, span.solver))
+                });
+                (layers.collect(), s.warnings.as_slice())
+            })
+            .collect();
+    drec_lines(out, &solvers);
     // The differences, with repeated blocks' ops counted once per pattern.
     let mut groups: Vec<(String, String, String, usize)> = Vec::new();
     for d in p.stages.iter().flat_map(|s| &s.megatron.differences) {
@@ -571,6 +583,52 @@ fn ilp_plan(out: &mut String, p: &IlpPlan) {
             "            ... and {} more (every op's specs: the plan's `ilp.stages[].ops`)",
             groups.len() - SHOWN
         );
+    }
+}
+
+/// Per stage, each layer's solver (in order) and D-Rec's warnings.
+type StageSolvers<'a> = (Vec<(usize, TableSolver)>, &'a [String]);
+
+/// The lines saying which layers D-Rec priced (not proven optimal), with its warnings once
+/// each; nothing when the exact elimination priced them all.
+fn drec_lines(out: &mut String, stages: &[StageSolvers]) {
+    let is_drec = |&(_, s): &(usize, TableSolver)| s == TableSolver::Drec;
+    let drec = stages.iter().filter(|(l, _)| l.iter().any(is_drec)).count();
+    if drec == 0 {
+        return;
+    }
+    if stages.iter().all(|(l, _)| l.iter().all(is_drec)) {
+        let _ = writeln!(
+            out,
+            "  solver    every layer priced by D-Rec (heuristic, not proven optimal)"
+        );
+    } else {
+        for (j, (layers, _)) in stages.iter().enumerate() {
+            let mut ranges: Vec<[usize; 2]> = Vec::new();
+            for &(l, _) in layers.iter().filter(|x| is_drec(x)) {
+                match ranges.last_mut() {
+                    Some(r) if r[1] == l => r[1] = l + 1,
+                    _ => ranges.push([l, l + 1]),
+                }
+            }
+            if ranges.is_empty() {
+                continue;
+            }
+            let named: Vec<String> = ranges.iter().map(|[a, b]| format!("{a}..{b}")).collect();
+            let _ = writeln!(
+                out,
+                "  solver    stage {j}: layers {} priced by D-Rec (heuristic, not proven \
+                 optimal), the others exactly",
+                named.join(", ")
+            );
+        }
+    }
+    let mut said: Vec<&String> = Vec::new();
+    for w in stages.iter().flat_map(|(_, w)| w.iter()) {
+        if !said.contains(&w) {
+            said.push(w);
+            let _ = writeln!(out, "  warning   {w}");
+        }
     }
 }
 
@@ -1236,6 +1294,15 @@ pub fn pipeline(r: &autopar_engine::pipeline::PipelineResult, micro_batch: u64) 
             s.memory / GIB
         );
     }
+    let solvers: Vec<StageSolvers> = p
+        .stages
+        .iter()
+        .map(|s| {
+            let layers = (s.priced.layers[0]..).zip(s.solvers.iter().copied());
+            (layers.collect(), s.plan.solve.warnings.as_slice())
+        })
+        .collect();
+    drec_lines(&mut out, &solvers);
     for k in &p.skipped {
         let _ = writeln!(
             out,

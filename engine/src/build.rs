@@ -423,6 +423,7 @@ fn stages_parts(base: &KeyParts, t: &Target, mb: u64, budget: f64) -> KeyParts {
         .with("submeshes", &t.ilp.powers_of_two)
         .with("logical_meshes", &t.ilp.logical_meshes)
         .with("recompute", &t.ilp.recompute)
+        .with("solver", &t.ilp.solver)
         .with("budget", &budget.to_bits())
 }
 
@@ -439,6 +440,7 @@ fn ilp_options(t: &Target, mb: u64, budget: f64) -> PipelineOptions<'_> {
         grad_accumulation_fusion: t.options.grad_accumulation_fusion,
         grad_reduce_in_fp32: t.options.grad_reduce_in_fp32,
         profile: t.profile.as_deref(),
+        solver: t.ilp.solver,
     }
 }
 
@@ -916,6 +918,7 @@ fn ilp_dry_run(
                         reads: r.reads,
                         source: Source::Solved,
                         reasons: Vec::new(),
+                        solver: None,
                     };
                     let was = old.and_then(|o| o.tables.iter().find(|w| w.slot == table.slot));
                     let reasons = table_reasons(was, &table);

@@ -16,7 +16,7 @@ use autopar_rules::model::frontend::Attention;
 use autopar_rules::model::graph::Graph;
 use autopar_rules::plan::runtime::Runtime;
 use autopar_rules::solve::intra::chain::{ChainError, Crossings, LayerTable, layer_table_with};
-use autopar_rules::solve::intra::stage::StageOptions;
+use autopar_rules::solve::intra::stage::{SolverChoice, StageOptions};
 use autopar_rules::solve::pipeline::{
     DEFAULT_MAX_EXACT_ENTRIES, PipelineError, PipelineOptions, PipelinePlan, TableSource,
     decode_pipeline, price_pipeline_with, profile_reads, table_key,
@@ -50,6 +50,8 @@ pub struct PipelineRequest {
     pub logical_meshes: Vec<[u64; 2]>,
     /// Whether stages may recompute their layers.
     pub recompute: bool,
+    /// What fills the layer tables.
+    pub solver: SolverChoice,
 }
 
 /// What `solve pipeline` found.
@@ -114,19 +116,19 @@ impl<'c> CachedTables<'c> {
 
     fn note(
         &self,
-        graph: &Graph,
-        layer: usize,
-        mesh: &Mesh,
+        slot: String,
         parts: KeyParts,
         reads: Vec<ProfileRead>,
         source: Source,
+        table: Option<&LayerTable>,
     ) {
         let record = TableRecord {
-            slot: table_slot(graph, layer, mesh.shape),
+            slot,
             parts,
             reads,
             source,
             reasons: Vec::new(),
+            solver: table.map(|t| t.solver),
         };
         self.records
             .lock()
@@ -157,13 +159,14 @@ impl TableSource for CachedTables<'_> {
         let reads = profile_reads(graph, layer, &mesh, &opts);
         let parts = table_key(identity, &mesh, device, &opts, &reads);
         let key = parts.key();
+        let slot = table_slot(graph, layer, mesh.shape);
         if self.uncounted
             && let Some(t) = self.cache.peek::<LayerTable>(key)
         {
             return Ok(t);
         }
         if let Some((t, source)) = self.cache.lookup::<LayerTable>(kind::SHARDING, key) {
-            self.note(graph, layer, &mesh, parts, reads, source);
+            self.note(slot, parts, reads, source, Some(&t));
             return Ok(t);
         }
         let started = Instant::now();
@@ -186,7 +189,7 @@ impl TableSource for CachedTables<'_> {
             })
             .collect();
         read_signatures.dedup();
-        self.note(graph, layer, &mesh, parts, reads, Source::Solved);
+        self.note(slot, parts, reads, Source::Solved, solved.as_ref().ok());
         if let Ok(t) = &solved {
             let meta = EntryMeta {
                 kind: "layer-table".into(),
@@ -267,6 +270,7 @@ pub fn solve_pipeline(
         // Gradient buffers and their reduction as the default runtime keeps them.
         grad_accumulation_fusion: Runtime::default().grad_accumulation_fusion(),
         grad_reduce_in_fp32: Runtime::default().grad_reduce_in_fp32(req.precision),
+        solver: req.solver,
     };
     let source = CachedTables::new(cache, &name);
     let infeasible = |e: PipelineError| EngineError::Infeasible(e.to_string());

@@ -5,6 +5,7 @@ use crate::cache::Source;
 use crate::error::EngineError;
 use autopar_rules::canonical::KeyParts;
 use autopar_rules::cost::profile::{EntryId, ProfileRead};
+use autopar_rules::solve::intra::chain::TableSolver;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -57,6 +58,9 @@ pub struct TableRecord {
     pub source: Source,
     /// Why it was solved (empty when it was not).
     pub reasons: Vec<String>,
+    /// What filled the table (`None`: it could not be filled, or the record predates it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub solver: Option<TableSolver>,
 }
 
 /// The ILP space's stage DP at one micro-batch size in one build.

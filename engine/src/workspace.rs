@@ -18,6 +18,7 @@ use autopar_rules::plan::layout::{Recompute, TrainingOptions};
 use autopar_rules::plan::runtime::{GivenSettings, Runtime};
 use autopar_rules::plan::search::SearchSpace;
 use autopar_rules::solve::inter::submesh_choices;
+use autopar_rules::solve::intra::stage::SolverChoice;
 use serde::{Deserialize, Deserializer};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -410,9 +411,33 @@ struct RawTarget {
     #[serde(default)]
     space: Option<Space>,
     #[serde(default)]
+    solver: Option<TableSolverName>,
+    #[serde(default)]
     search: Option<RawSearch>,
     #[serde(default)]
     profiles: Vec<Spanned<String>>,
+}
+
+/// `target.solver`: what fills the ILP space's layer tables.
+#[derive(Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum TableSolverName {
+    /// The exact elimination; D-Rec for a layer too large for it.
+    Auto,
+    /// The exact elimination only.
+    Exact,
+    /// D-Rec for every layer.
+    Drec,
+}
+
+impl TableSolverName {
+    fn choice(self) -> SolverChoice {
+        match self {
+            TableSolverName::Auto => SolverChoice::Auto,
+            TableSolverName::Exact => SolverChoice::Exact,
+            TableSolverName::Drec => SolverChoice::Drec,
+        }
+    }
 }
 
 /// `target.search.submeshes`: which multi-node submeshes the stage DP may use.
@@ -926,6 +951,9 @@ impl Loader<'_> {
         let mut ilp = IlpSearch::default_for(gpus_per_node, global_batch);
         if let Some(space) = t.space {
             ilp.space = space;
+        }
+        if let Some(solver) = t.solver {
+            ilp.solver = solver.choice();
         }
         if let Some(s) = &t.search {
             self.search(s, &mut search)?;

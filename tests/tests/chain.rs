@@ -7,7 +7,9 @@ use autopar_rules::solve::intra::chain::{
     ChainError, Entry, LayerTable, best_path, boundary_bytes, compose, decode_range, layer_table,
     range_tables,
 };
-use autopar_rules::solve::intra::stage::{Phase, StageModel, StageOptions, StagePlan};
+use autopar_rules::solve::intra::stage::{
+    Phase, SolverChoice, StageModel, StageOptions, StagePlan,
+};
 use autopar_rules::solve::pipeline::layer_classes;
 use autopar_tests::TempWorkspace;
 use autopar_tests::sharding::{lower, mesh};
@@ -246,8 +248,10 @@ fn conditioning_on_the_entering_specs_gives_the_same_table() {
     // One elimination keeping every boundary spec stores about 1e5 factor entries, each of the
     // 81 pinned ones about 3.6e4: the middle caps leave only pinning, the last neither.
     for cap in [1e6, 7e4, 4e4, 3e4] {
+        // The exact elimination alone (`Auto` would fill a table too wide for it by D-Rec).
         let small = StageOptions {
             max_exact_entries: cap,
+            solver: SolverChoice::Exact,
             ..opts()
         };
         match layer_table(&g, 1, m, &c.device, small) {

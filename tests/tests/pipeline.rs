@@ -12,9 +12,9 @@ use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef, parse_hf
 use autopar_rules::model::graph::{DType, Graph};
 use autopar_rules::solve::inter::{place, submesh_choices};
 use autopar_rules::solve::intra::chain::{
-    ChainError, Crossings, LayerTable, decode_range, layer_table,
+    ChainError, Crossings, LayerTable, TableSolver, decode_range, layer_table,
 };
-use autopar_rules::solve::intra::stage::{Phase, StageModel, StageOptions};
+use autopar_rules::solve::intra::stage::{Phase, SolverChoice, StageModel, StageOptions};
 use autopar_rules::solve::pipeline::{
     MeshChoice, PipelineOptions, Solve, TableSource, layer_classes, layer_identities,
     logical_meshes, plan_pipeline, plan_pipeline_with, table_key, table_requests,
@@ -65,6 +65,7 @@ fn options(microbatches: u64) -> PipelineOptions<'static> {
         grad_accumulation_fusion: true,
         grad_reduce_in_fp32: true,
         profile: None,
+        solver: SolverChoice::Auto,
     }
 }
 
@@ -449,6 +450,7 @@ fn tables_too_wide_to_solve_are_named_not_dropped_silently() {
     assert!(full.skipped.is_empty());
     let opts = PipelineOptions {
         max_exact_entries: 2e3,
+        solver: SolverChoice::Exact,
         ..options(4)
     };
     let narrow = plan_pipeline(&g, &c, opts).expect("plans on the meshes left");
@@ -469,6 +471,64 @@ fn tables_too_wide_to_solve_are_named_not_dropped_silently() {
         );
     }
     assert!(narrow.step >= full.step * (1.0 - 1e-12));
+}
+
+#[test]
+fn tables_too_wide_to_eliminate_are_filled_by_drec_under_auto() {
+    let g = lower("tiny-mlp.graph.json", 2, Some(128), 1);
+    let c = cluster(1, 4);
+    let full = plan_pipeline(&g, &c, options(4)).expect("plans");
+    assert!(
+        full.stages
+            .iter()
+            .all(|s| s.solvers.iter().all(|&t| t == TableSolver::Exact))
+    );
+    let narrow = PipelineOptions {
+        max_exact_entries: 2e3,
+        ..options(4)
+    };
+    let fallback = plan_pipeline(&g, &c, narrow).expect("plans");
+    // Nothing is left out: the layers too wide to eliminate are priced by D-Rec, which the
+    // stages say, and the pipeline costs what its decoded plans cost.
+    assert!(fallback.skipped.is_empty(), "{:?}", fallback.skipped);
+    let exact = plan_pipeline(
+        &g,
+        &c,
+        PipelineOptions {
+            solver: SolverChoice::Exact,
+            ..narrow
+        },
+    )
+    .expect("plans");
+    let drec_layers: usize = fallback
+        .stages
+        .iter()
+        .map(|s| {
+            assert_eq!(s.solvers.len(), s.priced.layers[1] - s.priced.layers[0]);
+            s.solvers
+                .iter()
+                .filter(|&&t| t == TableSolver::Drec)
+                .count()
+        })
+        .sum();
+    println!(
+        "step: exact {:.6} s, D-Rec where too wide {:.6} s ({} layers), exact with those left out {:.6} s",
+        full.step, fallback.step, drec_layers, exact.step
+    );
+    // D-Rec's entries bound the exact ones from above, and more mesh choices are open than
+    // with the wide layers left out.
+    assert!(fallback.step >= full.step * (1.0 - 1e-12));
+    assert!(fallback.step <= exact.step * (1.0 + 1e-12));
+    let joined: f64 = fallback.stages.iter().map(|s| s.plan.objective).sum();
+    let priced: f64 = fallback
+        .stages
+        .iter()
+        .map(|s| s.priced.cost - s.priced.recompute_s)
+        .sum();
+    assert!(
+        (joined - priced).abs() <= 1e-9 * priced,
+        "decoded {joined} vs priced {priced}"
+    );
 }
 
 #[test]

@@ -193,6 +193,62 @@ fn ilp_results_are_cached_per_kind_and_a_model_edit_re_solves_no_table() {
 }
 
 #[test]
+fn a_target_can_price_its_layers_by_drec_and_the_plan_says_so() {
+    let one_size = "[target.search]\nilp_micro_batch = [2]";
+    let ws = TempWorkspace::with_toml(&workspace(
+        &format!("space = \"ilp\"\nsolver = \"drec\"\n{one_size}"),
+        4,
+    ));
+    let first = built(&ws.run(&["build", "--json"]));
+    assert_eq!(kind(&first, "sharding", "solved"), 3 * 3, "{first}");
+    let p = plan(&ws);
+    let stages = p["ilp"]["stages"].as_array().expect("ILP stages");
+    let mut covered = 0;
+    for s in stages {
+        for span in s["solvers"].as_array().expect("each stage's solvers") {
+            assert_eq!(span["solver"], "drec", "{s}");
+            covered +=
+                span["layers"][1].as_u64().unwrap_or(0) - span["layers"][0].as_u64().unwrap_or(0);
+        }
+    }
+    assert_eq!(covered, 6, "every layer's solver is named");
+    let text = ws.run(&["build"]);
+    assert_eq!(text.code, 0, "{}", text.stderr);
+    assert!(
+        text.stdout
+            .contains("every layer priced by D-Rec (heuristic, not proven optimal)"),
+        "{}",
+        text.stdout
+    );
+    // D-Rec's tables are cached like the exact ones: a rebuild solves nothing.
+    let again = built(&ws.run(&["build", "--json"]));
+    assert_eq!(kind(&again, "sharding", "solved"), 0, "{again}");
+    let explained = ws.run(&["explain", "tiny"]);
+    assert_eq!(explained.code, 0, "{}", explained.stderr);
+    assert!(
+        explained
+            .stdout
+            .contains("9 of 9 layer tables filled by D-Rec"),
+        "{}",
+        explained.stdout
+    );
+    // The solver is part of every table's key: back to the exact elimination, every table is
+    // solved again and the plan names it.
+    ws.write(
+        "workspace.toml",
+        &workspace(&format!("space = \"ilp\"\n{one_size}"), 4),
+    );
+    let exact = built(&ws.run(&["build", "--json"]));
+    assert_eq!(kind(&exact, "sharding", "solved"), 3 * 3, "{exact}");
+    let p = plan(&ws);
+    for s in p["ilp"]["stages"].as_array().expect("ILP stages") {
+        for span in s["solvers"].as_array().expect("each stage's solvers") {
+            assert_eq!(span["solver"], "exact", "{s}");
+        }
+    }
+}
+
+#[test]
 fn bad_space_options_are_named() {
     for (extra, field, found) in [
         ("space = \"fastest\"", "space", "fastest"),
@@ -202,6 +258,7 @@ fn bad_space_options_are_named() {
             "3",
         ),
         ("[target.search]\nsubmeshes = \"some\"", "submeshes", "some"),
+        ("solver = \"greedy\"", "solver", "greedy"),
         (
             "[target.search]\nlogical_meshes = [\"2by2\"]",
             "target.search.logical_meshes",

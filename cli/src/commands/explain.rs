@@ -7,6 +7,7 @@ use crate::output::out;
 use autopar_engine::cache::Source;
 use autopar_engine::record::{BuildRecord, read_record};
 use autopar_engine::session::Session;
+use autopar_rules::solve::intra::chain::TableSolver;
 use std::fmt::Write;
 
 pub fn run(session: &Session, target: &str, json: bool) -> Result<(), Failure> {
@@ -68,6 +69,24 @@ pub(crate) fn text(target: &str, record: &BuildRecord) -> String {
             .iter()
             .filter(|t| t.source == Source::Solved)
             .collect();
+        // Which solver filled the tables the DP read: D-Rec's are not proven optimal.
+        let drec: Vec<&str> = st
+            .tables
+            .iter()
+            .filter(|t| t.solver == Some(TableSolver::Drec))
+            .map(|t| t.slot.as_str())
+            .collect();
+        if !drec.is_empty() {
+            let _ = writeln!(
+                s,
+                "  ILP space, micro-batch {}: {} of {} layer tables filled by D-Rec \
+                 (heuristic, not proven optimal), the rest by the exact elimination",
+                st.micro_batch,
+                drec.len(),
+                st.tables.len()
+            );
+            let _ = writeln!(s, "      {}", drec.join(", "));
+        }
         if st.source != Source::Solved {
             continue;
         }

@@ -3,7 +3,7 @@
 
 use super::print_json;
 use crate::Failure;
-use crate::args::{BalanceArgs, PipelineArgs, ShardingArgs, ShardingSolverArg};
+use crate::args::{BalanceArgs, PipelineArgs, ShardingArgs, ShardingSolverArg, TableSolverArg};
 use crate::output::{errln, outln};
 use autopar_engine::alpa::solve_stages;
 use autopar_engine::cache::{Cache, RemoteFlags, UPLOAD_DEADLINE};
@@ -381,6 +381,11 @@ pub fn pipeline(
             .collect::<Result<_, _>>()
             .map_err(Failure::from)?,
         recompute: !a.no_recompute,
+        solver: match a.solver {
+            TableSolverArg::Auto => SolverChoice::Auto,
+            TableSolverArg::Exact => SolverChoice::Exact,
+            TableSolverArg::Drec => SolverChoice::Drec,
+        },
     };
     // The workspace's cache when there is a workspace; else `--cache-dir`, else memory only.
     let cache = match session.workspace() {

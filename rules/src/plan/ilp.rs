@@ -22,8 +22,8 @@ use crate::model::frontend::LowerOptions;
 use crate::model::graph::{DType, Graph, Pass};
 use crate::plan::estimate::{MemoryBreakdown, TimeBreakdown};
 use crate::plan::layout::TrainingOptions;
-use crate::solve::intra::chain::{boundary_bytes, moved};
-use crate::solve::intra::stage::{MegatronSharding, StageModel, StagePlan};
+use crate::solve::intra::chain::{TableSolver, boundary_bytes, moved};
+use crate::solve::intra::stage::{MegatronSharding, SolverChoice, StageModel, StagePlan};
 use crate::solve::pipeline::{
     MeshChoice, PipelineOptions, PipelinePlan, PricedPipeline, PricedStage, Skipped, layer_classes,
 };
@@ -91,6 +91,10 @@ pub struct IlpSearch {
     pub logical_meshes: Vec<[u64; 2]>,
     /// Whether stages may recompute their layers (`full` among the target's `recompute`).
     pub recompute: bool,
+    /// What fills the layer tables (the target's `solver`): `Auto` eliminates exactly and
+    /// uses D-Rec for a layer too large for that, `Drec` uses D-Rec for every layer.
+    #[serde(default)]
+    pub solver: SolverChoice,
 }
 
 impl IlpSearch {
@@ -113,6 +117,7 @@ impl IlpSearch {
             powers_of_two: false,
             logical_meshes: Vec::new(),
             recompute: true,
+            solver: SolverChoice::Auto,
         }
     }
 }
@@ -226,6 +231,37 @@ pub struct IlpStage {
     pub parameters: Vec<ParamSpecs>,
     /// Against Megatron-LM.
     pub megatron: MegatronComparison,
+    /// What priced the stage's layers, in runs of consecutive layers: the exact elimination,
+    /// or D-Rec (a heuristic: not proven optimal).
+    #[serde(default)]
+    pub solvers: Vec<SolverSpan>,
+    /// What D-Rec warned of while pricing the stage's layers.
+    #[serde(default)]
+    pub warnings: Vec<String>,
+}
+
+/// Consecutive layers whose tables one solver filled.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SolverSpan {
+    /// The solver.
+    pub solver: TableSolver,
+    /// Layers `start..end`.
+    pub layers: [usize; 2],
+}
+
+/// Runs of equal solvers among `solvers`, the solvers of layers `first..`.
+fn spans(first: usize, solvers: &[TableSolver]) -> Vec<SolverSpan> {
+    let mut out: Vec<SolverSpan> = Vec::new();
+    for (l, &solver) in (first..).zip(solvers) {
+        match out.last_mut() {
+            Some(span) if span.solver == solver => span.layers[1] = l + 1,
+            _ => out.push(SolverSpan {
+                solver,
+                layers: [l, l + 1],
+            }),
+        }
+    }
+    out
 }
 
 /// The ILP space's best pipeline, priced.
@@ -546,6 +582,8 @@ pub fn price(
                     })
                     .collect(),
                 megatron: compare(graph, &classes, cluster, st.mesh, opts, plan, &memo),
+                solvers: spans(start, &stage.solvers),
+                warnings: plan.solve.warnings.clone(),
             }
         })
         .collect();
@@ -863,6 +901,8 @@ mod tests {
                 saves_s: 0.0,
                 differences: Vec::new(),
             },
+            solvers: Vec::new(),
+            warnings: Vec::new(),
         }
     }
 

@@ -20,8 +20,8 @@
 
 use super::balance::layers::{RecomputeChoice, least_recompute};
 use super::inter::{self, InterError, StageProblem, submesh_choices};
-use super::intra::chain::{self, ChainError, Crossings, Entry, LayerTable};
-use super::intra::stage::{StageOptions, StagePlan};
+use super::intra::chain::{self, ChainError, Crossings, Entry, LayerTable, TableSolver};
+use super::intra::stage::{SolverChoice, StageOptions, StagePlan};
 use crate::canonical::{Digest, KeyParts, digest};
 use crate::cost::cluster::{Cluster, Device};
 use crate::cost::layer_cost::LayerCostContext;
@@ -61,6 +61,9 @@ pub struct PipelineOptions<'p> {
     pub grad_reduce_in_fp32: bool,
     /// Measured kernel times the layer tables read (see [`StageOptions::profile`]).
     pub profile: Option<&'p Profile>,
+    /// What fills the layer tables ([`chain::layer_table_with`]): the exact elimination,
+    /// D-Rec, or (`Auto`) the elimination with D-Rec for layers too large for it.
+    pub solver: SolverChoice,
 }
 
 impl<'p> PipelineOptions<'p> {
@@ -76,6 +79,7 @@ impl<'p> PipelineOptions<'p> {
             grad_accumulation_fusion: self.grad_accumulation_fusion,
             grad_reduce_in_fp32: self.grad_reduce_in_fp32,
             profile: self.profile,
+            solver: self.solver,
             ..StageOptions::default()
         }
     }
@@ -144,6 +148,8 @@ pub struct PipelineStage {
     /// The intra-op plan reaching its cost without recomputation: every op's and
     /// parameter's specs on the logical mesh, with its micro-batches in flight.
     pub plan: StagePlan,
+    /// Per layer of the stage, what filled the table that priced it.
+    pub solvers: Vec<TableSolver>,
 }
 
 /// A pipeline the stage DP found: its stages, `S` as priced ([`PricedPipeline`]) or decoded
@@ -160,8 +166,8 @@ pub struct Pipeline<S> {
     pub solves: usize,
     /// Mesh choices considered.
     pub meshes: usize,
-    /// Layers left off a mesh choice because their table was too large to solve exactly:
-    /// no stage on that mesh choice holds them.
+    /// Layers left off a mesh choice because their table was too large to fill (for the
+    /// exact elimination, or for D-Rec's pins): no stage on that mesh choice holds them.
     pub skipped: Vec<Skipped>,
 }
 
@@ -240,6 +246,7 @@ pub fn table_key(
                 opts.max_exact_entries,
                 opts.grad_accumulation_fusion,
                 opts.grad_reduce_in_fp32,
+                opts.solver,
             ),
         )
         .with("profile", reads)
@@ -493,8 +500,8 @@ pub fn price_pipeline_with(
                 ((s, c, l), t)
             })
             .collect();
-    // A table too wide for the exact solver takes its layer off that mesh choice (every
-    // range holding it), and the plan says so; any other failure is an error.
+    // A table too large to fill takes its layer off that mesh choice (every range holding
+    // it), and the plan says so; any other failure is an error.
     let mut skipped = Vec::new();
     let mut tables: HashMap<Job, LayerTable> = HashMap::new();
     for ((s, c, l), t) in solved {
@@ -502,14 +509,16 @@ pub fn price_pipeline_with(
             Ok(t) => {
                 tables.insert((s, c, l), t);
             }
-            Err(ChainError::TooWide(d)) => skipped.push(Skipped {
-                mesh: MeshChoice {
-                    submesh: submeshes[s],
-                    logical: configs[s][c],
-                },
-                layer: graph.layers[l].name.clone(),
-                reason: ChainError::TooWide(d).to_string(),
-            }),
+            Err(e @ (ChainError::TooWide(_) | ChainError::TooManyStates { .. })) => {
+                skipped.push(Skipped {
+                    mesh: MeshChoice {
+                        submesh: submeshes[s],
+                        logical: configs[s][c],
+                    },
+                    layer: graph.layers[l].name.clone(),
+                    reason: e.to_string(),
+                })
+            }
             Err(e) => return Err(e.into()),
         }
     }
@@ -715,7 +724,14 @@ pub fn decode_pipeline(
             let plan = StagePlan::join(parts)
                 .ok_or(ChainError::Mismatch(st.layers[0], st.layers[1]))?
                 .with_inflight(1, st.inflight);
-            Ok(PipelineStage { priced: st, plan })
+            let solvers = (st.layers[0]..st.layers[1])
+                .map(|l| tables[&(st.mesh, classes[l])].solver)
+                .collect();
+            Ok(PipelineStage {
+                priced: st,
+                plan,
+                solvers,
+            })
         })
         .collect::<Result<Vec<PipelineStage>, ChainError>>()?;
     Ok(Pipeline {

@@ -9,6 +9,7 @@ use autopar_engine::cache::Cache;
 use autopar_engine::pipeline::CachedTables;
 use autopar_rules::cost::cluster::Cluster;
 use autopar_rules::cost::memory::Precision;
+use autopar_rules::solve::intra::stage::SolverChoice;
 use autopar_rules::solve::pipeline::{PipelineOptions, PipelinePlan, plan_pipeline_with};
 use autopar_tests::sharding::lower;
 use std::process::ExitCode;
@@ -108,6 +109,7 @@ fn main() -> ExitCode {
             grad_accumulation_fusion: true,
             grad_reduce_in_fp32: true,
             profile: None,
+            solver: SolverChoice::Auto,
         };
         // The engine's cached tables, in memory only: the second run finds every table.
         let cache = Cache::in_memory();

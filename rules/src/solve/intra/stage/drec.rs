@@ -12,7 +12,7 @@ impl StageModel<'_> {
     /// Per variable, per strategy, per mesh axis: what the strategy cuts (the loop dimension
     /// of an operator; the tensor axes of a parameter's weight and states; the tensor axis of
     /// an entering tensor), and per variable whether it is an operator.
-    fn cuts(&self) -> (Vec<Vec<[Cut; 2]>>, Vec<bool>) {
+    pub(crate) fn drec_cuts(&self) -> (Vec<Vec<[Cut; 2]>>, Vec<bool>) {
         let code = |axis: Option<usize>| axis.map_or(0, |i| i as Cut + 1);
         let mut cuts: Vec<Vec<[Cut; 2]>> = vec![Vec::new(); self.var_sizes.len()];
         let mut forced = vec![false; self.var_sizes.len()];
@@ -42,7 +42,7 @@ impl StageModel<'_> {
     }
 
     /// The mesh axes D-Rec cuts, the slowest link first (across nodes, then inside them).
-    fn levels(&self) -> Vec<usize> {
+    pub(crate) fn drec_levels(&self) -> Vec<usize> {
         let mut axes: Vec<usize> = (0..2).filter(|&a| self.mesh.shape[a] > 1).collect();
         axes.sort_by(|&a, &b| {
             self.mesh.links[a]
@@ -70,13 +70,13 @@ impl StageModel<'_> {
             restricted = self.problem.restricted(allowed);
             &restricted
         };
-        let (all_cuts, forced) = self.cuts();
+        let (all_cuts, forced) = self.drec_cuts();
         let cuts: Vec<Vec<[Cut; 2]>> = all_cuts
             .iter()
             .zip(allowed)
             .map(|(c, within)| within.iter().map(|&i| c[i]).collect())
             .collect();
-        let levels = self.levels();
+        let levels = self.drec_levels();
         let outcome = drec::solve(&drec::Input {
             problem: full,
             cuts: &cuts,
@@ -84,6 +84,20 @@ impl StageModel<'_> {
             levels: &levels,
         })
         .ok_or_else(|| self.no_fit())?;
+        let warnings = self.drec_warnings(&outcome);
+        let seconds = start.elapsed().as_secs_f64();
+        let choice: Vec<usize> = outcome
+            .choice
+            .iter()
+            .zip(allowed)
+            .map(|(&c, within)| within[c])
+            .collect();
+        Ok(self.decode_drec(&choice, warnings, seconds))
+    }
+
+    /// What D-Rec's `outcome` on this range warns of: operators no dimension of which
+    /// divides a mesh axis (the first few named), axes left uncut, a repair.
+    pub(crate) fn drec_warnings(&self, outcome: &drec::Outcome) -> Vec<String> {
         let g = self.graph;
         let mut warnings: Vec<String> = outcome
             .uncut
@@ -124,27 +138,31 @@ impl StageModel<'_> {
                 outcome.repaired
             ));
         }
-        let (cost, _) = full.evaluate(&outcome.choice);
-        let strategies = self.problem.vars.iter().map(|v| v.cost.len()).sum();
+        warnings
+    }
+
+    /// The plan of D-Rec's `choice` (a strategy per variable of the range's problem), found
+    /// in `seconds` with `warnings`: not proven optimal.
+    pub(crate) fn decode_drec(
+        &self,
+        choice: &[usize],
+        warnings: Vec<String>,
+        seconds: f64,
+    ) -> StagePlan {
+        let p = &self.problem;
         let info = SolveInfo {
             solver: "drec".into(),
             optimal: false,
             gap: 0.0,
-            seconds: start.elapsed().as_secs_f64(),
-            cost,
-            variables: full.vars.len(),
-            strategies,
-            undominated: full.vars.iter().map(|v| v.cost.len()).sum(),
-            edges: full.edges.len(),
+            seconds,
+            cost: p.evaluate(choice).0,
+            variables: p.vars.len(),
+            strategies: p.vars.iter().map(|v| v.cost.len()).sum(),
+            undominated: p.vars.iter().map(|v| v.cost.len()).sum(),
+            edges: p.edges.len(),
             width: 0.0,
             warnings,
         };
-        let choice: Vec<usize> = outcome
-            .choice
-            .iter()
-            .zip(allowed)
-            .map(|(&c, within)| within[c])
-            .collect();
-        Ok(self.decode(&choice, info))
+        self.decode(choice, info)
     }
 }

@@ -47,10 +47,12 @@ use std::time::Instant;
 type Assign = [Option<usize>; 2];
 
 /// Which solver runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SolverChoice {
-    /// The exact solver when the graph's width allows, else the ILP.
+    /// The exact solver when the graph's width allows, else the ILP (D-Rec above
+    /// [`AUTO_DREC_VARIABLES`]).
+    #[default]
     Auto,
     /// Only the exact solver.
     Exact,
@@ -66,6 +68,9 @@ pub enum SolverChoice {
 /// D-Rec on 2x4) while D-Rec stays linear. A transformer block has a few dozen variables, and
 /// the build solves one layer at a time, so builds stay exact.
 pub const AUTO_DREC_VARIABLES: usize = 5_000;
+
+/// [`SolveInfo::solver`] of a plan joined from parts that different solvers found.
+pub const MIXED_SOLVERS: &str = "mixed";
 
 /// How the range is trained.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -398,6 +403,14 @@ impl StagePlan {
             out.parameters.extend(p.parameters);
             out.collectives.extend(p.collectives);
             let (a, b) = (&mut out.solve, p.solve);
+            if a.solver != b.solver {
+                a.solver = MIXED_SOLVERS.into();
+            }
+            for w in b.warnings {
+                if !a.warnings.contains(&w) {
+                    a.warnings.push(w);
+                }
+            }
             a.optimal &= b.optimal;
             a.gap = a.gap.max(b.gap);
             a.seconds += b.seconds;

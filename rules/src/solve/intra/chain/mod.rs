@@ -12,10 +12,16 @@
 //!
 //! Memory is carried along: each entry keeps the memory of the plan reaching its cost. The
 //! per-device budget is not applied here (a chain's optimum is the unconstrained one).
+//!
+//! A layer too large to eliminate, or any layer when the options ask for D-Rec, gets D-Rec's
+//! table instead (`drec`): entries only for the boundary states D-Rec is pinned to, each with
+//! the plan reaching it, upper bounds of the exact entries. Chaining is the same.
 
 use super::exact::{self, Declined, Planned};
 use super::problem::{Edge, Problem, Var};
-use super::stage::{IntraError, StageModel, StageOptions, StagePlan};
+use super::stage::{
+    AUTO_DREC_VARIABLES, IntraError, SolverChoice, StageModel, StageOptions, StagePlan,
+};
 use crate::cost::cluster::Device;
 use crate::cost::sharding::{Mesh, Spec};
 use crate::model::graph::{Graph, TensorId};
@@ -23,6 +29,8 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
+
+mod drec;
 
 /// Why a range cannot be composed from per-layer tables.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -45,6 +53,16 @@ pub enum ChainError {
     /// The elimination would be too large.
     #[error("the layer's boundary table is too large for the exact solver ({0:?})")]
     TooWide(Declined),
+    /// D-Rec's table would pin the layer to too many boundary states.
+    #[error(
+        "the layer's boundary has {states} states to pin, more than D-Rec's table takes ({max})"
+    )]
+    TooManyStates {
+        /// Joint choices of the specs pinned.
+        states: f64,
+        /// The most D-Rec's table takes.
+        max: usize,
+    },
     /// Consecutive tables do not meet on the same boundary.
     #[error("layer tables {0} and {1} do not share a boundary")]
     Mismatch(usize, usize),
@@ -62,9 +80,42 @@ pub struct LayerTable {
     /// Per (before, after) pair, row-major (`after` fastest): the least cost and its plan's
     /// memory; [`Entry::NONE`] when no choice of the layer gives that pair.
     pub entries: Vec<Entry>,
-    /// Eliminations run to fill the table: one, or one per joint choice of the entering
-    /// specs when keeping them all through one elimination would be too wide.
+    /// Solves run to fill the table: for the exact elimination one, or one per joint choice
+    /// of the entering specs when keeping them all through one elimination would be too
+    /// wide; for D-Rec one per boundary state it was pinned to.
     pub solves: usize,
+    /// What filled the table.
+    #[serde(default)]
+    pub solver: TableSolver,
+    /// For a D-Rec table: per finite entry (its row-major index), the plan reaching it, a
+    /// strategy per variable of the layer's problem. Decoding reads it: solving the layer
+    /// again with both boundaries pinned could give D-Rec another plan.
+    #[serde(default)]
+    pub plans: Vec<(usize, Vec<u32>)>,
+    /// What D-Rec warned of while filling the table (distinct, in order).
+    #[serde(default)]
+    pub warnings: Vec<String>,
+}
+
+/// What filled a layer table.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TableSolver {
+    /// The exact elimination: every entry is the least cost of its pair of states.
+    #[default]
+    Exact,
+    /// D-Rec's heuristic, pinned to each boundary state: entries are not proven optimal.
+    Drec,
+}
+
+impl TableSolver {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            TableSolver::Exact => "exact",
+            TableSolver::Drec => "drec",
+        }
+    }
 }
 
 /// The least cost of a layer or range for one boundary state, and the memory of the plan
@@ -308,7 +359,11 @@ pub fn layer_table(
 }
 
 /// [`layer_table`] with `graph`'s crossings computed already (a single layer is always a
-/// chain: nothing to check).
+/// chain: nothing to check). The options' solver fills it: the exact elimination
+/// ([`SolverChoice::Exact`]; [`SolverChoice::Ilp`] too, since a chain's tables are
+/// eliminations), or D-Rec (`drec::table`, [`SolverChoice::Drec`]), whose entries are not
+/// proven optimal. [`SolverChoice::Auto`] eliminates unless the layer's problem is larger than
+/// [`AUTO_DREC_VARIABLES`] or its factors exceed `max_exact_entries`, and uses D-Rec then.
 pub fn layer_table_with(
     graph: &Graph,
     crossings: &Crossings,
@@ -317,111 +372,248 @@ pub fn layer_table_with(
     device: &Device,
     opts: StageOptions,
 ) -> Result<LayerTable, ChainError> {
-    let model = StageModel::build(graph, layer..layer + 1, mesh, device, opts)?;
-    let (before, after) = crossings.edges(layer);
-    // Each crossing tensor's spec gets a variable over its distinct specs: the variable of a
-    // tensor entering the layer is one already; a tensor the layer makes gets a new one,
-    // joined to its producer's strategy by an edge that allows only the spec that strategy
-    // makes (an exact projection: the elimination never picks an infinite entry when a
-    // finite one exists, and every producer strategy has one).
-    let mut p: Problem = model.problem().clone();
-    let mut keep: Vec<usize> = Vec::new();
-    let mut spec_of: Vec<(usize, Vec<Spec>)> = Vec::new();
-    for &t in before.iter().chain(&after) {
-        let (var, specs) = model
-            .spec_variable(t)
-            .ok_or(ChainError::Mismatch(layer, layer))?;
-        let kept = if model.makes(t) {
-            let mut distinct: Vec<Spec> = specs.clone();
-            distinct.sort_unstable();
-            distinct.dedup();
-            let k = distinct.len();
-            let cost = specs
-                .iter()
-                .flat_map(|s| {
-                    distinct
-                        .iter()
-                        .map(move |d| if d == s { 0.0 } else { f64::INFINITY })
-                })
-                .collect();
-            p.vars.push(Var {
-                cost: vec![0.0; k],
-                memory: vec![0.0; k],
-            });
-            let aux = p.vars.len() - 1;
-            p.edges.push(Edge {
-                u: var,
-                v: aux,
-                cost,
-            });
-            (aux, distinct)
-        } else {
-            (var, specs)
-        };
-        let slot = keep.iter().position(|&v| v == kept.0).unwrap_or_else(|| {
-            keep.push(kept.0);
-            keep.len() - 1
-        });
-        spec_of.push((slot, kept.1));
+    let bounded = Bounded::new(graph, crossings, layer, mesh, device, opts)?;
+    let drec = || drec::table(graph, &bounded);
+    match opts.solver {
+        SolverChoice::Drec => drec(),
+        SolverChoice::Auto if bounded.model.problem().vars.len() > AUTO_DREC_VARIABLES => drec(),
+        SolverChoice::Auto => match exact_table(&bounded) {
+            Err(ChainError::TooWide(_)) => drec(),
+            other => other,
+        },
+        SolverChoice::Exact | SolverChoice::Ilp => exact_table(&bounded),
     }
-    // Dropping dominated strategies of the other variables keeps every entry of the table.
-    let (reduced, maps) = p.without_dominated_except(&keep);
-    let activations = model.activation_memory();
-    let forward = model.forward_problem();
-    let [step, sync] = model.step_problems();
-    // The tensors entering the layer forward (a boundary also carries the gradients the
-    // layer sends back, which it makes).
-    let entering: Vec<(usize, Vec<f64>)> = before
-        .iter()
-        .filter(|&&t| !model.makes(t))
-        .map(|&t| {
+}
+
+/// A layer's problem with one variable holding the spec of every tensor crossing its edges,
+/// and what reading an entry's plan needs.
+struct Bounded<'g> {
+    /// The layer's own problem.
+    model: StageModel<'g>,
+    /// The layer.
+    layer: usize,
+    /// Largest factor the exact elimination may build.
+    max_entries: f64,
+    /// The layer's problem with one more variable per spec of each crossing tensor the layer
+    /// makes (a projection of its producer's strategy).
+    p: Problem,
+    /// Tensors crossing the edge with the previous layer, in id order.
+    before: Vec<TensorId>,
+    /// Tensors crossing the edge with the next layer, in id order.
+    after: Vec<TensorId>,
+    /// The variables holding the boundary specs, one slot each.
+    keep: Vec<usize>,
+    /// Per crossing tensor (`before`, then `after`): its slot and the spec each strategy of
+    /// the slot's variable gives it.
+    spec_of: Vec<(usize, Vec<Spec>)>,
+    /// Per variable, per strategy: activations saved per micro-batch, bytes.
+    activations: Vec<Vec<f64>>,
+    /// The forward pass's terms of the layer's problem.
+    forward: Problem,
+    /// The per-step terms, and of them the collectives.
+    step: [Problem; 2],
+    /// Per tensor entering the layer forward: its variable and its bytes per device per
+    /// strategy.
+    entering: Vec<(usize, Vec<f64>)>,
+}
+
+impl<'g> Bounded<'g> {
+    fn new(
+        graph: &'g Graph,
+        crossings: &Crossings,
+        layer: usize,
+        mesh: Mesh,
+        device: &Device,
+        opts: StageOptions<'g>,
+    ) -> Result<Self, ChainError> {
+        let model = StageModel::build(graph, layer..layer + 1, mesh, device, opts)?;
+        let (before, after) = crossings.edges(layer);
+        // Each crossing tensor's spec gets a variable over its distinct specs: the variable
+        // of a tensor entering the layer is one already; a tensor the layer makes gets a new
+        // one, joined to its producer's strategy by an edge that allows only the spec that
+        // strategy makes (an exact projection: the elimination never picks an infinite entry
+        // when a finite one exists, and every producer strategy has one).
+        let mut p: Problem = model.problem().clone();
+        let mut keep: Vec<usize> = Vec::new();
+        let mut spec_of: Vec<(usize, Vec<Spec>)> = Vec::new();
+        for &t in before.iter().chain(&after) {
             let (var, specs) = model
                 .spec_variable(t)
                 .ok_or(ChainError::Mismatch(layer, layer))?;
-            let bytes = graph.tensor(t).bytes() as f64;
-            let per_spec = specs
-                .iter()
-                .map(|s| bytes / s.tiles(&mesh) as f64)
-                .collect();
-            Ok((var, per_spec))
+            let kept = if model.makes(t) {
+                let mut distinct: Vec<Spec> = specs.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                let k = distinct.len();
+                let cost = specs
+                    .iter()
+                    .flat_map(|s| {
+                        distinct
+                            .iter()
+                            .map(move |d| if d == s { 0.0 } else { f64::INFINITY })
+                    })
+                    .collect();
+                p.vars.push(Var {
+                    cost: vec![0.0; k],
+                    memory: vec![0.0; k],
+                });
+                let aux = p.vars.len() - 1;
+                p.edges.push(Edge {
+                    u: var,
+                    v: aux,
+                    cost,
+                });
+                (aux, distinct)
+            } else {
+                (var, specs)
+            };
+            let slot = keep.iter().position(|&v| v == kept.0).unwrap_or_else(|| {
+                keep.push(kept.0);
+                keep.len() - 1
+            });
+            spec_of.push((slot, kept.1));
+        }
+        // The tensors entering the layer forward (a boundary also carries the gradients the
+        // layer sends back, which it makes).
+        let entering = before
+            .iter()
+            .filter(|&&t| !model.makes(t))
+            .map(|&t| {
+                let (var, specs) = model
+                    .spec_variable(t)
+                    .ok_or(ChainError::Mismatch(layer, layer))?;
+                let bytes = graph.tensor(t).bytes() as f64;
+                let per_spec = specs
+                    .iter()
+                    .map(|s| bytes / s.tiles(&mesh) as f64)
+                    .collect();
+                Ok((var, per_spec))
+            })
+            .collect::<Result<_, ChainError>>()?;
+        Ok(Bounded {
+            activations: model.activation_memory(),
+            forward: model.forward_problem(),
+            step: model.step_problems(),
+            model,
+            layer,
+            max_entries: opts.max_exact_entries,
+            p,
+            before,
+            after,
+            keep,
+            spec_of,
+            entering,
         })
-        .collect::<Result<_, ChainError>>()?;
-    // Each entry's plan, read in the unreduced problem: cost, memory, activations, forward
-    // time and the bytes of the tensors entering the layer.
-    let read = |choice: &[usize]| -> Entry {
-        let (cost, memory) = p.evaluate(choice);
-        let activations = activations.iter().zip(choice).map(|(per, &c)| per[c]).sum();
-        let own = &choice[..forward.vars.len()];
+    }
+
+    /// The entry of the plan `choice` (a strategy per variable of `p`): cost, memory,
+    /// activations, forward time and the bytes of the tensors entering the layer.
+    fn read(&self, choice: &[usize]) -> Entry {
+        let (cost, memory) = self.p.evaluate(choice);
+        let activations = self
+            .activations
+            .iter()
+            .zip(choice)
+            .map(|(per, &c)| per[c])
+            .sum();
+        let own = &choice[..self.forward.vars.len()];
+        let [step, sync] = &self.step;
         Entry {
             cost,
             memory,
             activations,
-            forward: forward.evaluate(own).0,
-            checkpoint: entering.iter().map(|(v, per)| per[choice[*v]]).sum(),
+            forward: self.forward.evaluate(own).0,
+            checkpoint: self.entering.iter().map(|(v, per)| per[choice[*v]]).sum(),
             peak_layer: activations,
             step: step.evaluate(own).0,
             sync: sync.evaluate(own).0,
         }
-    };
-    let entering: Vec<bool> = keep
-        .iter()
-        .map(|&v| v < model.problem().vars.len())
-        .collect();
+    }
+
+    /// Per slot, whether its variable is the layer's own (a tensor entering the layer)
+    /// rather than a projection of a tensor it makes.
+    fn entering_slots(&self) -> Vec<bool> {
+        let own = self.model.problem().vars.len();
+        self.keep.iter().map(|&v| v < own).collect()
+    }
+}
+
+/// Boundary states met while filling a table, numbered in order of first appearance.
+#[derive(Default)]
+struct States {
+    before: HashMap<Vec<Spec>, usize>,
+    after: HashMap<Vec<Spec>, usize>,
+}
+
+impl States {
+    /// The number of `state` on one side, given a new one when first met.
+    fn index(side: &mut HashMap<Vec<Spec>, usize>, state: Vec<Spec>) -> usize {
+        let n = side.len();
+        *side.entry(state).or_insert(n)
+    }
+
+    /// The table of `cells` ((before, after) state numbers, entry, and the plan reaching it
+    /// for a D-Rec table), keeping the least entry of each pair.
+    fn into_table(
+        self,
+        layer: usize,
+        solves: usize,
+        solver: TableSolver,
+        cells: Vec<(usize, usize, Entry, Option<Vec<u32>>)>,
+    ) -> LayerTable {
+        let ordered = |index: HashMap<Vec<Spec>, usize>| -> Vec<Vec<Spec>> {
+            let mut v: Vec<(Vec<Spec>, usize)> = index.into_iter().collect();
+            v.sort_unstable_by_key(|(_, i)| *i);
+            v.into_iter().map(|(s, _)| s).collect()
+        };
+        let mut t = LayerTable {
+            layer,
+            before: ordered(self.before),
+            after: ordered(self.after),
+            entries: Vec::new(),
+            solves,
+            solver,
+            plans: Vec::new(),
+            warnings: Vec::new(),
+        };
+        t.entries = vec![Entry::NONE; t.before.len() * t.after.len()];
+        let mut plans: HashMap<usize, Vec<u32>> = HashMap::new();
+        for (b, a, e, plan) in cells {
+            let i = t.at(b, a);
+            if (e.cost, e.memory) < (t.entries[i].cost, t.entries[i].memory) {
+                t.entries[i] = e;
+                if let Some(plan) = plan {
+                    plans.insert(i, plan);
+                }
+            }
+        }
+        t.plans = plans.into_iter().collect();
+        t.plans.sort_unstable_by_key(|(i, _)| *i);
+        t
+    }
+}
+
+/// The layer's table by the exact elimination: every entry the least cost of its pair of
+/// boundary states.
+fn exact_table(b: &Bounded) -> Result<LayerTable, ChainError> {
+    // Dropping dominated strategies of the other variables keeps every entry of the table.
+    let (reduced, maps) = b.p.without_dominated_except(&b.keep);
     let (k, values, solves) = fill(
         &reduced,
         &maps,
-        &keep,
-        &entering,
-        opts.max_exact_entries,
-        read,
+        &b.keep,
+        &b.entering_slots(),
+        b.max_entries,
+        |choice| b.read(choice),
     )?;
-    let mut index_before: HashMap<Vec<Spec>, usize> = HashMap::new();
-    let mut index_after: HashMap<Vec<Spec>, usize> = HashMap::new();
+    let spec_of = &b.spec_of;
+    let nb = b.before.len();
+    let mut states = States::default();
     // Each side's state is a function of the kept values of its slots: looked up once per
     // distinct combination of those (hundreds), not once per entry (tens of thousands).
     let mut memo: [HashMap<usize, usize>; 2] = Default::default();
-    let mut entries: Vec<(usize, usize, Entry)> = Vec::new();
-    let mut joint = vec![0usize; keep.len()];
+    let mut cells = Vec::with_capacity(values.len());
+    let mut joint = vec![0usize; b.keep.len()];
     for value in values {
         let mut side = |i: usize, range: Range<usize>, index: &mut HashMap<Vec<Spec>, usize>| {
             let code = spec_of[range.clone()]
@@ -436,16 +628,15 @@ pub fn layer_table_with(
                 .iter()
                 .map(|(slot, specs)| specs[joint[*slot]].clone())
                 .collect();
-            let n = index.len();
-            let at = *index.entry(state).or_insert(n);
+            let at = States::index(index, state);
             if let Some(c) = code {
                 memo[i].insert(c, at);
             }
             at
         };
-        let b = side(0, 0..before.len(), &mut index_before);
-        let a = side(1, before.len()..spec_of.len(), &mut index_after);
-        entries.push((b, a, value));
+        let before = side(0, 0..nb, &mut states.before);
+        let after = side(1, nb..spec_of.len(), &mut states.after);
+        cells.push((before, after, value, None));
         for i in (0..joint.len()).rev() {
             joint[i] += 1;
             if joint[i] < k[i] {
@@ -454,24 +645,7 @@ pub fn layer_table_with(
             joint[i] = 0;
         }
     }
-    let ordered = |index: HashMap<Vec<Spec>, usize>| -> Vec<Vec<Spec>> {
-        let mut v: Vec<(Vec<Spec>, usize)> = index.into_iter().collect();
-        v.sort_unstable_by_key(|(_, i)| *i);
-        v.into_iter().map(|(s, _)| s).collect()
-    };
-    let mut t = LayerTable {
-        layer,
-        before: ordered(index_before),
-        after: ordered(index_after),
-        entries: Vec::new(),
-        solves,
-    };
-    t.entries = vec![Entry::NONE; t.before.len() * t.after.len()];
-    for (b, a, e) in entries {
-        let i = t.at(b, a);
-        t.entries[i] = t.entries[i].min(e);
-    }
-    Ok(t)
+    Ok(states.into_table(b.layer, solves, TableSolver::Exact, cells))
 }
 
 /// Additions below which one elimination fills a table without comparing it with pinning
@@ -625,11 +799,10 @@ pub fn start(t: &LayerTable) -> Vec<Entry> {
 }
 
 /// For each state after `prev`, its index among the states before `next`; `None` when the
-/// two tables do not meet on the same boundary.
+/// two tables do not meet on the same boundary (a state after `prev` that `next` does not
+/// have). An exact table has every state of a boundary on both sides; a D-Rec table has only
+/// those its plans reach after the layer, and every state it was pinned to before it.
 pub fn link(prev: &LayerTable, next: &LayerTable) -> Option<Vec<usize>> {
-    if prev.after.len() != next.before.len() {
-        return None;
-    }
     let index: HashMap<&Vec<Spec>, usize> = next
         .before
         .iter()
@@ -835,6 +1008,19 @@ pub fn decode_layer(
     [b, a]: [usize; 2],
 ) -> Result<StagePlan, ChainError> {
     let model = StageModel::build(graph, l..l + 1, mesh, device, opts)?;
+    if table.solver == TableSolver::Drec {
+        // D-Rec's tables keep the plan of every entry.
+        let at = table.at(b, a);
+        let plan = table
+            .plans
+            .binary_search_by_key(&at, |(i, _)| *i)
+            .map_err(|_| ChainError::Mismatch(l, l))?;
+        let choice: Vec<usize> = table.plans[plan].1.iter().map(|&c| c as usize).collect();
+        if choice.len() != model.problem().vars.len() {
+            return Err(ChainError::Mismatch(l, l));
+        }
+        return Ok(model.decode_drec(&choice, table.warnings.clone(), 0.0));
+    }
     let (before, after) = crossings.edges(l);
     let wanted = table.before.get(b).map_or(&[][..], Vec::as_slice);
     let pins = before
