@@ -63,30 +63,13 @@ pub(crate) fn text(target: &str, record: &BuildRecord) -> String {
             let _ = writeln!(s, "    {r}");
         }
     }
+    drec_tables(&mut s, record);
     for st in &record.ilp {
         let solved: Vec<_> = st
             .tables
             .iter()
             .filter(|t| t.source == Source::Solved)
             .collect();
-        // Which solver filled the tables the DP read: D-Rec's are not proven optimal.
-        let drec: Vec<&str> = st
-            .tables
-            .iter()
-            .filter(|t| t.solver == Some(TableSolver::Drec))
-            .map(|t| t.slot.as_str())
-            .collect();
-        if !drec.is_empty() {
-            let _ = writeln!(
-                s,
-                "  ILP space, micro-batch {}: {} of {} layer tables filled by D-Rec \
-                 (heuristic, not proven optimal), the rest by the exact elimination",
-                st.micro_batch,
-                drec.len(),
-                st.tables.len()
-            );
-            let _ = writeln!(s, "      {}", drec.join(", "));
-        }
         if st.source != Source::Solved {
             continue;
         }
@@ -116,6 +99,47 @@ pub(crate) fn text(target: &str, record: &BuildRecord) -> String {
         let _ = writeln!(s, "  nothing was recomputed");
     }
     s
+}
+
+/// Layer tables named in the line on D-Rec's (`--json` has them all).
+const DREC_TABLES_NAMED: usize = 6;
+
+/// Which solver filled the layer tables the ILP space's stage DPs read: D-Rec's are not
+/// proven optimal. One line for every size, the tables named once.
+fn drec_tables(s: &mut String, record: &BuildRecord) {
+    let tables = record.ilp.iter().flat_map(|st| &st.tables);
+    let total = tables.clone().count();
+    let mut drec: Vec<&str> = tables
+        .filter(|t| t.solver == Some(TableSolver::Drec))
+        .map(|t| t.slot.as_str())
+        .collect();
+    let count = drec.len();
+    if count == 0 {
+        return;
+    }
+    if count == total {
+        let _ = writeln!(
+            s,
+            "  ILP space: every layer table ({total}) filled by D-Rec (heuristic, not proven \
+             optimal)"
+        );
+        return;
+    }
+    drec.sort_unstable();
+    drec.dedup();
+    let more = drec.len().saturating_sub(DREC_TABLES_NAMED);
+    drec.truncate(DREC_TABLES_NAMED);
+    let _ = writeln!(
+        s,
+        "  ILP space: {count} of {total} layer tables filled by D-Rec (heuristic, not proven \
+         optimal; too large to eliminate), the rest exactly: {}{}",
+        drec.join(", "),
+        if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        }
+    );
 }
 
 /// Reasons named per table in text (`--json` has them all).

@@ -128,7 +128,9 @@ pub(super) fn table(graph: &Graph, b: &Bounded) -> Result<LayerTable, ChainError
     // D-Rec on the layer's own problem with each variable limited to `allowed`, the ties
     // `fix` held afterwards (each `[from, to]`: the tensor `to` enters the layer and takes the
     // spec the plan gives `from`), read as a plan of the bounded problem: its strategies,
-    // entry and warnings; none when nothing fits or a tie cannot hold.
+    // entry and warnings; none when nothing fits or a tie cannot hold. Only a run free of
+    // pins warns: a pinned one leaves ops uncut because of its pins, which says nothing of
+    // the layer.
     type Run = (Vec<usize>, Entry, Vec<String>);
     let run = |allowed: &[Vec<usize>], fix: &[[usize; 2]]| -> Option<Run> {
         if allowed.iter().any(Vec::is_empty) {
@@ -171,7 +173,14 @@ pub(super) fn table(graph: &Graph, b: &Bounded) -> Result<LayerTable, ChainError
         if !b.p.evaluate(&full).0.is_finite() {
             return None;
         }
-        let warnings = b.model.drec_warnings(&outcome);
+        let free = allowed
+            .iter()
+            .zip(&everything)
+            .all(|(a, e)| a.len() == e.len());
+        let warnings = match free {
+            true => b.model.drec_warnings(&outcome),
+            false => Vec::new(),
+        };
         let entry = b.read(&full);
         Some((full, entry, warnings))
     };
