@@ -7,6 +7,8 @@ use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::{Attention, LowerOptions, ModelDef};
 use autopar_rules::model::frontend::{parse_graph_file, parse_hf_config};
 use autopar_rules::model::graph::{DType, Graph};
+use autopar_rules::solve::intra::chain::Entry;
+use autopar_rules::solve::intra::stage::StagePlan;
 
 /// Every model file shipped under `models/` (HuggingFace configs and graph files), by file
 /// name, sorted.
@@ -60,4 +62,21 @@ pub fn mesh(a: u64, b: u64) -> (Mesh, Cluster) {
     let c = cluster_for(a, b);
     let m = Mesh::on(&c, a, b).unwrap_or_else(|e| panic!("{e}"));
     (m, c)
+}
+
+/// Asserts that `plan`, decoded from the path through a chain of layer tables, costs and holds
+/// what the chain priced (`priced`, the path's entry); `at` names the case.
+pub fn assert_decoded_as_priced(plan: &StagePlan, priced: &Entry, at: &str) {
+    assert!(
+        (plan.objective - priced.cost).abs() <= 1e-9 * priced.cost,
+        "{at}: decoded plan costs {} s, the chain {} s",
+        plan.objective,
+        priced.cost
+    );
+    assert!(
+        (plan.memory.total - priced.memory).abs() <= 1e-6 * priced.memory,
+        "{at}: decoded plan holds {} bytes, the chain {}",
+        plan.memory.total,
+        priced.memory
+    );
 }

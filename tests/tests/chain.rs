@@ -12,7 +12,7 @@ use autopar_rules::solve::intra::stage::{
 };
 use autopar_rules::solve::pipeline::layer_classes;
 use autopar_tests::TempWorkspace;
-use autopar_tests::sharding::{lower, mesh};
+use autopar_tests::sharding::{assert_decoded_as_priced, lower, mesh};
 use std::ops::Range;
 
 fn opts() -> StageOptions<'static> {
@@ -69,18 +69,7 @@ fn chained(
         .collect();
     let (_, states) = best_path(&refs)?.expect("a finite path");
     let plan = decode_range(g, layers.clone(), m, &c.device, opts, &refs, &states)?;
-    assert!(
-        (plan.objective - best.cost).abs() <= 1e-9 * best.cost,
-        "{layers:?} on {a}x{b}: decoded plan costs {} s, the chain {} s",
-        plan.objective,
-        best.cost
-    );
-    assert!(
-        (plan.memory.total - best.memory).abs() <= 1e-6 * best.memory,
-        "{layers:?} on {a}x{b}: decoded plan holds {} bytes, the chain {}",
-        plan.memory.total,
-        best.memory
-    );
+    assert_decoded_as_priced(&plan, &best, &format!("{layers:?} on {a}x{b}"));
     assert_eq!(plan.layers, [layers.start, layers.end]);
     // Identical layers pinned alike are solved once and renamed: the same plan, name for
     // name, as each layer decoded on its own.

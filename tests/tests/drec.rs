@@ -15,7 +15,7 @@ use autopar_rules::solve::intra::stage::{
 };
 use autopar_tests::TempWorkspace;
 use autopar_tests::graphs::{Family, graph_file};
-use autopar_tests::sharding::{lower, mesh};
+use autopar_tests::sharding::{assert_decoded_as_priced, lower, mesh};
 use std::ops::Range;
 
 /// How far above the optimum D-Rec may land on these cases (README, "Intra-operator
@@ -277,18 +277,7 @@ fn drec_chain(g: &Graph, layers: Range<usize>, (a, b): (u64, u64), at: &str) -> 
     .unwrap_or_else(|e| panic!("{at}: {e}"));
     assert_eq!(plan.solve.solver, "drec", "{at}");
     assert!(!plan.solve.optimal, "{at}");
-    assert!(
-        (plan.objective - priced.cost).abs() <= 1e-9 * priced.cost,
-        "{at}: decoded {} vs priced {}",
-        plan.objective,
-        priced.cost
-    );
-    assert!(
-        (plan.memory.total - priced.memory).abs() <= 1e-6 * priced.memory,
-        "{at}: decoded {} bytes vs priced {}",
-        plan.memory.total,
-        priced.memory
-    );
+    assert_decoded_as_priced(&plan, &priced, at);
     let gap = priced.cost / optimum.cost - 1.0;
     assert!(
         (-1e-9..=CHAIN_BOUND).contains(&gap),

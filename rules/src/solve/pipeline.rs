@@ -509,7 +509,7 @@ pub fn price_pipeline_with(
             Ok(t) => {
                 tables.insert((s, c, l), t);
             }
-            Err(e @ (ChainError::TooWide(_) | ChainError::TooManyStates { .. })) => {
+            Err(e @ (ChainError::TooWide(_) | ChainError::TooManyRuns { .. })) => {
                 skipped.push(Skipped {
                     mesh: MeshChoice {
                         submesh: submeshes[s],

@@ -1,25 +1,25 @@
 //! D-Rec's layer tables: for layers whose exact elimination is too large, or when a target
 //! asks for D-Rec, the table is filled by D-Rec ([`crate::solve::intra::drec`]) run once per
-//! boundary state the layer enters with, instead of by an elimination over every pair of
-//! states.
+//! pinned pair of boundary states, instead of by an elimination over every pair.
 //!
-//! An exact table has an entry for every pair of states; D-Rec can only answer for states it
-//! is pinned to. Pinning both edges would take one run per pair (tens of thousands on a 2D
-//! mesh), so the table pins the edge before the layer and lets D-Rec choose the one after it.
-//! For the tables of a chain to always meet, each boundary's states are narrowed to those
-//! where every gradient crossing it has the spec of the activation it is the gradient of (a
-//! tensor of the same shape crossing the other way; paired in id order, the same on both
-//! sides of the boundary), as Megatron-LM's layouts and Alpa's plans keep them:
-//! * before the layer, every state of the activations entering it is pinned, and each
-//!   gradient the layer sends back is pinned to its activation's spec (a tensor crossing with
-//!   no pair is pinned to each of its specs too);
-//! * after the layer, each activation it sends on is tied to the spec of its gradient coming
-//!   back (an edge of zero cost on equal specs, infinite otherwise), and D-Rec chooses both.
+//! D-Rec answers only for the states it is pinned to, and pinning every pair of states would
+//! take tens of thousands of runs on a 2D mesh. So each boundary's states are narrowed to
+//! those where every gradient crossing it has the spec of the activation it is the gradient
+//! of (a tensor of the same shape crossing the other way; paired in id order, the same on both
+//! sides of the boundary), as Megatron-LM's layouts and Alpa's plans keep them. D-Rec then
+//! runs on the layer's own problem:
+//! * once per such state before the layer and such state after it: each activation entering
+//!   (or any tensor crossing before the layer with no pair) pinned to a spec, each gradient
+//!   the layer sends back limited to the strategies making its activation's spec, and alike
+//!   after the layer;
+//! * once per state before the layer with the one after left to D-Rec, each gradient coming
+//!   back then given its activation's spec;
+//! * once free of pins, the specs entering the layer then given those of their gradients.
 //!
-//! So every state after a layer is a pinned state before the next: a path always exists
+//! Every state after a layer is a pinned state before the next, so a path always exists
 //! through tables whose pins all have a plan. Each entry keeps the plan that reached it, which
-//! decoding reads back. The entries are D-Rec's costs, not proven optimal; the chain of them is
-//! the least cost over D-Rec's plans, which are upper bounds of the exact table's entries.
+//! decoding reads back. The entries are D-Rec's costs, not proven optimal: upper bounds of the
+//! exact table's entries for the same states.
 
 use super::{Bounded, ChainError, Entry, LayerTable, States, TableSolver};
 use crate::cost::sharding::Spec;
@@ -27,9 +27,9 @@ use crate::model::graph::{Graph, TensorId};
 use crate::solve::intra::drec::{self, Cut};
 use rayon::prelude::*;
 
-/// Most joint choices of the entering specs a D-Rec table pins (each one D-Rec run): a 3D
-/// activation has 16 specs on a 2D mesh, so a block's table takes 16 runs.
-pub const MAX_DREC_PINS: usize = 1024;
+/// Most D-Rec runs one table takes: a block's activation has 3 specs on a 1D mesh and 9 to 16
+/// on a 2D one (micro-batch 1 or more), so its table takes 13, 91 or 273 runs.
+pub const MAX_DREC_RUNS: usize = 1024;
 
 /// Pairs of tensors crossing one boundary: each tensor crossing backward (a gradient), as an
 /// index into `side`, with the first unpaired tensor of the same shape crossing forward (its
@@ -88,10 +88,10 @@ pub(super) fn table(graph: &Graph, b: &Bounded) -> Result<LayerTable, ChainError
     let after_domains: Vec<Vec<Spec>> = tied_after.iter().map(|&[_, f]| specs_of(nb + f)).collect();
     let joint = |ds: &[Vec<Spec>]| ds.iter().map(|d| d.len() as f64).product::<f64>();
     let count = joint(&domains) * (joint(&after_domains) + 1.0);
-    if count > MAX_DREC_PINS as f64 {
-        return Err(ChainError::TooManyStates {
-            states: count,
-            max: MAX_DREC_PINS,
+    if count > MAX_DREC_RUNS as f64 {
+        return Err(ChainError::TooManyRuns {
+            runs: count,
+            max: MAX_DREC_RUNS,
         });
     }
     // Each pin: the spec of every tensor crossing before the layer pinned.

@@ -53,14 +53,12 @@ pub enum ChainError {
     /// The elimination would be too large.
     #[error("the layer's boundary table is too large for the exact solver ({0:?})")]
     TooWide(Declined),
-    /// D-Rec's table would pin the layer to too many boundary states.
-    #[error(
-        "the layer's boundary has {states} states to pin, more than D-Rec's table takes ({max})"
-    )]
-    TooManyStates {
-        /// Joint choices of the specs pinned.
-        states: f64,
-        /// The most D-Rec's table takes.
+    /// D-Rec's table would pin the layer to too many pairs of boundary states.
+    #[error("D-Rec's table of the layer would take {runs} runs, more than it may ({max})")]
+    TooManyRuns {
+        /// Runs: pairs of boundary states pinned.
+        runs: f64,
+        /// The most a table may take.
         max: usize,
     },
     /// Consecutive tables do not meet on the same boundary.
