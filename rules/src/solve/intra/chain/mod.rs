@@ -19,9 +19,7 @@
 
 use super::exact::{self, Declined, Planned};
 use super::problem::{Edge, Problem, Var};
-use super::stage::{
-    AUTO_DREC_VARIABLES, IntraError, SolverChoice, StageModel, StageOptions, StagePlan,
-};
+use super::stage::{IntraError, SolverChoice, StageModel, StageOptions, StagePlan};
 use crate::cost::cluster::Device;
 use crate::cost::sharding::{Mesh, Spec};
 use crate::model::graph::{Graph, TensorId};
@@ -80,7 +78,8 @@ pub struct LayerTable {
     pub entries: Vec<Entry>,
     /// Solves run to fill the table: for the exact elimination one, or one per joint choice
     /// of the entering specs when keeping them all through one elimination would be too
-    /// wide; for D-Rec one per boundary state it was pinned to.
+    /// wide; for D-Rec one per run (per pinned pair of states, per state before the layer
+    /// with the one after free, and one free run).
     pub solves: usize,
     /// What filled the table.
     #[serde(default)]
@@ -104,16 +103,6 @@ pub enum TableSolver {
     Exact,
     /// D-Rec's heuristic, pinned to each boundary state: entries are not proven optimal.
     Drec,
-}
-
-impl TableSolver {
-    /// Lower-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            TableSolver::Exact => "exact",
-            TableSolver::Drec => "drec",
-        }
-    }
 }
 
 /// The least cost of a layer or range for one boundary state, and the memory of the plan
@@ -361,7 +350,7 @@ pub fn layer_table(
 /// ([`SolverChoice::Exact`]; [`SolverChoice::Ilp`] too, since a chain's tables are
 /// eliminations), or D-Rec (`drec::table`, [`SolverChoice::Drec`]), whose entries are not
 /// proven optimal. [`SolverChoice::Auto`] eliminates unless the layer's problem is larger than
-/// [`AUTO_DREC_VARIABLES`] or its factors exceed `max_exact_entries`, and uses D-Rec then.
+/// [`super::stage::AUTO_DREC_VARIABLES`] or its factors exceed `max_exact_entries`, and uses D-Rec then.
 pub fn layer_table_with(
     graph: &Graph,
     crossings: &Crossings,
@@ -373,13 +362,12 @@ pub fn layer_table_with(
     let bounded = Bounded::new(graph, crossings, layer, mesh, device, opts)?;
     let drec = || drec::table(graph, &bounded);
     match opts.solver {
-        SolverChoice::Drec => drec(),
-        SolverChoice::Auto if bounded.model.problem().vars.len() > AUTO_DREC_VARIABLES => drec(),
+        _ if bounded.model.drec_first() => drec(),
         SolverChoice::Auto => match exact_table(&bounded) {
             Err(ChainError::TooWide(_)) => drec(),
             other => other,
         },
-        SolverChoice::Exact | SolverChoice::Ilp => exact_table(&bounded),
+        SolverChoice::Exact | SolverChoice::Ilp | SolverChoice::Drec => exact_table(&bounded),
     }
 }
 

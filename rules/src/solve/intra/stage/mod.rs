@@ -1268,6 +1268,16 @@ impl<'g> StageModel<'g> {
         .merged_edges()
     }
 
+    /// Whether the options' solver takes D-Rec for this range without trying an exact one:
+    /// asked for, or `Auto` on a problem above [`AUTO_DREC_VARIABLES`] variables.
+    pub fn drec_first(&self) -> bool {
+        match self.opts.solver {
+            SolverChoice::Drec => true,
+            SolverChoice::Auto => self.var_sizes.len() > AUTO_DREC_VARIABLES,
+            SolverChoice::Exact | SolverChoice::Ilp => false,
+        }
+    }
+
     /// Solves the problem with the configured solver and reads the plan back.
     pub fn solve(&self) -> Result<StagePlan, IntraError> {
         let all: Vec<Vec<usize>> = self.var_sizes.iter().map(|&k| (0..k).collect()).collect();
@@ -1278,10 +1288,7 @@ impl<'g> StageModel<'g> {
     /// layer's boundary specs pinned to those of a chain's optimum).
     pub fn solve_within(&self, allowed: &[Vec<usize>]) -> Result<StagePlan, IntraError> {
         let start = Instant::now();
-        if self.opts.solver == SolverChoice::Drec
-            || (self.opts.solver == SolverChoice::Auto
-                && self.var_sizes.len() > AUTO_DREC_VARIABLES)
-        {
+        if self.drec_first() {
             return self.solve_drec(allowed, start);
         }
         let pinned = self.problem.restricted(allowed);
