@@ -16,7 +16,8 @@
 //!   boundary states): the time to fill each, D-Rec's runs, and the cost of every block of
 //!   the model chained through each table, with the gap.
 //!
-//! `cargo run --release -p autopar-tests --bin autopar-bench-drec [-- REPEATS]`
+//! `cargo run --release -p autopar-tests --bin autopar-bench-drec [-- REPEATS] [SECTION...]`
+//! (sections `blocks`, `graphs`, `tables`; all by default)
 
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::model::frontend::parse_graph_file;
@@ -49,11 +50,14 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
-/// A problem solved: the plan, the time to build the problem and the median solve time, ms.
+/// A problem solved: the plan, the time to build the problem, the median time the solver
+/// reports (choosing every strategy) and the median time to turn its choice into the plan
+/// (every op's specs, the collectives, memory: the same for every solver), ms.
 struct Solved {
     plan: StagePlan,
     build_ms: f64,
     solve_ms: f64,
+    plan_ms: f64,
 }
 
 /// Builds the problem of `layers` of `graph` on `a x b` once and solves it `repeats` times.
@@ -69,17 +73,21 @@ fn solve(
     let model =
         StageModel::build(graph, layers, m, &cluster.device, opts).map_err(|e| e.to_string())?;
     let build_ms = start.elapsed().as_secs_f64() * 1e3;
-    let mut times = Vec::with_capacity(repeats);
+    let (mut solver, mut decode) = (Vec::new(), Vec::new());
     let mut plan = None;
     for _ in 0..repeats {
         let start = Instant::now();
-        plan = Some(model.solve().map_err(|e| e.to_string())?);
-        times.push(start.elapsed().as_secs_f64() * 1e3);
+        let solved = model.solve().map_err(|e| e.to_string())?;
+        let total = start.elapsed().as_secs_f64() * 1e3;
+        solver.push(solved.solve.seconds * 1e3);
+        decode.push(total - solved.solve.seconds * 1e3);
+        plan = Some(solved);
     }
     Ok(Solved {
         plan: plan.ok_or("no repeats")?,
         build_ms,
-        solve_ms: median(times),
+        solve_ms: median(solver),
+        plan_ms: median(decode),
     })
 }
 
@@ -182,7 +190,7 @@ fn blocks(repeats: usize) -> Result<Vec<f64>, String> {
 
 fn graphs(repeats: usize) -> Result<(), String> {
     println!(
-        "{:<11} {:>7} {:>7} {:<5} {:>6} {:>9} {:>9} {:>10} {:>13} {:>13} {:>8} {:>9}",
+        "{:<11} {:>7} {:>7} {:<5} {:>6} {:>9} {:>9} {:>10} {:>8} {:>13} {:>13} {:>8} {:>9}",
         "graph",
         "fwd ops",
         "IR ops",
@@ -191,6 +199,7 @@ fn graphs(repeats: usize) -> Result<(), String> {
         "strategies",
         "build ms",
         "D-Rec ms",
+        "plan ms",
         "D-Rec obj ms",
         "optimum ms",
         "gap",
@@ -210,6 +219,7 @@ fn graphs(repeats: usize) -> Result<(), String> {
                     plan: drec,
                     build_ms,
                     solve_ms: drec_ms,
+                    plan_ms,
                 } = solve(
                     &graph,
                     all.clone(),
@@ -237,7 +247,7 @@ fn graphs(repeats: usize) -> Result<(), String> {
                     None => ("-".into(), "-".into(), "-".into()),
                 };
                 println!(
-                    "{:<11} {:>7} {:>7} {:<5} {:>6} {:>9} {:>9.0} {:>10.1} {:>13.3} {:>13} {:>8} {:>9}",
+                    "{:<11} {:>7} {:>7} {:<5} {:>6} {:>9} {:>9.0} {:>10.1} {:>8.1} {:>13.3} {:>13} {:>8} {:>9}",
                     family.name(),
                     forward,
                     graph.ops.len(),
@@ -246,6 +256,7 @@ fn graphs(repeats: usize) -> Result<(), String> {
                     drec.solve.strategies,
                     build_ms,
                     drec_ms,
+                    plan_ms,
                     drec.objective * 1e3,
                     optimum,
                     g,
@@ -329,41 +340,62 @@ fn tables(repeats: usize) -> Result<Vec<f64>, String> {
     Ok(gaps)
 }
 
+/// Sections, in the order they run.
+const SECTIONS: [&str; 3] = ["blocks", "graphs", "tables"];
+
 fn main() -> ExitCode {
-    let repeats: usize = match std::env::args().nth(1).map(|a| a.parse()) {
-        None => 3,
-        Some(Ok(n)) if n > 0 => n,
-        Some(_) => {
-            eprintln!("usage: autopar-bench-drec [REPEATS > 0]");
-            return ExitCode::from(2);
-        }
+    let usage = || {
+        eprintln!("usage: autopar-bench-drec [REPEATS > 0] [blocks] [graphs] [tables]");
+        ExitCode::from(2)
     };
-    let gaps = match blocks(repeats) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
+    let mut repeats = 3;
+    let mut chosen = Vec::new();
+    for (i, arg) in std::env::args().skip(1).enumerate() {
+        match arg.parse::<usize>() {
+            Ok(n) if i == 0 && n > 0 => repeats = n,
+            _ if SECTIONS.contains(&arg.as_str()) => chosen.push(arg),
+            _ => return usage(),
         }
-    };
-    let worst = gaps.iter().copied().fold(0.0, f64::max);
-    let mean = gaps.iter().sum::<f64>() / gaps.len().max(1) as f64;
-    println!("blocks: D-Rec above the optimum by {mean:.1}% on average, {worst:.1}% at worst\n");
-    if let Err(e) = graphs(repeats) {
-        eprintln!("{e}");
-        return ExitCode::FAILURE;
     }
-    let table_gaps = match tables(repeats) {
-        Ok(g) => g,
-        Err(e) => {
+    let runs = |section: &str| chosen.is_empty() || chosen.iter().any(|c| c == section);
+    if runs("blocks") {
+        let gaps = match blocks(repeats) {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let worst = gaps.iter().copied().fold(0.0, f64::max);
+        let mean = gaps.iter().sum::<f64>() / gaps.len().max(1) as f64;
+        println!(
+            "blocks: D-Rec above the optimum by {mean:.1}% on average, {worst:.1}% at worst\n"
+        );
+    }
+    if runs("graphs") {
+        if let Err(e) = graphs(repeats) {
             eprintln!("{e}");
             return ExitCode::FAILURE;
         }
-    };
-    let worst = table_gaps.iter().copied().fold(0.0, f64::max);
-    let mean = table_gaps.iter().sum::<f64>() / table_gaps.len().max(1) as f64;
+        println!();
+    }
+    if runs("tables") {
+        let table_gaps = match tables(repeats) {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let worst = table_gaps.iter().copied().fold(0.0, f64::max);
+        let mean = table_gaps.iter().sum::<f64>() / table_gaps.len().max(1) as f64;
+        println!(
+            "tables: D-Rec's chained blocks above the exact chain by {mean:.2}% on average, {worst:.2}% at worst\n"
+        );
+    }
     println!(
-        "tables: D-Rec's chained blocks above the exact chain by {mean:.2}% on average, {worst:.2}% at worst\n"
+        "(times: median of {repeats}; solve: the time the solver reports; plan: turning its \
+         choice into the plan; build: the problem's strategies and tables, once)"
     );
-    println!("(times: median of {repeats}; build: the problem's strategies and tables, once)");
     ExitCode::SUCCESS
 }

@@ -33,8 +33,9 @@
 //! what lowers the objective with the rest as it stands, within the budget.
 //!
 //! Time: one sweep per level over every strategy of every variable and its edges, and each
-//! refinement sweep over every edge's table: O(levels x sum of edge tables x degree), plus
-//! the order's heap, O((V + E) log V). No optimality is proven: D-Rec's plans are reported
+//! refinement sweep over every edge's table at most (a bound skips the rows of a table that
+//! cannot improve, and edges whose ends have not changed are skipped whole): O(levels x sum
+//! of edge tables x degree), plus the order's heap, O((V + E) log V). No optimality is proven: D-Rec's plans are reported
 //! as not optimal, and the `drec` tests and benchmark measure the gap.
 
 use super::problem::Problem;
@@ -76,11 +77,10 @@ pub struct Outcome {
     pub bound: bool,
 }
 
-/// An entry of the order's heap: next to a placed variable first, then heaviest, then the
-/// lowest index.
+/// An entry of the order's heap (a neighbour of a placed variable): the heaviest first, then
+/// the lowest index.
 #[derive(PartialEq)]
 struct Next {
-    adjacent: bool,
     weight: f64,
     var: usize,
 }
@@ -89,9 +89,8 @@ impl Eq for Next {}
 
 impl Ord for Next {
     fn cmp(&self, other: &Self) -> Ordering {
-        self.adjacent
-            .cmp(&other.adjacent)
-            .then(self.weight.total_cmp(&other.weight))
+        self.weight
+            .total_cmp(&other.weight)
             .then(other.var.cmp(&self.var))
     }
 }
@@ -112,14 +111,87 @@ fn incidence(p: &Problem) -> Vec<Vec<(usize, bool)>> {
     out
 }
 
-/// Cost of edge `e` with `v` on strategy `c` and the other side on `w`.
-fn edge_cost(p: &Problem, e: usize, is_u: bool, c: usize, w: usize) -> f64 {
+/// What every run of one solve shares.
+struct Shared {
+    /// Per variable, its edges: (edge index, whether the variable is the edge's `u`).
+    inc: Vec<Vec<(usize, bool)>>,
+    /// D-Rec's operator order ([`order`]).
+    order: Vec<usize>,
+    /// Per edge, the least and the largest entry of its table (the refinement's bounds).
+    range: Vec<(f64, f64)>,
+}
+
+impl Shared {
+    fn new(p: &Problem) -> Shared {
+        let inc = incidence(p);
+        // The order is sequential; the tables' ranges are read meanwhile.
+        let (order, range) = rayon::join(
+            || order(p, &inc),
+            || {
+                p.edges
+                    .par_iter()
+                    .map(|e| {
+                        // Plain comparisons: tables hold no NaN, and `f64::min` pays for them.
+                        let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+                        for &x in &e.cost {
+                            lo = if x < lo { x } else { lo };
+                            hi = if x > hi { x } else { hi };
+                        }
+                        (lo, hi)
+                    })
+                    .collect()
+            },
+        );
+        Shared { inc, order, range }
+    }
+}
+
+/// Edge `e`'s table seen from one end (`is_u`: from `u`): row `c` holds what the edge costs
+/// with that end on `c`, per strategy of the other end (a column of the stored table when
+/// seen from `v`).
+fn seen(p: &Problem, e: usize, is_u: bool) -> Table<'_> {
     let edge = &p.edges[e];
     let kv = p.k(edge.v);
     if is_u {
-        edge.cost[c * kv + w]
+        Table {
+            cost: &edge.cost,
+            across: kv,
+            along: 1,
+            width: kv,
+        }
     } else {
-        edge.cost[w * kv + c]
+        Table {
+            cost: &edge.cost,
+            across: 1,
+            along: kv,
+            width: p.k(edge.u),
+        }
+    }
+}
+
+/// An edge's table seen from one end: a row per strategy of that end.
+#[derive(Clone, Copy)]
+struct Table<'p> {
+    cost: &'p [f64],
+    /// Step between rows, and along a row.
+    across: usize,
+    along: usize,
+    /// Strategies of the other end.
+    width: usize,
+}
+
+impl<'p> Table<'p> {
+    /// The edge's cost per strategy of the other end, this end on `c`.
+    fn row(self, c: usize) -> impl Iterator<Item = f64> + 'p {
+        self.cost[c * self.across..]
+            .iter()
+            .step_by(self.along)
+            .take(self.width)
+            .copied()
+    }
+
+    fn at(self, c: usize, w: usize) -> f64 {
+        self.cost[c * self.across + w * self.along]
     }
 }
 
@@ -130,31 +202,36 @@ fn other(p: &Problem, e: usize, is_u: bool) -> usize {
 
 /// The operator order: heaviest first, then by neighbourhood.
 pub fn order(p: &Problem, inc: &[Vec<(usize, bool)>]) -> Vec<usize> {
+    let n = p.vars.len();
     let weight: Vec<f64> = p
         .vars
         .iter()
         .map(|v| v.cost.iter().copied().fold(0.0, f64::max))
         .collect();
-    let mut heap: BinaryHeap<Next> = (0..p.vars.len())
-        .map(|var| Next {
-            adjacent: false,
-            weight: weight[var],
-            var,
-        })
-        .collect();
-    let mut placed = vec![false; p.vars.len()];
-    let mut out = Vec::with_capacity(p.vars.len());
-    while let Some(Next { var, .. }) = heap.pop() {
-        if placed[var] {
-            continue;
-        }
-        placed[var] = true;
+    // The heaviest overall (the lowest index on a tie), for when no placed variable has an
+    // unplaced neighbour; the heap holds only neighbours of placed variables, each once.
+    let mut heaviest: Vec<usize> = (0..n).collect();
+    heaviest.sort_by(|&a, &b| weight[b].total_cmp(&weight[a]).then(a.cmp(&b)));
+    let mut next = heaviest.iter();
+    let mut heap: BinaryHeap<Next> = BinaryHeap::new();
+    // Placed, or waiting in the heap.
+    let mut seen = vec![false; n];
+    let mut out = Vec::with_capacity(n);
+    loop {
+        let var = match heap.pop() {
+            Some(Next { var, .. }) => var,
+            None => match next.find(|&&v| !seen[v]) {
+                Some(&v) => v,
+                None => break,
+            },
+        };
+        seen[var] = true;
         out.push(var);
         for &(e, is_u) in &inc[var] {
             let w = other(p, e, is_u);
-            if !placed[w] {
+            if !seen[w] {
+                seen[w] = true;
                 heap.push(Next {
-                    adjacent: true,
                     weight: weight[w],
                     var: w,
                 });
@@ -184,9 +261,8 @@ pub fn solve(input: &Input) -> Option<Outcome> {
     if !p.fits(p.leanest().memory) {
         return None;
     }
-    let inc = incidence(p);
-    let order = order(p, &inc);
-    let first = masks(input, &inc, &order, 0.0)?;
+    let shared = Shared::new(p);
+    let first = masks(input, &shared, 0.0)?;
     if !first.1.bound {
         return Some(first.1);
     }
@@ -194,7 +270,7 @@ pub fn solve(input: &Input) -> Option<Outcome> {
     let per_byte = cost / memory.max(f64::MIN_POSITIVE);
     let mut best = first;
     for price in MEMORY_PRICES {
-        let run = masks(input, &inc, &order, price * per_byte)?;
+        let run = masks(input, &shared, price * per_byte)?;
         if run.0 < best.0 {
             best = run;
         }
@@ -204,12 +280,7 @@ pub fn solve(input: &Input) -> Option<Outcome> {
 
 /// [`recurse`] for every subset of the levels, with memory priced at `lambda` per byte in
 /// the greedy pass: the best plan and its objective.
-fn masks(
-    input: &Input,
-    inc: &[Vec<(usize, bool)>],
-    order: &[usize],
-    lambda: f64,
-) -> Option<(f64, Outcome)> {
+fn masks(input: &Input, shared: &Shared, lambda: f64) -> Option<(f64, Outcome)> {
     let p = input.problem;
     let all = input.levels.len();
     // The masks run side by side; the least objective wins, then the most levels cut (the
@@ -221,7 +292,7 @@ fn masks(
                 .filter(|i| mask & (1 << i) != 0)
                 .map(|i| input.levels[i])
                 .collect();
-            let out = recurse(input, &levels, inc, order, lambda)?;
+            let out = recurse(input, &levels, shared, lambda)?;
             let (cost, _) = p.evaluate(&out.choice);
             Some((cost, mask, out))
         })
@@ -235,14 +306,9 @@ fn masks(
 
 /// D-Rec cutting `levels` in order, memory priced at `lambda` per byte in the greedy pass;
 /// then repaired and refined under the objective and the budget.
-fn recurse(
-    input: &Input,
-    levels: &[usize],
-    inc: &[Vec<(usize, bool)>],
-    order: &[usize],
-    lambda: f64,
-) -> Option<Outcome> {
+fn recurse(input: &Input, levels: &[usize], shared: &Shared, lambda: f64) -> Option<Outcome> {
     let p = input.problem;
+    let (inc, order) = (&shared.inc, &shared.order);
     let own = |v: usize, c: usize| p.vars[v].cost[c] + lambda * p.vars[v].memory[c];
     let n = p.vars.len();
     // Every variable starts uncut on every axis: its replicated strategy.
@@ -259,59 +325,65 @@ fn recurse(
         let mut done = vec![false; n];
         // Per variable, the strategies it may take on this level: what it cut on the levels
         // before kept, the later axes uncut, and (an operator) a cut on this axis if any.
-        let reachable: Vec<Vec<usize>> = (0..n)
-            .map(|v| {
-                let now = input.cuts[v][choice[v]];
-                let mut out: Vec<usize> = (0..p.k(v))
-                    .filter(|&c| {
-                        // Axes cut before, and axes left out, keep what they have (nothing,
-                        // for those left out); later axes stay uncut.
-                        let cut = input.cuts[v][c];
-                        (0..2).all(|a| {
-                            a == axis
-                                || if later.contains(&a) {
-                                    cut[a] == 0
-                                } else {
-                                    cut[a] == now[a]
-                                }
-                        })
-                    })
-                    .collect();
-                if input.forced[v] && out.iter().any(|&c| input.cuts[v][c][axis] != 0) {
-                    out.retain(|&c| input.cuts[v][c][axis] != 0);
-                } else if input.forced[v] {
+        // All in one buffer: variable `v`'s are `list[start[v]..start[v + 1]]`.
+        let mut start = Vec::with_capacity(n + 1);
+        let mut list = Vec::with_capacity(n);
+        for v in 0..n {
+            start.push(list.len());
+            let now = input.cuts[v][choice[v]];
+            // Axes cut before, and axes left out, keep what they have (nothing, for those
+            // left out); later axes stay uncut.
+            let keeps = |cut: [Cut; 2]| {
+                (0..2).all(|a| {
+                    a == axis
+                        || if later.contains(&a) {
+                            cut[a] == 0
+                        } else {
+                            cut[a] == now[a]
+                        }
+                })
+            };
+            let cuts_axis = |c: usize| input.cuts[v][c][axis] != 0;
+            let ours = (0..p.k(v)).filter(|&c| keeps(input.cuts[v][c]));
+            if input.forced[v] && ours.clone().any(cuts_axis) {
+                list.extend(ours.filter(|&c| cuts_axis(c)));
+            } else {
+                if input.forced[v] {
                     uncut.push((v, axis));
                 }
-                // A variable limited to strategies that cut a later axis (its replicated one
-                // not allowed) keeps what it has.
-                if out.is_empty() {
-                    out.push(choice[v]);
-                }
-                out
-            })
-            .collect();
+                list.extend(ours);
+            }
+            // A variable limited to strategies that cut a later axis (its replicated one
+            // not allowed) keeps what it has.
+            if list.len() == start[v] {
+                list.push(choice[v]);
+            }
+        }
+        start.push(list.len());
+        let reachable = |v: usize| &list[start[v]..start[v + 1]];
         let alone: Vec<f64> = (0..n)
             .map(|w| {
-                reachable[w]
+                reachable(w)
                     .iter()
                     .map(|&x| own(w, x))
                     .fold(f64::INFINITY, f64::min)
             })
             .collect();
         for &v in order {
-            let candidates = &reachable[v];
+            let candidates = reachable(v);
             let cost = |c: usize| -> f64 {
                 let mut s = own(v, c);
                 for &(e, is_u) in &inc[v] {
                     let w = other(p, e, is_u);
                     s += if done[w] {
-                        edge_cost(p, e, is_u, c, choice[w])
+                        seen(p, e, is_u).at(c, choice[w])
                     } else {
                         // A neighbour not placed yet: what the edge makes it pay at least,
                         // its own cost included, over what it would pay alone.
-                        reachable[w]
+                        let table = seen(p, e, is_u);
+                        reachable(w)
                             .iter()
-                            .map(|&x| edge_cost(p, e, is_u, c, x) + own(w, x))
+                            .map(|&x| table.at(c, x) + own(w, x))
                             .fold(f64::INFINITY, f64::min)
                             - alone[w]
                     };
@@ -330,9 +402,9 @@ fn recurse(
             done[v] = true;
         }
     }
-    let mut locals = Locals::new(p, inc, &choice);
-    let repaired = repair(p, inc, &mut choice, &mut locals)?;
-    let blocked = refine(p, inc, order, &mut choice, &mut locals);
+    let mut locals = Locals::new(p, &choice);
+    let repaired = repair(p, shared, &mut choice, &mut locals)?;
+    let blocked = refine(p, shared, &mut choice, &mut locals);
     let skipped = input
         .levels
         .iter()
@@ -360,20 +432,29 @@ struct Locals {
 }
 
 impl Locals {
-    fn new(p: &Problem, inc: &[Vec<(usize, bool)>], choice: &[usize]) -> Locals {
+    /// Every row, summed edge by edge in index order (each slot adds its edges in the order
+    /// of its variable's incidence list, which is also by index).
+    fn new(p: &Problem, choice: &[usize]) -> Locals {
         let mut start = Vec::with_capacity(p.vars.len() + 1);
-        let mut cost = Vec::new();
-        for (v, var) in p.vars.iter().enumerate() {
+        let mut cost = Vec::with_capacity(p.vars.iter().map(|v| v.cost.len()).sum());
+        for var in &p.vars {
             start.push(cost.len());
-            for c in 0..var.cost.len() {
-                let mut s = var.cost[c];
-                for &(e, is_u) in &inc[v] {
-                    s += edge_cost(p, e, is_u, c, choice[other(p, e, is_u)]);
-                }
-                cost.push(s);
-            }
+            cost.extend_from_slice(&var.cost);
         }
         start.push(cost.len());
+        for (i, e) in p.edges.iter().enumerate() {
+            let (nu, nv) = (choice[e.u], choice[e.v]);
+            // Each end's row gains the edge with the other end as it stands: the other end's
+            // row of the table seen from it.
+            for (end, table, there) in [(e.u, seen(p, i, false), nv), (e.v, seen(p, i, true), nu)] {
+                for (slot, x) in cost[start[end]..start[end + 1]]
+                    .iter_mut()
+                    .zip(table.row(there))
+                {
+                    *slot += x;
+                }
+            }
+        }
         Locals { start, cost }
     }
 
@@ -382,13 +463,14 @@ impl Locals {
     }
 
     /// Moves `v` from `from` to `to`: each neighbour's row sees its edge change.
-    fn moved(&mut self, p: &Problem, inc: &[Vec<(usize, bool)>], v: usize, from: usize, to: usize) {
-        for &(e, is_u) in &inc[v] {
+    fn moved(&mut self, p: &Problem, shared: &Shared, v: usize, from: usize, to: usize) {
+        for &(e, is_u) in &shared.inc[v] {
             let w = other(p, e, is_u);
+            let table = seen(p, e, is_u);
+            let (old, new) = (table.row(from), table.row(to));
             let row = &mut self.cost[self.start[w]..self.start[w + 1]];
-            for (c, slot) in row.iter_mut().enumerate() {
-                // Seen from `w`, which is the other end.
-                *slot += edge_cost(p, e, !is_u, c, to) - edge_cost(p, e, !is_u, c, from);
+            for ((slot, a), b) in row.iter_mut().zip(old).zip(new) {
+                *slot += b - a;
             }
         }
     }
@@ -399,20 +481,29 @@ impl Locals {
 /// objective most with every neighbour as it stands, then each edge's two ends take the pair
 /// that does, the plan staying within the budget. Every move lowers the objective. Each
 /// variable's cost per strategy is kept up to date as its neighbours move, so a sweep costs
-/// the edges' tables once plus the rows of the moved variables' neighbours. Returns whether
-/// the budget stopped a move that would have lowered the objective.
-fn refine(
-    p: &Problem,
-    inc: &[Vec<(usize, bool)>],
-    order: &[usize],
-    choice: &mut [usize],
-    locals: &mut Locals,
-) -> bool {
+/// each edge its two rows and the table rows a bound cannot rule out, plus the rows of the
+/// moved variables' neighbours; an edge whose ends have not changed since it last had no
+/// better pair is not read at all. Returns whether the budget stopped a move that would have
+/// lowered the objective.
+fn refine(p: &Problem, shared: &Shared, choice: &mut [usize], locals: &mut Locals) -> bool {
+    let (inc, order) = (&shared.inc, &shared.order);
     let mut memory = p.evaluate(choice).1;
     let mut blocked = false;
     let better = |cost: f64, than: f64| cost < than - 1e-15 * than.abs();
+    // A clock ticking at every move; per variable, when its row or choice last changed; per
+    // edge, when it was last found with no better pair (0: never).
+    let mut clock = 1u64;
+    let mut changed = vec![0u64; p.vars.len()];
+    let mut settled = vec![0u64; p.edges.len()];
+    // A move of `v` changes its choice and its neighbours' rows.
+    let touch = |changed: &mut [u64], v: usize, clock: u64| {
+        changed[v] = clock;
+        for &(e, is_u) in &inc[v] {
+            changed[other(p, e, is_u)] = clock;
+        }
+    };
     for _ in 0..REFINE_SWEEPS {
-        let mut changed = false;
+        let mut changed_any = false;
         for &v in order {
             let now = choice[v];
             let row = locals.row(v);
@@ -430,43 +521,74 @@ fn refine(
             if best != now {
                 memory += p.vars[v].memory[best] - p.vars[v].memory[now];
                 choice[v] = best;
-                locals.moved(p, inc, v, now, best);
-                changed = true;
+                locals.moved(p, shared, v, now, best);
+                clock += 1;
+                touch(&mut changed, v, clock);
+                changed_any = true;
             }
         }
         // Then each edge's two ends together, the rest as it stands: each end's row less
-        // this edge, plus the edge.
-        for e in &p.edges {
+        // this edge, plus the edge. An edge found with no better pair stays so until a row
+        // or choice at one of its ends changes: it is not read again until then.
+        for (i, e) in p.edges.iter().enumerate() {
             let (u, v) = (e.u, e.v);
+            if settled[i] > 0 && changed[u] <= settled[i] && changed[v] <= settled[i] {
+                continue;
+            }
             let kv = p.k(v);
             let (nu, nv) = (choice[u], choice[v]);
             let (lu, lv) = (locals.row(u), locals.row(v));
             let base = memory - p.vars[u].memory[nu] - p.vars[v].memory[nv];
             let now = lu[nu] + lv[nv] - e.cost[nu * kv + nv];
             let mut best = (nu, nv, now);
-            for (cu, &a) in lu.iter().enumerate() {
-                let a = a - e.cost[cu * kv + nv];
-                for (cv, &b) in lv.iter().enumerate() {
-                    let cost = a + b - e.cost[nu * kv + cv] + e.cost[cu * kv + cv];
+            let mut held = false;
+            // Every pair of a row `cu` costs at least that row less the edge, plus the least
+            // of `v`'s row less the edge, plus the table's least entry: rows that cannot beat
+            // the best so far, by a margin far above rounding, are not read.
+            let (floor, ceil) = shared.range[i];
+            // The edge per strategy of `u` with `v` as it stands, and per strategy of `v`
+            // with `u` as it stands.
+            let (column, rows) = (seen(p, i, false).row(nv), e.cost.chunks_exact(kv));
+            let across = &e.cost[nu * kv..(nu + 1) * kv];
+            let (mut rest_v, mut top_v) = (f64::INFINITY, 0.0f64);
+            for (&b, &x) in lv.iter().zip(across) {
+                let rest = b - x;
+                rest_v = if rest < rest_v { rest } else { rest_v };
+                top_v = if b.abs() > top_v { b.abs() } else { top_v };
+            }
+            for (cu, ((&a, x), pairs)) in lu.iter().zip(column).zip(rows).enumerate() {
+                let margin = 1e-9 * (a.abs() + top_v + ceil.abs());
+                let a = a - x;
+                if a + rest_v + floor - margin >= best.2 {
+                    continue;
+                }
+                for (cv, ((&b, &y), &z)) in lv.iter().zip(across).zip(pairs).enumerate() {
+                    let cost = a + b - y + z;
                     if better(cost, best.2) {
                         if p.fits(base + p.vars[u].memory[cu] + p.vars[v].memory[cv]) {
                             best = (cu, cv, cost);
                         } else {
-                            blocked = true;
+                            held = true;
                         }
                     }
                 }
             }
+            blocked |= held;
             if (best.0, best.1) != (nu, nv) {
                 memory = base + p.vars[u].memory[best.0] + p.vars[v].memory[best.1];
                 choice[u] = best.0;
-                locals.moved(p, inc, u, nu, best.0);
+                locals.moved(p, shared, u, nu, best.0);
                 choice[v] = best.1;
-                locals.moved(p, inc, v, nv, best.1);
-                changed = true;
+                locals.moved(p, shared, v, nv, best.1);
+                clock += 1;
+                touch(&mut changed, u, clock);
+                touch(&mut changed, v, clock);
+                changed_any = true;
+            } else if !held {
+                settled[i] = clock;
             }
         }
-        if !changed {
+        if !changed_any {
             break;
         }
     }
@@ -480,7 +602,7 @@ fn refine(
 /// [`solve`] checks first; `None` were no move left. Returns the number of moves.
 fn repair(
     p: &Problem,
-    inc: &[Vec<(usize, bool)>],
+    shared: &Shared,
     choice: &mut [usize],
     locals: &mut Locals,
 ) -> Option<usize> {
@@ -512,7 +634,7 @@ fn repair(
         pass.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         for (_, v) in pass {
             if let Some((_, c, saved)) = best_move(v, choice, locals) {
-                locals.moved(p, inc, v, choice[v], c);
+                locals.moved(p, shared, v, choice[v], c);
                 choice[v] = c;
                 memory -= saved;
                 moves += 1;

@@ -71,15 +71,21 @@ impl StageModel<'_> {
             &restricted
         };
         let (all_cuts, forced) = self.drec_cuts();
-        let cuts: Vec<Vec<[Cut; 2]>> = all_cuts
-            .iter()
-            .zip(allowed)
-            .map(|(c, within)| within.iter().map(|&i| c[i]).collect())
-            .collect();
+        let narrowed: Vec<Vec<[Cut; 2]>>;
+        let cuts = if everything {
+            &all_cuts
+        } else {
+            narrowed = all_cuts
+                .iter()
+                .zip(allowed)
+                .map(|(c, within)| within.iter().map(|&i| c[i]).collect())
+                .collect();
+            &narrowed
+        };
         let levels = self.drec_levels();
         let outcome = drec::solve(&drec::Input {
             problem: full,
-            cuts: &cuts,
+            cuts,
             forced: &forced,
             levels: &levels,
         })
