@@ -5,7 +5,7 @@ use autopar_rules::cost::cluster::{Cluster, GIB, Network};
 use autopar_rules::model::graph::{GraphSummary, Pass};
 use autopar_rules::plan::estimate::{Chunk, Estimate, MemoryBreakdown};
 use autopar_rules::plan::format::{Plan, shell_quote};
-use autopar_rules::plan::ilp::{IlpPlan, Space};
+use autopar_rules::plan::ilp::{IlpPlan, SolverSpan, Space, spans};
 use autopar_rules::plan::layout::{Layout, Recompute};
 use autopar_rules::plan::partition::Attempt;
 use autopar_rules::solve::intra::chain::TableSolver;
@@ -541,16 +541,11 @@ fn ilp_plan(out: &mut String, p: &IlpPlan) {
             s.memory_gib
         );
     }
-    let solvers: Vec<StageSolvers> =
-        p.stages
-            .iter()
-            .map(|s| {
-                let layers = s.solvers.iter().flat_map(|span| {
-                    (span.layers[0]..span.layers[1]).map(move |l| (l, span.solver))
-                });
-                (layers.collect(), s.warnings.as_slice())
-            })
-            .collect();
+    let solvers: Vec<StageSolvers> = p
+        .stages
+        .iter()
+        .map(|s| (s.solvers.clone(), s.warnings.as_slice()))
+        .collect();
     drec_lines(out, &solvers);
     // The differences, with repeated blocks' ops counted once per pattern.
     let mut groups: Vec<(String, String, String, usize)> = Vec::new();
@@ -587,34 +582,30 @@ fn ilp_plan(out: &mut String, p: &IlpPlan) {
 }
 
 /// Per stage, each layer's solver (in order) and D-Rec's warnings.
-type StageSolvers<'a> = (Vec<(usize, TableSolver)>, &'a [String]);
+type StageSolvers<'a> = (Vec<SolverSpan>, &'a [String]);
 
 /// The lines saying which layers D-Rec priced (not proven optimal), with its warnings once
 /// each; nothing when the exact elimination priced them all.
 fn drec_lines(out: &mut String, stages: &[StageSolvers]) {
-    let is_drec = |&(_, s): &(usize, TableSolver)| s == TableSolver::Drec;
-    let drec = stages.iter().filter(|(l, _)| l.iter().any(is_drec)).count();
-    if drec == 0 {
+    let is_drec = |span: &&SolverSpan| span.solver == TableSolver::Drec;
+    if !stages.iter().any(|(s, _)| s.iter().any(|x| is_drec(&x))) {
         return;
     }
-    if stages.iter().all(|(l, _)| l.iter().all(is_drec)) {
+    if stages.iter().all(|(s, _)| s.iter().all(|x| is_drec(&x))) {
         let _ = writeln!(
             out,
             "  solver    every layer priced by D-Rec (heuristic, not proven optimal)"
         );
     } else {
-        for (j, (layers, _)) in stages.iter().enumerate() {
-            let mut ranges: Vec<[usize; 2]> = Vec::new();
-            for &(l, _) in layers.iter().filter(|x| is_drec(x)) {
-                match ranges.last_mut() {
-                    Some(r) if r[1] == l => r[1] = l + 1,
-                    _ => ranges.push([l, l + 1]),
-                }
-            }
-            if ranges.is_empty() {
+        for (j, (spans, _)) in stages.iter().enumerate() {
+            let named: Vec<String> = spans
+                .iter()
+                .filter(is_drec)
+                .map(|s| format!("{}..{}", s.layers[0], s.layers[1]))
+                .collect();
+            if named.is_empty() {
                 continue;
             }
-            let named: Vec<String> = ranges.iter().map(|[a, b]| format!("{a}..{b}")).collect();
             let _ = writeln!(
                 out,
                 "  solver    stage {j}: layers {} priced by D-Rec (heuristic, not proven \
@@ -1298,8 +1289,8 @@ pub fn pipeline(r: &autopar_engine::pipeline::PipelineResult, micro_batch: u64) 
         .stages
         .iter()
         .map(|s| {
-            let layers = (s.priced.layers[0]..).zip(s.solvers.iter().copied());
-            (layers.collect(), s.plan.solve.warnings.as_slice())
+            let spans = spans(s.priced.layers[0], &s.solvers);
+            (spans, s.plan.solve.warnings.as_slice())
         })
         .collect();
     drec_lines(&mut out, &solvers);

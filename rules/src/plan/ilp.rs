@@ -250,7 +250,7 @@ pub struct SolverSpan {
 }
 
 /// Runs of equal solvers among `solvers`, the solvers of layers `first..`.
-fn spans(first: usize, solvers: &[TableSolver]) -> Vec<SolverSpan> {
+pub fn spans(first: usize, solvers: &[TableSolver]) -> Vec<SolverSpan> {
     let mut out: Vec<SolverSpan> = Vec::new();
     for (l, &solver) in (first..).zip(solvers) {
         match out.last_mut() {

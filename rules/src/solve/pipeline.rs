@@ -148,7 +148,9 @@ pub struct PipelineStage {
     /// The intra-op plan reaching its cost without recomputation: every op's and
     /// parameter's specs on the logical mesh, with its micro-batches in flight.
     pub plan: StagePlan,
-    /// Per layer of the stage, what filled the table that priced it.
+    /// Per layer of the stage, what filled the table that priced it (empty in a record
+    /// written before solvers were recorded).
+    #[serde(default)]
     pub solvers: Vec<TableSolver>,
 }
 

@@ -61,16 +61,7 @@ pub(super) fn table(graph: &Graph, b: &Bounded) -> Result<LayerTable, ChainError
     // layer makes them.
     let tied_before = pairs(graph, &b.before, |t| !makes(t));
     let tied_after = pairs(graph, &b.after, makes);
-    // Per crossing tensor (`before`, then `after`): the variable of the layer's problem that
-    // decides its spec (its producer's, or its own when it enters) and the spec each of that
-    // variable's strategies gives it.
-    let deciding: Vec<(usize, Vec<Spec>)> = b
-        .before
-        .iter()
-        .chain(&b.after)
-        .map(|&t| b.model.spec_variable(t))
-        .collect::<Option<_>>()
-        .ok_or(ChainError::Mismatch(b.layer, b.layer))?;
+    let deciding = &b.deciding;
     // Every tensor crossing before the layer is pinned to each of its specs, but the
     // gradients tied to their activations.
     let pinned: Vec<usize> = (0..nb)

@@ -392,6 +392,10 @@ struct Bounded<'g> {
     /// Per crossing tensor (`before`, then `after`): its slot and the spec each strategy of
     /// the slot's variable gives it.
     spec_of: Vec<(usize, Vec<Spec>)>,
+    /// Per crossing tensor (`before`, then `after`): the variable of the layer's own problem
+    /// that decides its spec (its producer's, or its own when it enters) and the spec each
+    /// strategy of that variable gives it.
+    deciding: Vec<(usize, Vec<Spec>)>,
     /// Per variable, per strategy: activations saved per micro-batch, bytes.
     activations: Vec<Vec<f64>>,
     /// The forward pass's terms of the layer's problem.
@@ -422,10 +426,14 @@ impl<'g> Bounded<'g> {
         let mut p: Problem = model.problem().clone();
         let mut keep: Vec<usize> = Vec::new();
         let mut spec_of: Vec<(usize, Vec<Spec>)> = Vec::new();
-        for &t in before.iter().chain(&after) {
-            let (var, specs) = model
-                .spec_variable(t)
-                .ok_or(ChainError::Mismatch(layer, layer))?;
+        let deciding: Vec<(usize, Vec<Spec>)> = before
+            .iter()
+            .chain(&after)
+            .map(|&t| model.spec_variable(t))
+            .collect::<Option<_>>()
+            .ok_or(ChainError::Mismatch(layer, layer))?;
+        for (&t, (var, specs)) in before.iter().chain(&after).zip(&deciding) {
+            let (var, specs) = (*var, specs.clone());
             let kept = if model.makes(t) {
                 let mut distinct: Vec<Spec> = specs.clone();
                 distinct.sort_unstable();
@@ -463,19 +471,17 @@ impl<'g> Bounded<'g> {
         // layer sends back, which it makes).
         let entering = before
             .iter()
-            .filter(|&&t| !model.makes(t))
-            .map(|&t| {
-                let (var, specs) = model
-                    .spec_variable(t)
-                    .ok_or(ChainError::Mismatch(layer, layer))?;
+            .zip(&deciding)
+            .filter(|&(&t, _)| !model.makes(t))
+            .map(|(&t, (var, specs))| {
                 let bytes = graph.tensor(t).bytes() as f64;
                 let per_spec = specs
                     .iter()
                     .map(|s| bytes / s.tiles(&mesh) as f64)
                     .collect();
-                Ok((var, per_spec))
+                (*var, per_spec)
             })
-            .collect::<Result<_, ChainError>>()?;
+            .collect();
         Ok(Bounded {
             activations: model.activation_memory(),
             forward: model.forward_problem(),
@@ -488,6 +494,7 @@ impl<'g> Bounded<'g> {
             after,
             keep,
             spec_of,
+            deciding,
             entering,
         })
     }
