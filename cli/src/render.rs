@@ -581,17 +581,17 @@ fn ilp_plan(out: &mut String, p: &IlpPlan) {
     }
 }
 
-/// Per stage, each layer's solver (in order) and D-Rec's warnings.
+/// Per stage, its runs of layers by solver (in order) and D-Rec's warnings.
 type StageSolvers<'a> = (Vec<SolverSpan>, &'a [String]);
 
 /// The lines saying which layers D-Rec priced (not proven optimal), with its warnings once
 /// each; nothing when the exact elimination priced them all.
 fn drec_lines(out: &mut String, stages: &[StageSolvers]) {
-    let is_drec = |span: &&SolverSpan| span.solver == TableSolver::Drec;
-    if !stages.iter().any(|(s, _)| s.iter().any(|x| is_drec(&x))) {
+    let is_drec = |span: &SolverSpan| span.solver == TableSolver::Drec;
+    if !stages.iter().any(|(s, _)| s.iter().any(is_drec)) {
         return;
     }
-    if stages.iter().all(|(s, _)| s.iter().all(|x| is_drec(&x))) {
+    if stages.iter().all(|(s, _)| s.iter().all(is_drec)) {
         let _ = writeln!(
             out,
             "  solver    every layer priced by D-Rec (heuristic, not proven optimal)"
@@ -600,7 +600,7 @@ fn drec_lines(out: &mut String, stages: &[StageSolvers]) {
         for (j, (spans, _)) in stages.iter().enumerate() {
             let named: Vec<String> = spans
                 .iter()
-                .filter(is_drec)
+                .filter(|s| is_drec(s))
                 .map(|s| format!("{}..{}", s.layers[0], s.layers[1]))
                 .collect();
             if named.is_empty() {

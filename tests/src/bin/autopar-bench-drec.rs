@@ -343,6 +343,37 @@ fn tables(repeats: usize) -> Result<Vec<f64>, String> {
 /// Sections, in the order they run.
 const SECTIONS: [&str; 3] = ["blocks", "graphs", "tables"];
 
+/// Mean and largest of `gaps`, %.
+fn spread(gaps: &[f64]) -> (f64, f64) {
+    let worst = gaps.iter().copied().fold(0.0, f64::max);
+    (gaps.iter().sum::<f64>() / gaps.len().max(1) as f64, worst)
+}
+
+/// Runs the sections `runs` accepts.
+fn run(repeats: usize, runs: impl Fn(&str) -> bool) -> Result<(), String> {
+    if runs("blocks") {
+        let (mean, worst) = spread(&blocks(repeats)?);
+        println!(
+            "blocks: D-Rec above the optimum by {mean:.1}% on average, {worst:.1}% at worst\n"
+        );
+    }
+    if runs("graphs") {
+        graphs(repeats)?;
+        println!();
+    }
+    if runs("tables") {
+        let (mean, worst) = spread(&tables(repeats)?);
+        println!(
+            "tables: D-Rec's chained blocks above the exact chain by {mean:.2}% on average, {worst:.2}% at worst\n"
+        );
+    }
+    println!(
+        "(times: median of {repeats}; solve: the time the solver reports; plan: turning its \
+         choice into the plan; build: the problem's strategies and tables, once)"
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let usage = || {
         eprintln!("usage: autopar-bench-drec [REPEATS > 0] [blocks] [graphs] [tables]");
@@ -358,44 +389,11 @@ fn main() -> ExitCode {
         }
     }
     let runs = |section: &str| chosen.is_empty() || chosen.iter().any(|c| c == section);
-    if runs("blocks") {
-        let gaps = match blocks(repeats) {
-            Ok(g) => g,
-            Err(e) => {
-                eprintln!("{e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        let worst = gaps.iter().copied().fold(0.0, f64::max);
-        let mean = gaps.iter().sum::<f64>() / gaps.len().max(1) as f64;
-        println!(
-            "blocks: D-Rec above the optimum by {mean:.1}% on average, {worst:.1}% at worst\n"
-        );
-    }
-    if runs("graphs") {
-        if let Err(e) = graphs(repeats) {
+    match run(repeats, runs) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
             eprintln!("{e}");
-            return ExitCode::FAILURE;
+            ExitCode::FAILURE
         }
-        println!();
     }
-    if runs("tables") {
-        let table_gaps = match tables(repeats) {
-            Ok(g) => g,
-            Err(e) => {
-                eprintln!("{e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        let worst = table_gaps.iter().copied().fold(0.0, f64::max);
-        let mean = table_gaps.iter().sum::<f64>() / table_gaps.len().max(1) as f64;
-        println!(
-            "tables: D-Rec's chained blocks above the exact chain by {mean:.2}% on average, {worst:.2}% at worst\n"
-        );
-    }
-    println!(
-        "(times: median of {repeats}; solve: the time the solver reports; plan: turning its \
-         choice into the plan; build: the problem's strategies and tables, once)"
-    );
-    ExitCode::SUCCESS
 }

@@ -35,8 +35,9 @@
 //! Time: one sweep per level over every strategy of every variable and its edges, and each
 //! refinement sweep over every edge's table at most (a bound skips the rows of a table that
 //! cannot improve, and edges whose ends have not changed are skipped whole): O(levels x sum
-//! of edge tables x degree), plus the order's heap, O((V + E) log V). No optimality is proven: D-Rec's plans are reported
-//! as not optimal, and the `drec` tests and benchmark measure the gap.
+//! of edge tables x degree), plus the order's heap, O((V + E) log V). No optimality is
+//! proven: D-Rec's plans are reported as not optimal, and the `drec` tests and benchmark
+//! measure the gap.
 
 use super::problem::Problem;
 use rayon::prelude::*;
@@ -549,9 +550,9 @@ fn refine(p: &Problem, shared: &Shared, choice: &mut [usize], locals: &mut Local
             // The edge per strategy of `u` with `v` as it stands, and per strategy of `v`
             // with `u` as it stands.
             let (column, rows) = (seen(p, i, false).row(nv), e.cost.chunks_exact(kv));
-            let across = &e.cost[nu * kv..(nu + 1) * kv];
+            let row_nu = &e.cost[nu * kv..(nu + 1) * kv];
             let (mut rest_v, mut top_v) = (f64::INFINITY, 0.0f64);
-            for (&b, &x) in lv.iter().zip(across) {
+            for (&b, &x) in lv.iter().zip(row_nu) {
                 let rest = b - x;
                 rest_v = if rest < rest_v { rest } else { rest_v };
                 top_v = if b.abs() > top_v { b.abs() } else { top_v };
@@ -562,7 +563,7 @@ fn refine(p: &Problem, shared: &Shared, choice: &mut [usize], locals: &mut Local
                 if a + rest_v + floor - margin >= best.2 {
                     continue;
                 }
-                for (cv, ((&b, &y), &z)) in lv.iter().zip(across).zip(pairs).enumerate() {
+                for (cv, ((&b, &y), &z)) in lv.iter().zip(row_nu).zip(pairs).enumerate() {
                     let cost = a + b - y + z;
                     if better(cost, best.2) {
                         if p.fits(base + p.vars[u].memory[cu] + p.vars[v].memory[cv]) {
