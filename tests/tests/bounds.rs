@@ -123,17 +123,24 @@ fn model_bounds_plan_at_the_limit_and_are_refused_past_it() {
 fn cluster_and_batch_bounds_plan_at_the_limit_and_are_refused_past_it() {
     use autopar_rules::limits;
     let model = transformer("layers", 4);
-    // The largest cluster, with a batch that fills it.
+    // The largest cluster, with a batch that fills it, searching both spaces: the ILP space's
+    // size is counted over every submesh and logical mesh of it (each submesh's factorisations
+    // found up to the square root, not by walking every device count), and it is left out,
+    // saying why.
     let nodes = limits::MAX_GPUS / 8;
     let report = builds(
         &workspace(
             &model,
             &format!("nodes = {nodes}\ngpus_per_node = 8"),
-            &format!("global_batch = {}", limits::MAX_GPUS),
+            &format!("global_batch = {}\nspace = \"both\"", limits::MAX_GPUS),
         ),
         "the most GPUs",
     );
     assert_eq!(report["planned"], 1, "{report}");
+    let left_out = report["targets"][0]["spaces"]["ilp_not_searched"]
+        .as_str()
+        .unwrap_or("");
+    assert!(left_out.contains("layer tables"), "{report}");
     let ws = TempWorkspace::with_toml(&workspace(
         &model,
         &format!("nodes = {}\ngpus_per_node = 8", nodes + 1),

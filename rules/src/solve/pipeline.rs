@@ -190,12 +190,24 @@ pub struct Skipped {
     pub reason: String,
 }
 
-/// Every logical mesh `a x b` of `devices` devices (axis 1 over consecutive devices).
+/// Every logical mesh `a x b` of `devices` devices (axis 1 over consecutive devices), by
+/// increasing `a`. Divisors are found up to the square root: the search sizes every submesh of
+/// clusters of up to a million devices.
 pub fn logical_meshes(devices: u64) -> Vec<[u64; 2]> {
-    (1..=devices)
-        .filter(|a| devices % a == 0)
-        .map(|a| [a, devices / a])
-        .collect()
+    let mut small = Vec::new();
+    let mut large = Vec::new();
+    let mut a = 1;
+    while a * a <= devices {
+        if devices % a == 0 {
+            small.push([a, devices / a]);
+            if a * a != devices {
+                large.push([devices / a, a]);
+            }
+        }
+        a += 1;
+    }
+    small.extend(large.into_iter().rev());
+    small
 }
 
 /// Per layer: the hash of what its tables depend on in the model (its canonical form and the
@@ -855,4 +867,25 @@ fn most_following(e: &Entry, opts: PipelineOptions, layers: usize) -> Option<i64
     }
     let inflight = ((opts.memory_budget - (e.memory - e.activations)) / e.activations).floor();
     Some(inflight as i64 - 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logical_meshes_are_every_factorisation_in_order() {
+        for devices in 1..=300u64 {
+            let every: Vec<[u64; 2]> = (1..=devices)
+                .filter(|a| devices % a == 0)
+                .map(|a| [a, devices / a])
+                .collect();
+            assert_eq!(logical_meshes(devices), every, "{devices}");
+        }
+        // A submesh of the largest cluster: found without walking a million candidates.
+        let big = logical_meshes(1 << 20);
+        assert_eq!(big.len(), 21);
+        assert_eq!(big.first(), Some(&[1, 1 << 20]));
+        assert_eq!(big.last(), Some(&[1 << 20, 1]));
+    }
 }
