@@ -152,10 +152,6 @@ pub const MAX_REFINED: usize = 2000;
 /// out the head and the tail, which the even split leaves on the first and last stage.
 pub const REFINE_SLACK: f64 = 0.15;
 
-fn divisors(n: u64) -> Vec<u64> {
-    (1..=n).filter(|d| n % d == 0).collect()
-}
-
 /// Order of preference: faster first; then less memory; then the simpler layout.
 fn rank(a: &Estimate, b: &Estimate) -> Ordering {
     a.step_time_s
@@ -228,7 +224,10 @@ fn push_candidates(space: &SearchSpace, gpus: u64, base: Layout, out: &mut Vec<L
     if stage == 0 || gpus % stage != 0 {
         return;
     }
-    let pps = space.pp.clone().unwrap_or_else(|| divisors(gpus / stage));
+    let pps = space
+        .pp
+        .clone()
+        .unwrap_or_else(|| crate::solve::pipeline::divisors(gpus / stage));
     for &pp in &pps {
         if pp == 0 || (gpus / stage) % pp != 0 {
             continue;

@@ -190,24 +190,32 @@ pub struct Skipped {
     pub reason: String,
 }
 
-/// Every logical mesh `a x b` of `devices` devices (axis 1 over consecutive devices), by
-/// increasing `a`. Divisors are found up to the square root: the search sizes every submesh of
-/// clusters of up to a million devices.
-pub fn logical_meshes(devices: u64) -> Vec<[u64; 2]> {
+/// The divisors of `n`, increasing, found up to its square root (the search sizes every
+/// submesh of clusters of up to a million devices).
+pub fn divisors(n: u64) -> Vec<u64> {
     let mut small = Vec::new();
     let mut large = Vec::new();
-    let mut a = 1;
-    while a * a <= devices {
-        if devices % a == 0 {
-            small.push([a, devices / a]);
-            if a * a != devices {
-                large.push([devices / a, a]);
+    let mut d = 1;
+    while d * d <= n {
+        if n % d == 0 {
+            small.push(d);
+            if d * d != n {
+                large.push(n / d);
             }
         }
-        a += 1;
+        d += 1;
     }
     small.extend(large.into_iter().rev());
     small
+}
+
+/// Every logical mesh `a x b` of `devices` devices (axis 1 over consecutive devices), by
+/// increasing `a`.
+pub fn logical_meshes(devices: u64) -> Vec<[u64; 2]> {
+    divisors(devices)
+        .into_iter()
+        .map(|a| [a, devices / a])
+        .collect()
 }
 
 /// Per layer: the hash of what its tables depend on in the model (its canonical form and the
