@@ -690,8 +690,10 @@ fn jax_source(
         cluster: &plan.cluster.name,
         predicted_step_time_s: plan.step_time_s(),
     };
+    // The program is written from the lowered program: its layout's version is part of the key.
     let key = digest(&(
         "jax-program",
+        crate::executor::lower::PROGRAM_VERSION,
         jax::program::SOURCE,
         &plan.target,
         &plan.cluster.name,

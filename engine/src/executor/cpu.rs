@@ -534,8 +534,7 @@ impl<'p> Device<'p> {
     fn convert(&mut self, mut t: Tensor, convs: &[Conversion]) -> Result<Tensor, ExecError> {
         let bad = || ExecError::Lower("a conversion along a mesh axis the stage lacks".into());
         for c in convs {
-            let a = c.axis();
-            let (group, rank) = self.groups.get(1 << a).ok_or_else(bad)?;
+            let (group, rank) = self.groups.get(c.mask()).ok_or_else(bad)?;
             let (group, rank) = (group.as_slice(), *rank);
             let n = group.len();
             t = match c {

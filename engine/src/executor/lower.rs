@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Version of the lowered program layout (part of its cache key).
-pub const PROGRAM_VERSION: u32 = 4;
+pub const PROGRAM_VERSION: u32 = 5;
 
 /// The parallel layout a program is lowered for.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -490,9 +490,10 @@ impl Program {
     }
 
     /// [`Program::collectives`] counted as calls: consecutive conversions of one kind along
-    /// different mesh axes in one list are one collective over their combined group (as XLA
-    /// issues them: an all-gather of a tensor axis split over both axes of a 2D mesh is one
-    /// all-gather over its four devices).
+    /// different mesh axes in one list, on the same tensor axis, are one collective over their
+    /// combined group (as XLA issues them: an all-gather of a tensor axis split over both axes
+    /// of a 2D mesh is one all-gather over its four devices, while gathering rows along one
+    /// mesh axis and columns along the other is two).
     pub fn collective_calls(&self, chunk: usize) -> BTreeMap<&'static str, usize> {
         let mut out = BTreeMap::new();
         let Some(code) = self.chunks.get(chunk) else {
@@ -504,8 +505,9 @@ impl Program {
                 for c in list.iter().filter(|c| c.communicates()) {
                     let merged = previous.is_some_and(|p| {
                         p.name() == c.name()
-                            && p.axis() != c.axis()
+                            && p.mask() & c.mask() == 0
                             && !matches!(c, Conversion::AllToAll { .. })
+                            && gathered_axis(p) == gathered_axis(c)
                     });
                     if !merged {
                         *out.entry(c.name()).or_insert(0) += 1;
@@ -549,6 +551,15 @@ impl Program {
             }
         }
         out
+    }
+}
+
+/// The tensor axis a conversion gathers or scatters (none for an all-reduce).
+fn gathered_axis(c: &Conversion) -> Option<usize> {
+    match c {
+        Conversion::AllGather { from, .. } => from.axis(),
+        Conversion::ReduceScatter { to, .. } | Conversion::Slice { to, .. } => to.axis(),
+        Conversion::AllReduce { .. } | Conversion::AllToAll { .. } => None,
     }
 }
 

@@ -94,13 +94,13 @@ impl Placement {
         )
     }
 
-    /// Devices that tensor axis `dim` is divided over on `mesh`, leaving out mesh axis
+    /// Devices that tensor axis `dim` is divided over on `mesh`, leaving out the mesh axes
     /// `except`.
-    fn pieces(&self, dim: usize, mesh: &[usize], except: Option<usize>) -> usize {
+    fn pieces(&self, dim: usize, mesh: &[usize], except: &[usize]) -> usize {
         self.0
             .iter()
             .enumerate()
-            .filter(|&(a, s)| Some(a) != except && s.axis() == Some(dim))
+            .filter(|&(a, s)| !except.contains(&a) && s.axis() == Some(dim))
             .map(|(a, _)| mesh.get(a).copied().unwrap_or(1))
             .product()
     }
@@ -124,7 +124,7 @@ impl Placement {
                         shape.len()
                     ));
                 };
-                let n = self.pieces(*axis, mesh, None);
+                let n = self.pieces(*axis, mesh, &[]);
                 if parts.iter().sum::<usize>() != len || parts.iter().any(|p| p % n != 0) {
                     return Some(format!(
                         "axis {axis} of {shape:?} (parts {parts:?}) does not divide {n} ways"
@@ -146,12 +146,12 @@ impl Placement {
         s
     }
 
-    /// The split of `state` as the group along mesh axis `a` holds it when the other axes
+    /// The split of `state` as the group along mesh axes `axes` holds it when the other axes
     /// splitting the same tensor axis are those of `self`: its parts divided by their devices.
-    fn group_split(&self, state: &State, a: usize, mesh: &[usize]) -> State {
+    fn group_split(&self, state: &State, axes: &[usize], mesh: &[usize]) -> State {
         match state {
             State::Split { axis, parts } => {
-                let n = self.pieces(*axis, mesh, Some(a)).max(1);
+                let n = self.pieces(*axis, mesh, axes).max(1);
                 State::Split {
                     axis: *axis,
                     parts: parts.iter().map(|p| p / n).collect(),
@@ -195,10 +195,15 @@ pub enum Conversion {
         to: State,
     },
     /// Exchange slices so that a value split along one tensor axis ends split along another:
-    /// every rank sends rank `j` the `j`-th slice, along the new axis, of its piece.
+    /// every rank sends rank `j` the `j`-th slice, along the new axis, of its piece. The group
+    /// may span several mesh axes, when a tensor axis split over all of them moves to another
+    /// tensor axis as a whole (Alpa's `S01` on one tensor axis to `S01` on another): one
+    /// all-to-all over the whole group, as XLA's SPMD partitioner issues it, not a gather and a
+    /// slice per axis.
     AllToAll {
-        /// Mesh axis.
-        axis: usize,
+        /// Mesh axes of the group, consecutive and major first; the group's ranks are numbered
+        /// major first, as a split over those axes divides.
+        axes: Vec<usize>,
         /// Source state.
         from: State,
         /// Target state.
@@ -223,15 +228,20 @@ impl Conversion {
         !matches!(self, Conversion::Slice { .. })
     }
 
-    /// The mesh axis it runs along.
-    pub fn axis(&self) -> usize {
+    /// The mesh axes it runs along, major first.
+    pub fn axes(&self) -> Vec<usize> {
         match self {
             Conversion::Slice { axis, .. }
             | Conversion::AllGather { axis, .. }
             | Conversion::AllReduce { axis }
-            | Conversion::ReduceScatter { axis, .. }
-            | Conversion::AllToAll { axis, .. } => *axis,
+            | Conversion::ReduceScatter { axis, .. } => vec![*axis],
+            Conversion::AllToAll { axes, .. } => axes.clone(),
         }
+    }
+
+    /// The mesh axes it runs along, as a bit mask (bit `a` for mesh axis `a`).
+    pub fn mask(&self) -> usize {
+        self.axes().iter().fold(0, |m, &a| m | 1 << a)
     }
 }
 
@@ -242,8 +252,8 @@ impl Conversion {
 /// over several mesh axes is always divided major first; a split that must change takes the
 /// splits of the same tensor axis on minor mesh axes with it (gathered first, made again
 /// after). A partial sum becomes a split by a reduce-scatter. A split that moves to another
-/// tensor axis on the same mesh axis, neither tensor axis split by another mesh axis, is one
-/// all-to-all.
+/// tensor axis on the same mesh axes, no minor mesh axis splitting either tensor axis, is one
+/// all-to-all over those axes.
 pub fn conversions(from: &Placement, to: &Placement, mesh: &[usize]) -> Option<Vec<Conversion>> {
     let n = mesh.len();
     if from.0.len() != n || to.0.len() != n {
@@ -257,21 +267,38 @@ pub fn conversions(from: &Placement, to: &Placement, mesh: &[usize]) -> Option<V
     {
         return None;
     }
-    // Mesh axes whose split goes: those that change, and minor ones splitting the same tensor
-    // axis as a split that goes or is made.
-    // Splits that move between tensor axes no minor mesh axis splits: one all-to-all each. (A
-    // major axis splitting the same tensor axis leaves each group of this axis a contiguous
-    // block of it, which the all-to-all exchanges as a whole: hierarchical context
-    // parallelism's heads-for-tokens exchange inside each ring rank's share.)
+    // Splits that move between tensor axes no minor mesh axis splits: one all-to-all per run of
+    // consecutive mesh axes that all move the same split to the same other one. (A major
+    // axis splitting the same tensor axis leaves each group a contiguous block of it, which
+    // the all-to-all exchanges as a whole: hierarchical context parallelism's heads-for-tokens
+    // exchange inside each ring rank's share.)
     let alone = |a: usize, d: Option<usize>| {
         (a + 1..n).all(|b| from.0[b].axis() != d && to.0[b].axis() != d)
     };
-    let swap: Vec<bool> = (0..n)
-        .map(|a| match (from.0[a].axis(), to.0[a].axis()) {
-            (Some(x), Some(y)) => x != y && alone(a, Some(x)) && alone(a, Some(y)),
-            _ => false,
-        })
-        .collect();
+    let moved = |a: usize| match (from.0[a].axis(), to.0[a].axis()) {
+        (Some(x), Some(y)) if x != y => Some((x, y)),
+        _ => None,
+    };
+    // `run_end[a]`: the last mesh axis of the all-to-all that mesh axis `a` takes part in.
+    let mut run_end: Vec<Option<usize>> = vec![None; n];
+    let mut a = 0;
+    while a < n {
+        let Some((x, y)) = moved(a) else {
+            a += 1;
+            continue;
+        };
+        let mut last = a;
+        while last + 1 < n && from.0[last + 1] == from.0[a] && to.0[last + 1] == to.0[a] {
+            last += 1;
+        }
+        if alone(last, Some(x)) && alone(last, Some(y)) {
+            run_end[a..=last].fill(Some(last));
+        }
+        a = last + 1;
+    }
+    let swap: Vec<bool> = run_end.iter().map(Option::is_some).collect();
+    // Mesh axes whose split goes: those that change, and minor ones splitting the same tensor
+    // axis as a split that goes or is made.
     let mut undo: Vec<bool> = (0..n)
         .map(|a| !swap[a] && from.0[a].axis().is_some() && from.0[a] != to.0[a])
         .collect();
@@ -297,37 +324,43 @@ pub fn conversions(from: &Placement, to: &Placement, mesh: &[usize]) -> Option<V
     let mut cur = from.clone();
     let mut out = Vec::new();
     for a in (0..n).rev().filter(|&a| undo[a]) {
-        let state = cur.group_split(&cur.0[a], a, mesh);
+        let state = cur.group_split(&cur.0[a], &[a], mesh);
         out.push(Conversion::AllGather {
             axis: a,
             from: state,
         });
         cur.0[a] = State::Replicated;
     }
-    for (a, &swaps) in swap.iter().enumerate() {
+    for (a, &end) in run_end.iter().enumerate() {
         if cur.0[a] == to.0[a] {
             continue;
         }
-        match (&cur.0[a], &to.0[a]) {
-            (State::Partial, State::Replicated) => out.push(Conversion::AllReduce { axis: a }),
-            (State::Partial, t @ State::Split { .. }) => {
-                let state = cur.group_split(t, a, mesh);
+        // The mesh axes this step settles.
+        let mut settled = a..=a;
+        match (&cur.0[a], &to.0[a], end) {
+            (State::Partial, State::Replicated, _) => out.push(Conversion::AllReduce { axis: a }),
+            (State::Partial, t @ State::Split { .. }, _) => {
+                let state = cur.group_split(t, &[a], mesh);
                 out.push(Conversion::ReduceScatter { axis: a, to: state });
             }
-            (State::Replicated, t @ State::Split { .. }) => {
-                let state = cur.group_split(t, a, mesh);
+            (State::Replicated, t @ State::Split { .. }, _) => {
+                let state = cur.group_split(t, &[a], mesh);
                 out.push(Conversion::Slice { axis: a, to: state });
             }
-            (f @ State::Split { .. }, t @ State::Split { .. }) if swaps => {
+            (f @ State::Split { .. }, t @ State::Split { .. }, Some(last)) => {
+                settled = a..=last;
+                let axes: Vec<usize> = settled.clone().collect();
                 out.push(Conversion::AllToAll {
-                    axis: a,
-                    from: cur.group_split(f, a, mesh),
-                    to: cur.group_split(t, a, mesh),
+                    from: cur.group_split(f, &axes, mesh),
+                    to: cur.group_split(t, &axes, mesh),
+                    axes,
                 });
             }
             _ => return None,
         }
-        cur.0[a] = to.0[a].clone();
+        for b in settled {
+            cur.0[b] = to.0[b].clone();
+        }
     }
     Some(out)
 }
@@ -397,7 +430,7 @@ pub fn shard(whole: &Tensor, placement: &Placement, at: &[usize], mesh: &[usize]
     let mut t = whole.clone();
     for (a, state) in placement.0.iter().enumerate() {
         if let State::Split { axis, .. } = state {
-            if let State::Split { parts, .. } = cur.group_split(state, a, mesh) {
+            if let State::Split { parts, .. } = cur.group_split(state, &[a], mesh) {
                 t = slice(&t, *axis, &parts, at[a], mesh[a]);
             }
             cur.0[a] = state.clone();
@@ -414,7 +447,7 @@ pub fn assemble(pieces: &[&Tensor], placement: &Placement, mesh: &[usize]) -> Te
     let mut level: Vec<Tensor> = pieces.iter().map(|t| (*t).clone()).collect();
     for a in (0..mesh.len()).rev() {
         let n = mesh[a].max(1);
-        let state = cur.group_split(&cur.0[a], a, mesh);
+        let state = cur.group_split(&cur.0[a], &[a], mesh);
         level = level
             .chunks(n)
             .map(|group| match &state {
@@ -480,36 +513,42 @@ mod tests {
     }
 
     /// Every device's piece after running `convs` from `from`, computed with whole-tensor
-    /// collectives over the mesh's axis groups.
+    /// collectives over the mesh's axis groups (devices numbered axis 0 major).
     fn run(pieces: Vec<Tensor>, convs: &[Conversion], mesh: &[usize]) -> Vec<Tensor> {
-        let n1 = mesh.get(1).copied().unwrap_or(1);
-        let coords = |i: usize| {
-            if mesh.len() == 2 {
-                vec![i / n1, i % n1]
-            } else {
-                vec![i]
+        let coords = |i: usize| -> Vec<usize> {
+            let mut c = vec![0; mesh.len()];
+            let mut rest = i;
+            for a in (0..mesh.len()).rev() {
+                c[a] = rest % mesh[a];
+                rest /= mesh[a];
             }
+            c
         };
         let mut pieces = pieces;
         for c in convs {
-            let a = c.axis();
+            let axes = c.axes();
+            // The group's size, and a device's rank in it (major first).
+            let size: usize = axes.iter().map(|&a| mesh[a]).product();
+            let rank = |i: usize| axes.iter().fold(0, |r, &a| r * mesh[a] + coords(i)[a]);
             let group_of = |i: usize| -> Vec<usize> {
-                (0..pieces.len())
+                let mut g: Vec<usize> = (0..pieces.len())
                     .filter(|&k| {
                         let (ck, ci) = (coords(k), coords(i));
-                        (0..mesh.len()).all(|b| b == a || ck[b] == ci[b])
+                        (0..mesh.len()).all(|b| axes.contains(&b) || ck[b] == ci[b])
                     })
-                    .collect()
+                    .collect();
+                g.sort_by_key(|&k| rank(k));
+                g
             };
             pieces = (0..pieces.len())
                 .map(|i| {
-                    let r = coords(i)[a];
+                    let r = rank(i);
                     let g = group_of(i);
                     match c {
                         Conversion::Slice {
                             to: State::Split { axis, parts },
                             ..
-                        } => slice(&pieces[i], *axis, parts, r, mesh[a]),
+                        } => slice(&pieces[i], *axis, parts, r, size),
                         Conversion::AllGather {
                             from: State::Split { axis, parts },
                             ..
@@ -531,7 +570,7 @@ mod tests {
                             ..
                         } => {
                             let refs: Vec<&Tensor> = g.iter().map(|&k| &pieces[k]).collect();
-                            slice(&gather(&refs, *fa, fp), *ta, tp, r, mesh[a])
+                            slice(&gather(&refs, *fa, fp), *ta, tp, r, size)
                         }
                         Conversion::AllReduce { .. } | Conversion::ReduceScatter { .. } => {
                             let mut sum = Tensor::zeros(pieces[i].shape.clone());
@@ -542,7 +581,7 @@ mod tests {
                                 Conversion::ReduceScatter {
                                     to: State::Split { axis, parts },
                                     ..
-                                } => slice(&sum, *axis, parts, r, mesh[a]),
+                                } => slice(&sum, *axis, parts, r, size),
                                 _ => sum,
                             }
                         }
@@ -597,6 +636,55 @@ mod tests {
     }
 
     #[test]
+    fn every_conversion_on_a_2x2x2_mesh_keeps_the_value() {
+        // Every placement of an [8, 8] tensor on a 2 x 2 x 2 mesh (each mesh axis replicated or
+        // splitting either tensor axis), from every other: all-to-alls over one, two and
+        // three mesh axes, with and without a major axis keeping its split.
+        let mesh = [2, 2, 2];
+        let t = whole(vec![8, 8]);
+        let states = [State::Replicated, split(0, vec![8]), split(1, vec![8])];
+        let mut placements = Vec::new();
+        for a in &states {
+            for b in &states {
+                for c in &states {
+                    placements.push(Placement(vec![a.clone(), b.clone(), c.clone()]));
+                }
+            }
+        }
+        let at = |i: usize| [i / 4, i / 2 % 2, i % 2];
+        let mut widths = std::collections::BTreeSet::new();
+        for from in &placements {
+            let start: Vec<Tensor> = (0..8).map(|i| shard(&t, from, &at(i), &mesh)).collect();
+            for to in &placements {
+                let convs = conversions(from, to, &mesh).expect("possible");
+                for c in convs.iter().filter(|c| c.name() == "all_to_all") {
+                    widths.insert(c.axes());
+                }
+                let got = run(start.clone(), &convs, &mesh);
+                for (i, piece) in got.iter().enumerate() {
+                    assert_eq!(
+                        *piece,
+                        shard(&t, to, &at(i), &mesh),
+                        "{from:?} -> {to:?} by {convs:?}, device {i}"
+                    );
+                }
+            }
+        }
+        let widths: Vec<Vec<usize>> = widths.into_iter().collect();
+        assert_eq!(
+            widths,
+            [
+                vec![0],
+                vec![0, 1],
+                vec![0, 1, 2],
+                vec![1],
+                vec![1, 2],
+                vec![2]
+            ]
+        );
+    }
+
+    #[test]
     fn partial_sums_reduce_into_any_placement() {
         let mesh = [2, 2];
         let t = whole(vec![4, 8]);
@@ -640,9 +728,24 @@ mod tests {
         assert_eq!(
             names(
                 vec![rows.clone(), cols.clone()],
-                vec![cols, State::Replicated]
+                vec![cols.clone(), State::Replicated]
             ),
             ["all_gather", "all_gather", "slice"]
+        );
+        // Rows split over both mesh axes moving to columns split over both: one all-to-all
+        // over the whole mesh, as XLA issues it.
+        let whole_mesh = conversions(
+            &Placement(vec![rows.clone(), rows.clone()]),
+            &Placement(vec![cols.clone(), cols.clone()]),
+            &mesh,
+        );
+        assert_eq!(
+            whole_mesh,
+            Some(vec![Conversion::AllToAll {
+                axes: vec![0, 1],
+                from: rows,
+                to: cols
+            }])
         );
         let one = Placement(vec![split(1, vec![2, 2])]);
         assert_eq!(

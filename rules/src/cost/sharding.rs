@@ -272,28 +272,78 @@ pub fn steps_time(steps: &[Step]) -> f64 {
 }
 
 /// The collectives that change a tensor of `bytes` from spec `from` to spec `to`
-/// (ALGORITHMS.md §3): per mesh axis, a split that disappears is an all-gather over that axis,
-/// a split that moves to another tensor axis an all-to-all, a split that appears a local slice
-/// (free). Payloads are the tile sizes along the way.
+/// (ALGORITHMS.md §3), as the executor's conversion rules run them and XLA's SPMD partitioner
+/// issues them. Payloads are the tile sizes along the way.
+///
+/// - A split that moves to another tensor axis is an all-to-all along its mesh axis, when no
+///   minor mesh axis splits either tensor axis: then the groups along it hold whole blocks of
+///   both. A tensor axis split over both mesh axes that moves to another split over both
+///   (`S01` to `S01`) is one all-to-all over the whole mesh.
+/// - Otherwise a split that goes is gathered, and so is a split of the same tensor axis on the
+///   minor axis (gathering the major axis first would leave each device a strided piece), or
+///   one of the tensor axis the major axis splits next; what `to` splits is then sliced
+///   (free).
+///
+/// The gathers are priced major axis first, the smaller payload crossing the major axis's
+/// (slower, inter-node) link, as a hierarchical all-gather runs them; on one kind of link the
+/// order does not change the volume. A whole-mesh all-to-all (each device sending `1/n` of its
+/// tile to each of the other `n - 1`, `n = n0 n1`) is priced as one step per mesh axis holding
+/// the messages that cross that axis's links: the `(n0 - 1) n1` peers with another axis-0
+/// coordinate take `(n0 - 1) / n0` of the tile over axis 0's link, the `n1 - 1` peers that
+/// differ only along axis 1 take `(n1 - 1) / n` over axis 1's; on one kind of link that is the
+/// flat all-to-all's `(n - 1) / n` of the tile.
 pub fn reshard_steps(bytes: f64, from: &Spec, to: &Spec, mesh: &Mesh) -> Vec<Step> {
     let mut steps = Vec::new();
     if from == to {
         return steps;
     }
+    let on = |s: &Spec, a: usize| {
+        if mesh.shape[a] > 1 {
+            s.axis_on(a)
+        } else {
+            None
+        }
+    };
+    let (f, t) = ([on(from, 0), on(from, 1)], [on(to, 0), on(to, 1)]);
+    let moved = |a: usize| matches!((f[a], t[a]), (Some(x), Some(y)) if x != y);
+    let whole_mesh = moved(0) && f[1] == f[0] && t[1] == t[0];
+    // Axis 1 splitting a tensor axis that axis 0's split leaves or takes.
+    let minor_shares =
+        |dims: [Option<usize>; 2]| [f[1], t[1]].iter().any(|d| d.is_some() && dims.contains(d));
+    let swap = [
+        whole_mesh || (moved(0) && !minor_shares([f[0], t[0]])),
+        whole_mesh || moved(1),
+    ];
+    let mut undo = [0, 1].map(|a| !swap[a] && f[a].is_some() && f[a] != t[a]);
+    let major_moves = !swap[0] && f[0] != t[0] && (undo[0] || t[0].is_some());
+    if major_moves && f[1].is_some() && (f[1] == f[0] || f[1] == t[0]) {
+        undo[1] = true;
+    }
     // Current tile size, bytes, as collectives run.
     let mut tile = bytes / from.tiles(mesh) as f64;
+    let mut now = f;
+    for a in (0..2).filter(|&a| undo[a]) {
+        let n = mesh.shape[a] as f64;
+        steps.push(Step::on(Collective::AllGather, a, tile * n, mesh));
+        tile *= n;
+        now[a] = None;
+    }
     for a in 0..2 {
-        let n = mesh.shape[a];
-        if n <= 1 {
-            continue;
-        }
-        match (from.axis_on(a), to.axis_on(a)) {
-            (Some(_), None) => {
-                steps.push(Step::on(Collective::AllGather, a, tile * n as f64, mesh));
-                tile *= n as f64;
+        let n = mesh.shape[a] as f64;
+        match (now[a], t[a]) {
+            (None, Some(_)) => tile /= n,
+            (Some(x), Some(y)) if x != y && whole_mesh => {
+                // `collective_time` sends `(n - 1) / n^2` of the payload: on axis 1 the
+                // payload is the tile times `n1 / n0`.
+                let payload = if a == 0 {
+                    tile * n
+                } else {
+                    tile * n / mesh.shape[0] as f64
+                };
+                steps.push(Step::on(Collective::AllToAll, a, payload, mesh));
             }
-            (Some(i), Some(j)) if i != j => {
-                steps.push(Step::on(Collective::AllToAll, a, tile * n as f64, mesh));
+            (Some(x), Some(y)) if x != y => {
+                steps.push(Step::on(Collective::AllToAll, a, tile * n, mesh));
             }
             _ => {}
         }
@@ -310,7 +360,10 @@ pub fn reshard_time(bytes: f64, from: &Spec, to: &Spec, mesh: &Mesh) -> f64 {
 /// The collectives that turn a partial sum (complete once added over the mesh axes in
 /// `partial`) of a tensor of `bytes`, held as `from`, into the complete tensor held as `to`:
 /// per partial axis a reduce-scatter when `to` splits the tensor over that axis, else an
-/// all-reduce; then any other change of spec.
+/// all-reduce; then any other change of spec. A reduce-scatter along mesh axis 0 into a tensor
+/// axis that mesh axis 1 already splits first gathers that split (the executor's rule, as for
+/// a reshard: scattering along the major axis a block the minor axis divides would leave each
+/// device a strided piece), and slices it again after.
 pub fn reduce_steps(
     bytes: f64,
     partial: u8,
@@ -329,7 +382,15 @@ pub fn reduce_steps(
         }
         match to.axis_on(a) {
             Some(i) if from.axis_on(a).is_none() => {
-                steps.push(Step::on(Collective::ReduceScatter, a, tile, mesh));
+                let n1 = mesh.shape[1];
+                let minor_split = a == 0 && n1 > 1 && from.axis_on(1) == Some(i);
+                let reduced = if minor_split {
+                    steps.push(Step::on(Collective::AllGather, 1, tile * n1 as f64, mesh));
+                    tile * n1 as f64
+                } else {
+                    tile
+                };
+                steps.push(Step::on(Collective::ReduceScatter, a, reduced, mesh));
                 let s = &mut after.0[i];
                 *s = AxisSplit::from_axes(s.axes() | (1 << a));
             }
@@ -407,6 +468,57 @@ mod tests {
     }
 
     #[test]
+    fn a_split_over_both_mesh_axes_moves_by_one_whole_mesh_all_to_all() {
+        // On links of one kind, S01 -> S01 of another tensor axis costs what the flat
+        // all-to-all over all 8 devices costs, plus one more start-up latency for its second
+        // step; each device keeps 1/8 of its tile and sends the rest.
+        let m = mesh(2, 4);
+        let bytes = 16.0 * 8.0 * 4.0;
+        let rows = Spec(vec![AxisSplit::S01, AxisSplit::R]);
+        let cols = Spec(vec![AxisSplit::R, AxisSplit::S01]);
+        let steps = reshard_steps(bytes, &rows, &cols, &m);
+        assert_eq!(steps.len(), 2);
+        let link = m.links[0];
+        let flat = collective_time(Collective::AllToAll, 8, bytes, link);
+        let tile = bytes / 8.0;
+        assert!((flat - (link.latency + 7.0 / 8.0 * tile / link.pairwise_bandwidth)).abs() < 1e-18);
+        assert!((steps_time(&steps) - (flat + link.latency)).abs() < 1e-15);
+        // Across nodes, axis 0's link carries what an all-to-all along axis 0 alone would.
+        let along_0 = Spec(vec![AxisSplit::S0, AxisSplit::R]);
+        let moved_0 = Spec(vec![AxisSplit::R, AxisSplit::S0]);
+        let alone = reshard_steps(bytes / 4.0, &along_0, &moved_0, &m);
+        assert_eq!(alone[0].seconds, steps[0].seconds);
+    }
+
+    #[test]
+    fn a_split_moves_by_all_to_all_only_where_the_minor_axis_leaves_it_whole_blocks() {
+        let m = mesh(2, 4);
+        let bytes = 16.0 * 8.0 * 4.0;
+        let kinds = |from: &str, to: &str| -> Vec<(Collective, usize)> {
+            let (from, to) = (from.parse::<Spec>(), to.parse::<Spec>());
+            let (Ok(from), Ok(to)) = (from, to) else {
+                panic!("specs");
+            };
+            reshard_steps(bytes, &from, &to, &m)
+                .iter()
+                .map(|s| (s.kind, s.axis))
+                .collect()
+        };
+        use Collective::{AllGather, AllToAll};
+        // Rows over both axes to columns over axis 0, rows over axis 1: the groups along axis
+        // 0 hold rows i and 4 + i, not a block, so every split is gathered and sliced again.
+        assert_eq!(kinds("S01R", "S1S0"), [(AllGather, 0), (AllGather, 1)]);
+        // Rows over both to rows over axis 0, columns over axis 1: the minor axis moves alone.
+        assert_eq!(kinds("S01R", "S0S1"), [(AllToAll, 1)]);
+        // Axis 0 moves rows to columns while axis 1 keeps splitting rows: gathered.
+        assert_eq!(kinds("S0S1", "S1S0"), [(AllGather, 0), (AllGather, 1)]);
+        // Nothing on the minor axis: one all-to-all along axis 0.
+        assert_eq!(kinds("S0R", "RS0"), [(AllToAll, 0)]);
+        // Both axes: one all-to-all over the whole mesh, priced as a step per axis.
+        assert_eq!(kinds("S01R", "RS01"), [(AllToAll, 0), (AllToAll, 1)]);
+    }
+
+    #[test]
     fn partial_sums_reduce_scatter_into_a_split_and_all_reduce_otherwise() {
         let m = mesh(2, 4);
         let bytes = 16.0 * 8.0 * 2.0;
@@ -423,5 +535,21 @@ mod tests {
         // A split on the other axis is a slice after the all-reduce: no further collective.
         let other = Spec(vec![AxisSplit::S0, AxisSplit::R]);
         assert_eq!(kinds(&other), [(Collective::AllReduce, 1)]);
+        // Partial along axis 0, rows split along axis 1, wanted over both: the rows are
+        // gathered along axis 1, reduce-scattered along axis 0, then sliced again.
+        let rows_1 = Spec(vec![AxisSplit::S1, AxisSplit::R]);
+        let both = Spec(vec![AxisSplit::S01, AxisSplit::R]);
+        let steps = reduce_steps(bytes, 0b01, &rows_1, &both, &[16, 8], &m);
+        let kinds: Vec<(Collective, usize)> = steps.iter().map(|s| (s.kind, s.axis)).collect();
+        assert_eq!(
+            kinds,
+            [(Collective::AllGather, 1), (Collective::ReduceScatter, 0)]
+        );
+        assert_eq!(steps[1].bytes, bytes);
+        // Rows split along axis 0 and the partial sum along axis 1: scattered in place.
+        let rows_0 = Spec(vec![AxisSplit::S0, AxisSplit::R]);
+        let steps = reduce_steps(bytes, 0b10, &rows_0, &both, &[16, 8], &m);
+        assert_eq!(steps.len(), 1);
+        assert_eq!(steps[0].kind, Collective::ReduceScatter);
     }
 }

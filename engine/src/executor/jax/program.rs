@@ -157,8 +157,10 @@ fn converted(placement: &Placement, convs: &[Conversion]) -> Placement {
             | Conversion::AllToAll { to, .. } => to.clone(),
             Conversion::AllGather { .. } | Conversion::AllReduce { .. } => State::Replicated,
         };
-        if let Some(s) = out.0.get_mut(c.axis()) {
-            *s = state;
+        for a in c.axes() {
+            if let Some(s) = out.0.get_mut(a) {
+                *s = state.clone();
+            }
         }
     }
     out
