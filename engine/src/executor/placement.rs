@@ -476,6 +476,11 @@ pub fn assemble(pieces: &[&Tensor], placement: &Placement, mesh: &[usize]) -> Te
 #[cfg(test)]
 mod tests {
     use super::*;
+    use autopar_rules::cost::analytic::Collective;
+    use autopar_rules::cost::cluster::Link;
+    use autopar_rules::cost::sharding::{
+        Mesh, Spec, Step, reduce_steps, reshard_steps, valid_specs,
+    };
 
     #[test]
     fn gather_inverts_slice_with_parts() {
@@ -682,6 +687,100 @@ mod tests {
                 vec![2]
             ]
         );
+    }
+
+    /// The placement of a cost-model spec on a 2-axis mesh, partial along the axes of
+    /// `partial`.
+    fn placement_of(spec: &Spec, partial: u8, shape: &[u64]) -> Placement {
+        Placement(
+            (0..2)
+                .map(|a| match spec.axis_on(a) {
+                    _ if partial & (1 << a) != 0 => State::Partial,
+                    Some(k) => State::split(k, shape),
+                    None => State::Replicated,
+                })
+                .collect(),
+        )
+    }
+
+    /// Communicating collectives as (name, mesh axes), sorted: a whole-mesh all-to-all, which
+    /// the cost model prices as one step per axis, is one entry.
+    fn calls(steps: &[Step]) -> Vec<(&'static str, Vec<usize>)> {
+        let name = |k: Collective| match k {
+            Collective::AllGather => "all_gather",
+            Collective::AllReduce => "all_reduce",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::AllToAll => "all_to_all",
+        };
+        let a2a = steps
+            .iter()
+            .filter(|s| s.kind == Collective::AllToAll)
+            .count();
+        let mut out: Vec<(&'static str, Vec<usize>)> = steps
+            .iter()
+            .filter(|s| s.kind != Collective::AllToAll || a2a == 1)
+            .map(|s| (name(s.kind), vec![s.axis]))
+            .collect();
+        if a2a == 2 {
+            out.push(("all_to_all", vec![0, 1]));
+        }
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn the_cost_model_prices_the_collectives_the_executor_runs() {
+        // Every pair of specs of a [4, 8, 6] tensor, from a complete or a partial sum, on
+        // meshes with one and two usable axes: the reshard and reduction steps the ILP prices
+        // are the executor's conversions, collective for collective.
+        let link = Link {
+            latency: 1e-5,
+            bandwidth: 1e11,
+            pairwise_bandwidth: 1e11,
+            internode: false,
+        };
+        let shape = [4u64, 8, 6];
+        let mut compared = 0;
+        for dims in [[2u64, 2], [2, 4], [1, 4], [4, 2]] {
+            let mesh = Mesh {
+                shape: dims,
+                links: [link, link],
+            };
+            let on: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
+            let specs = valid_specs(&shape, &mesh);
+            for partial in [0u8, 0b01, 0b10, 0b11] {
+                if (0..2).any(|a| partial & (1 << a) != 0 && dims[a] == 1) {
+                    continue;
+                }
+                for from in specs.iter().filter(|s| s.axes() & partial == 0) {
+                    for to in &specs {
+                        let priced = if partial == 0 {
+                            reshard_steps(1e6, from, to, &mesh)
+                        } else {
+                            reduce_steps(1e6, partial, from, to, &mesh)
+                        };
+                        let (f, t) = (
+                            placement_of(from, partial, &shape),
+                            placement_of(to, 0, &shape),
+                        );
+                        let run = conversions(&f, &t, &on).expect("possible");
+                        let mut ran: Vec<(&'static str, Vec<usize>)> = run
+                            .iter()
+                            .filter(|c| c.communicates())
+                            .map(|c| (c.name(), c.axes()))
+                            .collect();
+                        ran.sort();
+                        assert_eq!(
+                            calls(&priced),
+                            ran,
+                            "{from} (partial {partial:02b}) -> {to} on {dims:?}: {run:?}"
+                        );
+                        compared += 1;
+                    }
+                }
+            }
+        }
+        assert!(compared > 700, "{compared}");
     }
 
     #[test]

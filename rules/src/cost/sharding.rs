@@ -272,83 +272,12 @@ pub fn steps_time(steps: &[Step]) -> f64 {
 }
 
 /// The collectives that change a tensor of `bytes` from spec `from` to spec `to`
-/// (ALGORITHMS.md §3), as the executor's conversion rules run them and XLA's SPMD partitioner
-/// issues them. Payloads are the tile sizes along the way.
-///
-/// - A split that moves to another tensor axis is an all-to-all along its mesh axis, when no
-///   minor mesh axis splits either tensor axis: then the groups along it hold whole blocks of
-///   both. A tensor axis split over both mesh axes that moves to another split over both
-///   (`S01` to `S01`) is one all-to-all over the whole mesh.
-/// - Otherwise a split that goes is gathered, and so is a split of the same tensor axis on the
-///   minor axis (gathering the major axis first would leave each device a strided piece), or
-///   one of the tensor axis the major axis splits next; what `to` splits is then sliced
-///   (free).
-///
-/// The gathers are priced major axis first, the smaller payload crossing the major axis's
-/// (slower, inter-node) link, as a hierarchical all-gather runs them; on one kind of link the
-/// order does not change the volume. A whole-mesh all-to-all (each device sending `1/n` of its
-/// tile to each of the other `n - 1`, `n = n0 n1`) is priced as one step per mesh axis holding
-/// the messages that cross that axis's links: the `(n0 - 1) n1` peers with another axis-0
-/// coordinate take `(n0 - 1) / n0` of the tile over axis 0's link, the `n1 - 1` peers that
-/// differ only along axis 1 take `(n1 - 1) / n` over axis 1's; on one kind of link that is the
-/// flat all-to-all's `(n - 1) / n` of the tile.
+/// (ALGORITHMS.md §3): [`reduce_steps`] of a complete tensor.
 pub fn reshard_steps(bytes: f64, from: &Spec, to: &Spec, mesh: &Mesh) -> Vec<Step> {
-    let mut steps = Vec::new();
     if from == to {
-        return steps;
+        return Vec::new();
     }
-    let on = |s: &Spec, a: usize| {
-        if mesh.shape[a] > 1 {
-            s.axis_on(a)
-        } else {
-            None
-        }
-    };
-    let (f, t) = ([on(from, 0), on(from, 1)], [on(to, 0), on(to, 1)]);
-    let moved = |a: usize| matches!((f[a], t[a]), (Some(x), Some(y)) if x != y);
-    let whole_mesh = moved(0) && f[1] == f[0] && t[1] == t[0];
-    // Axis 1 splitting a tensor axis that axis 0's split leaves or takes.
-    let minor_shares =
-        |dims: [Option<usize>; 2]| [f[1], t[1]].iter().any(|d| d.is_some() && dims.contains(d));
-    let swap = [
-        whole_mesh || (moved(0) && !minor_shares([f[0], t[0]])),
-        whole_mesh || moved(1),
-    ];
-    let mut undo = [0, 1].map(|a| !swap[a] && f[a].is_some() && f[a] != t[a]);
-    let major_moves = !swap[0] && f[0] != t[0] && (undo[0] || t[0].is_some());
-    if major_moves && f[1].is_some() && (f[1] == f[0] || f[1] == t[0]) {
-        undo[1] = true;
-    }
-    // Current tile size, bytes, as collectives run.
-    let mut tile = bytes / from.tiles(mesh) as f64;
-    let mut now = f;
-    for a in (0..2).filter(|&a| undo[a]) {
-        let n = mesh.shape[a] as f64;
-        steps.push(Step::on(Collective::AllGather, a, tile * n, mesh));
-        tile *= n;
-        now[a] = None;
-    }
-    for a in 0..2 {
-        let n = mesh.shape[a] as f64;
-        match (now[a], t[a]) {
-            (None, Some(_)) => tile /= n,
-            (Some(x), Some(y)) if x != y && whole_mesh => {
-                // `collective_time` sends `(n - 1) / n^2` of the payload: on axis 1 the
-                // payload is the tile times `n1 / n0`.
-                let payload = if a == 0 {
-                    tile * n
-                } else {
-                    tile * n / mesh.shape[0] as f64
-                };
-                steps.push(Step::on(Collective::AllToAll, a, payload, mesh));
-            }
-            (Some(x), Some(y)) if x != y => {
-                steps.push(Step::on(Collective::AllToAll, a, tile * n, mesh));
-            }
-            _ => {}
-        }
-    }
-    steps
+    conversion_steps(bytes, 0, from, to, mesh)
 }
 
 /// What it costs to change a tensor of `bytes` from spec `from` to spec `to`: the time of
@@ -358,51 +287,117 @@ pub fn reshard_time(bytes: f64, from: &Spec, to: &Spec, mesh: &Mesh) -> f64 {
 }
 
 /// The collectives that turn a partial sum (complete once added over the mesh axes in
-/// `partial`) of a tensor of `bytes`, held as `from`, into the complete tensor held as `to`:
-/// per partial axis a reduce-scatter when `to` splits the tensor over that axis, else an
-/// all-reduce; then any other change of spec. A reduce-scatter along mesh axis 0 into a tensor
-/// axis that mesh axis 1 already splits first gathers that split (the executor's rule, as for
-/// a reshard: scattering along the major axis a block the minor axis divides would leave each
-/// device a strided piece), and slices it again after.
-pub fn reduce_steps(
-    bytes: f64,
-    partial: u8,
-    from: &Spec,
-    to: &Spec,
-    shape: &[u64],
-    mesh: &Mesh,
-) -> Vec<Step> {
-    let mut steps = Vec::new();
-    let tile = bytes / from.tiles(mesh) as f64;
-    let mut after = from.clone();
-    for a in 0..2 {
-        let n = mesh.shape[a];
-        if partial & (1 << a) == 0 || n <= 1 {
-            continue;
-        }
-        match to.axis_on(a) {
-            Some(i) if from.axis_on(a).is_none() => {
-                let n1 = mesh.shape[1];
-                let minor_split = a == 0 && n1 > 1 && from.axis_on(1) == Some(i);
-                let reduced = if minor_split {
-                    steps.push(Step::on(Collective::AllGather, 1, tile * n1 as f64, mesh));
-                    tile * n1 as f64
-                } else {
-                    tile
-                };
-                steps.push(Step::on(Collective::ReduceScatter, a, reduced, mesh));
-                let s = &mut after.0[i];
-                *s = AxisSplit::from_axes(s.axes() | (1 << a));
-            }
-            _ => steps.push(Step::on(Collective::AllReduce, a, tile, mesh)),
+/// `partial`) of a tensor of `bytes`, held as `from`, into the complete tensor held as `to`,
+/// as the executor's conversion rules run them and XLA's SPMD partitioner issues them
+/// (`engine/src/executor/placement.rs`; a test there checks every pair of specs):
+///
+/// - A partial sum is reduce-scattered where `to` splits the tensor along its mesh axis, else
+///   all-reduced.
+/// - A split that moves to another tensor axis is an all-to-all along its mesh axis when no
+///   minor mesh axis splits either tensor axis: then the groups along it hold whole blocks of
+///   both. A tensor axis split over both mesh axes that moves to another split over both
+///   (`S01` to `S01`) is one all-to-all over the whole mesh.
+/// - Otherwise a split that goes is gathered, and so is a split of the same tensor axis on the
+///   minor axis when the major axis's changes (gathering or scattering along the major axis a
+///   block that the minor axis divides would leave each device a strided piece); what `to`
+///   splits is then sliced (free).
+///
+/// Payloads are the tile sizes along the way. The gathers are priced major axis first, the
+/// smaller payload crossing the major axis's (slower, inter-node) link, as a hierarchical
+/// all-gather runs them; on one kind of link the order does not change the volume. A
+/// whole-mesh all-to-all (each device sending `1/n` of its tile to each of the other `n - 1`,
+/// `n = n0 n1`) is priced as one step per mesh axis holding the messages that cross that
+/// axis's links: the `(n0 - 1) n1` peers with another axis-0 coordinate take `(n0 - 1) / n0`
+/// of the tile over axis 0's link, the `n1 - 1` peers that differ only along axis 1 take
+/// `(n1 - 1) / n` over axis 1's; on one kind of link that is the flat all-to-all's
+/// `(n - 1) / n` of the tile.
+pub fn reduce_steps(bytes: f64, partial: u8, from: &Spec, to: &Spec, mesh: &Mesh) -> Vec<Step> {
+    conversion_steps(bytes, partial, from, to, mesh)
+}
+
+/// A tensor's state along one mesh axis, as the conversion rules see it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Along {
+    Replicated,
+    Partial,
+    Split(usize),
+}
+
+impl Along {
+    fn axis(self) -> Option<usize> {
+        match self {
+            Along::Split(i) => Some(i),
+            _ => None,
         }
     }
-    let base = if after.valid_for(shape, mesh) {
-        &after
-    } else {
-        from
+}
+
+/// [`reduce_steps`], for both.
+fn conversion_steps(bytes: f64, partial: u8, from: &Spec, to: &Spec, mesh: &Mesh) -> Vec<Step> {
+    let state = |s: &Spec, partial: u8, a: usize| {
+        if mesh.shape[a] <= 1 {
+            Along::Replicated
+        } else if partial & (1 << a) != 0 {
+            Along::Partial
+        } else {
+            s.axis_on(a).map_or(Along::Replicated, Along::Split)
+        }
     };
-    steps.extend(reshard_steps(bytes, base, to, mesh));
+    let f = [0, 1].map(|a| state(from, partial, a));
+    let t = [0, 1].map(|a| state(to, 0, a));
+    let moved = |a: usize| matches!((f[a], t[a]), (Along::Split(x), Along::Split(y)) if x != y);
+    let whole_mesh = moved(0) && f[1] == f[0] && t[1] == t[0];
+    let minor_shares = |dims: [Option<usize>; 2]| {
+        [f[1].axis(), t[1].axis()]
+            .iter()
+            .any(|d| d.is_some() && dims.contains(d))
+    };
+    let swap = [
+        whole_mesh || (moved(0) && !minor_shares([f[0].axis(), t[0].axis()])),
+        whole_mesh || moved(1),
+    ];
+    let mut undo = [0, 1].map(|a| !swap[a] && f[a].axis().is_some() && f[a] != t[a]);
+    let major_moves = !swap[0] && f[0] != t[0] && (undo[0] || t[0].axis().is_some());
+    if major_moves && f[1].axis().is_some() && [f[0].axis(), t[0].axis()].contains(&f[1].axis()) {
+        undo[1] = true;
+    }
+    let mut steps = Vec::new();
+    // Current tile size, bytes, as collectives run.
+    let mut tile = bytes / from.tiles(mesh) as f64;
+    let mut now = f;
+    for a in (0..2).filter(|&a| undo[a]) {
+        let n = mesh.shape[a] as f64;
+        steps.push(Step::on(Collective::AllGather, a, tile * n, mesh));
+        tile *= n;
+        now[a] = Along::Replicated;
+    }
+    for a in 0..2 {
+        let n = mesh.shape[a] as f64;
+        match (now[a], t[a]) {
+            (Along::Partial, Along::Replicated) => {
+                steps.push(Step::on(Collective::AllReduce, a, tile, mesh));
+            }
+            (Along::Partial, Along::Split(_)) => {
+                steps.push(Step::on(Collective::ReduceScatter, a, tile, mesh));
+                tile /= n;
+            }
+            (Along::Replicated, Along::Split(_)) => tile /= n,
+            (Along::Split(x), Along::Split(y)) if x != y && whole_mesh => {
+                // `collective_time` sends `(n - 1) / n^2` of the payload: on axis 1 the
+                // payload is the tile times `n1 / n0`.
+                let payload = if a == 0 {
+                    tile * n
+                } else {
+                    tile * n / mesh.shape[0] as f64
+                };
+                steps.push(Step::on(Collective::AllToAll, a, payload, mesh));
+            }
+            (Along::Split(x), Along::Split(y)) if x != y => {
+                steps.push(Step::on(Collective::AllToAll, a, tile * n, mesh));
+            }
+            _ => {}
+        }
+    }
     steps
 }
 
@@ -524,7 +519,7 @@ mod tests {
         let bytes = 16.0 * 8.0 * 2.0;
         let r = Spec::replicated(2);
         let kinds = |to: &Spec| -> Vec<(Collective, usize)> {
-            reduce_steps(bytes, 0b10, &r, to, &[16, 8], &m)
+            reduce_steps(bytes, 0b10, &r, to, &m)
                 .iter()
                 .map(|s| (s.kind, s.axis))
                 .collect()
@@ -539,7 +534,7 @@ mod tests {
         // gathered along axis 1, reduce-scattered along axis 0, then sliced again.
         let rows_1 = Spec(vec![AxisSplit::S1, AxisSplit::R]);
         let both = Spec(vec![AxisSplit::S01, AxisSplit::R]);
-        let steps = reduce_steps(bytes, 0b01, &rows_1, &both, &[16, 8], &m);
+        let steps = reduce_steps(bytes, 0b01, &rows_1, &both, &m);
         let kinds: Vec<(Collective, usize)> = steps.iter().map(|s| (s.kind, s.axis)).collect();
         assert_eq!(
             kinds,
@@ -548,7 +543,7 @@ mod tests {
         assert_eq!(steps[1].bytes, bytes);
         // Rows split along axis 0 and the partial sum along axis 1: scattered in place.
         let rows_0 = Spec(vec![AxisSplit::S0, AxisSplit::R]);
-        let steps = reduce_steps(bytes, 0b10, &rows_0, &both, &[16, 8], &m);
+        let steps = reduce_steps(bytes, 0b10, &rows_0, &both, &m);
         assert_eq!(steps.len(), 1);
         assert_eq!(steps[0].kind, Collective::ReduceScatter);
     }

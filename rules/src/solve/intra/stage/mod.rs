@@ -1551,7 +1551,7 @@ impl<'g> StageModel<'g> {
         let to = &self.nodes[f.to].realized[cv].inputs[f.input];
         self.measured(match self.pending_sum(f, cu) {
             0 => reshard_steps(bytes, from, to, &self.mesh),
-            partial => reduce_steps(bytes, partial, from, to, &tensor.shape, &self.mesh),
+            partial => reduce_steps(bytes, partial, from, to, &self.mesh),
         })
     }
 
@@ -1586,7 +1586,6 @@ impl<'g> StageModel<'g> {
             r.partial[s.output],
             &r.outputs[s.output],
             &p.choices[cv].1,
-            &tensor.shape,
             &self.mesh,
         ))
     }
