@@ -239,9 +239,16 @@ impl Conversion {
         }
     }
 
-    /// The mesh axes it runs along, as a bit mask (bit `a` for mesh axis `a`).
+    /// The mesh axes it runs along, as a bit mask (bit `a` for mesh axis `a`); the CPU
+    /// backend looks its group up by it for every conversion it runs, so it allocates nothing.
     pub fn mask(&self) -> usize {
-        self.axes().iter().fold(0, |m, &a| m | 1 << a)
+        match self {
+            Conversion::Slice { axis, .. }
+            | Conversion::AllGather { axis, .. }
+            | Conversion::AllReduce { axis }
+            | Conversion::ReduceScatter { axis, .. } => 1 << axis,
+            Conversion::AllToAll { axes, .. } => axes.iter().fold(0, |m, &a| m | 1 << a),
+        }
     }
 }
 
@@ -478,6 +485,7 @@ mod tests {
     use super::*;
     use autopar_rules::cost::analytic::Collective;
     use autopar_rules::cost::cluster::Link;
+    use autopar_rules::cost::profile::CollectiveName;
     use autopar_rules::cost::sharding::{
         Mesh, Spec, Step, reduce_steps, reshard_steps, valid_specs,
     };
@@ -706,12 +714,7 @@ mod tests {
     /// Communicating collectives as (name, mesh axes), sorted: a whole-mesh all-to-all, which
     /// the cost model prices as one step per axis, is one entry.
     fn calls(steps: &[Step]) -> Vec<(&'static str, Vec<usize>)> {
-        let name = |k: Collective| match k {
-            Collective::AllGather => "all_gather",
-            Collective::AllReduce => "all_reduce",
-            Collective::ReduceScatter => "reduce_scatter",
-            Collective::AllToAll => "all_to_all",
-        };
+        let name = |k: Collective| CollectiveName::from(k).name();
         let a2a = steps
             .iter()
             .filter(|s| s.kind == Collective::AllToAll)

@@ -113,7 +113,8 @@ impl From<Collective> for CollectiveName {
 }
 
 impl CollectiveName {
-    fn name(self) -> &'static str {
+    /// The name profiles and reports use (`all_reduce`, ...).
+    pub fn name(self) -> &'static str {
         match self {
             CollectiveName::AllReduce => "all_reduce",
             CollectiveName::AllGather => "all_gather",

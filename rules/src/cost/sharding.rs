@@ -277,13 +277,30 @@ pub fn reshard_steps(bytes: f64, from: &Spec, to: &Spec, mesh: &Mesh) -> Vec<Ste
     if from == to {
         return Vec::new();
     }
-    conversion_steps(bytes, 0, from, to, mesh)
+    reduce_steps(bytes, 0, from, to, mesh)
 }
 
 /// What it costs to change a tensor of `bytes` from spec `from` to spec `to`: the time of
 /// [`reshard_steps`].
 pub fn reshard_time(bytes: f64, from: &Spec, to: &Spec, mesh: &Mesh) -> f64 {
     steps_time(&reshard_steps(bytes, from, to, mesh))
+}
+
+/// A tensor's state along one mesh axis, as the conversion rules see it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Along {
+    Replicated,
+    Partial,
+    Split(usize),
+}
+
+impl Along {
+    fn axis(self) -> Option<usize> {
+        match self {
+            Along::Split(i) => Some(i),
+            _ => None,
+        }
+    }
 }
 
 /// The collectives that turn a partial sum (complete once added over the mesh axes in
@@ -312,28 +329,6 @@ pub fn reshard_time(bytes: f64, from: &Spec, to: &Spec, mesh: &Mesh) -> f64 {
 /// `(n1 - 1) / n` over axis 1's; on one kind of link that is the flat all-to-all's
 /// `(n - 1) / n` of the tile.
 pub fn reduce_steps(bytes: f64, partial: u8, from: &Spec, to: &Spec, mesh: &Mesh) -> Vec<Step> {
-    conversion_steps(bytes, partial, from, to, mesh)
-}
-
-/// A tensor's state along one mesh axis, as the conversion rules see it.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Along {
-    Replicated,
-    Partial,
-    Split(usize),
-}
-
-impl Along {
-    fn axis(self) -> Option<usize> {
-        match self {
-            Along::Split(i) => Some(i),
-            _ => None,
-        }
-    }
-}
-
-/// [`reduce_steps`], for both.
-fn conversion_steps(bytes: f64, partial: u8, from: &Spec, to: &Spec, mesh: &Mesh) -> Vec<Step> {
     let state = |s: &Spec, partial: u8, a: usize| {
         if mesh.shape[a] <= 1 {
             Along::Replicated
