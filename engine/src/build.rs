@@ -434,6 +434,7 @@ fn ilp_options(t: &Target, mb: u64, budget: f64) -> PipelineOptions<'_> {
         memory_budget: budget,
         precision: t.options.precision,
         max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
+        max_table_work: autopar_rules::solve::intra::chain::MAX_TABLE_WORK,
         powers_of_two: t.ilp.powers_of_two,
         logical_meshes: &t.ilp.logical_meshes,
         recompute: t.ilp.recompute,

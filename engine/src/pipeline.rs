@@ -175,6 +175,7 @@ impl TableSource for CachedTables<'_> {
             layer = %graph.layers[layer].name,
             mesh = ?mesh.shape,
             eliminations = solved.as_ref().map_or(0, |t| t.solves),
+            work = solved.as_ref().map_or(0.0, |t| t.work),
             states = ?solved.as_ref().map_or((0, 0), |t| (t.before.len(), t.after.len())),
             seconds = started.elapsed().as_secs_f64(),
             "solved layer table"
@@ -264,6 +265,7 @@ pub fn solve_pipeline(
         memory_budget: budget,
         precision: req.precision,
         max_exact_entries: DEFAULT_MAX_EXACT_ENTRIES,
+        max_table_work: autopar_rules::solve::intra::chain::MAX_TABLE_WORK,
         powers_of_two: req.powers_of_two,
         logical_meshes: &req.logical_meshes,
         recompute: req.recompute,

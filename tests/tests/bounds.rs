@@ -262,6 +262,12 @@ fn graph_file_bounds_plan_at_the_limit_and_are_refused_past_it() {
     let ws = case(&flat);
     let r = bounded(&ws, &["build", "--json"], "the longest flat list");
     assert!(matches!(r.code, 0 | 1), "{}", r.stderr);
+    // Searching both spaces (the default), the ILP space's 128 distinct layers on every
+    // logical mesh of the node pass the work one search may take at every micro-batch size:
+    // it stops, and says so.
+    let spaces = &r.json()["targets"][0]["spaces"];
+    let why = spaces["ilp_no_plan"].as_str().unwrap_or_default();
+    assert!(why.contains("units of work"), "{spaces}");
     let past = graph_file(longest + 1, 1, true, None);
     refused(&case(&past), &["build"], "ops", "a flat list too long");
     let past = graph_file(100, 1, true, Some(limits::MAX_CLUSTERED_LAYERS + 1));

@@ -16,8 +16,8 @@ use autopar_rules::solve::intra::chain::{
 };
 use autopar_rules::solve::intra::stage::{Phase, SolverChoice, StageModel, StageOptions};
 use autopar_rules::solve::pipeline::{
-    MeshChoice, PipelineOptions, Solve, TableSource, layer_classes, layer_identities,
-    logical_meshes, plan_pipeline, plan_pipeline_with, table_key, table_requests,
+    MeshChoice, PipelineError, PipelineOptions, Solve, TableSource, layer_classes,
+    layer_identities, logical_meshes, plan_pipeline, plan_pipeline_with, table_key, table_requests,
 };
 use autopar_tests::sharding::lower;
 use autopar_tests::{TempWorkspace, repo_root};
@@ -59,6 +59,7 @@ fn options(microbatches: u64) -> PipelineOptions<'static> {
         memory_budget: 1e15,
         precision: Precision::Bf16,
         max_exact_entries: 4e6,
+        max_table_work: autopar_rules::solve::intra::chain::MAX_TABLE_WORK,
         powers_of_two: false,
         logical_meshes: &[],
         recompute: true,
@@ -636,4 +637,135 @@ fn recomputation_fits_budgets_that_nothing_else_fits() {
         only_recomputed > 0,
         "every budget fit without recomputation"
     );
+}
+
+/// Solves every table it is not holding already, keeping each under its key: a cache.
+struct Held(Mutex<HashMap<Digest, LayerTable>>);
+
+impl TableSource for Held {
+    fn table(
+        &self,
+        graph: &Graph,
+        crossings: &Crossings,
+        layer: usize,
+        identity: Digest,
+        mesh: Mesh,
+        device: &Device,
+        opts: StageOptions,
+    ) -> Result<LayerTable, ChainError> {
+        let key = table_key(identity, &mesh, device, &opts, &[]).key();
+        if let Some(t) = self.0.lock().expect("not poisoned").get(&key) {
+            return Ok(t.clone());
+        }
+        let t = Solve.table(graph, crossings, layer, identity, mesh, device, opts)?;
+        self.0.lock().expect("not poisoned").insert(key, t.clone());
+        Ok(t)
+    }
+}
+
+#[test]
+fn a_search_past_its_work_bound_stops_and_says_so() {
+    let g = llama(3, 1);
+    let c = cluster(1, 4);
+    let held = Held(Mutex::new(HashMap::new()));
+    let plan = plan_pipeline_with(&g, &c, options(4), &held).expect("plans");
+    let tables: Vec<LayerTable> = held
+        .0
+        .lock()
+        .expect("not poisoned")
+        .values()
+        .cloned()
+        .collect();
+    assert_eq!(tables.len(), 18);
+    assert!(tables.iter().all(|t| t.work > 0.0));
+    let total: f64 = tables.iter().map(|t| t.work).sum();
+    let largest = tables.iter().map(|t| t.work).fold(0.0, f64::max);
+    // Work is counted, not timed: solving again records the same.
+    let again = Held(Mutex::new(HashMap::new()));
+    plan_pipeline_with(&g, &c, options(4), &again).expect("plans");
+    let mut twice: Vec<f64> = again
+        .0
+        .into_inner()
+        .expect("not poisoned")
+        .values()
+        .map(|t| t.work)
+        .collect();
+    let mut once: Vec<f64> = tables.iter().map(|t| t.work).collect();
+    twice.sort_by(f64::total_cmp);
+    once.sort_by(f64::total_cmp);
+    assert_eq!(once, twice);
+    // A bound the tables meet changes nothing.
+    let bounded = |max: f64, solver: SolverChoice| PipelineOptions {
+        max_table_work: max,
+        solver,
+        ..options(4)
+    };
+    let at = plan_pipeline(&g, &c, bounded(total, SolverChoice::Auto)).expect("plans");
+    assert_eq!(at.step, plan.step);
+    // Just under their total, the search stops and says why, whether its tables are solved or
+    // found (the work is part of each table), and whatever the solver.
+    for solver in [SolverChoice::Auto, SolverChoice::Exact] {
+        let under = bounded(total * (1.0 - 1e-9), solver);
+        let fresh = plan_pipeline(&g, &c, under).expect_err("stops");
+        assert_eq!(
+            fresh,
+            PipelineError::TooMuchWork {
+                max: under.max_table_work
+            }
+        );
+        assert!(fresh.to_string().contains("units of work"), "{fresh}");
+        let cache = Held(Mutex::new(HashMap::new()));
+        let _ = plan_pipeline_with(&g, &c, under, &cache);
+        assert_eq!(
+            plan_pipeline_with(&g, &c, under, &cache).expect_err("stops"),
+            fresh
+        );
+    }
+    // A table whose elimination alone would pass the bound is not eliminated: under `exact`
+    // its layer leaves that mesh choice, named, and the rest plans; under `auto` D-Rec fills
+    // it (its work then counts like any other table's).
+    let rest = total - largest;
+    assert!(
+        rest < largest - 1e5,
+        "one table dominates: {rest} vs {largest}"
+    );
+    let narrow = plan_pipeline(&g, &c, bounded(rest, SolverChoice::Exact)).expect("plans");
+    assert_eq!(narrow.skipped.len(), 1, "{:?}", narrow.skipped);
+    assert!(
+        narrow.skipped[0]
+            .reason
+            .contains("additions of the exact solver"),
+        "{:?}",
+        narrow.skipped
+    );
+    assert!(narrow.step >= plan.step * (1.0 - 1e-12));
+    let widest = tables
+        .iter()
+        .find(|t| t.work == largest)
+        .expect("the largest");
+    let layer = widest.layer;
+    let skipped = narrow.skipped[0].mesh;
+    let mesh = Mesh::logical(&c, skipped.submesh, skipped.logical);
+    let one = |max: f64, solver: SolverChoice| {
+        layer_table(
+            &g,
+            layer,
+            mesh,
+            &c.device,
+            StageOptions {
+                max_table_work: max,
+                solver,
+                ..options(4).stage_options(1)
+            },
+        )
+    };
+    assert!(matches!(
+        one(rest, SolverChoice::Exact),
+        Err(ChainError::TooMuchWork { .. })
+    ));
+    assert_eq!(
+        one(rest, SolverChoice::Auto).expect("D-Rec").solver,
+        TableSolver::Drec
+    );
+    assert_eq!(one(total, SolverChoice::Auto).expect("exact").work, largest);
 }

@@ -56,10 +56,10 @@ pub fn lower_options(
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Space {
-    /// Both; the faster plan wins.
+    /// Both; the faster plan wins (a target's default).
+    #[default]
     Both,
     /// Megatron-LM's layouts (tp, pp, dp, SP, ZeRO, recomputation, interleaving).
-    #[default]
     Megatron,
     /// The intra-op ILP per layer and submesh with Alpa's stage DP.
     Ilp,
@@ -98,8 +98,8 @@ pub struct IlpSearch {
 }
 
 impl IlpSearch {
-    /// The default: Megatron-LM's space only (the ILP space is opt-in until its search of
-    /// 2D meshes at large micro-batches and of very large clusters is fast); micro-batches of every power of two up to 8 sequences per
+    /// The default: both spaces (a search too large is left out, or stops at its work bound,
+    /// and the plan says so); micro-batches of every power of two up to 8 sequences per
     /// GPU of a node (Megatron-LM's default micro-batches 1 to 8 at any data-parallel degree
     /// inside a node) that divides the global batch; every submesh.
     pub fn default_for(gpus_per_node: u64, global_batch: u64) -> Self {
@@ -112,7 +112,7 @@ impl IlpSearch {
             m *= 2;
         }
         IlpSearch {
-            space: Space::Megatron,
+            space: Space::default(),
             micro_batch,
             powers_of_two: false,
             logical_meshes: Vec::new(),

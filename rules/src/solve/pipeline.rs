@@ -48,6 +48,9 @@ pub struct PipelineOptions<'p> {
     pub precision: Precision,
     /// Largest factor the exact solver may build.
     pub max_exact_entries: f64,
+    /// Most work the layer tables of the search may take together, and one table's exact
+    /// elimination alone ([`chain::MAX_TABLE_WORK`] in builds).
+    pub max_table_work: f64,
     /// Multi-node submeshes only of a power-of-two number of nodes.
     pub powers_of_two: bool,
     /// The logical mesh shapes stages may use (`[a, b]`, Alpa's logical shape space); empty:
@@ -76,6 +79,7 @@ impl<'p> PipelineOptions<'p> {
             memory_budget: None,
             precision: self.precision,
             max_exact_entries: self.max_exact_entries,
+            max_table_work: self.max_table_work,
             grad_accumulation_fusion: self.grad_accumulation_fusion,
             grad_reduce_in_fp32: self.grad_reduce_in_fp32,
             profile: self.profile,
@@ -94,6 +98,17 @@ pub enum PipelineError {
     /// The stage DP found no solution.
     #[error(transparent)]
     Inter(#[from] InterError),
+    /// The layer tables need more work than one search may spend.
+    #[error(
+        "its layer tables need more than {max:.0e} units of work (cost entries and additions \
+         of the exact eliminations), so the ILP space was not searched at this size; \
+         `submeshes = \"powers-of-two\"` or `logical_meshes` under [target.search], or \
+         `solver = \"drec\"`, make it smaller"
+    )]
+    TooMuchWork {
+        /// [`PipelineOptions::max_table_work`].
+        max: f64,
+    },
 }
 
 /// A submesh and one logical mesh of it.
@@ -266,6 +281,7 @@ pub fn table_key(
                 opts.memory_budget,
                 opts.precision,
                 opts.max_exact_entries,
+                opts.max_table_work,
                 opts.grad_accumulation_fusion,
                 opts.grad_reduce_in_fp32,
                 opts.solver,
@@ -505,23 +521,40 @@ pub fn price_pipeline_with(
     let classes = classes_of(&identities);
     let stage_opts = opts.stage_options(1);
     let crossings = Crossings::of(graph);
-    let solved: Vec<(Job, Result<LayerTable, ChainError>)> =
-        jobs(&configs, &distinct_layers(&classes))
-            .par_iter()
-            .map(|&(s, c, l)| {
-                let mesh = Mesh::logical(cluster, submeshes[s], configs[s][c]);
-                let t = source.table(
-                    graph,
-                    &crossings,
-                    l,
-                    identities[l],
-                    mesh,
-                    &cluster.device,
-                    stage_opts,
-                );
-                ((s, c, l), t)
-            })
-            .collect();
+    let jobs = jobs(&configs, &distinct_layers(&classes));
+    // The work of the tables filled so far: once it passes the bound, the tables not started
+    // are left, and the search stops. Whether it stops depends on the tables' total alone, not
+    // on the order the threads fill them in: a table's work is fixed, so a total past the
+    // bound is passed either by the tables filled first or, at the latest, by all of them.
+    let work = std::sync::Mutex::new(0.0f64);
+    let spent = || *work.lock().unwrap_or_else(|e| e.into_inner());
+    let solved: Vec<(Job, Result<LayerTable, ChainError>)> = jobs
+        .par_iter()
+        .filter_map(|&(s, c, l)| {
+            if spent() > opts.max_table_work {
+                return None;
+            }
+            let mesh = Mesh::logical(cluster, submeshes[s], configs[s][c]);
+            let t = source.table(
+                graph,
+                &crossings,
+                l,
+                identities[l],
+                mesh,
+                &cluster.device,
+                stage_opts,
+            );
+            if let Ok(t) = &t {
+                *work.lock().unwrap_or_else(|e| e.into_inner()) += t.work;
+            }
+            Some(((s, c, l), t))
+        })
+        .collect();
+    if spent() > opts.max_table_work {
+        return Err(PipelineError::TooMuchWork {
+            max: opts.max_table_work,
+        });
+    }
     // A table too large to fill takes its layer off that mesh choice (every range holding
     // it), and the plan says so; any other failure is an error.
     let mut skipped = Vec::new();
@@ -531,16 +564,18 @@ pub fn price_pipeline_with(
             Ok(t) => {
                 tables.insert((s, c, l), t);
             }
-            Err(e @ (ChainError::TooWide(_) | ChainError::TooManyRuns { .. })) => {
-                skipped.push(Skipped {
-                    mesh: MeshChoice {
-                        submesh: submeshes[s],
-                        logical: configs[s][c],
-                    },
-                    layer: graph.layers[l].name.clone(),
-                    reason: e.to_string(),
-                })
-            }
+            Err(
+                e @ (ChainError::TooWide(_)
+                | ChainError::TooManyRuns { .. }
+                | ChainError::TooMuchWork { .. }),
+            ) => skipped.push(Skipped {
+                mesh: MeshChoice {
+                    submesh: submeshes[s],
+                    logical: configs[s][c],
+                },
+                layer: graph.layers[l].name.clone(),
+                reason: e.to_string(),
+            }),
             Err(e) => return Err(e.into()),
         }
     }

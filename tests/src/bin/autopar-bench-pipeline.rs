@@ -103,6 +103,7 @@ fn main() -> ExitCode {
             memory_budget: cluster.device.hbm_bytes * 0.9,
             precision: Precision::Bf16,
             max_exact_entries: 4e6,
+            max_table_work: autopar_rules::solve::intra::chain::MAX_TABLE_WORK,
             powers_of_two: pow2,
             logical_meshes: &[],
             recompute: true,

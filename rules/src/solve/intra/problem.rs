@@ -57,6 +57,14 @@ pub fn within_budget(memory: f64, budget: f64) -> bool {
 }
 
 impl Problem {
+    /// Entries of its costs: every variable's strategies and every edge's pairs (what
+    /// building it prices, and what a pass over it reads).
+    pub fn entries(&self) -> f64 {
+        let vars: usize = self.vars.iter().map(|v| v.cost.len()).sum();
+        let edges: usize = self.edges.iter().map(|e| e.cost.len()).sum();
+        (vars + edges) as f64
+    }
+
     /// Strategies of variable `v`.
     pub fn k(&self, v: usize) -> usize {
         self.vars[v].cost.len()

@@ -238,7 +238,9 @@ pub(super) fn table(graph: &Graph, b: &Bounded) -> Result<LayerTable, ChainError
             }
         }
     }
-    let mut t = states.into_table(b.layer, solves, TableSolver::Drec, cells);
+    // Building the problem prices its entries; each run reads them once more.
+    let work = super::ENTRY_WORK * b.p.entries() * (1 + solves) as f64;
+    let mut t = states.into_table(b.layer, (solves, work), TableSolver::Drec, cells);
     t.warnings = warnings;
     Ok(t)
 }

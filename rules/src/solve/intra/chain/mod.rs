@@ -59,6 +59,17 @@ pub enum ChainError {
         /// The most a table may take.
         max: usize,
     },
+    /// The exact elimination would take more work than a whole pipeline search may.
+    #[error(
+        "the layer's boundary table would take {work:.1e} additions of the exact solver, more \
+         than a whole pipeline search may ({max:.0e})"
+    )]
+    TooMuchWork {
+        /// Additions planned ([`exact::Size::work`]).
+        work: f64,
+        /// The most it may ([`StageOptions::max_table_work`]).
+        max: f64,
+    },
     /// Consecutive tables do not meet on the same boundary.
     #[error("layer tables {0} and {1} do not share a boundary")]
     Mismatch(usize, usize),
@@ -81,6 +92,12 @@ pub struct LayerTable {
     /// wide; for D-Rec one per run (per pinned pair of states, per state before the layer
     /// with the one after free, and one free run).
     pub solves: usize,
+    /// The work filling it took, deterministic (not timed): the layer problem's cost entries
+    /// (twenty units each), plus the additions of the exact eliminations
+    /// ([`exact::Size::work`]), or the problem's entries again for every D-Rec run. The stage DP bounds its tables' sum by it
+    /// ([`crate::solve::pipeline::MAX_TABLE_WORK`]).
+    #[serde(default)]
+    pub work: f64,
     /// What filled the table.
     #[serde(default)]
     pub solver: TableSolver,
@@ -364,7 +381,7 @@ pub fn layer_table_with(
     match opts.solver {
         _ if bounded.model.drec_first() => drec(),
         SolverChoice::Auto => match exact_table(&bounded) {
-            Err(ChainError::TooWide(_)) => drec(),
+            Err(ChainError::TooWide(_) | ChainError::TooMuchWork { .. }) => drec(),
             other => other,
         },
         SolverChoice::Exact | SolverChoice::Ilp | SolverChoice::Drec => exact_table(&bounded),
@@ -380,6 +397,8 @@ struct Bounded<'g> {
     layer: usize,
     /// Largest factor the exact elimination may build.
     max_entries: f64,
+    /// Most additions the exact elimination may plan.
+    max_work: f64,
     /// The layer's problem with one more variable per spec of each crossing tensor the layer
     /// makes (a projection of its producer's strategy).
     p: Problem,
@@ -489,6 +508,7 @@ impl<'g> Bounded<'g> {
             model,
             layer,
             max_entries: opts.max_exact_entries,
+            max_work: opts.max_table_work,
             p,
             before,
             after,
@@ -550,7 +570,7 @@ impl States {
     fn into_table(
         self,
         layer: usize,
-        solves: usize,
+        (solves, work): (usize, f64),
         solver: TableSolver,
         cells: Vec<(usize, usize, Entry, Option<Vec<u32>>)>,
     ) -> LayerTable {
@@ -565,6 +585,7 @@ impl States {
             after: ordered(self.after),
             entries: Vec::new(),
             solves,
+            work,
             solver,
             plans: Vec::new(),
             warnings: Vec::new(),
@@ -591,12 +612,17 @@ impl States {
 fn exact_table(b: &Bounded) -> Result<LayerTable, ChainError> {
     // Dropping dominated strategies of the other variables keeps every entry of the table.
     let (reduced, maps) = b.p.without_dominated_except(&b.keep);
-    let (k, values, solves) = fill(
+    let Filled {
+        k,
+        values,
+        solves,
+        work,
+    } = fill(
         &reduced,
         &maps,
         &b.keep,
         &b.entering_slots(),
-        b.max_entries,
+        [b.max_entries, b.max_work],
         |choice| b.read(choice),
     )?;
     let spec_of = &b.spec_of;
@@ -638,8 +664,25 @@ fn exact_table(b: &Bounded) -> Result<LayerTable, ChainError> {
             joint[i] = 0;
         }
     }
-    Ok(states.into_table(b.layer, solves, TableSolver::Exact, cells))
+    let work = ENTRY_WORK * b.p.entries() + work;
+    Ok(states.into_table(b.layer, (solves, work), TableSolver::Exact, cells))
 }
+
+/// Most work ([`LayerTable::work`]) the layer tables of one pipeline search (one micro-batch
+/// size of a target) may take together before that search stops and says so, and so the most
+/// one table's exact elimination may plan (under [`SolverChoice::Auto`] D-Rec fills a table
+/// past it): about ten seconds of one core (a unit is a few nanoseconds). The default
+/// workspace's largest search (LLaMA-2 70B on 8 H100s, 186 tables) takes 2.3e9 at each
+/// micro-batch size. Whether a search stops depends on the tables' total alone (each table's
+/// work is part of its cached result), never on timing or on what the cache holds.
+pub const MAX_TABLE_WORK: f64 = 5e9;
+
+/// Work units of one cost entry of a layer's problem, built or read by D-Rec: pricing an
+/// entry (a strategy's kernels, a resharding's collectives) takes about as long as twenty of
+/// the elimination's additions (measured on this project's 2-core machines: tables of 1D
+/// meshes and D-Rec tables, made of little else, took 9 to 40 ns per entry, an elimination
+/// about 1 ns per addition).
+const ENTRY_WORK: f64 = 20.0;
 
 /// Additions below which one elimination fills a table without comparing it with pinning
 /// (about a millisecond).
@@ -653,16 +696,15 @@ const SMALL_WORK: f64 = 1e6;
 /// layer's input again; pinned, each elimination is small but every one repeats the buckets
 /// that never see them). Whichever runs fewer additions ([`exact::Size::work`]) among those
 /// that store at most `max_entries`: on 2D meshes the single elimination is usually tens of
-/// times less work. Returns the kept domain sizes, the entries (row-major) and the
-/// eliminations run.
+/// times less work.
 fn fill<T: Send>(
     p: &Problem,
     maps: &[Vec<usize>],
     keep: &[usize],
     entering: &[bool],
-    max_entries: f64,
+    [max_entries, max_work]: [f64; 2],
     read: impl Fn(&[usize]) -> T + Sync,
-) -> Result<(Vec<usize>, Vec<T>, usize), ChainError> {
+) -> Result<Filled<T>, ChainError> {
     // Reads an entry's plan in unreduced indices, through a buffer each elimination reuses.
     let back = |choice: &[usize], domains: Option<&[Vec<usize>]>, buf: &mut Vec<usize>| -> T {
         buf.clear();
@@ -694,10 +736,26 @@ fn fill<T: Send>(
         let pin = pinned.insert(Planned::keeping(&first_pin, keep));
         whole.size().work <= pin_count * pin.size().work || pin.size().stored > max_entries
     };
-    if one_shot {
+    let too_much = |work: f64| ChainError::TooMuchWork {
+        work,
+        max: max_work,
+    };
+    // Pinning is the only alternative, and is at least as much work unless the single
+    // elimination cannot be stored.
+    if one_shot && whole.size().work > max_work && slots.is_empty() {
+        return Err(too_much(whole.size().work));
+    }
+    if one_shot && whole.size().work <= max_work {
         let mut buf = Vec::new();
         match exact::marginal_planned(p, &whole, keep, max_entries, |c| back(c, None, &mut buf)) {
-            Ok((k, values)) => return Ok((k, values, 1)),
+            Ok((k, values)) => {
+                return Ok(Filled {
+                    k,
+                    values,
+                    solves: 1,
+                    work: whole.size().work,
+                });
+            }
             Err(Declined::TooWide(_)) if !slots.is_empty() => {}
             Err(e) => return Err(ChainError::TooWide(e)),
         }
@@ -718,6 +776,10 @@ fn fill<T: Send>(
     }
     // Every pin has the same shape: one plan serves them all.
     let pinned = pinned.unwrap_or_else(|| Planned::keeping(&first_pin, keep));
+    let work = pin_count * pinned.size().work;
+    if work > max_work {
+        return Err(too_much(work));
+    }
     let solved: Vec<(Vec<usize>, Vec<T>)> = pins
         .into_par_iter()
         .map(|fixed| {
@@ -755,7 +817,24 @@ fn fill<T: Send>(
         .into_iter()
         .collect::<Option<Vec<T>>>()
         .ok_or(ChainError::Mismatch(0, 0))?;
-    Ok((k, values, solves))
+    Ok(Filled {
+        k,
+        values,
+        solves,
+        work,
+    })
+}
+
+/// A table [`fill`] filled.
+struct Filled<T> {
+    /// The kept variables' domain sizes.
+    k: Vec<usize>,
+    /// The entries, row-major.
+    values: Vec<T>,
+    /// Eliminations run.
+    solves: usize,
+    /// Their additions ([`exact::Size::work`]).
+    work: f64,
 }
 
 /// Tables of layers `first..end` of `graph` on `mesh`, one solve per layer.

@@ -89,6 +89,9 @@ pub struct StageOptions<'p> {
     pub time_limit: f64,
     /// Largest factor the exact solver may build before the ILP takes over.
     pub max_exact_entries: f64,
+    /// Most additions a layer table's exact elimination may plan
+    /// ([`crate::solve::intra::chain::MAX_TABLE_WORK`] by default).
+    pub max_table_work: f64,
     /// Weight-gradient products accumulate into the gradient buffer themselves
     /// (Megatron-LM's `--gradient-accumulation-fusion`); otherwise a separate kernel adds
     /// each fresh weight gradient to it.
@@ -112,6 +115,7 @@ impl Default for StageOptions<'_> {
             solver: SolverChoice::Auto,
             time_limit: 60.0,
             max_exact_entries: 4e6,
+            max_table_work: crate::solve::intra::chain::MAX_TABLE_WORK,
             grad_accumulation_fusion: true,
             grad_reduce_in_fp32: false,
             profile: None,
