@@ -94,8 +94,8 @@ pub struct LayerTable {
     pub solves: usize,
     /// The work filling it took, deterministic (not timed): the layer problem's cost entries
     /// (twenty units each), plus the additions of the exact eliminations
-    /// ([`exact::Size::work`]), or the problem's entries again for every D-Rec run. The stage DP bounds its tables' sum by it
-    /// ([`crate::solve::pipeline::MAX_TABLE_WORK`]).
+    /// ([`exact::Size::work`]), or the problem's entries again for every D-Rec run. A
+    /// pipeline search bounds its tables' sum ([`MAX_TABLE_WORK`]).
     #[serde(default)]
     pub work: f64,
     /// What filled the table.
