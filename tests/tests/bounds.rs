@@ -236,7 +236,7 @@ fn graph_file_bounds_plan_at_the_limit_and_are_refused_past_it() {
     let toml = workspace(
         "graph = \"model.graph.json\"",
         NODE,
-        "global_batch = 64\nseq_len = 256",
+        "global_batch = 64\nseq_len = 256\nspace = \"both\"",
     );
     let case = |file: &Value| -> TempWorkspace {
         let ws = TempWorkspace::with_toml(&toml);
@@ -262,7 +262,7 @@ fn graph_file_bounds_plan_at_the_limit_and_are_refused_past_it() {
     let ws = case(&flat);
     let r = bounded(&ws, &["build", "--json"], "the longest flat list");
     assert!(matches!(r.code, 0 | 1), "{}", r.stderr);
-    // Searching both spaces (the default), the ILP space's 128 distinct layers on every
+    // Searching both spaces, the ILP space's 128 distinct layers on every
     // logical mesh of the node pass the work one search may take at every micro-batch size:
     // it stops, and says so.
     let spaces = &r.json()["targets"][0]["spaces"];

@@ -47,8 +47,7 @@ fn plan(ws: &TempWorkspace) -> Value {
 
 #[test]
 fn the_faster_space_wins_and_the_plan_says_why() {
-    // Both spaces are searched by default (`space = "both"`).
-    let ws = TempWorkspace::with_toml(&workspace("", 4));
+    let ws = TempWorkspace::with_toml(&workspace("space = \"both\"", 4));
     let j = built(&ws.run(&["build", "--json"]));
     let p = plan(&ws);
     let megatron = p["spaces"]["megatron"]["step_time_s"]
