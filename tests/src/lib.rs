@@ -23,6 +23,8 @@ pub fn repo_root() -> PathBuf {
 
 /// Two small models (an inline transformer and GPT-2 small) with one target each on a 2-GPU
 /// H100 node: quick to build, and enough to tell results two targets share from their own.
+/// Megatron-LM's space only, so that the counts of a build's results are those of its layer
+/// costs and searches (`tests/tests/spaces.rs` counts the ILP space's).
 pub const SMALL_WORKSPACE: &str = r#"
 [[model]]
 name = "tiny"
@@ -43,6 +45,7 @@ name = "tiny"
 model = "tiny"
 cluster = "one"
 global_batch = 8
+space = "megatron"
 [target.search]
 micro_batch = [1]
 
@@ -51,6 +54,7 @@ name = "gpt2"
 model = "gpt2"
 cluster = "one"
 global_batch = 8
+space = "megatron"
 [target.search]
 micro_batch = [1, 2]
 "#;

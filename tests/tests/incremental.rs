@@ -123,7 +123,8 @@ fn more_layers_re_plan_without_a_new_layer_cost() {
     );
 }
 
-/// A workspace whose cluster reads profile `measured.json`.
+/// A workspace whose cluster reads profile `measured.json` (Megatron-LM's space, whose layer
+/// costs the tests count).
 const PROFILED: &str = r#"
 [[model]]
 name = "tiny"
@@ -145,6 +146,7 @@ name = "tiny"
 model = "tiny"
 cluster = "one"
 global_batch = 8
+space = "megatron"
 [target.search]
 micro_batch = [1]
 "#;

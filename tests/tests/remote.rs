@@ -196,10 +196,12 @@ fn tokens_scope_reads_and_writes() {
     assert!(field(&wrote, "solved") > 2);
     assert!(warnings(&wrote).is_empty(), "{}", wrote.stderr);
     // A reader reads everything, and cannot write what it solves.
-    let b = TempWorkspace::with_toml(&SMALL_WORKSPACE.replace(
-        "global_batch = 8\n[target.search]\nmicro_batch = [1]\n",
-        "global_batch = 16\n[target.search]\nmicro_batch = [1]\n",
-    ));
+    let larger_batch = SMALL_WORKSPACE.replace(
+        "global_batch = 8\nspace = \"megatron\"\n[target.search]\nmicro_batch = [1]\n",
+        "global_batch = 16\nspace = \"megatron\"\n[target.search]\nmicro_batch = [1]\n",
+    );
+    assert_ne!(larger_batch, SMALL_WORKSPACE, "tiny's batch changes");
+    let b = TempWorkspace::with_toml(&larger_batch);
     let read = build(&b, &url, &[("AUTOPAR_REMOTE_TOKEN", "reader-token")]);
     // gpt2's plan, and tiny's 9 layer costs (the batch changed, the layers did not).
     assert_eq!(field(&read, "hits_remote"), 10, "{}", read.stdout);

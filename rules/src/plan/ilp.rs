@@ -56,11 +56,10 @@ pub fn lower_options(
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Space {
-    /// Both; the faster plan wins.
-    Both,
-    /// Megatron-LM's layouts (tp, pp, dp, SP, ZeRO, recomputation, interleaving); a
-    /// target's default until the tests that count a build's results know the ILP space's.
+    /// Both; the faster plan wins. A target's default.
     #[default]
+    Both,
+    /// Megatron-LM's layouts (tp, pp, dp, SP, ZeRO, recomputation, interleaving).
     Megatron,
     /// The intra-op ILP per layer and submesh with Alpa's stage DP.
     Ilp,
@@ -99,7 +98,7 @@ pub struct IlpSearch {
 }
 
 impl IlpSearch {
-    /// The default: Megatron-LM's space ([`Space::default`]); micro-batches of every power of two up to 8 sequences per
+    /// The default: both spaces ([`Space::default`]); micro-batches of every power of two up to 8 sequences per
     /// GPU of a node (Megatron-LM's default micro-batches 1 to 8 at any data-parallel degree
     /// inside a node) that divides the global batch; every submesh.
     pub fn default_for(gpus_per_node: u64, global_batch: u64) -> Self {
