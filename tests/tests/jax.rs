@@ -99,11 +99,9 @@ fn default_cpu_targets_run_on_jax_as_on_one_device_and_on_the_cpu_executor() {
             c["compiled"],
         );
         // XLA inserts the plan's collectives (on the 2D mesh, an all-to-all over both axes
-        // where a split over both moves to another tensor axis), except that it gathers keys
-        // and values where the plan passes them round a ring (README).
-        if target != "tiny-llama-cpu-cp" {
-            assert_eq!(c["agree"], true, "{target}: {c}");
-        }
+        // where a split over both moves to another tensor axis), and the ring attention its
+        // collective permutes.
+        assert_eq!(c["agree"], true, "{target}: {c}");
     }
 }
 
@@ -142,6 +140,49 @@ fn a_megatron_layout_of_every_dimension_runs_on_jax() {
     // Every chunk, the embedding's (vocabulary-parallel, its gradient added into each rank's
     // rows) and the loss's included.
     assert_eq!(c["agree"], true, "{c}");
+}
+
+/// Two more context-parallel layouts on 2 x 2 CPU devices, each attention a ring written out
+/// with `shard_map` and `ppermute`: a ring of two Ulysses pairs (`a2a+p2p`), and a ring over one
+/// mesh axis while tensor parallelism splits the heads over the other (left to XLA's
+/// partitioner).
+#[test]
+fn ring_attention_runs_on_jax_beside_ulysses_and_tensor_parallelism() {
+    let Some(python) = python() else {
+        return;
+    };
+    let ws = TempWorkspace::default_copy();
+    let mut toml = ws.read("workspace.toml");
+    for (name, tp, cp, comm) in [
+        ("cp-rings-of-pairs", 1, 4, "a2a+p2p"),
+        ("cp-ring-tp", 2, 2, "p2p"),
+    ] {
+        toml.push_str(&format!(
+            "\n[[target]]\nname = \"{name}\"\nmodel = \"tiny-llama\"\ncluster = \"host-cpu-2x2\"\n\
+             global_batch = 2\nseq_len = 512\nspace = \"megatron\"\nprecision = \"fp32\"\n\
+             [target.search]\ntp = [{tp}]\ncp = [{cp}]\ncp_comm = [\"{comm}\"]\n"
+        ));
+    }
+    ws.write("workspace.toml", &toml);
+    // Per attention and micro-batch, 2 n - 1 collective permutes on a ring of n: rings of 2
+    // ranks in both (two Ulysses pairs; cp 2), 3 permutes in each of the 4 blocks.
+    for (target, permutes) in [("cp-rings-of-pairs", 4 * 3), ("cp-ring-tp", 4 * 3)] {
+        let b = ws.run(&["build", target]);
+        assert_eq!(b.code, 0, "{}", b.stderr);
+        let j = run_checked(&ws, &python, target);
+        assert_eq!(j["check"]["passed"], true, "{target}: {}", j["check"]);
+        assert_eq!(
+            j["jax"]["cpu_check"]["passed"], true,
+            "{target}: {}",
+            j["jax"]["cpu_check"]
+        );
+        let c = &j["jax"]["collectives"];
+        assert_eq!(
+            c["planned"][0]["collective_permute"], permutes,
+            "{target}: {c}"
+        );
+        assert_eq!(c["agree"], true, "{target}: {c}");
+    }
 }
 
 #[test]

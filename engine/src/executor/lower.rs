@@ -529,25 +529,34 @@ impl Program {
     }
 
     /// Collectives that kernels of virtual stage `chunk` run themselves, by name, for one
-    /// micro-batch on one device: a vocabulary-parallel loss all-reduces its rows' maximum,
-    /// sum and target logit; a ring attention passes key/value blocks round its group.
+    /// micro-batch on one device, forward and backward: a vocabulary-parallel loss all-reduces
+    /// its rows' maximum, sum and target logit; a ring attention over `n` ranks passes its
+    /// key/value block `n - 1` times forward, the block with its gradient `n - 1` times
+    /// backward and the gradient home once more: `2 n - 1` collective permutes.
     pub fn kernel_collectives(&self, chunk: usize) -> BTreeMap<&'static str, usize> {
         let mut out = BTreeMap::new();
         let Some(code) = self.chunks.get(chunk) else {
             return out;
         };
+        let mesh = self.layout.mesh(code.stage);
         for step in &code.steps {
-            let parallel = |axes: &[usize]| {
-                axes.iter()
-                    .any(|&a| self.layout.mesh(code.stage).get(a).is_some_and(|&n| n > 1))
-            };
-            if let Kernel::CrossEntropy {
-                vocab_parallel: true,
-                ..
-            } = step.kernel
-                && parallel(&step.kernel_axes)
-            {
-                *out.entry("all_reduce").or_insert(0) += 3;
+            let group: usize = step
+                .kernel_axes
+                .iter()
+                .map(|&a| mesh.get(a).copied().unwrap_or(1))
+                .product();
+            if group < 2 {
+                continue;
+            }
+            match step.kernel {
+                Kernel::CrossEntropy {
+                    vocab_parallel: true,
+                    ..
+                } => *out.entry("all_reduce").or_insert(0) += 3,
+                Kernel::Attention {
+                    keys: Keys::Ring, ..
+                } => *out.entry("collective_permute").or_insert(0) += 2 * group - 1,
+                _ => {}
             }
         }
         out

@@ -121,6 +121,95 @@ def attention(q, k, v, scale, causal=True):
     return jnp.swapaxes(out, 1, 2)
 
 
+def ring_attention(q, k, v, scale, shard, axes, causal=True):
+    """Attention of q [b, h, s, d] against k, v [b, g, s, d], each split along the sequence
+    over mesh axes `axes` (the context-parallel ranks): every rank keeps its queries and passes
+    its key/value block round the ring, one step per rank (ring attention, Megatron-Core's
+    `AttnFuncWithCPAndKVP2P`), merging blocks through each row's log-sum-exp. The backward
+    passes each block with its gradient and brings the gradients home after the last step, as
+    autopar's CPU executor does: 2 n - 1 collective permutes per call on n ranks. Returns the
+    token-major [b, s, h, d]."""
+    mesh = shard.mesh
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    s = q.shape[2]
+    table = np.asarray(positions(s))
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def shift(x):
+        return jax.lax.ppermute(x, axes, ring) if n > 1 else x
+
+    def mask_of(rank, step, sl):
+        qpos = jax.lax.dynamic_slice(table, (rank * sl,), (sl,))
+        owner = (rank + n - step) % n
+        kpos = jax.lax.dynamic_slice(table, (owner * sl,), (sl,))
+        return kpos[None, :] <= qpos[:, None]
+
+    def scores(q, k, rank, step):
+        x = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) * scale
+        if causal:
+            x = jnp.where(mask_of(rank, step, q.shape[2]), x, -jnp.inf)
+        return x
+
+    def heads(x, group):
+        return jnp.repeat(x, group, axis=1)
+
+    def fold(x, group):
+        return x.reshape((x.shape[0], x.shape[1] // group, group) + x.shape[2:]).sum(axis=2)
+
+    def forward(q, k, v):
+        rank = jax.lax.axis_index(axes) if n > 1 else 0
+        group = q.shape[1] // k.shape[1]
+        out = jnp.zeros(q.shape, q.dtype)
+        lse = jnp.full(q.shape[:-1], -jnp.inf, q.dtype)
+        kv = jnp.stack([k, v])
+        for step in range(n):
+            if step > 0:
+                kv = shift(kv)
+            x = scores(q, heads(kv[0], group), rank, step)
+            merged = jnp.logaddexp(lse, jax.nn.logsumexp(x, axis=-1))
+            out = out * jnp.exp(lse - merged)[..., None] + jnp.matmul(
+                jnp.exp(x - merged[..., None]), heads(kv[1], group))
+            lse = merged
+        return out, lse
+
+    @jax.custom_vjp
+    def local(q, k, v):
+        return forward(q, k, v)[0]
+
+    def local_fwd(q, k, v):
+        out, lse = forward(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def local_bwd(saved, dout):
+        q, k, v, out, lse = saved
+        rank = jax.lax.axis_index(axes) if n > 1 else 0
+        group = q.shape[1] // k.shape[1]
+        delta = jnp.sum(dout * out, axis=-1)
+        dq = jnp.zeros_like(q)
+        state = jnp.stack([k, v, jnp.zeros_like(k), jnp.zeros_like(v)])
+        for step in range(n):
+            if step > 0:
+                state = shift(state)
+            kb, vb = heads(state[0], group), heads(state[1], group)
+            p = jnp.exp(scores(q, kb, rank, step) - lse[..., None])
+            dv = jnp.matmul(jnp.swapaxes(p, -1, -2), dout)
+            ds = scale * p * (jnp.matmul(dout, jnp.swapaxes(vb, -1, -2)) - delta[..., None])
+            dq = dq + jnp.matmul(ds, kb)
+            dk = jnp.matmul(jnp.swapaxes(ds, -1, -2), q)
+            state = state.at[2].add(fold(dk, group)).at[3].add(fold(dv, group))
+        grads = shift(state[2:]) if n > 1 else state[2:]
+        return dq, grads[0], grads[1]
+
+    local.defvjp(local_fwd, local_bwd)
+    seq = P(None, None, axes, None)
+
+    def body(q, k, v):
+        return jnp.swapaxes(local(q, k, v), 1, 2)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq), out_specs=P(None, axes, None, None),
+                         axis_names=set(axes), check_vma=False)(q, k, v)
+
+
 def cross_entropy(logits, labels):
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]

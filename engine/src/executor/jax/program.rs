@@ -12,6 +12,7 @@
 //! does.
 
 use crate::executor::ExecError;
+use crate::executor::attention::Keys;
 use crate::executor::kernels::Kernel;
 use crate::executor::lower::{Action, ChunkCode, Init, Program, Role};
 use crate::executor::placement::{Conversion, Placement, State};
@@ -49,6 +50,7 @@ const RESERVED: &[&str] = &[
     "swiglu",
     "rope",
     "attention",
+    "ring_attention",
     "cross_entropy",
     "split",
     "positions",
@@ -736,18 +738,38 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
                 Kernel::SwiGlu => format!("swiglu({}, pieces={})", arg(0)?, pieces(0)),
                 Kernel::Identity => format!("{}  # dropout, run with probability 0", arg(0)?),
                 Kernel::Rope { .. } => format!("rope({})", arg(0)?),
-                Kernel::Attention { scale, .. } => {
+                Kernel::Attention { scale, keys, .. } => {
                     let causal = writer(graph, step.outputs[0]).is_none_or(|o| {
                         !matches!(o.kind, OpKind::FlashAttention { causal: false })
                     });
-                    format!(
-                        "attention({}, {}, {}, {}{})",
-                        arg(0)?,
-                        arg(1)?,
-                        arg(2)?,
-                        f32_literal(*scale),
-                        if causal { "" } else { ", causal=False" }
-                    )
+                    let causal = if causal { "" } else { ", causal=False" };
+                    let (q, k, v, scale) = (arg(0)?, arg(1)?, arg(2)?, f32_literal(*scale));
+                    if *keys == Keys::Ring {
+                        // The ring runs over the kernel's group, which must be the mesh axes
+                        // that split the queries' sequence (axis 2 of [b, h, s, d]), major
+                        // first as the sharding and the CPU executor's groups order them.
+                        let read = converted(
+                            &prog.values[step.inputs[0] as usize].placement,
+                            step.before.first().map_or(&[][..], Vec::as_slice),
+                        );
+                        let axes: Vec<String> =
+                            step.kernel_axes.iter().map(|a| format!("m{a}")).collect();
+                        if axes.is_empty()
+                            || entries(&read).and_then(|e| e.get(2).cloned()) != Some(axes.clone())
+                        {
+                            return Err(refuse(
+                                "a ring attention whose queries are not split along the sequence \
+                                 over its ring's mesh axes",
+                            ));
+                        }
+                        let axes: Vec<String> = axes.iter().map(|a| quoted(a)).collect();
+                        format!(
+                            "ring_attention({q}, {k}, {v}, {scale}, shard, ({},){causal})",
+                            axes.join(", ")
+                        )
+                    } else {
+                        format!("attention({q}, {k}, {v}, {scale}{causal})")
+                    }
                 }
                 Kernel::CrossEntropy { .. } => {
                     format!("cross_entropy({}, {})", arg(0)?, arg(1)?)
