@@ -1057,9 +1057,11 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
         let _ = writeln!(
             s,
             "collectives of one micro-batch per virtual stage, the plan's (+ gradients it \
-             reduces once per step) against XLA's: {}",
+             reduces once per step; + at most the recomputed layers' forward ones) against \
+             XLA's: {}",
             if c.agree { "they agree" } else { "they differ" }
         );
+        let none = autopar_engine::run::CollectiveCounts::new();
         for (i, ((p, d), x)) in c
             .planned
             .iter()
@@ -1067,14 +1069,20 @@ pub fn run(o: &autopar_engine::run::RunOutcome) -> String {
             .zip(&c.compiled)
             .enumerate()
         {
+            let r = c.recomputed.get(i).unwrap_or(&none);
             let _ = writeln!(
                 s,
-                "  virtual stage {i}: plan {}{} · XLA {}",
+                "  virtual stage {i}: plan {}{}{} · XLA {}",
                 counts(p),
                 if d.is_empty() {
                     String::new()
                 } else {
                     format!(" (+ {})", counts(d))
+                },
+                if r.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (+ at most {} recomputed)", counts(r))
                 },
                 counts(x)
             );

@@ -13,10 +13,11 @@ use autopar_rules::canonical::digest;
 use autopar_rules::cost::context_parallel::hierarchical_inner;
 use autopar_rules::cost::sharding::Spec;
 use autopar_rules::model::frontend::LowerOptions;
-use autopar_rules::model::graph::{DType, Graph, Pass, TensorId, TensorKind};
+use autopar_rules::model::graph::{DType, Graph, LayerKind, Pass, TensorId, TensorKind};
 use autopar_rules::plan::estimate::TimeBreakdown;
 use autopar_rules::plan::format::{Plan, SpaceBest};
 use autopar_rules::plan::ilp::{self, IlpPlan, OpSpecs, Space};
+use autopar_rules::plan::layout::Recompute;
 use autopar_store::EntryMeta;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -128,12 +129,18 @@ pub struct Collectives {
     /// parallelism inside an intra-op plan's mesh, sequence-parallel norm weights) and XLA
     /// reduces in every micro-batch's backward instead: one all-reduce each.
     pub deferred: Vec<CollectiveCounts>,
+    /// Per virtual stage, the forward collectives of the steps the plan recomputes
+    /// (`jax.checkpoint`ed): the backward runs again those whose results its gradients read,
+    /// which XLA decides, so these bound what recomputation adds.
+    #[serde(default)]
+    pub recomputed: Vec<CollectiveCounts>,
     /// XLA's, per virtual stage: the compiled forward and backward functions together.
     pub compiled: Vec<CollectiveCounts>,
     /// XLA's in every stage's optimizer step (the replicas' gradient reduction, ZeRO's
     /// gathers); the plan's step synchronisation is priced, not counted per micro-batch.
     pub compiled_update: Vec<CollectiveCounts>,
-    /// Whether every virtual stage's compiled counts are its planned ones plus its deferred.
+    /// Whether every virtual stage's compiled counts are its planned ones plus its deferred,
+    /// plus at most its recomputed ones.
     pub agree: bool,
 }
 
@@ -165,6 +172,9 @@ pub fn exec_layout(plan: &Plan) -> ExecLayout {
         meshes: Vec::new(),
         placements: BTreeMap::new(),
         states: BTreeMap::new(),
+        // Set with the graph ([`megatron_recomputed`]).
+        recomputed: Vec::new(),
+        recompute_attention: l.recompute == Recompute::Selective,
     }
 }
 
@@ -276,7 +286,30 @@ fn prepare_megatron(ws: &Workspace, plan: &Plan) -> Result<(Graph, ExecLayout), 
         ))
         .into());
     }
-    Ok((plan_graph(ws, plan)?, exec_layout(plan)))
+    let graph = plan_graph(ws, plan)?;
+    let mut layout = exec_layout(plan);
+    layout.recomputed = megatron_recomputed(plan, &graph);
+    Ok((graph, layout))
+}
+
+/// The layers a Megatron-LM layout recomputes in full: each chunk's first `full_recompute`
+/// blocks (`--recompute-method block --recompute-num-layers N`).
+fn megatron_recomputed(plan: &Plan, graph: &Graph) -> Vec<usize> {
+    plan.estimate
+        .stages
+        .iter()
+        .flat_map(|s| &s.chunks)
+        .flat_map(|c| {
+            (c.first..=c.last)
+                .filter(|&l| {
+                    graph
+                        .layers
+                        .get(l)
+                        .is_some_and(|x| x.kind == LayerKind::Block)
+                })
+                .take(c.full_recompute)
+        })
+        .collect()
 }
 
 /// The graph and layout running `ilp`, the plan's ILP pipeline, or why the executor cannot:
@@ -361,6 +394,11 @@ fn ilp_layout(ws: &Workspace, plan: &Plan, ilp: &IlpPlan) -> Result<(Graph, Exec
     let (placements, states) = ilp_placements(&graph, ilp, &meshes)?;
     let layout = ExecLayout {
         grad_accumulation_fusion: plan.training.grad_accumulation_fusion,
+        recomputed: ilp
+            .stages
+            .iter()
+            .flat_map(|s| s.recomputed.iter().copied())
+            .collect(),
         ..ExecLayout::on_meshes(
             meshes,
             ilp.num_microbatches as usize,
@@ -756,7 +794,7 @@ fn run_jax(
         dump: opts.check.then_some(dump.as_path()),
         hlo: Some(&hlo),
     })?;
-    let collectives = compiled_collectives(prog, &hlo)?;
+    let collectives = compiled_collectives(graph, prog, &hlo)?;
     let (check, cpu_check) = match &sharded.snapshot {
         Some(ours) => {
             let single = jax::run(&jax::Invocation {
@@ -803,7 +841,11 @@ fn run_jax(
 /// The plan's collectives beside the ones XLA's SPMD partitioner inserted, read from the HLO
 /// the program dumped into `hlo` after that pass (`jit_forward_<chunk>`, `jit_backward_<chunk>`,
 /// `jit_update_<stage>`; the first compilation of each).
-fn compiled_collectives(prog: &Program, hlo: &std::path::Path) -> Result<Collectives, ExecError> {
+fn compiled_collectives(
+    graph: &Graph,
+    prog: &Program,
+    hlo: &std::path::Path,
+) -> Result<Collectives, ExecError> {
     let files: Vec<String> = std::fs::read_dir(hlo)
         .map_err(|e| {
             ExecError::Panic(format!(
@@ -912,10 +954,33 @@ fn compiled_collectives(prog: &Program, hlo: &std::path::Path) -> Result<Collect
             e
         })
         .collect();
+    let recomputed: Vec<CollectiveCounts> = (0..prog.chunks.len())
+        .map(|c| {
+            let keys = jax::program::recompute_keys(graph, prog, c);
+            prog.forward_calls(c, |i| keys.get(i).is_some_and(Option::is_some))
+                .into_iter()
+                .map(|(k, n)| (k.to_string(), n))
+                .collect()
+        })
+        .collect();
+    let agree = expected.len() == compiled.len()
+        && expected
+            .iter()
+            .zip(&recomputed)
+            .zip(&compiled)
+            .all(|((e, r), c)| {
+                let kinds: std::collections::BTreeSet<&String> =
+                    e.keys().chain(r.keys()).chain(c.keys()).collect();
+                kinds.into_iter().all(|k| {
+                    let at = |m: &CollectiveCounts| m.get(k).copied().unwrap_or(0);
+                    (at(e)..=at(e) + at(r)).contains(&at(c))
+                })
+            });
     Ok(Collectives {
-        agree: expected == compiled,
+        agree,
         planned,
         deferred,
+        recomputed,
         compiled,
         compiled_update,
     })

@@ -185,6 +185,93 @@ fn ring_attention_runs_on_jax_beside_ulysses_and_tensor_parallelism() {
     }
 }
 
+/// Recomputation under `jax.checkpoint`: selective (every attention core) and full (the first
+/// blocks, as many as fit a device with 96.5% of its memory held back), each checked against
+/// one device and the CPU executor; full recomputation runs some of each block's forward
+/// collectives again in the backward pass, within what the plan bounds.
+#[test]
+fn recomputed_layers_run_under_jax_checkpoint() {
+    let Some(python) = python() else {
+        return;
+    };
+    let ws = TempWorkspace::default_copy();
+    let mut toml = ws.read("workspace.toml");
+    for (name, extra, recompute) in [
+        ("recompute-selective", "", "selective"),
+        ("recompute-full", "memory_headroom = 0.965\n", "full"),
+    ] {
+        toml.push_str(&format!(
+            "\n[[target]]\nname = \"{name}\"\nmodel = \"tiny-llama\"\ncluster = \"host-cpu-2\"\n\
+             global_batch = 2\nseq_len = 256\nspace = \"megatron\"\nprecision = \"fp32\"\n{extra}\
+             [target.search]\ntp = [2]\nmicro_batch = [2]\nrecompute = [\"{recompute}\"]\n"
+        ));
+    }
+    ws.write("workspace.toml", &toml);
+    for target in ["recompute-selective", "recompute-full"] {
+        let b = ws.run(&["build", target]);
+        assert_eq!(b.code, 0, "{}", b.stderr);
+        let plan: serde_json::Value =
+            serde_json::from_str(&ws.read(&format!("plans/{target}.json"))).expect("plan");
+        // Blocks recomputed in full, or (selective) the 4 blocks' attention cores.
+        let blocks: u64 = plan["estimate"]["stages"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|s| s["chunks"].as_array().into_iter().flatten())
+            .map(|c| c["full_recompute"].as_u64().unwrap_or(0))
+            .sum();
+        let regions = if target == "recompute-full" {
+            blocks
+        } else {
+            4
+        };
+        assert!(regions > 0, "{target} recomputes nothing: {plan}");
+        let out = ws.path().join(format!("{target}.py"));
+        let e = ws.run(&[
+            "export",
+            target,
+            "--format",
+            "jax",
+            "-o",
+            &out.to_string_lossy(),
+        ]);
+        assert_eq!(e.code, 0, "{}", e.stderr);
+        let program = std::fs::read_to_string(&out).expect("the program");
+        assert_eq!(
+            program.matches("= jax.checkpoint(recomputed_").count() as u64,
+            regions,
+            "{target}"
+        );
+        let j = run_checked(&ws, &python, target);
+        assert_eq!(j["check"]["passed"], true, "{target}: {}", j["check"]);
+        assert_eq!(
+            j["jax"]["cpu_check"]["passed"], true,
+            "{target}: {}",
+            j["jax"]["cpu_check"]
+        );
+        let c = &j["jax"]["collectives"];
+        assert_eq!(c["agree"], true, "{target}: {c}");
+        if target == "recompute-full" {
+            // Each block's tensor-parallel collectives bound what recomputation adds; the
+            // backward runs again those whose results its gradients read (at least one per
+            // block: the attention's output, which the MLP's norm reads).
+            let total = |m: &serde_json::Value| -> u64 {
+                m.as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(_, n)| n.as_u64().unwrap_or(0))
+                    .sum()
+            };
+            let (planned, deferred) = (total(&c["planned"][0]), total(&c["deferred"][0]));
+            let (bound, compiled) = (total(&c["recomputed"][0]), total(&c["compiled"][0]));
+            assert!(bound >= 2 * regions, "{c}");
+            assert!(compiled >= planned + deferred + regions, "{c}");
+        } else {
+            assert_eq!(c["recomputed"][0], serde_json::json!({}), "{c}");
+        }
+    }
+}
+
 #[test]
 fn the_exported_program_is_readable_python_of_the_plan() {
     let ws = TempWorkspace::default_copy();

@@ -96,6 +96,15 @@ pub struct ExecLayout {
     /// not name keeps its states as its weight is placed.
     #[serde(default)]
     pub states: BTreeMap<String, Placement>,
+    /// Layers whose forward the backward pass runs again: under full recomputation a
+    /// Megatron-LM chunk's first blocks, or the layers an ILP stage recomputes. Both backends
+    /// compute the same numbers either way; the CPU backend keeps every activation, the JAX
+    /// program wraps these layers in `jax.checkpoint`.
+    #[serde(default)]
+    pub recomputed: Vec<usize>,
+    /// Every attention core recomputed (selective recomputation), as [`ExecLayout::recomputed`].
+    #[serde(default)]
+    pub recompute_attention: bool,
 }
 
 fn one() -> usize {
@@ -134,6 +143,8 @@ impl ExecLayout {
             meshes: Vec::new(),
             placements: BTreeMap::new(),
             states: BTreeMap::new(),
+            recomputed: Vec::new(),
+            recompute_attention: false,
         }
     }
 
@@ -496,24 +507,39 @@ impl Program {
     /// mesh axis and columns along the other is two).
     pub fn collective_calls(&self, chunk: usize) -> BTreeMap<&'static str, usize> {
         let mut out = BTreeMap::new();
+        if let Some(code) = self.chunks.get(chunk) {
+            for step in &code.steps {
+                count_calls(Self::lists(step), &mut out);
+            }
+        }
+        out
+    }
+
+    /// The collectives that running the forward of steps `again` of virtual stage `chunk` once
+    /// more would issue (recomputation): their forward conversions, counted as
+    /// [`Program::collective_calls`] counts them, and their kernels' forward collectives.
+    pub fn forward_calls(
+        &self,
+        chunk: usize,
+        again: impl Fn(usize) -> bool,
+    ) -> BTreeMap<&'static str, usize> {
+        let mut out = BTreeMap::new();
         let Some(code) = self.chunks.get(chunk) else {
             return out;
         };
-        for step in &code.steps {
-            for list in Self::lists(step) {
-                let mut previous: Option<&Conversion> = None;
-                for c in list.iter().filter(|c| c.communicates()) {
-                    let merged = previous.is_some_and(|p| {
-                        p.name() == c.name()
-                            && p.mask() & c.mask() == 0
-                            && !matches!(c, Conversion::AllToAll { .. })
-                            && gathered_axis(p) == gathered_axis(c)
-                    });
-                    if !merged {
-                        *out.entry(c.name()).or_insert(0) += 1;
-                    }
-                    previous = Some(c);
-                }
+        let mesh = self.layout.mesh(code.stage);
+        for (_, step) in code.steps.iter().enumerate().filter(|(i, _)| again(*i)) {
+            count_calls(step.before.iter().chain(&step.after), &mut out);
+            let group = kernel_group_size(step, &mesh);
+            match step.kernel {
+                Kernel::CrossEntropy {
+                    vocab_parallel: true,
+                    ..
+                } if group > 1 => *out.entry("all_reduce").or_insert(0) += 3,
+                Kernel::Attention {
+                    keys: Keys::Ring, ..
+                } if group > 1 => *out.entry("collective_permute").or_insert(0) += group - 1,
+                _ => {}
             }
         }
         out
@@ -540,11 +566,7 @@ impl Program {
         };
         let mesh = self.layout.mesh(code.stage);
         for step in &code.steps {
-            let group: usize = step
-                .kernel_axes
-                .iter()
-                .map(|&a| mesh.get(a).copied().unwrap_or(1))
-                .product();
+            let group = kernel_group_size(step, &mesh);
             if group < 2 {
                 continue;
             }
@@ -560,6 +582,37 @@ impl Program {
             }
         }
         out
+    }
+}
+
+/// Devices in the group a step's kernel talks to (1 when it does not).
+fn kernel_group_size(step: &Step, mesh: &[usize]) -> usize {
+    step.kernel_axes
+        .iter()
+        .map(|&a| mesh.get(a).copied().unwrap_or(1))
+        .product()
+}
+
+/// Adds the collectives of conversion `lists` to `out`, as calls: consecutive conversions of
+/// one kind along different mesh axes in one list, on the same tensor axis, are one.
+fn count_calls<'a>(
+    lists: impl Iterator<Item = &'a Vec<Conversion>>,
+    out: &mut BTreeMap<&'static str, usize>,
+) {
+    for list in lists {
+        let mut previous: Option<&Conversion> = None;
+        for c in list.iter().filter(|c| c.communicates()) {
+            let merged = previous.is_some_and(|p| {
+                p.name() == c.name()
+                    && p.mask() & c.mask() == 0
+                    && !matches!(c, Conversion::AllToAll { .. })
+                    && gathered_axis(p) == gathered_axis(c)
+            });
+            if !merged {
+                *out.entry(c.name()).or_insert(0) += 1;
+            }
+            previous = Some(c);
+        }
     }
 }
 

@@ -383,6 +383,30 @@ fn writer(graph: &Graph, v: u32) -> Option<&autopar_rules::model::graph::Op> {
         .find(|o| o.grad_of.is_none() && o.outputs.contains(&TensorId(v)))
 }
 
+/// Per step of virtual stage `chunk`, the recomputed region it belongs to: its layer, and
+/// whether only the layer's attention core is recomputed (selective recomputation); `None`
+/// for steps whose activations are kept. A step writing only values the lowering introduced
+/// goes with the step before it.
+pub fn recompute_keys(graph: &Graph, prog: &Program, chunk: usize) -> Vec<Option<(u32, bool)>> {
+    let l = &prog.layout;
+    let mut key = None;
+    let Some(code) = prog.chunks.get(chunk) else {
+        return Vec::new();
+    };
+    code.steps
+        .iter()
+        .map(|step| {
+            key = match step.outputs.first().and_then(|&o| writer(graph, o)) {
+                Some(op) if l.recomputed.contains(&(op.layer as usize)) => Some((op.layer, false)),
+                Some(op) if l.recompute_attention && op.attention_core => Some((op.layer, true)),
+                Some(_) => None,
+                None => key,
+            };
+            key
+        })
+        .collect()
+}
+
 /// `prog` (lowered from `graph`) as a self-contained JAX program.
 pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, ExecError> {
     let l = &prog.layout;
@@ -433,6 +457,8 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
     let mut src = String::new();
     let name = |v: u32| prog.values[v as usize].name.clone();
     let devices = l.devices();
+    // `jax.checkpoint`ed regions written so far (their functions are numbered).
+    let mut checkpoints = 0usize;
     // Header and imports: XLA's device count must be set before JAX is imported.
     let _ = writeln!(
         src,
@@ -615,7 +641,20 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
             }
             expr_of.insert(v, var);
         }
-        for step in &code.steps {
+        let mut region: Option<Region> = None;
+        let keys = recompute_keys(graph, prog, c);
+        // Where each value is last read: a region returns what is read after it.
+        let mut last_read: HashMap<u32, usize> = HashMap::new();
+        for (i, step) in code.steps.iter().enumerate() {
+            for &v in &step.inputs {
+                last_read.insert(v, i);
+            }
+        }
+        for &v in code.send.iter().chain(std::iter::once(&prog.loss)) {
+            last_read.insert(v, usize::MAX);
+        }
+        for (i, step) in code.steps.iter().enumerate() {
+            let mut lines = String::new();
             // An operand the plan converts before the kernel reads it is read through a
             // constraint to that placement: XLA then inserts the plan's collective there, and
             // the backward pass keeps what the kernel read (as the plan's kernels do).
@@ -829,7 +868,7 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
                 .iter()
                 .map(|&o| names.var(o, &name(o)))
                 .collect();
-            let _ = writeln!(src, "    {} = {call}", outs.join(", "));
+            let _ = writeln!(lines, "    {} = {call}", outs.join(", "));
             // What the kernel writes, where the plan converts it afterwards: held there first,
             // so that XLA converts it as the plan does. A row gather from a table split by rows
             // writes partial rows, completed where they are written (else XLA's propagation
@@ -847,15 +886,40 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
                     .filter(|w| !after.is_empty() && *w != prog.values[o as usize].placement)
                     .and_then(|w| entries(&w))
                 {
-                    let _ = writeln!(src, "    {var} = shard({var}, {})", render(&e));
+                    let _ = writeln!(lines, "    {var} = shard({var}, {})", render(&e));
                 }
             }
             for (&o, var) in step.outputs.iter().zip(&outs) {
                 if let Some(s) = specs.get(&name(o)) {
-                    let _ = writeln!(src, "    {var} = shard({var}, {s})");
+                    let _ = writeln!(lines, "    {var} = shard({var}, {s})");
                 }
                 expr_of.insert(o, var.clone());
             }
+            // Steps the plan recomputes run inside one `jax.checkpoint`ed function per layer
+            // (or attention core), so that the backward pass runs their forward again.
+            match (&mut region, keys[i]) {
+                (Some(r), Some(k)) if r.key == k => r.add(step, &lines),
+                (_, k) => {
+                    if let Some(done) = region.take() {
+                        done.write(&mut src, &mut checkpoints, &expr_of, |v| {
+                            last_read.get(&v).is_some_and(|&r| r >= i)
+                        })?;
+                    }
+                    match k {
+                        Some(k) => {
+                            let mut r = Region::new(k, &graph.layers[k.0 as usize].name);
+                            r.add(step, &lines);
+                            region = Some(r);
+                        }
+                        None => src.push_str(&lines),
+                    }
+                }
+            }
+        }
+        if let Some(done) = region.take() {
+            done.write(&mut src, &mut checkpoints, &expr_of, |v| {
+                last_read.get(&v) == Some(&usize::MAX)
+            })?;
         }
         let returned: Vec<String> = if c + 1 == prog.chunks.len() {
             vec![format!(
@@ -892,6 +956,111 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
     src.push_str(OPS);
     src.push_str(RUNTIME);
     Ok(src)
+}
+
+/// Consecutive steps of one recomputed layer (or of one layer's attention core), written as a
+/// function that `jax.checkpoint` wraps: its forward runs again in the backward pass, and only
+/// its operands are kept.
+struct Region {
+    /// Layer, and whether only its attention core is recomputed.
+    key: (u32, bool),
+    /// The layer's name.
+    layer: String,
+    /// The steps' code, indented for the chunk's function.
+    body: String,
+    /// Values the steps read, in order.
+    inputs: Vec<u32>,
+    /// Values the steps write.
+    outputs: Vec<u32>,
+}
+
+impl Region {
+    fn new(key: (u32, bool), layer: &str) -> Region {
+        Region {
+            key,
+            layer: layer.to_string(),
+            body: String::new(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+        }
+    }
+
+    fn add(&mut self, step: &crate::executor::lower::Step, lines: &str) {
+        for &v in &step.inputs {
+            if !self.outputs.contains(&v) && !self.inputs.contains(&v) {
+                self.inputs.push(v);
+            }
+        }
+        self.outputs.extend(step.outputs.iter().copied());
+        self.body.push_str(lines);
+    }
+
+    /// Writes the function and its call: `p` (the chunk's weights) and the variables it reads
+    /// in, the values it writes that are `read_later` out, under the same names.
+    fn write(
+        self,
+        src: &mut String,
+        count: &mut usize,
+        expr_of: &HashMap<u32, String>,
+        read_later: impl Fn(u32) -> bool,
+    ) -> Result<(), ExecError> {
+        let var = |v: &u32| {
+            expr_of
+                .get(v)
+                .cloned()
+                .ok_or_else(|| err("a recomputed step reads a value the chunk does not have"))
+        };
+        let mut args = vec!["p".to_string()];
+        for v in &self.inputs {
+            let e = var(v)?;
+            if e.starts_with("p[") || args.contains(&e) {
+                continue;
+            }
+            if !e.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                return Err(err(format!(
+                    "a recomputed step reads `{e}`, not a variable"
+                )));
+            }
+            args.push(e);
+        }
+        let mut outs: Vec<String> = Vec::new();
+        for v in self.outputs.iter().filter(|&&v| read_later(v)) {
+            let e = var(v)?;
+            if !outs.contains(&e) {
+                outs.push(e);
+            }
+        }
+        let n = *count;
+        *count += 1;
+        let what = if self.key.1 {
+            "attention core"
+        } else {
+            "forward"
+        };
+        let _ = writeln!(
+            src,
+            "    def recomputed_{n}({}):\n        \"\"\"`{}`'s {what}, run again in the backward pass.\"\"\"",
+            args.join(", "),
+            self.layer
+        );
+        for line in self.body.lines() {
+            let _ = writeln!(src, "    {line}");
+        }
+        if outs.is_empty() {
+            return Err(err(format!(
+                "`{}`'s recomputed steps write nothing read after them",
+                self.layer
+            )));
+        }
+        let _ = writeln!(
+            src,
+            "        return {},\n    {}, = jax.checkpoint(recomputed_{n})({})",
+            outs.join(", "),
+            outs.join(", "),
+            args.join(", ")
+        );
+        Ok(())
+    }
 }
 
 fn py_tuple(shape: &[usize]) -> String {
