@@ -46,6 +46,34 @@ fn run_checked(ws: &TempWorkspace, python: &str, target: &str) -> serde_json::Va
     r.json()
 }
 
+/// Appends tiny-llama targets to `ws`'s workspace, in fp32 and Megatron-LM's space: each
+/// `(name, cluster, keys)`, its `keys` TOML lines with `global_batch`, `seq_len` and the
+/// `[target.search]` table.
+fn add_tiny_targets(ws: &TempWorkspace, targets: &[(&str, &str, String)]) {
+    let mut toml = ws.read("workspace.toml");
+    for (name, cluster, keys) in targets {
+        toml.push_str(&format!(
+            "\n[[target]]\nname = \"{name}\"\nmodel = \"tiny-llama\"\ncluster = \"{cluster}\"\n\
+             space = \"megatron\"\nprecision = \"fp32\"\n{keys}"
+        ));
+    }
+    ws.write("workspace.toml", &toml);
+}
+
+/// Builds `target` and runs it checked: both comparisons passed; the outcome's JSON.
+fn build_and_check(ws: &TempWorkspace, python: &str, target: &str) -> serde_json::Value {
+    let b = ws.run(&["build", target]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let j = run_checked(ws, python, target);
+    assert_eq!(j["check"]["passed"], true, "{target}: {}", j["check"]);
+    assert_eq!(
+        j["jax"]["cpu_check"]["passed"], true,
+        "{target}: {}",
+        j["jax"]["cpu_check"]
+    );
+    j
+}
+
 #[test]
 fn default_cpu_targets_run_on_jax_as_on_one_device_and_on_the_cpu_executor() {
     let Some(python) = python() else {
@@ -113,15 +141,7 @@ fn a_megatron_layout_of_every_dimension_runs_on_jax() {
     let ws = TempWorkspace::default_copy();
     // tp2 with sequence parallelism, pp2 with 2 interleaved chunks, dp2 and ZeRO-1, on 8
     // virtual devices.
-    let b = ws.run(&["build", "tiny-llama-3d"]);
-    assert_eq!(b.code, 0, "{}", b.stderr);
-    let j = run_checked(&ws, &python, "tiny-llama-3d");
-    assert_eq!(j["check"]["passed"], true, "{}", j["check"]);
-    assert_eq!(
-        j["jax"]["cpu_check"]["passed"], true,
-        "{}",
-        j["jax"]["cpu_check"]
-    );
+    let j = build_and_check(&ws, &python, "tiny-llama-3d");
     let c = &j["jax"]["collectives"];
     let (planned, deferred, compiled) = (&c["planned"], &c["deferred"], &c["compiled"]);
     assert_eq!(compiled.as_array().map(Vec::len), Some(4), "{c}");
@@ -152,30 +172,23 @@ fn ring_attention_runs_on_jax_beside_ulysses_and_tensor_parallelism() {
         return;
     };
     let ws = TempWorkspace::default_copy();
-    let mut toml = ws.read("workspace.toml");
-    for (name, tp, cp, comm) in [
-        ("cp-rings-of-pairs", 1, 4, "a2a+p2p"),
-        ("cp-ring-tp", 2, 2, "p2p"),
-    ] {
-        toml.push_str(&format!(
-            "\n[[target]]\nname = \"{name}\"\nmodel = \"tiny-llama\"\ncluster = \"host-cpu-2x2\"\n\
-             global_batch = 2\nseq_len = 512\nspace = \"megatron\"\nprecision = \"fp32\"\n\
-             [target.search]\ntp = [{tp}]\ncp = [{cp}]\ncp_comm = [\"{comm}\"]\n"
-        ));
-    }
-    ws.write("workspace.toml", &toml);
+    let keys = |tp: u32, cp: u32, comm: &str| {
+        format!(
+            "global_batch = 2\nseq_len = 512\n[target.search]\ntp = [{tp}]\ncp = [{cp}]\n\
+             cp_comm = [\"{comm}\"]\n"
+        )
+    };
+    add_tiny_targets(
+        &ws,
+        &[
+            ("cp-rings-of-pairs", "host-cpu-2x2", keys(1, 4, "a2a+p2p")),
+            ("cp-ring-tp", "host-cpu-2x2", keys(2, 2, "p2p")),
+        ],
+    );
     // Per attention and micro-batch, 2 n - 1 collective permutes on a ring of n: rings of 2
     // ranks in both (two Ulysses pairs; cp 2), 3 permutes in each of the 4 blocks.
     for (target, permutes) in [("cp-rings-of-pairs", 4 * 3), ("cp-ring-tp", 4 * 3)] {
-        let b = ws.run(&["build", target]);
-        assert_eq!(b.code, 0, "{}", b.stderr);
-        let j = run_checked(&ws, &python, target);
-        assert_eq!(j["check"]["passed"], true, "{target}: {}", j["check"]);
-        assert_eq!(
-            j["jax"]["cpu_check"]["passed"], true,
-            "{target}: {}",
-            j["jax"]["cpu_check"]
-        );
+        let j = build_and_check(&ws, &python, target);
         let c = &j["jax"]["collectives"];
         assert_eq!(
             c["planned"][0]["collective_permute"], permutes,
@@ -195,21 +208,25 @@ fn recomputed_layers_run_under_jax_checkpoint() {
         return;
     };
     let ws = TempWorkspace::default_copy();
-    let mut toml = ws.read("workspace.toml");
-    for (name, extra, recompute) in [
-        ("recompute-selective", "", "selective"),
-        ("recompute-full", "memory_headroom = 0.965\n", "full"),
-    ] {
-        toml.push_str(&format!(
-            "\n[[target]]\nname = \"{name}\"\nmodel = \"tiny-llama\"\ncluster = \"host-cpu-2\"\n\
-             global_batch = 2\nseq_len = 256\nspace = \"megatron\"\nprecision = \"fp32\"\n{extra}\
-             [target.search]\ntp = [2]\nmicro_batch = [2]\nrecompute = [\"{recompute}\"]\n"
-        ));
-    }
-    ws.write("workspace.toml", &toml);
+    let keys = |extra: &str, recompute: &str| {
+        format!(
+            "global_batch = 2\nseq_len = 256\n{extra}[target.search]\ntp = [2]\n\
+             micro_batch = [2]\nrecompute = [\"{recompute}\"]\n"
+        )
+    };
+    add_tiny_targets(
+        &ws,
+        &[
+            ("recompute-selective", "host-cpu-2", keys("", "selective")),
+            (
+                "recompute-full",
+                "host-cpu-2",
+                keys("memory_headroom = 0.965\n", "full"),
+            ),
+        ],
+    );
     for target in ["recompute-selective", "recompute-full"] {
-        let b = ws.run(&["build", target]);
-        assert_eq!(b.code, 0, "{}", b.stderr);
+        let j = build_and_check(&ws, &python, target);
         let plan: serde_json::Value =
             serde_json::from_str(&ws.read(&format!("plans/{target}.json"))).expect("plan");
         // Blocks recomputed in full, or (selective) the 4 blocks' attention cores.
@@ -241,13 +258,6 @@ fn recomputed_layers_run_under_jax_checkpoint() {
             program.matches("= jax.checkpoint(recomputed_").count() as u64,
             regions,
             "{target}"
-        );
-        let j = run_checked(&ws, &python, target);
-        assert_eq!(j["check"]["passed"], true, "{target}: {}", j["check"]);
-        assert_eq!(
-            j["jax"]["cpu_check"]["passed"], true,
-            "{target}: {}",
-            j["jax"]["cpu_check"]
         );
         let c = &j["jax"]["collectives"];
         assert_eq!(c["agree"], true, "{target}: {c}");
