@@ -528,18 +528,11 @@ impl Program {
             return out;
         };
         let mesh = self.layout.mesh(code.stage);
-        for (_, step) in code.steps.iter().enumerate().filter(|(i, _)| again(*i)) {
+        let steps = code.steps.iter().enumerate().filter(|(i, _)| again(*i));
+        for (_, step) in steps {
             count_calls(step.before.iter().chain(&step.after), &mut out);
-            let group = kernel_group_size(step, &mesh);
-            match step.kernel {
-                Kernel::CrossEntropy {
-                    vocab_parallel: true,
-                    ..
-                } if group > 1 => *out.entry("all_reduce").or_insert(0) += 3,
-                Kernel::Attention {
-                    keys: Keys::Ring, ..
-                } if group > 1 => *out.entry("collective_permute").or_insert(0) += group - 1,
-                _ => {}
+            if let Some((kind, _, forward)) = kernel_calls(step, &mesh) {
+                *out.entry(kind).or_insert(0) += forward;
             }
         }
         out
@@ -566,31 +559,37 @@ impl Program {
         };
         let mesh = self.layout.mesh(code.stage);
         for step in &code.steps {
-            let group = kernel_group_size(step, &mesh);
-            if group < 2 {
-                continue;
-            }
-            match step.kernel {
-                Kernel::CrossEntropy {
-                    vocab_parallel: true,
-                    ..
-                } => *out.entry("all_reduce").or_insert(0) += 3,
-                Kernel::Attention {
-                    keys: Keys::Ring, ..
-                } => *out.entry("collective_permute").or_insert(0) += 2 * group - 1,
-                _ => {}
+            if let Some((kind, calls, _)) = kernel_calls(step, &mesh) {
+                *out.entry(kind).or_insert(0) += calls;
             }
         }
         out
     }
 }
 
-/// Devices in the group a step's kernel talks to (1 when it does not).
-fn kernel_group_size(step: &Step, mesh: &[usize]) -> usize {
-    step.kernel_axes
+/// The collectives a step's kernel runs itself for one micro-batch on a stage of `mesh`
+/// ([`Program::kernel_collectives`]): their kind, how many forward and backward together, and
+/// how many of those in the forward. `None` for a kernel that does not talk.
+fn kernel_calls(step: &Step, mesh: &[usize]) -> Option<(&'static str, usize, usize)> {
+    let group: usize = step
+        .kernel_axes
         .iter()
         .map(|&a| mesh.get(a).copied().unwrap_or(1))
-        .product()
+        .product();
+    if group < 2 {
+        return None;
+    }
+    match step.kernel {
+        // The rows' maximum, sum and target logit, all in the forward.
+        Kernel::CrossEntropy {
+            vocab_parallel: true,
+            ..
+        } => Some(("all_reduce", 3, 3)),
+        Kernel::Attention {
+            keys: Keys::Ring, ..
+        } => Some(("collective_permute", 2 * group - 1, group - 1)),
+        _ => None,
+    }
 }
 
 /// Adds the collectives of conversion `lists` to `out`, as calls: consecutive conversions of
