@@ -769,6 +769,8 @@ pub enum RecomputeArg {
     Selective,
     /// Recompute whole blocks.
     Full,
+    /// torchtitan's `op` policy: keep attention outputs and every other linear output.
+    SelectiveOp,
 }
 
 impl From<RecomputeArg> for Recompute {
@@ -777,6 +779,7 @@ impl From<RecomputeArg> for Recompute {
             RecomputeArg::None => Recompute::None,
             RecomputeArg::Selective => Recompute::Selective,
             RecomputeArg::Full => Recompute::Full,
+            RecomputeArg::SelectiveOp => Recompute::SelectiveOp,
         }
     }
 }

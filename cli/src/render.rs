@@ -1362,7 +1362,7 @@ pub fn validation(file: &Path, v: &autopar_engine::validate::Validation) -> Stri
     );
     let _ = writeln!(
         out,
-        "{:>5}  {:<14} {:<15} {:<30} {:>5} {:<18} {:>9} {:>10} {:>7} {:>7} {:>8} {:>7}",
+        "{:>5}  {:<14} {:<15} {:<40} {:>5} {:<18} {:>9} {:>10} {:>7} {:>7} {:>8} {:>7}",
         "line",
         "model",
         "cluster",
@@ -1392,11 +1392,15 @@ pub fn validation(file: &Path, v: &autopar_engine::validate::Validation) -> Stri
         };
         let _ = writeln!(
             out,
-            "{:>5}  {:<14} {:<15} {:<30} {:>5} {:<18} {:>9} {:>10} {:>7} {:>7} {:>8} {:>7}",
+            "{:>5}  {:<14} {:<15} {:<40} {:>5} {:<18} {:>9} {:>10} {:>7} {:>7} {:>8} {:>7}",
             r.line,
             model_name(&r.model),
             r.cluster,
-            layout_cell(&r.layout),
+            match r.recompute_layers {
+                // The blocks recomputed per stage, after the policy.
+                Some(n) => layout_cell(&r.layout).replacen(" rc=full", &format!(" rc=full:{n}"), 1),
+                None => layout_cell(&r.layout),
+            },
             r.seq,
             r.runtime,
             measured,

@@ -162,8 +162,7 @@ pub fn calibrate(
             let (cluster, profile) = &clusters[r.cluster.as_str()];
             let opts = run_options(file, r, def)?;
             let est = Estimator::new(name, def, cluster, opts).with_profile(profile.as_ref());
-            est.evaluate(&r.layout)
-                .map_err(|e| layout_error(file, r, e))?;
+            r.price(&est).map_err(|e| layout_error(file, r, e))?;
             Ok((opts, est.graphs()))
         })
         .collect::<Result<_, EngineError>>()?;
@@ -182,10 +181,10 @@ pub fn calibrate(
                     k.set(&mut c.device, v);
                 }
                 let (opts, graphs) = &prepared[i];
-                Estimator::new(name, def, &c, *opts)
+                let est = Estimator::new(name, def, &c, *opts)
                     .with_profile(profile.as_ref())
-                    .with_graphs(graphs.clone())
-                    .evaluate(&r.layout)
+                    .with_graphs(graphs.clone());
+                r.price(&est)
                     .map(|e| e.step_time_s)
                     .map_err(|e| layout_error(file, r, e))
             })

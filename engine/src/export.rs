@@ -59,6 +59,11 @@ pub struct ExportOptions {
     pub deepspeed_config: String,
 }
 
+/// Why a framework other than torchtitan cannot run torchtitan's op policy.
+const OP_POLICY: &str = "torchtitan's `op` policy of selective activation checkpointing \
+    (`selective-op`); Megatron-LM's recomputation is selective (the attention core) or full \
+    (whole blocks)";
+
 fn cannot(framework: Framework, what: impl Into<String>) -> EngineError {
     EngineError::Inexpressible {
         framework: framework.name(),
@@ -68,6 +73,11 @@ fn cannot(framework: Framework, what: impl Into<String>) -> EngineError {
 
 /// The launch layout an export realises, or why the plan has none.
 fn launch(plan: &Plan, o: &ExportOptions) -> Result<LaunchLayout, EngineError> {
+    if o.framework == Framework::Megatron
+        && plan.estimate.layout.recompute == Recompute::SelectiveOp
+    {
+        return Err(cannot(o.framework, OP_POLICY));
+    }
     if plan.space == Space::Ilp && !plan.megatron_expressible && !o.megatron_layout {
         let why = plan
             .ilp
@@ -229,6 +239,7 @@ fn nemo(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<String, 
             json!("block"),
             json!(l.chunks.iter().map(|k| k.full_recompute).max().unwrap_or(0)),
         ),
+        Recompute::SelectiveOp => return Err(cannot(f, OP_POLICY)),
     };
     let precision = match plan.training.precision {
         Precision::Bf16 => json!("bf16"),
@@ -392,7 +403,7 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
     }
     let mode = match lay.recompute {
         Recompute::None => "none",
-        Recompute::Selective => "selective",
+        Recompute::Selective | Recompute::SelectiveOp => "selective",
         Recompute::Full if l.every_block_recomputed => "full",
         Recompute::Full => {
             return Err(cannot(
@@ -753,6 +764,7 @@ fn megatron_deepspeed(
             "--checkpoint-activations".into(),
             "--deepspeed-activation-checkpointing".into(),
         ]),
+        Recompute::SelectiveOp => return Err(cannot(f, OP_POLICY)),
         Recompute::Selective | Recompute::Full => {
             return Err(cannot(
                 f,

@@ -16,7 +16,8 @@
 //! | `vp`          | no (1)   | model chunks per pipeline stage |
 //! | `seq`         | no       | sequence length (default: the model's) |
 //! | `sp`          | no (false) | sequence parallelism (`true`/`false`/`1`/`0`) |
-//! | `recompute`   | no (none) | `none`, `selective` or `full` |
+//! | `recompute`   | no (none) | `none`, `selective`, `full` or `selective-op` (torchtitan's `op` policy) |
+//! | `recompute_layers` | no (all) | under `full`: blocks recomputed per pipeline stage (Megatron-LM's `--recompute-method block --recompute-num-layers N`; torchtitan's every-other-block checkpointing of L blocks on one stage is L/2) |
 //! | `zero`        | no (0)   | ZeRO stage, or the distributed optimizer as stage 1 |
 //! | `runtime`     | no (megatron-core) | the runtime preset ([`Runtime`]) |
 //! | `precision`   | no       | `bf16`, `fp16` or `fp32` (default: the runtime's) |
@@ -33,13 +34,14 @@ use autopar_rules::cost::context_parallel::CpComm;
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::limits;
 use autopar_rules::model::frontend::Attention;
-use autopar_rules::plan::layout::{Layout, Recompute};
+use autopar_rules::plan::estimate::{Estimate, Estimator};
+use autopar_rules::plan::layout::{Layout, LayoutError, Recompute};
 use autopar_rules::plan::runtime::{GivenSettings, Runtime};
 use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Every column a runs file may have.
-pub const COLUMNS: [&str; 26] = [
+pub const COLUMNS: [&str; 27] = [
     "model",
     "cluster",
     "tp",
@@ -55,6 +57,7 @@ pub const COLUMNS: [&str; 26] = [
     "seq",
     "sp",
     "recompute",
+    "recompute_layers",
     "zero",
     "runtime",
     "precision",
@@ -98,10 +101,24 @@ pub struct MeasuredRun {
     pub attention: Option<Attention>,
     /// The runtime settings the run states (the others are the runtime's).
     pub settings: GivenSettings,
+    /// Under full recomputation, how many blocks of each stage are recomputed (all when
+    /// absent).
+    pub recompute_layers: Option<u64>,
     /// Measured step time.
     pub step_time: MeasuredTime,
     /// Measured peak memory per GPU, GiB.
     pub memory_gib: Option<f64>,
+}
+
+impl MeasuredRun {
+    /// The run priced by `est` as it ran: its layout split evenly, recomputing the blocks it
+    /// says.
+    pub fn price(&self, est: &Estimator<'_>) -> Result<Estimate, LayoutError> {
+        match self.recompute_layers {
+            Some(n) => est.evaluate_recomputing(&self.layout, n as usize),
+            None => est.evaluate(&self.layout),
+        }
+    }
 }
 
 /// Reads the runs of `path`: JSON lines when its name ends in `.jsonl` or `.json`, CSV
@@ -328,10 +345,23 @@ fn run(
                 path,
                 line,
                 "recompute",
-                "none, selective or full",
+                "none, selective, full or selective-op",
                 format!("`{v}`"),
             )
         })?,
+    };
+    let recompute_layers = match cells.get("recompute_layers") {
+        None => None,
+        Some(v) if recompute != Recompute::Full => {
+            return Err(bad(
+                path,
+                line,
+                "recompute_layers",
+                "nothing unless `recompute` is full",
+                format!("`{v}` with recompute {}", recompute.name()),
+            ));
+        }
+        Some(_) => Some(int("recompute_layers", None, limits::MAX_LAYERS)?),
     };
     let zero = match cells.get("zero") {
         None => 0,
@@ -444,6 +474,7 @@ fn run(
             overlap_grad_reduce: flag("overlap_grad_reduce")?,
             overlap_param_gather: flag("overlap_param_gather")?,
         },
+        recompute_layers,
         step_time,
         memory_gib,
     })

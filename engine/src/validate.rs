@@ -27,6 +27,9 @@ pub struct RunCheck {
     pub cluster: String,
     /// The layout.
     pub layout: Layout,
+    /// Under full recomputation, the blocks of each stage recomputed (`None`: all).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recompute_layers: Option<u64>,
     /// Sequence length priced.
     pub seq: u64,
     /// Runtime preset.
@@ -178,9 +181,8 @@ pub(crate) fn check(
     profile: Option<&Profile>,
 ) -> Result<RunCheck, EngineError> {
     let opts = run_options(file, r, def)?;
-    let e = Estimator::new(name, def, cluster, opts)
-        .with_profile(profile)
-        .evaluate(&r.layout)
+    let e = r
+        .price(&Estimator::new(name, def, cluster, opts).with_profile(profile))
         .map_err(|e| layout_error(file, r, e))?;
     let measured = match r.step_time {
         MeasuredTime::Seconds(t) => Some(t),
@@ -191,6 +193,7 @@ pub(crate) fn check(
         model: r.model.clone(),
         cluster: r.cluster.clone(),
         layout: r.layout,
+        recompute_layers: r.recompute_layers,
         seq: opts.seq,
         runtime: r.runtime.name(),
         measured_step_time_s: measured,

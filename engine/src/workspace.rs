@@ -1126,6 +1126,17 @@ impl Loader<'_> {
             out.sequence_parallel = v;
         }
         if let Some(v) = nonempty(self, &s.recompute, "recompute")? {
+            // The search and its plans speak Megatron-LM's kinds; torchtitan's op policy is
+            // priced by `estimate`, `whatif` and `validate`.
+            if let (true, Some(list)) = (v.contains(&Recompute::SelectiveOp), &s.recompute) {
+                return Err(self.diag(
+                    list.span().start,
+                    "target.search.recompute",
+                    "none, selective or full (the search plans Megatron-LM's recomputation; \
+                     price torchtitan's `selective-op` with `estimate --recompute selective-op`)",
+                    "\"selective-op\"",
+                ));
+            }
             out.recompute = v;
         }
         if let Some(v) = nonempty(self, &s.zero, "zero")? {

@@ -65,6 +65,17 @@ pub struct LayerCost {
     pub saved_selective: f64,
     /// The layer's input, the only activation kept under full recomputation, bytes per device.
     pub checkpoint: f64,
+    /// Activations kept under torchtitan's `op` policy of selective checkpointing (the input,
+    /// the attention kernel's outputs and every other linear layer's output), bytes per device.
+    #[serde(default)]
+    pub saved_op_policy: f64,
+    /// Forward time that policy re-runs during backward (every op whose output it drops, and
+    /// their forward collectives but reduce-scatters, whose outputs it keeps), s.
+    #[serde(default)]
+    pub op_policy_recompute: f64,
+    /// Forward FLOPs that policy re-runs.
+    #[serde(default)]
+    pub op_policy_flops: f64,
     /// Largest activation gradient of the backward pass, bytes per device.
     pub grad_working: f64,
     /// Parameters the layer owns, elements per device.
@@ -96,12 +107,82 @@ impl LayerCost {
             saved: 0.0,
             saved_selective: 0.0,
             checkpoint: 0.0,
+            saved_op_policy: 0.0,
+            op_policy_recompute: 0.0,
+            op_policy_flops: 0.0,
             grad_working: 0.0,
             params: 0.0,
             expert_params: 0.0,
             borrowed_params: Vec::new(),
             input_bytes: 0.0,
         }
+    }
+}
+
+/// torchtitan's `op` policy of selective activation checkpointing, walked over one block's
+/// forward ops in order (torchtitan's `_apply_ac_to_transformer_block`: a fresh count per
+/// block, `aten.mm` outputs kept when the count is odd, scaled-dot-product attention outputs
+/// always kept, everything else recomputed). The graph fuses some linear layers that
+/// torchtitan runs one by one (query/key/value, gate/up): such a product counts as one linear
+/// per part that its consumer splits it into, in the order of the parts.
+#[derive(Default)]
+struct OpPolicy {
+    linears: u32,
+}
+
+impl OpPolicy {
+    /// For forward op `o` of layer `li`: the share of its work the policy re-runs and the
+    /// share of its outputs it keeps.
+    fn share(&mut self, ctx: &LayerCostContext<'_>, li: usize, o: OpId) -> (f64, f64) {
+        let g = ctx.g;
+        let op = g.op(o);
+        match op.kind {
+            OpKind::FlashAttention { .. } => (0.0, 1.0),
+            OpKind::MatMul { .. } if !op.attention_core => {
+                let (mut rerun, mut kept) = (0.0, 0.0);
+                for part in linear_parts(g, li, op) {
+                    self.linears += 1;
+                    if self.linears % 2 == 1 {
+                        kept += part;
+                    } else {
+                        rerun += part;
+                    }
+                }
+                (rerun, kept)
+            }
+            _ => (1.0, 0.0),
+        }
+    }
+}
+
+/// The linear layers a matrix product of layer `li` stands for, as shares of its output: the
+/// parts a `slice` consumer splits it into (fused query/key/value), the two halves a SwiGLU
+/// consumer reads (fused gate/up), else the whole product.
+fn linear_parts(g: &Graph, li: usize, op: &Op) -> Vec<f64> {
+    let Some(&y) = op.outputs.first() else {
+        return vec![1.0];
+    };
+    let consumer = g.layers[li]
+        .forward
+        .iter()
+        .map(|&c| g.op(c))
+        .find(|c| c.inputs.contains(&y));
+    match consumer {
+        Some(c) if matches!(c.kind, OpKind::Slice) => {
+            let sizes: Vec<f64> = c
+                .outputs
+                .iter()
+                .map(|&t| g.tensor(t).elements() as f64)
+                .collect();
+            let total: f64 = sizes.iter().sum();
+            if total > 0.0 {
+                sizes.iter().map(|s| s / total).collect()
+            } else {
+                vec![1.0]
+            }
+        }
+        Some(c) if matches!(c.kind, OpKind::SwiGlu) => vec![0.5, 0.5],
+        _ => vec![1.0],
     }
 }
 
@@ -418,6 +499,7 @@ impl<'g> LayerCostContext<'g> {
         // The attention core attends a rank's queries to every key: `cp` times the work of
         // the graph's own tokens (see `context_parallel`).
         let cp = p.cp.c.max(1) as f64;
+        let mut op_policy = OpPolicy::default();
         for &o in &layer.forward {
             let op = g.op(o);
             let mut t = self.op_time(o, p, &mut reads);
@@ -443,8 +525,26 @@ impl<'g> LayerCostContext<'g> {
                 c.attention_core_compute += t;
                 c.attention_core_flops += flops;
             }
+            // The share of the op that torchtitan's `op` policy re-runs, and the bytes of its
+            // output that it keeps.
+            let (rerun, kept) = op_policy.share(self, li, o);
+            c.op_policy_recompute += rerun * t;
+            c.op_policy_flops += rerun * flops;
+            c.saved_op_policy += op
+                .outputs
+                .iter()
+                .chain(
+                    op.saves
+                        .iter()
+                        .filter(|t| !op.inputs.contains(t) && !op.outputs.contains(t)),
+                )
+                .map(|&t| kept * stored_bytes(g, t, tp))
+                .sum::<f64>();
             for coll in collectives(g, op, tp) {
                 let ct = self.collective_time(&coll, p, &mut reads);
+                if coll.phase == Phase::Forward && coll.kind != Collective::ReduceScatter {
+                    c.op_policy_recompute += rerun * ct;
+                }
                 match coll.phase {
                     Phase::Forward => c.fwd_comm += ct,
                     Phase::Backward => c.bwd_comm += ct,
@@ -482,6 +582,7 @@ impl<'g> LayerCostContext<'g> {
         }
         for t in g.layer_inputs(li) {
             c.checkpoint += stored_bytes(g, t, tp);
+            c.saved_op_policy += stored_bytes(g, t, tp);
             c.input_bytes += g.tensor(t).bytes() as f64;
         }
         c.params = self.owned[li]
@@ -884,5 +985,94 @@ mod tests {
             let changed = ctx.key_parts(li, &p).key() != ctx.key_parts(li, &base).key();
             assert_eq!(runs, changed, "layer {li}");
         }
+    }
+
+    /// torchtitan's op policy on a Llama block (grouped-query attention, SwiGLU): of the
+    /// seven linear layers q, k, v, o, gate, up, down it keeps q, v, gate and down, and the
+    /// attention kernel's output; it re-runs k, o, up and every op that is not a matrix
+    /// product or the attention kernel.
+    #[test]
+    fn torchtitans_op_policy_keeps_every_other_linear_and_the_attention_output() {
+        let g = TransformerConfig {
+            hidden: 256,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            ffn_hidden: 512,
+            vocab: 1000,
+            max_seq: 512,
+            mlp: Mlp::SwiGlu,
+            norm: Norm::RmsNorm,
+            position: Position::Rope,
+            tied_embeddings: false,
+            bias: Bias::None,
+            dropout: false,
+            moe: None,
+            mla: None,
+            qk_norm: false,
+        }
+        .lower(
+            "m",
+            &LowerOptions {
+                micro_batch: 2,
+                seq: 128,
+                dtype: DType::Bf16,
+                attention: Attention::Flash,
+                vocab_multiple: 8,
+            },
+        )
+        .expect("lowers");
+        let device = preset("h100-sxm").expect("preset");
+        let link = crate::cost::cluster::Cluster::from_preset("c", "h100-sxm", 1, Some(8))
+            .expect("preset")
+            .group_link(1, 2);
+        let p = Pricing {
+            tp: TpConfig::dense(1, false),
+            cp: CpConfig::NONE,
+            device: &device,
+            kernels: &KERNELS,
+            tp_link: link,
+            expert_links: ExpertLinks::alone(link),
+            cp_groups: CpGroups::alone(link),
+            profile: None,
+        };
+        let ctx = LayerCostContext::new(&g);
+        let c = ctx.cost(1, &p);
+        // 256 tokens of bf16: the block input, q (256 wide) and v (128) of the fused 512-wide
+        // projection, the attention output (256), gate (512 of the 1024-wide gate/up product)
+        // and down (256).
+        let tokens = 256.0;
+        let op = |name: &str| {
+            g.layers[1]
+                .forward
+                .iter()
+                .map(|&o| g.op(o))
+                .find(|o| o.name.ends_with(name))
+                .unwrap_or_else(|| panic!("no op {name}"))
+        };
+        let kept = tokens * 2.0 * (256.0 + 256.0 + 128.0 + 256.0 + 512.0 + 256.0);
+        assert_eq!(c.saved_op_policy, kept);
+        assert!(c.checkpoint < c.saved_op_policy && c.saved_op_policy < c.saved);
+        // Re-run: a quarter of the fused projection (k), o, half of gate/up, and the rest.
+        let rest: f64 = g.layers[1]
+            .forward
+            .iter()
+            .map(|&o| g.op(o))
+            .filter(|o| !o.kind.is_matmul() && !matches!(o.kind, OpKind::FlashAttention { .. }))
+            .map(|o| o.flops)
+            .sum();
+        let rerun = 0.25 * op("attention.qkv").flops
+            + op("attention.proj").flops
+            + 0.5 * op("mlp.gate_up").flops
+            + rest;
+        assert!(
+            (c.op_policy_flops - rerun).abs() <= 1e-9 * rerun,
+            "{} vs {rerun}",
+            c.op_policy_flops
+        );
+        assert!(c.op_policy_recompute > 0.0 && c.op_policy_recompute < c.fwd_compute);
+        // The count starts again in every block.
+        assert_eq!(ctx.cost(2, &p), c);
     }
 }

@@ -731,6 +731,31 @@ impl<'a> Estimator<'a> {
         self.price(g, costs, &chunks, layout, Partition::Even, timing)
     }
 
+    /// Prices `layout` split evenly with full recomputation of only the first `blocks` blocks
+    /// of every chunk (Megatron-LM's `--recompute-method block --recompute-num-layers N`; with
+    /// one stage, the cost of torchtitan's every-Nth-block checkpointing).
+    pub fn evaluate_recomputing(
+        &self,
+        layout: &Layout,
+        blocks: usize,
+    ) -> Result<Estimate, LayoutError> {
+        self.check(layout)?;
+        let prepared = self.prepare(PricingKey::of(layout))?;
+        let (g, costs) = &*prepared;
+        let mut chunks = even_chunks(g, layout)?;
+        for c in &mut chunks {
+            c.full_recompute = c.full_recompute.min(blocks);
+        }
+        self.price(
+            g,
+            costs,
+            &chunks,
+            layout,
+            Partition::Even,
+            Timing::Simulated,
+        )
+    }
+
     /// Prices `layout` with the chunks of `assignment` (virtual-stage order: chunk `c` of stage
     /// `j` at `c * pp + j`).
     pub fn evaluate_assignment(
@@ -796,11 +821,13 @@ impl<'a> Estimator<'a> {
                 c.attention_core_compute + c.attention_core_comm,
             ),
             Recompute::None => (c.saved, 0.0),
+            Recompute::SelectiveOp => (c.saved_op_policy, c.op_policy_recompute),
         };
-        let rematerialised = if kind == Recompute::Full {
-            c.saved
-        } else {
-            0.0
+        // Recomputing a block's forward brings back, during its backward, what it dropped.
+        let rematerialised = match kind {
+            Recompute::Full => c.saved,
+            Recompute::SelectiveOp => (c.saved - c.saved_op_policy).max(0.0),
+            Recompute::None | Recompute::Selective => 0.0,
         };
         let (mut zero_fwd, mut zero_bwd) = (0.0, 0.0);
         // ZeRO-2 reduce-scatters a layer's gradients every micro-batch, ZeRO-3 also gathers its
@@ -818,7 +845,11 @@ impl<'a> Estimator<'a> {
             if l.zero == 2 {
                 zero_bwd = (rs - bwd_l).max(0.0);
             } else {
-                let regather = if kind == Recompute::Full { ag } else { 0.0 };
+                // Both re-run the block's forward through its checkpoint wrapper.
+                let regather = match kind {
+                    Recompute::Full | Recompute::SelectiveOp => ag,
+                    Recompute::None | Recompute::Selective => 0.0,
+                };
                 zero_fwd = (ag - fwd_l).max(0.0);
                 zero_bwd = (ag + regather + rs - bwd_l).max(0.0);
             }
@@ -965,6 +996,7 @@ impl<'a> Estimator<'a> {
                             Recompute::Full
                         }
                         (true, Recompute::Full) => Recompute::None,
+                        (true, Recompute::SelectiveOp) => Recompute::SelectiveOp,
                     };
                     chunk_blocks += usize::from(block);
                     let lp = Self::held_params(costs, li, &on_stage);
@@ -1178,7 +1210,8 @@ impl<'a> Estimator<'a> {
         let model_flops: f64 =
             costs.iter().map(|c| c.fwd_flops + c.bwd_flops).sum::<f64>() * replicas;
         // FLOPs re-run per micro-batch: selective re-runs every block's attention core, full
-        // the forward of the blocks each chunk recomputes.
+        // the forward of the blocks each chunk recomputes, torchtitan's op policy what it
+        // drops of every block.
         let mut recompute_flops = 0.0;
         for chunk in chunks {
             let mut seen = 0;
@@ -1191,6 +1224,7 @@ impl<'a> Estimator<'a> {
                     Recompute::Selective => c.attention_core_flops,
                     Recompute::Full if seen < chunk.full_recompute => c.fwd_flops,
                     Recompute::Full => 0.0,
+                    Recompute::SelectiveOp => c.op_policy_flops,
                 };
                 seen += 1;
             }

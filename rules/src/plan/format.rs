@@ -654,6 +654,9 @@ pub fn layout_args(
                 a.kv("recompute-num-layers", n);
             }
         }
+        // Megatron-LM has no such policy; no plan carries it (the workspace refuses it in a
+        // search, and `estimate`, `whatif` and `validate` write no arguments).
+        Recompute::SelectiveOp => {}
     }
     match l.zero {
         0 => {}

@@ -17,6 +17,13 @@ pub enum Recompute {
     Selective,
     /// Keep only each block's input; re-run the whole block forward during backward.
     Full,
+    /// torchtitan's selective activation checkpointing with its `op` policy
+    /// (`[activation_checkpoint] mode = "selective"`, `selective_ac_option = "op"`): keep each
+    /// block's input, the attention kernel's output and every other linear layer's output
+    /// (counting the block's matrix products in order: the first, third, ... are kept), and
+    /// re-run the rest of the block forward during backward.
+    #[serde(rename = "selective-op")]
+    SelectiveOp,
 }
 
 impl Recompute {
@@ -26,15 +33,17 @@ impl Recompute {
             Recompute::None => "none",
             Recompute::Selective => "selective",
             Recompute::Full => "full",
+            Recompute::SelectiveOp => "selective-op",
         }
     }
 
-    /// Parses `none`, `selective` or `full`.
+    /// Parses `none`, `selective`, `full` or `selective-op`.
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "none" => Recompute::None,
             "selective" => Recompute::Selective,
             "full" => Recompute::Full,
+            "selective-op" => Recompute::SelectiveOp,
             _ => return None,
         })
     }

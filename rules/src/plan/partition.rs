@@ -335,39 +335,47 @@ impl Estimator<'_> {
             let s = model_states(params, bytes, l.zero, l.grad_ranks());
             s.weights + s.grads + s.optimizer
         };
-        let kinds = [Recompute::None, Recompute::Selective, Recompute::Full];
-        let index = |r: Recompute| match r {
-            Recompute::None => RecomputeKind::None.index(),
-            Recompute::Selective => RecomputeKind::Selective.index(),
-            Recompute::Full => RecomputeKind::Full.index(),
-        };
+        // Megatron-LM's kinds, each with its slot in the balancer's per-kind arrays.
+        let kinds = [
+            (Recompute::None, RecomputeKind::None),
+            (Recompute::Selective, RecomputeKind::Selective),
+            (Recompute::Full, RecomputeKind::Full),
+        ];
         let mut allowed = [false; KINDS];
         match l.recompute {
-            Recompute::None => allowed[index(Recompute::None)] = true,
-            Recompute::Selective => allowed[index(Recompute::Selective)] = true,
+            Recompute::None => allowed[RecomputeKind::None.index()] = true,
+            Recompute::Selective => allowed[RecomputeKind::Selective.index()] = true,
             Recompute::Full => {
-                allowed[index(Recompute::None)] = true;
-                allowed[index(Recompute::Full)] = true;
+                allowed[RecomputeKind::None.index()] = true;
+                allowed[RecomputeKind::Full.index()] = true;
+            }
+            Recompute::SelectiveOp => {
+                return Err(
+                    "the balancer chooses among Megatron-LM's recomputation kinds; \
+                            torchtitan's op policy applies to every block"
+                        .into(),
+                );
             }
         }
         let block = |r: Recompute| self.layer_time(b0, r, b0.params, l);
+        let none = RecomputeKind::None.index();
         let mut backward = [0.0; KINDS];
         let mut activation = [None; KINDS];
-        for r in kinds {
-            backward[index(r)] = block(r).backward();
-            activation[index(r)] = Some(block(r).saved);
+        for (r, k) in kinds {
+            backward[k.index()] = block(r).backward();
+            activation[k.index()] = Some(block(r).saved);
         }
         for k in 0..KINDS {
             if !allowed[k] {
-                backward[k] = backward[index(Recompute::None)];
+                backward[k] = backward[none];
             }
         }
         // The part of a stage that does not scale with its blocks: reserved memory, the
         // largest transient of a block's backward, ZeRO-3's gathered weights.
         let body_transient = kinds
             .iter()
-            .filter(|&&r| allowed[index(r)])
-            .map(|&r| block(r).transient)
+            .filter(|(_, k)| allowed[k.index()])
+            .map(|&(r, _)| block(r).transient)
             .fold(0.0, f64::max);
         let gathered = |largest: f64| {
             if l.zero == 3 {
