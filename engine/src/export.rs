@@ -403,7 +403,16 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
     }
     let mode = match lay.recompute {
         Recompute::None => "none",
-        Recompute::Selective | Recompute::SelectiveOp => "selective",
+        Recompute::SelectiveOp => "selective",
+        Recompute::Selective => {
+            return Err(cannot(
+                f,
+                "Megatron-LM's selective recomputation (the attention core re-run from its \
+                 inputs); torchtitan's selective checkpointing keeps the attention output and \
+                 re-runs every other linear layer instead (`selective-op`, which `estimate` and \
+                 `validate` price), a different plan",
+            ));
+        }
         Recompute::Full if l.every_block_recomputed => "full",
         Recompute::Full => {
             return Err(cannot(

@@ -322,6 +322,17 @@ fn empty_search_list() {
 }
 
 #[test]
+fn torchtitans_op_policy_is_not_searched() {
+    check(
+        "seq_len = 1024",
+        "seq_len = 1024\n[target.search]\nrecompute = [\"none\", \"selective-op\"]",
+        "workspace.toml:22:13: field `target.search.recompute`: expected none, selective or full \
+         (the search plans Megatron-LM's recomputation; price torchtitan's `selective-op` with \
+         `estimate --recompute selective-op`), found \"selective-op\"",
+    );
+}
+
+#[test]
 fn zero_stage_out_of_range() {
     check(
         "seq_len = 1024",

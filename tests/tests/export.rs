@@ -18,7 +18,7 @@ fn workspace() -> TempWorkspace {
         // FSDP: tp1 pp1 dp8 with ZeRO-3.
         (
             "fsdp",
-            "tp = [1]\npp = [1]\nzero = [3]\nmicro_batch = [1]\nrecompute = [\"selective\"]",
+            "tp = [1]\npp = [1]\nzero = [3]\nmicro_batch = [1]\nrecompute = [\"none\"]",
         ),
         // Stages that cannot split evenly: 4 blocks over 3 stages.
         (
@@ -228,10 +228,7 @@ fn fsdp_and_uneven_splits_are_written_as_each_framework_expresses_them() {
         job["parallelism"]["data_parallel_replicate_degree"].as_integer(),
         Some(1)
     );
-    assert_eq!(
-        job["activation_checkpoint"]["mode"].as_str(),
-        Some("selective")
-    );
+    assert_eq!(job["activation_checkpoint"]["mode"].as_str(), Some("none"));
     let d = export(&ws, "fsdp", "deepspeed");
     let cfg: Value = serde_json::from_str(&d.stdout).expect("JSON");
     assert_eq!(cfg["zero_optimization"]["stage"], 3);
@@ -241,6 +238,29 @@ fn fsdp_and_uneven_splits_are_written_as_each_framework_expresses_them() {
         n.stderr.contains("nemo cannot express this plan: ZeRO-3"),
         "{}",
         n.stderr
+    );
+
+    // Megatron-LM's selective recomputation is not torchtitan's selective checkpointing.
+    let toml = ws.read("workspace.toml").replacen(
+        "micro_batch = [1]\nrecompute = [\"none\"]",
+        "micro_batch = [1]\nrecompute = [\"selective\"]",
+        1,
+    );
+    assert_ne!(toml, ws.read("workspace.toml"));
+    ws.write("workspace.toml", &toml);
+    let b = ws.run(&["build", "fsdp"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    assert_eq!(
+        plan(&ws, "fsdp")["estimate"]["layout"]["recompute"],
+        "selective"
+    );
+    let t = export(&ws, "fsdp", "torchtitan");
+    assert_eq!(t.code, 1, "{}", t.stdout);
+    assert!(
+        t.stderr
+            .contains("torchtitan cannot express this plan: Megatron-LM's selective recomputation"),
+        "{}",
+        t.stderr
     );
 
     // 4 blocks over 3 stages: torchtitan's split points, Megatron-LM's pipeline layout; NeMo
