@@ -17,7 +17,7 @@
 //! | `seq`         | no       | sequence length (default: the model's) |
 //! | `sp`          | no (false) | sequence parallelism (`true`/`false`/`1`/`0`) |
 //! | `recompute`   | no (none) | `none`, `selective`, `full` or `selective-op` (torchtitan's `op` policy) |
-//! | `recompute_layers` | no (all) | under `full`: blocks recomputed per pipeline stage (Megatron-LM's `--recompute-method block --recompute-num-layers N`; torchtitan's every-other-block checkpointing of L blocks on one stage is L/2) |
+//! | `recompute_layers` | no (all) | under `full`: blocks recomputed per pipeline stage, or per model chunk with `vp` (Megatron-LM's `--recompute-method block --recompute-num-layers N`; torchtitan's every-other-block checkpointing of L blocks on one stage is L/2) |
 //! | `zero`        | no (0)   | ZeRO stage, or the distributed optimizer as stage 1 |
 //! | `runtime`     | no (megatron-core) | the runtime preset ([`Runtime`]) |
 //! | `precision`   | no       | `bf16`, `fp16` or `fp32` (default: the runtime's) |

@@ -138,7 +138,14 @@ impl OpPolicy {
         let op = g.op(o);
         match op.kind {
             OpKind::FlashAttention { .. } => (0.0, 1.0),
-            OpKind::MatMul { .. } if !op.attention_core => {
+            // Routed experts run grouped products (not `aten.mm`): recomputed, not counted.
+            OpKind::MatMul { .. }
+                if !op.attention_core
+                    && !op
+                        .inputs
+                        .get(1)
+                        .is_some_and(|&w| g.tensor(w).split.is_expert()) =>
+            {
                 let (mut rerun, mut kept) = (0.0, 0.0);
                 for part in linear_parts(g, li, op) {
                     self.linears += 1;
@@ -882,22 +889,27 @@ mod tests {
         grad_accumulation_fusion: true,
     };
 
-    #[test]
-    fn identical_blocks_share_a_key_wherever_they_sit() {
-        let device = preset("h100-sxm").expect("preset");
+    /// Pricing under `tp` with every group inside one 8-GPU node, no profile.
+    fn on_one_node(device: &Device, tp: TpConfig) -> Pricing<'_> {
         let link = crate::cost::cluster::Cluster::from_preset("c", "h100-sxm", 1, Some(8))
             .expect("preset")
             .group_link(1, 2);
-        let p = Pricing {
-            tp: TpConfig::dense(2, true),
+        Pricing {
+            tp,
             cp: CpConfig::NONE,
-            device: &device,
+            device,
             kernels: &KERNELS,
             tp_link: link,
             expert_links: ExpertLinks::alone(link),
             cp_groups: CpGroups::alone(link),
             profile: None,
-        };
+        }
+    }
+
+    #[test]
+    fn identical_blocks_share_a_key_wherever_they_sit() {
+        let device = preset("h100-sxm").expect("preset");
+        let p = on_one_node(&device, TpConfig::dense(2, true));
         let keys = |g: &Graph| -> Vec<_> {
             let ctx = LayerCostContext::new(g);
             (0..g.layers.len())
@@ -1024,19 +1036,7 @@ mod tests {
         )
         .expect("lowers");
         let device = preset("h100-sxm").expect("preset");
-        let link = crate::cost::cluster::Cluster::from_preset("c", "h100-sxm", 1, Some(8))
-            .expect("preset")
-            .group_link(1, 2);
-        let p = Pricing {
-            tp: TpConfig::dense(1, false),
-            cp: CpConfig::NONE,
-            device: &device,
-            kernels: &KERNELS,
-            tp_link: link,
-            expert_links: ExpertLinks::alone(link),
-            cp_groups: CpGroups::alone(link),
-            profile: None,
-        };
+        let p = on_one_node(&device, TpConfig::dense(1, false));
         let ctx = LayerCostContext::new(&g);
         let c = ctx.cost(1, &p);
         // 256 tokens of bf16: the block input, q (256 wide) and v (128) of the fused 512-wide
