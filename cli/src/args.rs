@@ -869,6 +869,12 @@ pub struct EstimateArgs {
     /// Activation recomputation.
     #[arg(long, value_enum, default_value = "none")]
     pub recompute: RecomputeArg,
+    /// Under `--recompute full`: recompute only the first N blocks of each pipeline stage
+    /// (model chunk under interleaving), as Megatron-LM's `--recompute-method block
+    /// --recompute-num-layers N`.
+    #[arg(long, value_name = "N", conflicts_with = "balance",
+          value_parser = clap::value_parser!(u64).range(1..=limits::MAX_LAYERS))]
+    pub recompute_num_layers: Option<u64>,
     /// ZeRO stage.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,

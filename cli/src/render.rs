@@ -157,11 +157,18 @@ fn memory_line(m: &MemoryBreakdown) -> String {
 /// The body shared by `estimate` and plan reports.
 pub fn estimate(out: &mut String, e: &Estimate) {
     let t = &e.time;
-    let _ = writeln!(
-        out,
-        "  layout    {}",
-        layout_line(&e.layout, e.num_microbatches)
-    );
+    // Full recomputation of only some blocks (Megatron-LM's block method) says how many.
+    let chunks = || e.stages.iter().flat_map(|s| &s.chunks);
+    let mut layout = layout_line(&e.layout, e.num_microbatches);
+    if e.layout.recompute == Recompute::Full && chunks().any(|c| c.full_recompute < c.blocks) {
+        let n = chunks().map(|c| c.full_recompute).max().unwrap_or(0);
+        layout = layout.replacen(
+            " · recompute full",
+            &format!(" · recompute full (the first {n} blocks of each chunk)"),
+            1,
+        );
+    }
+    let _ = writeln!(out, "  layout    {layout}");
     let _ = writeln!(
         out,
         "  step      {} · {} tokens/s · {:.1} TFLOP/s per GPU · MFU {:.1}%",

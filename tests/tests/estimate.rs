@@ -327,6 +327,47 @@ fn estimate_text_output() {
             r.stdout
         );
     }
+
+    // Megatron-LM's block method: the first N blocks of each chunk, said in the layout line;
+    // the flag without full recomputation is refused.
+    let block = |recompute: &str| {
+        ws.run(&[
+            "estimate",
+            "--model",
+            "models/gpt3-175b.json",
+            "--cluster",
+            "a100-80g:128x8",
+            "--tp",
+            "8",
+            "--pp",
+            "16",
+            "--mbs",
+            "1",
+            "--gbs",
+            "1536",
+            "--recompute",
+            recompute,
+            "--recompute-num-layers",
+            "2",
+        ])
+    };
+    let r = block("full");
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout
+            .contains("recompute full (the first 2 blocks of each chunk)"),
+        "{}",
+        r.stdout
+    );
+    let r = block("selective");
+    assert_eq!(r.code, 2, "{}", r.stdout);
+    assert!(
+        r.stderr.contains(
+            "--recompute-num-layers: expected --recompute full with it, found --recompute selective"
+        ),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]

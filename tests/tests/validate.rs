@@ -121,8 +121,8 @@ fn shipped_datasets_are_priced_as_estimate_prices_them() {
         ("llama2-70b", 2, 4096, "selective-op", None, 0.0),
     ];
     assert_eq!(runs.len(), published.len());
-    let torchtitan_estimate = |model: &str, batch: u64, seq: u64, recompute: &str| {
-        let args = [
+    let torchtitan_estimate = |model: &str, batch: u64, seq: u64, recompute: &str, blocks| {
+        let mut args = vec![
             "--model",
             &format!("models/{model}.json"),
             "--cluster",
@@ -147,8 +147,14 @@ fn shipped_datasets_are_priced_as_estimate_prices_them() {
             "torchtitan",
             "--memory-headroom",
             "0",
-        ];
-        estimate_time(&ws, &args.map(String::from))
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
+        if let Some(n) = blocks {
+            args.extend(["--recompute-num-layers".into(), format!("{n}")]);
+        }
+        estimate_time(&ws, &args)
     };
     for (run, (model, batch, seq, recompute, blocks, wps)) in runs.iter().zip(published) {
         assert_eq!(run["model"], format!("models/{model}.json"));
@@ -163,19 +169,18 @@ fn shipped_datasets_are_priced_as_estimate_prices_them() {
         let want = (batch * seq) as f64 / wps;
         assert!((got / want - 1.0).abs() < 1e-3, "{model}: {got}");
         let predicted = number(&run["predicted_step_time_s"]);
-        match blocks {
-            None => assert_eq!(predicted, torchtitan_estimate(model, batch, seq, recompute)),
-            // Half the (identical) blocks recomputed on one stage: halfway between none and
-            // all in time.
-            Some(_) => {
-                let none = torchtitan_estimate(model, batch, seq, "none");
-                let full = torchtitan_estimate(model, batch, seq, "full");
-                let half = (none + full) / 2.0;
-                assert!(
-                    (predicted / half - 1.0).abs() < 1e-9,
-                    "{model}: {predicted} vs {half}"
-                );
-            }
+        let estimated = torchtitan_estimate(model, batch, seq, recompute, blocks);
+        assert_eq!(predicted, estimated, "{model} {recompute} {blocks:?}");
+        // Half the (identical) blocks recomputed on one stage: halfway between none and all
+        // in time.
+        if blocks.is_some() {
+            let none = torchtitan_estimate(model, batch, seq, "none", None);
+            let full = torchtitan_estimate(model, batch, seq, "full", None);
+            let half = (none + full) / 2.0;
+            assert!(
+                (predicted / half - 1.0).abs() < 1e-9,
+                "{model}: {predicted} vs {half}"
+            );
         }
     }
 

@@ -9,7 +9,7 @@ use autopar_engine::EngineError;
 use autopar_engine::session::Session;
 use autopar_engine::workspace::DEFAULT_VOCAB_MULTIPLE;
 use autopar_rules::plan::estimate::Estimator;
-use autopar_rules::plan::layout::Layout;
+use autopar_rules::plan::layout::{Layout, Recompute};
 use autopar_rules::plan::runtime::GivenSettings;
 use serde_json::json;
 
@@ -86,14 +86,29 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
     };
     let est =
         Estimator::new(&name, &def, &cluster, opts).with_profile(measured.as_ref().map(|(_, p)| p));
-    let (e, attempts) = if a.balance {
-        let r = est.refine(&layout).map_err(EngineError::from)?;
-        (r.estimate, r.attempts)
-    } else {
-        (
+    let (e, attempts) = match (a.balance, a.recompute_num_layers) {
+        (true, _) => {
+            let r = est.refine(&layout).map_err(EngineError::from)?;
+            (r.estimate, r.attempts)
+        }
+        (false, Some(n)) => {
+            if layout.recompute != Recompute::Full {
+                return Err(Failure::Input(anyhow::anyhow!(
+                    "--recompute-num-layers: expected --recompute full with it, found \
+                     --recompute {}",
+                    layout.recompute.name()
+                )));
+            }
+            (
+                est.evaluate_recomputing(&layout, n as usize)
+                    .map_err(EngineError::from)?,
+                Vec::new(),
+            )
+        }
+        (false, None) => (
             est.evaluate(&layout).map_err(EngineError::from)?,
             Vec::new(),
-        )
+        ),
     };
     if a.json {
         let mut value = serde_json::to_value(&e).map_err(|err| Failure::Failed(err.into()))?;
