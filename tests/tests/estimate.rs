@@ -290,20 +290,27 @@ fn estimate_json_contract_and_memory_failure() {
 #[test]
 fn estimate_text_output() {
     let ws = TempWorkspace::default_copy();
-    let r = ws.run(&[
-        "estimate",
-        "--model",
-        "models/gpt3-175b.json",
-        "--cluster",
-        "a100-80g:128x8",
-        "--tp",
-        "8",
-        "--pp",
-        "16",
-        "--mbs",
-        "1",
-        "--gbs",
-        "1536",
+    // GPT-3 175B on 1024 A100s at tp 8 pp 16, with `more` flags.
+    let gpt3 = |more: &[&str]| {
+        let mut args = vec![
+            "estimate",
+            "--model",
+            "models/gpt3-175b.json",
+            "--cluster",
+            "a100-80g:128x8",
+            "--tp",
+            "8",
+            "--pp",
+            "16",
+            "--mbs",
+            "1",
+            "--gbs",
+            "1536",
+        ];
+        args.extend_from_slice(more);
+        ws.run(&args)
+    };
+    let r = gpt3(&[
         "--vp",
         "2",
         "--sp",
@@ -330,27 +337,7 @@ fn estimate_text_output() {
 
     // Megatron-LM's block method: the first N blocks of each chunk, said in the layout line;
     // the flag without full recomputation is refused.
-    let block = |recompute: &str| {
-        ws.run(&[
-            "estimate",
-            "--model",
-            "models/gpt3-175b.json",
-            "--cluster",
-            "a100-80g:128x8",
-            "--tp",
-            "8",
-            "--pp",
-            "16",
-            "--mbs",
-            "1",
-            "--gbs",
-            "1536",
-            "--recompute",
-            recompute,
-            "--recompute-num-layers",
-            "2",
-        ])
-    };
+    let block = |recompute: &str| gpt3(&["--recompute", recompute, "--recompute-num-layers", "2"]);
     let r = block("full");
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(
