@@ -107,8 +107,9 @@ pub fn bytes(b: f64) -> String {
 
 pub use autopar_rules::plan::format::secs;
 
-/// The layout as a Megatron-LM user would say it.
-pub fn layout_line(l: &Layout, microbatches: u64) -> String {
+/// The layout as a Megatron-LM user would say it; `partial`: under full recomputation of only
+/// some blocks (Megatron-LM's block method), how many of each chunk.
+pub fn layout_line(l: &Layout, microbatches: u64, partial: Option<usize>) -> String {
     let cp = if l.cp > 1 {
         format!(" · cp {} ({})", l.cp, l.cp_comm.name())
     } else {
@@ -137,6 +138,9 @@ pub fn layout_line(l: &Layout, microbatches: u64) -> String {
     if l.recompute != Recompute::None {
         let _ = write!(s, " · recompute {}", l.recompute.name());
     }
+    if let Some(n) = partial {
+        let _ = write!(s, " (the first {n} blocks of each chunk)");
+    }
     if l.zero > 0 {
         let _ = write!(s, " · ZeRO-{}", l.zero);
     }
@@ -159,16 +163,14 @@ pub fn estimate(out: &mut String, e: &Estimate) {
     let t = &e.time;
     // Full recomputation of only some blocks (Megatron-LM's block method) says how many.
     let chunks = || e.stages.iter().flat_map(|s| &s.chunks);
-    let mut layout = layout_line(&e.layout, e.num_microbatches);
-    if e.layout.recompute == Recompute::Full && chunks().any(|c| c.full_recompute < c.blocks) {
-        let n = chunks().map(|c| c.full_recompute).max().unwrap_or(0);
-        layout = layout.replacen(
-            " · recompute full",
-            &format!(" · recompute full (the first {n} blocks of each chunk)"),
-            1,
-        );
-    }
-    let _ = writeln!(out, "  layout    {layout}");
+    let partial = (e.layout.recompute == Recompute::Full
+        && chunks().any(|c| c.full_recompute < c.blocks))
+    .then(|| chunks().map(|c| c.full_recompute).max().unwrap_or(0));
+    let _ = writeln!(
+        out,
+        "  layout    {}",
+        layout_line(&e.layout, e.num_microbatches, partial)
+    );
     let _ = writeln!(
         out,
         "  step      {} · {} tokens/s · {:.1} TFLOP/s per GPU · MFU {:.1}%",

@@ -113,7 +113,7 @@ fn summary(s: &mut String, plan: &Plan) {
                 e.layout.global_batch, plan.training.seq
             ),
         ),
-        ("layout", layout_line(&e.layout, e.num_microbatches)),
+        ("layout", layout_line(&e.layout, e.num_microbatches, None)),
         (
             "step",
             format!(

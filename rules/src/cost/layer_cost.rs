@@ -850,8 +850,23 @@ mod tests {
         Attention, Bias, LowerOptions, Mlp, Norm, Position, TransformerConfig,
     };
 
+    /// `c` lowered at micro-batch 2 of 128 tokens, bf16, flash attention.
+    fn lowered(c: TransformerConfig) -> Graph {
+        c.lower(
+            "m",
+            &LowerOptions {
+                micro_batch: 2,
+                seq: 128,
+                dtype: DType::Bf16,
+                attention: Attention::Flash,
+                vocab_multiple: 8,
+            },
+        )
+        .expect("lowers")
+    }
+
     fn gpt(layers: u64) -> Graph {
-        TransformerConfig {
+        lowered(TransformerConfig {
             hidden: 256,
             layers,
             heads: 4,
@@ -869,18 +884,7 @@ mod tests {
             moe: None,
             mla: None,
             qk_norm: false,
-        }
-        .lower(
-            "m",
-            &LowerOptions {
-                micro_batch: 2,
-                seq: 128,
-                dtype: DType::Bf16,
-                attention: Attention::Flash,
-                vocab_multiple: 8,
-            },
-        )
-        .expect("lowers")
+        })
     }
 
     const KERNELS: KernelOptions = KernelOptions {
@@ -1005,7 +1009,7 @@ mod tests {
     /// product or the attention kernel.
     #[test]
     fn torchtitans_op_policy_keeps_every_other_linear_and_the_attention_output() {
-        let g = TransformerConfig {
+        let g = lowered(TransformerConfig {
             hidden: 256,
             layers: 2,
             heads: 4,
@@ -1023,18 +1027,7 @@ mod tests {
             moe: None,
             mla: None,
             qk_norm: false,
-        }
-        .lower(
-            "m",
-            &LowerOptions {
-                micro_batch: 2,
-                seq: 128,
-                dtype: DType::Bf16,
-                attention: Attention::Flash,
-                vocab_multiple: 8,
-            },
-        )
-        .expect("lowers");
+        });
         let device = preset("h100-sxm").expect("preset");
         let p = on_one_node(&device, TpConfig::dense(1, false));
         let ctx = LayerCostContext::new(&g);

@@ -724,11 +724,7 @@ impl<'a> Estimator<'a> {
         layout: &Layout,
         timing: Timing,
     ) -> Result<Estimate, LayoutError> {
-        self.check(layout)?;
-        let prepared = self.prepare(PricingKey::of(layout))?;
-        let (g, costs) = &*prepared;
-        let chunks = even_chunks(g, layout)?;
-        self.price(g, costs, &chunks, layout, Partition::Even, timing)
+        self.evaluate_even(layout, timing, usize::MAX)
     }
 
     /// Prices `layout` split evenly with full recomputation of only the first `blocks` blocks
@@ -739,6 +735,16 @@ impl<'a> Estimator<'a> {
         layout: &Layout,
         blocks: usize,
     ) -> Result<Estimate, LayoutError> {
+        self.evaluate_even(layout, Timing::Simulated, blocks)
+    }
+
+    /// The even split, recomputing at most `blocks` blocks per chunk under full recomputation.
+    fn evaluate_even(
+        &self,
+        layout: &Layout,
+        timing: Timing,
+        blocks: usize,
+    ) -> Result<Estimate, LayoutError> {
         self.check(layout)?;
         let prepared = self.prepare(PricingKey::of(layout))?;
         let (g, costs) = &*prepared;
@@ -746,14 +752,7 @@ impl<'a> Estimator<'a> {
         for c in &mut chunks {
             c.full_recompute = c.full_recompute.min(blocks);
         }
-        self.price(
-            g,
-            costs,
-            &chunks,
-            layout,
-            Partition::Even,
-            Timing::Simulated,
-        )
+        self.price(g, costs, &chunks, layout, Partition::Even, timing)
     }
 
     /// Prices `layout` with the chunks of `assignment` (virtual-stage order: chunk `c` of stage
