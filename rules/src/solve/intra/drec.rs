@@ -778,6 +778,30 @@ fn forests(p: &Problem, shared: &Shared) -> Vec<Vec<usize>> {
     out
 }
 
+/// Variable `v`'s row in `locals` less its edges to the variables `inside` a group (their
+/// choices as they stand): what `v` costs per strategy with everything outside the group as
+/// it stands, before the group's own edges.
+fn row_outside(
+    p: &Problem,
+    shared: &Shared,
+    locals: &Locals,
+    choice: &[usize],
+    v: usize,
+    inside: impl Fn(usize) -> bool,
+) -> Vec<f64> {
+    let mut row = locals.row(v).to_vec();
+    for &(e, is_u) in &shared.inc[v] {
+        let w = other(p, e, is_u);
+        if inside(w) {
+            let table = seen(p, e, is_u);
+            for (c, slot) in row.iter_mut().enumerate() {
+                *slot -= table.at(c, choice[w]);
+            }
+        }
+    }
+    row
+}
+
 /// One exact pass over a forest of variables, the others as they stand: a min-sum dynamic
 /// programme over each tree (each variable's row in `locals`, less its edges inside the
 /// forest, plus those edges), which can move a whole path of variables together where moves
@@ -800,17 +824,7 @@ fn forest_pass(
     // Each variable's own part: its row less the edges to other members (as they stand).
     let mut unary: Vec<Vec<f64>> = vec![Vec::new(); n];
     for &v in members {
-        let mut row = locals.row(v).to_vec();
-        for &(e, is_u) in &shared.inc[v] {
-            let w = other(p, e, is_u);
-            if in_forest[w] {
-                let table = seen(p, e, is_u);
-                for (c, slot) in row.iter_mut().enumerate() {
-                    *slot -= table.at(c, choice[w]);
-                }
-            }
-        }
-        unary[v] = row;
+        unary[v] = row_outside(p, shared, locals, choice, v, |w| in_forest[w]);
     }
     // Trees in breadth-first order from their first member; each non-root's edge to its
     // parent.
@@ -925,16 +939,7 @@ fn window_pass(
     let mut held = 0.0;
     let mut current = 0.0;
     for &v in members {
-        let mut row = locals.row(v).to_vec();
-        for &(e, is_u) in &shared.inc[v] {
-            let w = other(p, e, is_u);
-            if index[w] != usize::MAX {
-                let table = seen(p, e, is_u);
-                for (c, slot) in row.iter_mut().enumerate() {
-                    *slot -= table.at(c, choice[w]);
-                }
-            }
-        }
+        let row = row_outside(p, shared, locals, choice, v, |w| index[w] != usize::MAX);
         current += row[choice[v]];
         held += p.vars[v].memory[choice[v]];
         sub.vars.push(super::problem::Var {
