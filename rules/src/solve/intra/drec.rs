@@ -48,8 +48,8 @@
 //! cannot improve, and edges whose ends have not changed are skipped whole): O(levels x sum
 //! of edge tables x degree), plus the order's heap, O((V + E) log V). The polish adds, per
 //! sweep, one exact solve per window (each of a bounded size, so linear in the problem) and
-//! one pass over every edge's table per forest. No optimality is proven: D-Rec's plans are reported as not optimal, and the `drec` tests and benchmark
-//! measure the gap.
+//! one pass over every edge's table per forest. No optimality is proven: D-Rec's plans are
+//! reported as not optimal, and the `drec` tests and benchmark measure the gap.
 
 use super::problem::Problem;
 use rayon::prelude::*;
@@ -300,7 +300,7 @@ pub fn solve(input: &Input) -> Option<Outcome> {
             best = run;
         }
     }
-    Some(polish(p, &shared, best.1))
+    Some(polished(input, &shared, best.1))
 }
 
 /// [`recurse`] for every subset and order of the levels, with memory priced at `lambda` per
@@ -325,7 +325,7 @@ fn masks(input: &Input, shared: &Shared, lambda: f64) -> Option<(f64, Outcome)> 
         .map(|(mask, reversed, levels)| {
             let mut out = recurse(input, &levels, shared, lambda)?;
             if lambda == 0.0 {
-                out = polish(p, shared, out);
+                out = polished(input, shared, out);
             }
             let (cost, _) = p.evaluate(&out.choice);
             Some((cost, mask, reversed, out))
@@ -439,12 +439,7 @@ fn recurse(input: &Input, levels: &[usize], shared: &Shared, lambda: f64) -> Opt
     let mut locals = Locals::new(p, &choice);
     let repaired = repair(p, shared, &mut choice, &mut locals)?;
     let blocked = refine(p, shared, &mut choice, &mut locals);
-    let skipped = input
-        .levels
-        .iter()
-        .copied()
-        .filter(|&a| (0..n).all(|v| !input.forced[v] || input.cuts[v][choice[v]][a] == 0))
-        .collect();
+    let skipped = skipped(input, &choice);
     Some(Outcome {
         choice,
         uncut,
@@ -452,6 +447,25 @@ fn recurse(input: &Input, levels: &[usize], shared: &Shared, lambda: f64) -> Opt
         repaired,
         bound: repaired > 0 || blocked,
     })
+}
+
+/// The mesh axes of `input`'s levels that no operator of `choice` cuts.
+fn skipped(input: &Input, choice: &[usize]) -> Vec<usize> {
+    input
+        .levels
+        .iter()
+        .copied()
+        .filter(|&a| {
+            (0..choice.len()).all(|v| !input.forced[v] || input.cuts[v][choice[v]][a] == 0)
+        })
+        .collect()
+}
+
+/// [`polish`], then the axes the polished plan leaves uncut.
+fn polished(input: &Input, shared: &Shared, out: Outcome) -> Outcome {
+    let mut out = polish(input.problem, shared, out);
+    out.skipped = skipped(input, &out.choice);
+    out
 }
 
 /// Sweeps limit of [`refine`].
