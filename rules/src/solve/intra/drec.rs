@@ -54,7 +54,7 @@
 use super::problem::Problem;
 use rayon::prelude::*;
 use std::cmp::Ordering;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 
 /// What cutting a strategy makes on one mesh axis: `0` for nothing cut, else any code that
 /// is equal for strategies cutting the same way.
@@ -140,20 +140,20 @@ struct Shared {
 impl Shared {
     fn new(p: &Problem) -> Shared {
         let inc = incidence(p);
-        // The order is sequential; the tables' ranges are read meanwhile.
+        // The order is sequential; the tables' ranges are read meanwhile, once per table
+        // that edges share.
         let (order, range) = rayon::join(
             || order(p, &inc),
             || {
+                let mut known: HashMap<*const f64, (f64, f64)> = HashMap::new();
                 p.edges
-                    .par_iter()
+                    .iter()
                     .map(|e| {
-                        // Plain comparisons: tables hold no NaN, and `f64::min` pays for them.
-                        let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
-                        for &x in &e.cost {
-                            lo = if x < lo { x } else { lo };
-                            hi = if x > hi { x } else { hi };
-                        }
-                        (lo, hi)
+                        *known.entry(e.cost.as_ptr()).or_insert_with(|| {
+                            let lo = least(e.cost.iter().copied());
+                            let hi = -least(e.cost.iter().map(|x| -x));
+                            (lo, hi)
+                        })
                     })
                     .collect()
             },
@@ -218,6 +218,12 @@ impl<'p> Table<'p> {
     fn at(self, c: usize, w: usize) -> f64 {
         self.cost[c * self.across + w * self.along]
     }
+}
+
+/// The least of `xs` (infinity when empty) by plain comparisons: costs hold no NaN, and
+/// `f64::min` pays for them in D-Rec's innermost loops.
+fn least(xs: impl Iterator<Item = f64>) -> f64 {
+    xs.fold(f64::INFINITY, |m, x| if x < m { x } else { m })
 }
 
 /// The other end of edge `e` seen from `is_u`.
@@ -395,14 +401,12 @@ fn recurse(input: &Input, levels: &[usize], shared: &Shared, lambda: f64) -> Opt
         }
         start.push(list.len());
         let reachable = |v: usize| &list[start[v]..start[v + 1]];
-        let alone: Vec<f64> = (0..n)
-            .map(|w| {
-                reachable(w)
-                    .iter()
-                    .map(|&x| own(w, x))
-                    .fold(f64::INFINITY, f64::min)
-            })
+        // Each strategy's own cost, beside `list`.
+        let owns: Vec<f64> = (0..n)
+            .flat_map(|v| reachable(v).iter().map(move |&c| own(v, c)))
             .collect();
+        let owned = |v: usize| &owns[start[v]..start[v + 1]];
+        let alone: Vec<f64> = (0..n).map(|w| least(owned(w).iter().copied())).collect();
         for &v in order {
             let candidates = reachable(v);
             let cost = |c: usize| -> f64 {
@@ -415,11 +419,12 @@ fn recurse(input: &Input, levels: &[usize], shared: &Shared, lambda: f64) -> Opt
                         // A neighbour not placed yet: what the edge makes it pay at least,
                         // its own cost included, over what it would pay alone.
                         let table = seen(p, e, is_u);
-                        reachable(w)
-                            .iter()
-                            .map(|&x| table.at(c, x) + own(w, x))
-                            .fold(f64::INFINITY, f64::min)
-                            - alone[w]
+                        least(
+                            reachable(w)
+                                .iter()
+                                .zip(owned(w))
+                                .map(|(&x, &o)| table.at(c, x) + o),
+                        ) - alone[w]
                     };
                 }
                 s
@@ -1071,7 +1076,7 @@ mod tests {
             edges: vec![Edge {
                 u: 0,
                 v: 1,
-                cost: vec![0.0, 5.0, 5.0, 5.0, 0.0, 5.0, 5.0, 5.0, 0.0],
+                cost: vec![0.0, 5.0, 5.0, 5.0, 0.0, 5.0, 5.0, 5.0, 0.0].into(),
             }],
             memory_budget: budget,
         };
@@ -1126,7 +1131,7 @@ mod tests {
             edges: vec![Edge {
                 u: 0,
                 v: 1,
-                cost: vec![5.0, 5.0, 0.0],
+                cost: vec![5.0, 5.0, 0.0].into(),
             }],
             memory_budget: None,
         };
@@ -1159,7 +1164,7 @@ mod tests {
                 .map(|&(u, v)| Edge {
                     u,
                     v,
-                    cost: vec![0.0, 10.0, 10.0, 0.0],
+                    cost: vec![0.0, 10.0, 10.0, 0.0].into(),
                 })
                 .collect(),
             memory_budget: None,

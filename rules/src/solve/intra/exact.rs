@@ -334,7 +334,7 @@ impl Pass {
                     .map(|(c, m)| c + lambda * m)
                     .collect()
             })
-            .chain(p.edges.iter().map(|e| e.cost.clone()))
+            .chain(p.edges.iter().map(|e| e.cost.to_vec()))
             .collect();
         let mut argmin = Vec::with_capacity(el.buckets.len());
         let mut sums: Vec<f64> = Vec::new();

@@ -140,7 +140,7 @@ fn run(
         let ev: Vec<Variable> = (0..e.cost.len())
             .map(|_| vars.add(variable().min(0.0).max(1.0)))
             .collect();
-        for (x, &c) in ev.iter().zip(&e.cost) {
+        for (x, &c) in ev.iter().zip(e.cost.iter()) {
             objective += *x * (c * scale);
         }
         edge_vars.push(ev);

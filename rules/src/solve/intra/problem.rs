@@ -8,6 +8,8 @@
 //! ```
 
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::Arc;
 
 /// A variable: the strategies of a node (or of several merged nodes).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -25,8 +27,11 @@ pub struct Edge {
     pub u: usize,
     /// Second variable.
     pub v: usize,
-    /// `cost[i * k_v + j]`: strategy `i` of `u` with strategy `j` of `v`, s.
-    pub cost: Vec<f64>,
+    /// `cost[i * k_v + j]`: strategy `i` of `u` with strategy `j` of `v`, s. Edges with
+    /// equal tables may share one ([`Problem::merged_edges`] makes them): a graph of
+    /// repeated layers has few distinct tables, and solvers that read every table again and
+    /// again (D-Rec) then find them in cache.
+    pub cost: Arc<[f64]>,
 }
 
 /// A problem.
@@ -137,9 +142,15 @@ impl Problem {
                 }
             }
         }
+        // Equal tables are stored once, compared by their bits (tables hold no NaN).
+        let mut distinct: HashMap<Vec<u64>, Arc<[f64]>> = HashMap::new();
         self.edges = map
             .into_iter()
-            .map(|((u, v), cost)| Edge { u, v, cost })
+            .map(|((u, v), cost)| {
+                let bits: Vec<u64> = cost.iter().map(|x| x.to_bits()).collect();
+                let cost = distinct.entry(bits).or_insert_with(|| cost.into()).clone();
+                Edge { u, v, cost }
+            })
             .collect();
         self
     }
@@ -234,7 +245,7 @@ impl Problem {
                 Edge {
                     u: e.u,
                     v: e.v,
-                    cost,
+                    cost: cost.into(),
                 }
             })
             .collect();

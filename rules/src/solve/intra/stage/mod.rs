@@ -1246,7 +1246,11 @@ impl<'g> StageModel<'g> {
                         cost[cu * kv + cv] = f(cu, cv);
                     }
                 }
-                edges.push(Edge { u, v, cost });
+                edges.push(Edge {
+                    u,
+                    v,
+                    cost: cost.into(),
+                });
             }
         };
         for f in self.flows.iter().filter(|f| counted(f.to)) {
