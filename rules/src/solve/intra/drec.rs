@@ -285,7 +285,8 @@ const MEMORY_PRICES: [f64; 8] = [1.0 / 64.0, 1.0 / 16.0, 0.25, 1.0, 4.0, 16.0, 6
 /// it, or it stops the refinement), the greedy pass runs again with memory priced into every
 /// strategy's cost at each of [`MEMORY_PRICES`] (a Lagrangian relaxation of the budget, as
 /// the exact solver's bounds use), each plan repaired and refined under the true objective;
-/// the best of all is polished and wins.
+/// on problems the polish takes, each price's plan is also polished under the priced
+/// objective before its repair ([`priced`]). The best of all is polished and wins.
 pub fn solve(input: &Input) -> Option<Outcome> {
     let p = input.problem;
     // Every run's repair ends within the budget when the leanest plan does.
@@ -305,8 +306,65 @@ pub fn solve(input: &Input) -> Option<Outcome> {
         if run.0 < best.0 {
             best = run;
         }
+        if p.vars.len() <= POLISH_VARIABLES {
+            let run = priced(input, &shared, price * per_byte)?;
+            if run.0 < best.0 {
+                best = run;
+            }
+        }
     }
     Some(polished(input, &shared, best.1))
+}
+
+/// D-Rec's plan for `cost + lambda * memory` with no budget, polished under that objective;
+/// then repaired, refined and polished under the true objective and the budget, with its
+/// objective. The polish under the true objective keeps the budget, so it cannot trade
+/// memory between distant parts of the range; under the priced one there is no budget, and
+/// it can (GPT-2 small's block on 2x1 under a binding budget, where the optimum splits only
+/// the MLP: 25.5% above the optimum with the priced greedy pass alone, 0% with this).
+fn priced(input: &Input, shared: &Shared, lambda: f64) -> Option<(f64, Outcome)> {
+    let p = input.problem;
+    let relaxed = Problem {
+        vars: p
+            .vars
+            .iter()
+            .map(|v| super::problem::Var {
+                cost: v
+                    .cost
+                    .iter()
+                    .zip(&v.memory)
+                    .map(|(c, m)| c + lambda * m)
+                    .collect(),
+                memory: v.memory.clone(),
+            })
+            .collect(),
+        edges: p.edges.clone(),
+        memory_budget: None,
+    };
+    let (_, out) = masks(
+        &Input {
+            problem: &relaxed,
+            ..*input
+        },
+        shared,
+        0.0,
+    )?;
+    let mut choice = out.choice;
+    let mut locals = Locals::new(p, &choice);
+    let repaired = repair(p, shared, &mut choice, &mut locals)?;
+    let blocked = refine(p, shared, &mut choice, &mut locals);
+    let out = polished(
+        input,
+        shared,
+        Outcome {
+            choice,
+            uncut: out.uncut,
+            skipped: Vec::new(),
+            repaired,
+            bound: repaired > 0 || blocked,
+        },
+    );
+    Some((p.evaluate(&out.choice).0, out))
 }
 
 /// [`recurse`] for every subset and order of the levels, with memory priced at `lambda` per
