@@ -142,7 +142,7 @@ impl Problem {
                 }
             }
         }
-        // Equal tables are stored once, compared by their bits (tables hold no NaN).
+        // Equal tables are stored once (equal bit for bit).
         let mut distinct: HashMap<Vec<u64>, Arc<[f64]>> = HashMap::new();
         self.edges = map
             .into_iter()
@@ -340,5 +340,48 @@ pub(crate) mod testing {
             memory_budget: budget,
         }
         .merged_edges()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Edge, Problem, Var};
+    use std::sync::Arc;
+
+    #[test]
+    fn merged_edges_add_parallel_edges_and_share_equal_tables() {
+        let var = || Var {
+            cost: vec![0.0; 2],
+            memory: vec![0.0; 2],
+        };
+        let edge = |u, v, cost: [f64; 4]| Edge {
+            u,
+            v,
+            cost: cost.to_vec().into(),
+        };
+        let p = Problem {
+            vars: vec![var(), var(), var(), var()],
+            edges: vec![
+                edge(0, 1, [1.0, 2.0, 3.0, 4.0]),
+                edge(2, 3, [1.0, 2.0, 3.0, 4.0]),
+                // Parallel to (0, 1) seen from the other end: added transposed.
+                edge(1, 0, [0.0, 0.0, 0.0, 0.0]),
+                edge(1, 2, [1.0, 2.0, 3.0, 5.0]),
+            ],
+            memory_budget: None,
+        }
+        .merged_edges();
+        let table = |u, v| {
+            p.edges
+                .iter()
+                .find(|e| (e.u, e.v) == (u, v))
+                .map(|e| e.cost.clone())
+                .expect("the edge")
+        };
+        assert_eq!(p.edges.len(), 3);
+        assert_eq!(&*table(0, 1), &[1.0, 2.0, 3.0, 4.0]);
+        assert!(Arc::ptr_eq(&table(0, 1), &table(2, 3)));
+        assert!(!Arc::ptr_eq(&table(0, 1), &table(1, 2)));
+        assert_eq!(p.evaluate(&[1, 0, 1, 1]).0, 3.0 + 4.0 + 2.0);
     }
 }
