@@ -78,6 +78,10 @@ pub struct LayerCost {
     pub op_policy_flops: f64,
     /// Largest activation gradient of the backward pass, bytes per device.
     pub grad_working: f64,
+    /// The fp32 probabilities the loss keeps for its backward (the cross-entropy's saved
+    /// softmax, one fp32 value per logit), bytes per device; 0 for layers without a loss.
+    #[serde(default)]
+    pub loss_probs: f64,
     /// Parameters the layer owns, elements per device.
     pub params: f64,
     /// Of those, the routed experts' (reduced and sharded over the expert data-parallel group).
@@ -111,6 +115,7 @@ impl LayerCost {
             op_policy_recompute: 0.0,
             op_policy_flops: 0.0,
             grad_working: 0.0,
+            loss_probs: 0.0,
             params: 0.0,
             expert_params: 0.0,
             borrowed_params: Vec::new(),
@@ -585,6 +590,16 @@ impl<'g> LayerCostContext<'g> {
             c.saved += b;
             if !self.recomputable(t) {
                 c.saved_selective += b;
+            }
+        }
+        for &o in &layer.forward {
+            let op = g.op(o);
+            if op.kind == OpKind::CrossEntropy {
+                c.loss_probs += op
+                    .saves
+                    .iter()
+                    .map(|&t| stored_bytes(g, t, tp))
+                    .sum::<f64>();
             }
         }
         for t in g.layer_inputs(li) {

@@ -262,7 +262,8 @@ pub(crate) struct LayerTime {
     pub zero_bwd: f64,
     /// Activations kept per micro-batch, bytes.
     pub saved: f64,
-    /// Transient memory of its backward (rematerialised activations, working gradients), bytes.
+    /// Transient memory of its backward (rematerialised activations, working gradients; an
+    /// unfused fp32 loss's two logit-sized fp32 gradients), bytes.
     pub transient: f64,
 }
 
@@ -862,7 +863,13 @@ impl<'a> Estimator<'a> {
             zero_fwd,
             zero_bwd,
             saved,
-            transient: rematerialised + c.grad_working,
+            transient: if self.opts.fp32_loss {
+                // `log_softmax`'s backward holds its output gradient and writes its input
+                // gradient, both fp32 and as large as the saved log-probabilities.
+                (rematerialised + c.grad_working).max(2.0 * c.loss_probs)
+            } else {
+                rematerialised + c.grad_working
+            },
         }
     }
 

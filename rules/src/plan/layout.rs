@@ -189,6 +189,13 @@ pub struct TrainingOptions {
     /// tokens past its capacity are dropped (ignored for dense models).
     #[serde(default)]
     pub moe_routing: MoeRouting,
+    /// The loss is PyTorch's unfused `cross_entropy` on logits cast to fp32 (torchtitan's
+    /// `cross_entropy_loss`), not a fused kernel that overwrites its saved softmax with the
+    /// gradient (Megatron-LM's vocabulary-parallel cross-entropy): the loss's backward holds
+    /// two more fp32 tensors the size of the logits (`log_softmax`'s output gradient and its
+    /// input gradient) beside the saved fp32 log-probabilities.
+    #[serde(default)]
+    pub fp32_loss: bool,
 }
 
 impl TrainingOptions {

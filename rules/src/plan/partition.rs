@@ -511,6 +511,7 @@ mod tests {
             overlap_grad_reduce: false,
             overlap_param_gather: false,
             moe_routing: Default::default(),
+            fp32_loss: false,
         }
     }
 

@@ -7,14 +7,20 @@
 //! `megatron-2021` and `nemo`, the published scripts and recipes) set them; a flag or column
 //! given explicitly wins.
 //!
-//! | runtime            | precision | attention | wgrad fusion | grads reduced in | grad reduce overlapped | param gather overlapped |
-//! |--------------------|-----------|-----------|--------------|------------------|------------------------|-------------------------|
-//! | megatron-core      | bf16      | flash     | yes          | fp32 (bf16 sets `--accumulate-allreduce-grads-in-fp32`) | no (`--overlap-grad-reduce` is opt-in) | no (`--overlap-param-gather` is opt-in) |
-//! | nemo               | bf16      | flash     | yes          | fp32 (`grad_reduce_in_fp32=True` in its recipes' DDP config) | yes (`overlap_grad_reduce=True`) | yes (`overlap_param_gather=True`) |
-//! | megatron-deepspeed | bf16      | unfused   | yes          | bf16 (DeepSpeed's `communication_data_type` follows the precision) | no | no |
-//! | megatron-2021      | fp16      | unfused   | no           | fp16 | no | no |
-//! | torchtitan         | bf16      | flash     | no           | fp32 (FSDP2 `MixedPrecisionPolicy`, `mixed_precision_reduce = "float32"`) | yes (FSDP reduce-scatters each layer in the backward) | yes (FSDP prefetches) |
-//! | llm-foundry        | bf16      | flash     | no           | bf16 (FSDP `mixed_precision: PURE`) | yes | yes |
+//! | runtime            | precision | attention | wgrad fusion | grads reduced in | grad reduce overlapped | param gather overlapped | loss |
+//! |--------------------|-----------|-----------|--------------|------------------|------------------------|-------------------------|------|
+//! | megatron-core      | bf16      | flash     | yes          | fp32 (bf16 sets `--accumulate-allreduce-grads-in-fp32`) | no (`--overlap-grad-reduce` is opt-in) | no (`--overlap-param-gather` is opt-in) | fused |
+//! | nemo               | bf16      | flash     | yes          | fp32 (`grad_reduce_in_fp32=True` in its recipes' DDP config) | yes (`overlap_grad_reduce=True`) | yes (`overlap_param_gather=True`) | fused |
+//! | megatron-deepspeed | bf16      | unfused   | yes          | bf16 (DeepSpeed's `communication_data_type` follows the precision) | no | no | fused |
+//! | megatron-2021      | fp16      | unfused   | no           | fp16 | no | no | fused |
+//! | torchtitan         | bf16      | flash     | no           | fp32 (FSDP2 `MixedPrecisionPolicy`, `mixed_precision_reduce = "float32"`) | yes (FSDP reduce-scatters each layer in the backward) | yes (FSDP prefetches) | unfused, fp32 (`cross_entropy(pred.float())`) |
+//! | llm-foundry        | bf16      | flash     | no           | bf16 (FSDP `mixed_precision: PURE`) | yes | yes | fused |
+//!
+//! A fused loss (Megatron-LM's vocabulary-parallel cross-entropy, which overwrites its saved
+//! softmax with the gradient) holds nothing beyond that softmax; torchtitan's unfused one
+//! holds two more fp32 tensors the size of the logits during its backward
+//! ([`TrainingOptions::fp32_loss`]). llm-foundry is priced with a fused loss; its published
+//! runs give no memory to check that against.
 //!
 //! Weight-gradient accumulation fusion is Megatron's `--gradient-accumulation-fusion`
 //! (default on); Megatron-LM's SC'21 scripts (`run_table_1.sh`) predate it, and autograd in
@@ -170,7 +176,15 @@ impl Runtime {
                 .overlap_param_gather
                 .unwrap_or(self.overlap_param_gather()),
             moe_routing: Default::default(),
+            fp32_loss: self.fp32_loss(),
         }
+    }
+
+    /// Whether the loss is PyTorch's unfused cross-entropy on fp32 logits
+    /// ([`TrainingOptions::fp32_loss`]): torchtitan's `cross_entropy_loss` calls
+    /// `torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))`.
+    pub fn fp32_loss(self) -> bool {
+        matches!(self, Runtime::Torchtitan)
     }
 
     /// Whether weight gradients accumulate inside the weight-gradient products.
