@@ -5,17 +5,66 @@
 //! and hashed with blake3. A result's key is the hash of its named components, each itself a
 //! hash, under the rules version salt: so `explain` can say which component changed.
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 
-/// A blake3 hash.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+/// A blake3 hash. Human-readable formats (the JSON of plans and build records) write it as
+/// 64 hex digits; binary ones (postcard: cache values and key encodings) as its 32 bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Digest(pub [u8; 32]);
+
+impl Serialize for Digest {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        if serializer.is_human_readable() {
+            serializer.serialize_str(&self.hex())
+        } else {
+            // What `#[derive(Serialize)]` writes, so keys hashed before are unchanged.
+            serializer.serialize_newtype_struct("Digest", &self.0)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Digest {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        /// Hex digits, or (records written before digests were hex) 32 byte values.
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Digest;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a blake3 digest: 64 hex digits or 32 bytes")
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Digest, E> {
+                Digest::from_hex(s)
+                    .ok_or_else(|| E::invalid_value(serde::de::Unexpected::Str(s), &self))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Digest, A::Error> {
+                let mut bytes = [0u8; 32];
+                for (i, b) in bytes.iter_mut().enumerate() {
+                    *b = seq
+                        .next_element()?
+                        .ok_or_else(|| serde::de::Error::invalid_length(i, &self))?;
+                }
+                if seq.next_element::<u8>()?.is_some() {
+                    return Err(serde::de::Error::invalid_length(33, &self));
+                }
+                Ok(Digest(bytes))
+            }
+        }
+        if deserializer.is_human_readable() {
+            deserializer.deserialize_any(Visit)
+        } else {
+            <[u8; 32]>::deserialize(deserializer).map(Digest)
+        }
+    }
+}
 
 impl Digest {
     /// Lower-case hex.
     pub fn hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        blake3::Hash::from_bytes(self.0).to_hex().to_string()
     }
 
     /// Parses 64 hex digits, with blake3's own parser.
@@ -167,5 +216,24 @@ mod tests {
         let hex = a.key().hex();
         assert_eq!(Digest::from_hex(&hex), Some(a.key()));
         assert_eq!(Digest::from_hex("zz"), None);
+    }
+
+    #[test]
+    fn digests_are_hex_in_json_and_raw_bytes_in_postcard() {
+        let d = digest("x");
+        // postcard: the 32 bytes alone, as the derived encoding wrote them (keys unchanged).
+        assert_eq!(encode(&d), d.0.to_vec());
+        assert_eq!(postcard::from_bytes::<Digest>(&encode(&d)).ok(), Some(d));
+        let json = serde_json::to_string(&d).unwrap_or_default();
+        assert_eq!(json, format!("\"{}\"", d.hex()));
+        assert_eq!(serde_json::from_str::<Digest>(&json).ok(), Some(d));
+        // Records written before digests were hex still read.
+        let old = serde_json::to_string(&d.0.to_vec()).unwrap_or_default();
+        assert_eq!(serde_json::from_str::<Digest>(&old).ok(), Some(d));
+        for bad in ["\"zz\"", "[1,2]", "3"] {
+            assert!(serde_json::from_str::<Digest>(bad).is_err(), "{bad}");
+        }
+        let long = serde_json::to_string(&vec![0u8; 33]).unwrap_or_default();
+        assert!(serde_json::from_str::<Digest>(&long).is_err());
     }
 }
