@@ -537,6 +537,13 @@ impl<'g> LayerCostContext<'g> {
                 c.attention_core_compute += t;
                 c.attention_core_flops += flops;
             }
+            if op.kind == OpKind::CrossEntropy {
+                c.loss_probs += op
+                    .saves
+                    .iter()
+                    .map(|&t| stored_bytes(g, t, tp))
+                    .sum::<f64>();
+            }
             // The share of the op that torchtitan's `op` policy re-runs, and the bytes of its
             // output that it keeps.
             let (rerun, kept) = op_policy.share(self, li, o);
@@ -590,16 +597,6 @@ impl<'g> LayerCostContext<'g> {
             c.saved += b;
             if !self.recomputable(t) {
                 c.saved_selective += b;
-            }
-        }
-        for &o in &layer.forward {
-            let op = g.op(o);
-            if op.kind == OpKind::CrossEntropy {
-                c.loss_probs += op
-                    .saves
-                    .iter()
-                    .map(|&t| stored_bytes(g, t, tp))
-                    .sum::<f64>();
             }
         }
         for t in g.layer_inputs(li) {

@@ -863,13 +863,13 @@ impl<'a> Estimator<'a> {
             zero_fwd,
             zero_bwd,
             saved,
-            transient: if self.opts.fp32_loss {
-                // `log_softmax`'s backward holds its output gradient and writes its input
-                // gradient, both fp32 and as large as the saved log-probabilities.
-                (rematerialised + c.grad_working).max(2.0 * c.loss_probs)
+            // An unfused fp32 loss: `log_softmax`'s backward holds its output gradient and
+            // writes its input gradient, both fp32 and as large as the saved log-probabilities.
+            transient: (rematerialised + c.grad_working).max(if self.opts.fp32_loss {
+                2.0 * c.loss_probs
             } else {
-                rematerialised + c.grad_working
-            },
+                0.0
+            }),
         }
     }
 
