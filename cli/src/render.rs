@@ -835,7 +835,8 @@ pub fn sharding(r: &ShardingResult, micro_batch: u64) -> String {
     let m = &p.memory;
     let _ = writeln!(
         out,
-        "memory per device: {}{} (activations {}, weights {}, gradients {}, optimizer states {})",
+        "memory per device: {} held{} (activations {}, weights {}, gradients {}, optimizer states {}); \
+         {} at the backward's peak (its largest transient {})",
         bytes(m.total),
         m.budget
             .map(|b| format!(" of {}", bytes(b)))
@@ -843,7 +844,9 @@ pub fn sharding(r: &ShardingResult, micro_batch: u64) -> String {
         bytes(m.activations),
         bytes(m.weights),
         bytes(m.gradients),
-        bytes(m.optimizer)
+        bytes(m.optimizer),
+        bytes(m.peak()),
+        bytes(m.working)
     );
     let _ = writeln!(out);
     let width =

@@ -272,6 +272,7 @@ pub fn solve_pipeline(
         // Gradient buffers and their reduction as the default runtime keeps them.
         grad_accumulation_fusion: Runtime::default().grad_accumulation_fusion(),
         grad_reduce_in_fp32: Runtime::default().grad_reduce_in_fp32(req.precision),
+        fp32_loss: Runtime::default().fp32_loss(),
         solver: req.solver,
     };
     let source = CachedTables::new(cache, &name);

@@ -74,9 +74,9 @@ pub fn assert_decoded_as_priced(plan: &StagePlan, priced: &Entry, at: &str) {
         priced.cost
     );
     assert!(
-        (plan.memory.total - priced.memory).abs() <= 1e-6 * priced.memory,
-        "{at}: decoded plan holds {} bytes, the chain {}",
-        plan.memory.total,
+        (plan.memory.peak() - priced.memory).abs() <= 1e-6 * priced.memory,
+        "{at}: decoded plan peaks at {} bytes, the chain {}",
+        plan.memory.peak(),
         priced.memory
     );
 }

@@ -1,6 +1,7 @@
 //! One cost model (issue 19, item 4): a Megatron-LM layout priced by the layer-cost model the
 //! layout search uses agrees with the intra-op problem pinned to Megatron-LM's specs, layer by
-//! layer (embedding, blocks, head), forward and backward, with and without sequence
+//! layer (embedding, blocks, head), forward and backward times and the backward pass's
+//! transient memory (with and without torchtitan's fp32 loss), with and without sequence
 //! parallelism, over tensor- and data-parallel meshes.
 
 use autopar_rules::cost::cluster::Cluster;
@@ -100,18 +101,41 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
                         }
                         let forward = lc.fwd_compute + lc.fwd_comm;
                         let backward = lc.bwd_compute + lc.bwd_comm;
+                        // The backward transient the estimate counts beside what is held: the
+                        // largest activation gradient, and with torchtitan's unfused fp32
+                        // loss its two working tensors (`Estimate`'s `2 * loss_probs`).
+                        let fp32 = pinned(
+                            &group,
+                            li,
+                            m,
+                            &c,
+                            sp,
+                            StageOptions {
+                                fp32_loss: true,
+                                ..opts
+                            },
+                        );
+                        let working = lc.grad_working.max(2.0 * lc.loss_probs);
+                        if li == last {
+                            // The loss's fp32 tensors outweigh the logits' bf16 gradient.
+                            assert!(
+                                fp32.memory.working > plan.memory.working,
+                                "{case}: the fp32 loss adds nothing"
+                            );
+                        }
                         for (what, ilp, megatron) in [
                             ("forward", plan.forward, forward),
                             ("backward", plan.backward, backward),
+                            ("working memory", plan.memory.working, lc.grad_working),
+                            ("working memory, fp32 loss", fp32.memory.working, working),
                         ] {
                             let rel = (ilp - megatron).abs() / megatron;
                             if rel >= worst.0 {
                                 worst = (
                                     rel,
                                     format!(
-                                        "{case} {what}: pinned ILP {:.4} ms, Megatron estimate {:.4} ms",
-                                        ilp * 1e3,
-                                        megatron * 1e3
+                                        "{case} {what}: pinned ILP {:.6e}, Megatron estimate {:.6e}",
+                                        ilp, megatron
                                     ),
                                 );
                             }

@@ -65,6 +65,7 @@ fn options(microbatches: u64) -> PipelineOptions<'static> {
         recompute: true,
         grad_accumulation_fusion: true,
         grad_reduce_in_fp32: true,
+        fp32_loss: false,
         profile: None,
         solver: SolverChoice::Auto,
     }
@@ -624,7 +625,7 @@ fn recomputation_fits_budgets_that_nothing_else_fits() {
             if !s.priced.recomputed.is_empty() {
                 recomputing += 1;
                 // Recomputing saves memory: without it the stage would not fit.
-                assert!(s.plan.memory.total > budget, "{f}: {s:?}");
+                assert!(s.plan.memory.peak() > budget, "{f}: {s:?}");
             }
         }
         // Without recomputation, no stage recomputes and the plan is no faster.

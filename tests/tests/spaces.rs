@@ -429,14 +429,14 @@ fn a_kernel_re_measured_re_solves_only_the_tables_that_read_it() {
     );
 }
 
-/// 4096-token sequences on two devices of 0.22 GiB: only recomputation fits.
+/// 4096-token sequences on two devices of 0.245 GiB: only recomputation fits.
 fn tight(extra: &str) -> String {
     workspace(&format!("space = \"both\"\n{extra}"), 4)
         .replace("max_seq = 256", "max_seq = 4096")
         .replace("seq_len = 128", "seq_len = 4096")
         .replace(
             "gpus_per_node = 2",
-            "gpus_per_node = 2\noverrides = { hbm_gib = 0.22, reserved_gib = 0.001 }",
+            "gpus_per_node = 2\noverrides = { hbm_gib = 0.245, reserved_gib = 0.001 }",
         )
 }
 
@@ -446,8 +446,9 @@ fn the_ilp_space_recomputes_what_memory_needs() {
     let r = ws.run(&["build"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     let p = plan(&ws);
-    // Megatron-LM's layouts fit only with full recomputation of blocks; the ILP plan also
-    // recomputes the output layer (its logits are the largest activations) and wins.
+    // Megatron-LM's layouts fit only with full recomputation of blocks (without it, 0.2209
+    // GiB of the 0.2205 GiB usable); the ILP plan recomputes its blocks too (with the logits' gradient beside the logits, recomputing the
+    // output layer would save nothing), shards them as Megatron-LM cannot, and wins.
     assert_eq!(
         p["spaces"]["megatron"]["summary"]
             .as_str()
@@ -463,9 +464,13 @@ fn the_ilp_space_recomputes_what_memory_needs() {
         .flat_map(|s| s["recomputed_names"].as_array().expect("names"))
         .filter_map(Value::as_str)
         .collect();
-    assert!(recomputed.contains(&"head"), "{recomputed:?}");
+    assert_eq!(
+        recomputed,
+        ["layers.0", "layers.1", "layers.2", "layers.3"],
+        "{recomputed:?}"
+    );
     for s in stages {
-        let usable = 0.22 * 0.9;
+        let usable = 0.245 * 0.9;
         assert!(
             s["memory_gib"].as_f64().unwrap_or(f64::INFINITY) <= usable,
             "{s}"
@@ -477,10 +482,8 @@ fn the_ilp_space_recomputes_what_memory_needs() {
         assert_eq!(n > 0, rs > 0.0, "{s}");
     }
     assert_eq!(p["megatron_expressible"], false);
-    assert_eq!(
-        p["ilp"]["not_megatron"],
-        "it recomputes `head` (layer 5); Megatron-LM recomputes transformer blocks only"
-    );
+    let why = p["ilp"]["not_megatron"].as_str().unwrap_or_default();
+    assert!(why.contains("sharded as Megatron-LM cannot"), "{why}");
     assert!(r.stdout.contains(" recompute "), "{}", r.stdout);
 
     // Without full recomputation in the search, neither space fits.

@@ -10,6 +10,7 @@ use autopar_engine::build::{TargetResult, build, dry_run};
 use autopar_engine::cache::{self, Cache, RemoteFlags};
 use autopar_engine::session::Session;
 use autopar_engine::workspace::Workspace;
+use autopar_rules::plan::ilp::Space;
 use serde_json::json;
 use std::path::Path;
 
@@ -89,11 +90,11 @@ pub fn run_with(
                         "space": p.plan.space,
                         "spaces": p.plan.spaces,
                         "megatron_expressible": p.plan.megatron_expressible,
-                        "tokens_per_s": e.tokens_per_s,
+                        "tokens_per_s": p.plan.tokens_per_s(),
                         "tflops_per_gpu": e.tflops_per_gpu,
-                        "mfu": e.mfu,
-                        "memory_per_device_gib": e.memory_per_device_gib,
-                        "fits": e.fits,
+                        "mfu": p.plan.mfu(),
+                        "memory_per_device_gib": p.plan.memory_per_device_gib(),
+                        "fits": e.fits || p.plan.space == Space::Ilp,
                         "layouts": o.layouts,
                         "source": o.source,
                         "elapsed_s": o.elapsed.as_secs_f64(),

@@ -76,7 +76,8 @@ pub struct LayerCost {
     /// Forward FLOPs that policy re-runs.
     #[serde(default)]
     pub op_policy_flops: f64,
-    /// Largest activation gradient of the backward pass, bytes per device.
+    /// Largest activation gradient of the backward pass, bytes per device, as the op making it
+    /// writes it (a partial sum before its reduce-scatter is whole).
     pub grad_working: f64,
     /// The fp32 probabilities the loss keeps for its backward (the cross-entropy's saved
     /// softmax, one fp32 value per logit), bytes per device; 0 for layers without a loss.
@@ -586,9 +587,12 @@ impl<'g> LayerCostContext<'g> {
             };
             c.bwd_compute += self.op_time(o, p, &mut reads) * scale;
             c.bwd_flops += op.flops * scale;
+            // As the op writes it: under sequence parallelism a tensor-parallel product's
+            // input gradient is a whole partial sum before its reduce-scatter (Megatron-LM's
+            // `LinearWithGradAccumulationAndAsyncCommunication.backward`).
             for &t in &op.outputs {
                 if g.tensor(t).kind == TensorKind::Gradient {
-                    c.grad_working = c.grad_working.max(stored_bytes(g, t, tp));
+                    c.grad_working = c.grad_working.max(tensor_bytes_in_op(g, op, t, tp));
                 }
             }
         }

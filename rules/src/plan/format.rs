@@ -307,6 +307,25 @@ impl Plan {
             _ => self.estimate.step_time_s,
         }
     }
+
+    /// Peak memory per device of the chosen plan, GiB.
+    pub fn memory_per_device_gib(&self) -> f64 {
+        match (&self.space, &self.ilp) {
+            (Space::Ilp, Some(p)) => p.memory_per_device_gib,
+            _ => self.estimate.memory_per_device_gib,
+        }
+    }
+
+    /// Model FLOPs utilisation of the chosen plan: both spaces do the same model FLOPs per
+    /// step, so it scales with the inverse of the step time.
+    pub fn mfu(&self) -> f64 {
+        self.estimate.mfu * self.estimate.step_time_s / self.step_time_s()
+    }
+
+    /// Tokens per second of the chosen plan (the same tokens per step in both spaces).
+    pub fn tokens_per_s(&self) -> f64 {
+        self.estimate.tokens_per_s * self.estimate.step_time_s / self.step_time_s()
+    }
 }
 
 /// The launch line of Megatron-LM's `pretrain_gpt.py` with `args` on `cluster`.

@@ -552,12 +552,14 @@ pub fn price(
                 memory: Some({
                     let m = &plan.memory;
                     let states = m.weights + m.gradients + m.optimizer;
+                    // The stage's memory holds the backward transient too, the estimate's
+                    // workspace beside the runtime's reserve.
                     MemoryBreakdown {
                         weights: m.weights,
                         grads: m.gradients,
                         optimizer: m.optimizer,
-                        activations: (st.memory - states).max(0.0),
-                        workspace: cluster.device.reserved_bytes,
+                        activations: (st.memory - states - m.working).max(0.0),
+                        workspace: cluster.device.reserved_bytes + m.working,
                         total: st.memory.max(states) + cluster.device.reserved_bytes,
                     }
                 }),

@@ -62,6 +62,8 @@ pub struct PipelineOptions<'p> {
     pub grad_accumulation_fusion: bool,
     /// See [`StageOptions::grad_reduce_in_fp32`].
     pub grad_reduce_in_fp32: bool,
+    /// See [`StageOptions::fp32_loss`].
+    pub fp32_loss: bool,
     /// Measured kernel times the layer tables read (see [`StageOptions::profile`]).
     pub profile: Option<&'p Profile>,
     /// What fills the layer tables ([`chain::layer_table_with`]): the exact elimination,
@@ -82,6 +84,7 @@ impl<'p> PipelineOptions<'p> {
             max_table_work: self.max_table_work,
             grad_accumulation_fusion: self.grad_accumulation_fusion,
             grad_reduce_in_fp32: self.grad_reduce_in_fp32,
+            fp32_loss: self.fp32_loss,
             profile: self.profile,
             solver: self.solver,
             ..StageOptions::default()
@@ -269,7 +272,7 @@ pub fn table_key(
 ) -> KeyParts {
     // The problem reads the links only through the mesh.
     let device = device.compute_part();
-    KeyParts::new("layer-table")
+    let parts = KeyParts::new("layer-table")
         .with_digest("layer", identity)
         .with("mesh", mesh)
         .with("device", &device)
@@ -287,7 +290,13 @@ pub fn table_key(
                 opts.solver,
             ),
         )
-        .with("profile", reads)
+        .with("profile", reads);
+    // Only when set, so that the keys of every other table stay as they were.
+    if opts.fp32_loss {
+        parts.with("fp32_loss", &true)
+    } else {
+        parts
+    }
 }
 
 /// The measurements layer `layer`'s table on `mesh` may read: every kernel of the options'

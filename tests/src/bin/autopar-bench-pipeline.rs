@@ -109,6 +109,7 @@ fn main() -> ExitCode {
             recompute: true,
             grad_accumulation_fusion: true,
             grad_reduce_in_fp32: true,
+            fp32_loss: false,
             profile: None,
             solver: SolverChoice::Auto,
         };

@@ -70,12 +70,15 @@ pub fn stage_memory(layers: &[Entry], inflight: u64, recomputed: &[bool]) -> (f6
     let mut kept = 0.0;
     let mut peak = 0.0f64;
     for (e, &r) in layers.iter().zip(recomputed) {
-        states += e.memory - e.activations;
+        // The backward transient is live beside the layer's recomputed activations, and only
+        // the largest layer's counts.
+        states += e.memory - e.activations - e.working;
         if r {
             kept += e.checkpoint;
-            peak = peak.max(e.peak_layer);
+            peak = peak.max(e.peak_layer + e.working);
         } else {
             kept += e.activations;
+            peak = peak.max(e.working);
         }
     }
     (states + q * kept + peak, kept)
@@ -100,10 +103,11 @@ pub fn least_recompute(layers: &[Entry], inflight: u64, budget: f64) -> Option<R
             e.forward,
             e.checkpoint,
             e.peak_layer,
+            e.working,
         ]
         .map(f64::to_bits)
     };
-    let mut groups: Vec<([u64; 5], Vec<usize>)> = Vec::new();
+    let mut groups: Vec<([u64; 6], Vec<usize>)> = Vec::new();
     for (l, e) in layers.iter().enumerate() {
         let f = figures(e);
         match groups.iter_mut().find(|(g, _)| *g == f) {
@@ -190,6 +194,16 @@ mod tests {
             peak_layer: activations,
             step: 0.0,
             sync: 0.0,
+            working: 0.0,
+        }
+    }
+
+    /// `e` with a backward transient of `working` bytes on top of what it holds.
+    fn with_working(e: Entry, working: f64) -> Entry {
+        Entry {
+            memory: e.memory + working,
+            working,
+            ..e
         }
     }
 
@@ -222,10 +236,19 @@ mod tests {
         };
         for case in 0..200 {
             let blocks = 1 + case % 6;
-            let block = layer(10.0 + next(), 4.0 + next(), 1.0 + next(), 0.5 * next());
+            // Backward transients (only the largest counts) on half the cases: a head's
+            // large loss, a block's activation gradient.
+            let w = if case % 2 == 0 { 1.0 } else { 0.0 };
+            let block = with_working(
+                layer(10.0 + next(), 4.0 + next(), 1.0 + next(), 0.5 * next()),
+                w * next(),
+            );
             let mut layers = vec![layer(3.0, 0.5 + next(), 0.2, 0.0)];
             layers.extend(std::iter::repeat_n(block, blocks));
-            layers.push(layer(6.0 + next(), 8.0 * next(), 0.9 + next(), 0.4));
+            layers.push(with_working(
+                layer(6.0 + next(), 8.0 * next(), 0.9 + next(), 0.4),
+                w * 3.0 * next(),
+            ));
             // A few odd layers too, so groups of one mix with groups of many.
             if case % 3 == 0 {
                 layers.insert(2, layer(5.0, 3.0 * next(), 0.3 + next(), 0.1));
@@ -248,6 +271,23 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn only_the_largest_backward_transient_counts() {
+        let plain = layer(10.0, 4.0, 1.0, 0.5);
+        let layers = [with_working(plain, 2.0), with_working(plain, 3.0)];
+        // Held: 2 x (10 + 2 x 4 activations); the larger transient once.
+        assert_eq!(stage_memory(&layers, 2, &[false, false]).0, 36.0 + 3.0);
+        // The second layer recomputed: its input kept, its activations and its transient
+        // live together while it is recomputed.
+        assert_eq!(
+            stage_memory(&layers, 2, &[false, true]).0,
+            20.0 + 2.0 * (4.0 + 0.5) + (4.0 + 3.0)
+        );
+        // The chain's sum of the two keeps the larger transient as well.
+        let sum = layers[0].plus(layers[1]);
+        assert_eq!((sum.memory, sum.working), (2.0 * 14.0 + 3.0, 3.0));
     }
 
     #[test]

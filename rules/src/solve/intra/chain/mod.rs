@@ -10,8 +10,10 @@
 //! whole range's problem. The specs of tensors crossing the range's own ends are free there,
 //! as in the whole range's problem.
 //!
-//! Memory is carried along: each entry keeps the memory of the plan reaching its cost. The
-//! per-device budget is not applied here (a chain's optimum is the unconstrained one).
+//! Memory is carried along: each entry keeps the memory of the plan reaching its cost, its
+//! peak (what it holds and the backward pass's largest transient, which is not summed along
+//! the chain but the largest of its layers'). The per-device budget is not applied here (a
+//! chain's optimum is the unconstrained one).
 //!
 //! A layer too large to eliminate, or any layer when the options ask for D-Rec, gets D-Rec's
 //! table instead (`drec`): entries only for the boundary states D-Rec is pinned to, each with
@@ -129,7 +131,8 @@ pub enum TableSolver {
 pub struct Entry {
     /// Objective per micro-batch, s.
     pub cost: f64,
-    /// Memory per device with the options' micro-batches in flight, bytes.
+    /// Peak memory per device with the options' micro-batches in flight, bytes: what the plan
+    /// holds and its backward transient ([`Entry::working`]).
     pub memory: f64,
     /// Of that memory, the activations saved per micro-batch in flight, bytes.
     pub activations: f64,
@@ -147,6 +150,10 @@ pub struct Entry {
     pub step: f64,
     /// Of `step`, the collectives (gradient synchronisation and updated-weight gathers), s.
     pub sync: f64,
+    /// Of the memory, the backward pass's largest transient, bytes
+    /// ([`crate::solve::intra::stage::StageMemory::working`]): the largest of the layers'.
+    #[serde(default)]
+    pub working: f64,
 }
 
 impl Entry {
@@ -160,6 +167,7 @@ impl Entry {
         peak_layer: f64::INFINITY,
         step: f64::INFINITY,
         sync: f64::INFINITY,
+        working: f64::INFINITY,
     };
 
     /// Nothing: the start of a sum.
@@ -172,19 +180,25 @@ impl Entry {
         peak_layer: 0.0,
         step: 0.0,
         sync: 0.0,
+        working: 0.0,
     };
 
-    /// Both together (two parts of one plan).
+    /// Both together (two parts of one plan): what they hold adds up, the larger transient
+    /// stays.
     pub fn plus(self, o: Entry) -> Entry {
+        if !(self.cost.is_finite() && o.cost.is_finite()) {
+            return Entry::NONE;
+        }
         Entry {
             cost: self.cost + o.cost,
-            memory: self.memory + o.memory,
+            memory: self.memory + o.memory - self.working.min(o.working),
             activations: self.activations + o.activations,
             forward: self.forward + o.forward,
             checkpoint: self.checkpoint + o.checkpoint,
             peak_layer: self.peak_layer.max(o.peak_layer),
             step: self.step + o.step,
             sync: self.sync + o.sync,
+            working: self.working.max(o.working),
         }
     }
 
@@ -417,6 +431,8 @@ struct Bounded<'g> {
     deciding: Vec<(usize, Vec<Spec>)>,
     /// Per variable, per strategy: activations saved per micro-batch, bytes.
     activations: Vec<Vec<f64>>,
+    /// Per variable, per strategy: the backward transient, bytes.
+    working: Vec<Vec<f64>>,
     /// The forward pass's terms of the layer's problem.
     forward: Problem,
     /// The per-step terms, and of them the collectives.
@@ -503,6 +519,7 @@ impl<'g> Bounded<'g> {
             .collect();
         Ok(Bounded {
             activations: model.activation_memory(),
+            working: model.working_memory(),
             forward: model.forward_problem(),
             step: model.step_problems(),
             model,
@@ -522,7 +539,13 @@ impl<'g> Bounded<'g> {
     /// The entry of the plan `choice` (a strategy per variable of `p`): cost, memory,
     /// activations, forward time and the bytes of the tensors entering the layer.
     fn read(&self, choice: &[usize]) -> Entry {
-        let (cost, memory) = self.p.evaluate(choice);
+        let (cost, held) = self.p.evaluate(choice);
+        let working = self
+            .working
+            .iter()
+            .zip(choice)
+            .map(|(per, &c)| per[c])
+            .fold(0.0, f64::max);
         let activations = self
             .activations
             .iter()
@@ -533,13 +556,14 @@ impl<'g> Bounded<'g> {
         let [step, sync] = &self.step;
         Entry {
             cost,
-            memory,
+            memory: held + working,
             activations,
             forward: self.forward.evaluate(own).0,
             checkpoint: self.entering.iter().map(|(v, per)| per[choice[*v]]).sum(),
             peak_layer: activations,
             step: step.evaluate(own).0,
             sync: sync.evaluate(own).0,
+            working,
         }
     }
 

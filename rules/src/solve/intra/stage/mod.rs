@@ -17,7 +17,11 @@
 //!
 //! Memory is the per-device peak at the start of the last in-flight micro-batch's backward:
 //! activations saved for backward (times the micro-batches in flight), gradient buffers (kept
-//! in the layout the weight gradient is produced in), working weights and optimizer states.
+//! in the layout the weight gradient is produced in), working weights and optimizer states,
+//! which a plan holds (the budget bounds them, as a sum over variables); and on top of them the
+//! backward pass's largest transient, as the Megatron-LM estimate counts it: the largest
+//! activation gradient an op makes, or, with `fp32_loss`, the two fp32 logit-sized tensors
+//! PyTorch's unfused cross-entropy backward holds.
 
 mod megatron;
 
@@ -99,6 +103,9 @@ pub struct StageOptions<'p> {
     /// Gradient buffers are fp32 and gradients are reduced in fp32 (Megatron-LM's
     /// `--accumulate-allreduce-grads-in-fp32`); otherwise both are in the working precision.
     pub grad_reduce_in_fp32: bool,
+    /// The loss is PyTorch's unfused fp32 cross-entropy (torchtitan's): its backward holds two
+    /// fp32 tensors the size of the probabilities it saved ([`crate::plan::runtime::Runtime`]).
+    pub fp32_loss: bool,
     /// Measured kernel times: an op whose tile shapes the profile measured (under the name,
     /// pass and dtype `autopar profile` gives it) costs the measured time, as in Megatron-LM's
     /// layer costs.
@@ -118,6 +125,7 @@ impl Default for StageOptions<'_> {
             max_table_work: crate::solve::intra::chain::MAX_TABLE_WORK,
             grad_accumulation_fusion: true,
             grad_reduce_in_fp32: false,
+            fp32_loss: false,
             profile: None,
         }
     }
@@ -262,10 +270,22 @@ pub struct StageMemory {
     pub gradients: f64,
     /// Master weights and optimizer moments.
     pub optimizer: f64,
-    /// Everything.
+    /// The backward pass's largest transient (an activation gradient, or the unfused fp32
+    /// loss's working tensors), live beside everything held. A budget does not bound it.
+    #[serde(default)]
+    pub working: f64,
+    /// Everything held: activations, weights, gradients and optimizer states (what a budget
+    /// bounds).
     pub total: f64,
     /// The per-device budget the solve respected, if any.
     pub budget: Option<f64>,
+}
+
+impl StageMemory {
+    /// The per-device peak: everything held and the backward pass's transient.
+    pub fn peak(&self) -> f64 {
+        self.total + self.working
+    }
 }
 
 /// Time split by kind, s.
@@ -402,6 +422,7 @@ impl StagePlan {
             out.memory.weights += p.memory.weights;
             out.memory.gradients += p.memory.gradients;
             out.memory.optimizer += p.memory.optimizer;
+            out.memory.working = out.memory.working.max(p.memory.working);
             out.memory.total += p.memory.total;
             out.ops.extend(p.ops);
             out.parameters.extend(p.parameters);
@@ -447,6 +468,9 @@ struct Realized {
     comm: Vec<(Step, Reason, TensorId)>,
     activations: f64,
     gradients: f64,
+    /// The backward transient of the op: its largest activation-gradient output, or the
+    /// unfused fp32 loss's two working tensors.
+    working: f64,
 }
 
 struct OpNode {
@@ -815,6 +839,19 @@ impl<'g> StageModel<'g> {
         out
     }
 
+    /// Per variable and choice: the largest backward transient among its ops, bytes (see
+    /// [`StageMemory::working`]; a plan's is the largest over its variables).
+    pub fn working_memory(&self) -> Vec<Vec<f64>> {
+        let mut out: Vec<Vec<f64>> = self.var_sizes.iter().map(|&k| vec![0.0; k]).collect();
+        for node in &self.nodes {
+            for (c, r) in node.realized.iter().enumerate() {
+                let w = &mut out[node.var][c];
+                *w = w.max(r.working);
+            }
+        }
+        out
+    }
+
     /// Whether an op of the range makes tensor `t`.
     pub fn makes(&self, t: TensorId) -> bool {
         self.produced.contains_key(&t)
@@ -1103,6 +1140,18 @@ impl<'g> StageModel<'g> {
             .filter(|(t, _)| g.tensor(**t).kind == TensorKind::WeightGradient)
             .map(|(&t, s)| g.tensor(t).elements() as f64 * grad_bytes / s.tiles(mesh) as f64)
             .sum();
+        let mut working = op
+            .outputs
+            .iter()
+            .filter(|&&t| g.tensor(t).kind == TensorKind::Gradient)
+            .map(|&t| tile_bytes(t))
+            .fold(0.0, f64::max);
+        if self.opts.fp32_loss && op.kind == OpKind::CrossEntropy {
+            // log_softmax's backward beside the saved fp32 log-probabilities (the estimate's
+            // `2 * loss_probs`, `cost::layer_cost`).
+            let probs: f64 = op.saves.iter().map(|&t| tile_bytes(t)).sum();
+            working = working.max(2.0 * probs);
+        }
         Realized {
             assign: *assign,
             inputs,
@@ -1112,6 +1161,7 @@ impl<'g> StageModel<'g> {
             comm,
             activations,
             gradients,
+            working,
         }
     }
 
@@ -1413,6 +1463,7 @@ impl<'g> StageModel<'g> {
             plan.per_microbatch.communication += comm;
             plan.memory.activations += r.activations;
             plan.memory.gradients += r.gradients;
+            plan.memory.working = plan.memory.working.max(r.working);
             for (s, reason, t) in &r.comm {
                 record(&mut plan, std::slice::from_ref(s), *t, *reason, phase);
             }
