@@ -897,6 +897,10 @@ pub struct EstimateArgs {
     /// `true` or `false` (default: the runtime's; Megatron-Core's `--overlap-param-gather`).
     #[arg(long, value_name = "BOOL")]
     pub overlap_param_gather: Option<bool>,
+    /// The loss is PyTorch's unfused cross-entropy on fp32 logits, whose backward holds two
+    /// more fp32 logit-sized tensors, `true` or `false` (default: the runtime's; torchtitan's).
+    #[arg(long, value_name = "BOOL")]
+    pub fp32_loss: Option<bool>,
     /// Fraction of device memory kept free.
     #[arg(long, default_value_t = autopar_engine::workspace::DEFAULT_MEMORY_HEADROOM)]
     pub memory_headroom: f64,

@@ -22,7 +22,7 @@
 //! | `runtime`     | no (megatron-core) | the runtime preset ([`Runtime`]) |
 //! | `precision`   | no       | `bf16`, `fp16` or `fp32` (default: the runtime's) |
 //! | `attention`   | no       | `flash` or `unfused` (default: the runtime's) |
-//! | `grad_reduce_in_fp32` `overlap_grad_reduce` `overlap_param_gather` | no | `true`/`false` (default: the runtime's) |
+//! | `grad_reduce_in_fp32` `overlap_grad_reduce` `overlap_param_gather` `fp32_loss` | no | `true`/`false` (default: the runtime's) |
 //! | `memory_gib`  | no       | measured peak memory per GPU, GiB |
 //! | `source` `note` | no     | free text, ignored |
 //!
@@ -41,7 +41,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Every column a runs file may have.
-pub const COLUMNS: [&str; 27] = [
+pub const COLUMNS: [&str; 28] = [
     "model",
     "cluster",
     "tp",
@@ -65,6 +65,7 @@ pub const COLUMNS: [&str; 27] = [
     "grad_reduce_in_fp32",
     "overlap_grad_reduce",
     "overlap_param_gather",
+    "fp32_loss",
     "step_time_s",
     "memory_gib",
     "source",
@@ -473,6 +474,7 @@ fn run(
             grad_reduce_in_fp32: flag("grad_reduce_in_fp32")?,
             overlap_grad_reduce: flag("overlap_grad_reduce")?,
             overlap_param_gather: flag("overlap_param_gather")?,
+            fp32_loss: flag("fp32_loss")?,
         },
         recompute_layers,
         step_time,

@@ -405,6 +405,8 @@ struct RawTarget {
     #[serde(default)]
     overlap_param_gather: Option<bool>,
     #[serde(default)]
+    fp32_loss: Option<bool>,
+    #[serde(default)]
     runtime: Option<Runtime>,
     #[serde(default)]
     vocab_multiple: Option<Positive>,
@@ -1035,6 +1037,7 @@ impl Loader<'_> {
                 grad_reduce_in_fp32: t.grad_reduce_in_fp32,
                 overlap_grad_reduce: t.overlap_grad_reduce,
                 overlap_param_gather: t.overlap_param_gather,
+                fp32_loss: t.fp32_loss,
             },
         );
         options.moe_routing = moe_routing;

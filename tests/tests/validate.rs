@@ -231,40 +231,50 @@ fn torchtitan_h100_memory_counts_the_fp32_loss() {
             error.abs() <= 0.15,
             "{gpus} GPUs: {predicted} GiB against {measured} GiB"
         );
-        let memory = |runtime: &str| {
+        let memory = |runtime: &str, extra: &[&str]| {
             let dp = gpus.to_string();
             let gbs = (2 * gpus).to_string();
             let cluster = format!("dgx-h100:{}", gpus / 8);
-            let r = ws.run(&[
-                "estimate",
-                "--model",
-                "models/llama3-8b.json",
-                "--cluster",
-                &cluster,
-                "--dp",
-                &dp,
-                "--mbs",
-                "2",
-                "--gbs",
-                &gbs,
-                "--seq",
-                "8192",
-                "--zero",
-                "3",
-                "--recompute",
-                "selective-op",
-                "--runtime",
-                runtime,
-                "--grad-reduce-in-fp32",
-                "true",
-                "--memory-headroom",
-                "0",
-                "--json",
-            ]);
+            let r = ws.run(
+                &[
+                    "estimate",
+                    "--model",
+                    "models/llama3-8b.json",
+                    "--cluster",
+                    &cluster,
+                    "--dp",
+                    &dp,
+                    "--mbs",
+                    "2",
+                    "--gbs",
+                    &gbs,
+                    "--seq",
+                    "8192",
+                    "--zero",
+                    "3",
+                    "--recompute",
+                    "selective-op",
+                    "--runtime",
+                    runtime,
+                    "--grad-reduce-in-fp32",
+                    "true",
+                    "--memory-headroom",
+                    "0",
+                    "--json",
+                ]
+                .into_iter()
+                .chain(extra.iter().copied())
+                .collect::<Vec<_>>(),
+            );
             assert_eq!(r.code, 0, "{}", r.stderr);
             r.json()["memory"].clone()
         };
-        let (titan, megatron) = (memory("torchtitan"), memory("megatron-core"));
+        let (titan, megatron) = (memory("torchtitan", &[]), memory("megatron-core", &[]));
+        // The loss given explicitly wins over the runtime's.
+        let unfused = memory("megatron-core", &["--fp32-loss", "true"]);
+        let fused = memory("torchtitan", &["--fp32-loss", "false"]);
+        assert_eq!(unfused["workspace"], titan["workspace"]);
+        assert_eq!(fused["workspace"], megatron["workspace"]);
         let gib = f64::from(1u32 << 30);
         assert!((number(&titan["total"]) / gib - predicted).abs() < 0.05 + 1e-9 * predicted);
         // The fused loss (Megatron-LM's) overwrites its saved softmax with the gradient; the
@@ -272,6 +282,25 @@ fn torchtitan_h100_memory_counts_the_fp32_loss() {
         assert!(number(&titan["workspace"]) >= 2.0 * logits_fp32);
         assert!(number(&megatron["workspace"]) < 2.0 * logits_fp32);
         assert!(number(&titan["total"]) - number(&megatron["total"]) >= logits_fp32);
+    }
+    // A runs file's `fp32_loss` column wins over the runtime's too.
+    let fused = std::fs::read_to_string(dataset("torchtitan-h100.csv"))
+        .expect("the dataset")
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .enumerate()
+        .map(|(i, l)| match i {
+            0 => format!("{l},fp32_loss"),
+            _ => format!("{l},false"),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    ws.write("fused.csv", &fused);
+    let f = validate(&ws, "fused.csv");
+    for (unfused, fused) in runs.iter().zip(f["runs"].as_array().expect("runs")) {
+        let saved =
+            number(&unfused["predicted_memory_gib"]) - number(&fused["predicted_memory_gib"]);
+        assert!(saved * f64::from(1u32 << 30) >= logits_fp32, "{saved} GiB");
     }
 }
 

@@ -42,6 +42,7 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             grad_reduce_in_fp32: a.grad_reduce_in_fp32,
             overlap_grad_reduce: a.overlap_grad_reduce,
             overlap_param_gather: a.overlap_param_gather,
+            fp32_loss: a.fp32_loss,
         },
     );
     let gpus = cluster.gpus();

@@ -19,7 +19,8 @@
 //! A fused loss (Megatron-LM's vocabulary-parallel cross-entropy, which overwrites its saved
 //! softmax with the gradient) holds nothing beyond that softmax; torchtitan's unfused one
 //! holds two more fp32 tensors the size of the logits during its backward
-//! ([`TrainingOptions::fp32_loss`]). llm-foundry is priced with a fused loss; its published
+//! ([`TrainingOptions::fp32_loss`]; `fp32_loss` as a target key, flag or runs column sets it
+//! for any runtime). llm-foundry is priced with a fused loss; its published
 //! runs give no memory to check that against.
 //!
 //! Weight-gradient accumulation fusion is Megatron's `--gradient-accumulation-fusion`
@@ -46,6 +47,8 @@ pub struct GivenSettings {
     pub overlap_grad_reduce: Option<bool>,
     /// The weight all-gather overlapped with the forward.
     pub overlap_param_gather: Option<bool>,
+    /// The loss is PyTorch's unfused cross-entropy on fp32 logits.
+    pub fp32_loss: Option<bool>,
 }
 
 /// A training runtime whose defaults a layout is priced with (Megatron-Core where none is
@@ -176,7 +179,7 @@ impl Runtime {
                 .overlap_param_gather
                 .unwrap_or(self.overlap_param_gather()),
             moe_routing: Default::default(),
-            fp32_loss: self.fp32_loss(),
+            fp32_loss: given.fp32_loss.unwrap_or(self.fp32_loss()),
         }
     }
 
