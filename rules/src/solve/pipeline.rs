@@ -291,7 +291,7 @@ pub fn table_key(
             ),
         )
         .with("profile", reads);
-    // Only when set, so that the keys of every other table stay as they were.
+    // Only when set: a fused loss, whatever the runtime, keeps the key it always had.
     if opts.fp32_loss {
         parts.with("fp32_loss", &true)
     } else {
