@@ -10,7 +10,6 @@ use autopar_engine::build::{TargetResult, build, dry_run};
 use autopar_engine::cache::{self, Cache, RemoteFlags};
 use autopar_engine::session::Session;
 use autopar_engine::workspace::Workspace;
-use autopar_rules::plan::ilp::Space;
 use serde_json::json;
 use std::path::Path;
 
@@ -94,7 +93,7 @@ pub fn run_with(
                         "tflops_per_gpu": e.tflops_per_gpu,
                         "mfu": p.plan.mfu(),
                         "memory_per_device_gib": p.plan.memory_per_device_gib(),
-                        "fits": e.fits || p.plan.space == Space::Ilp,
+                        "fits": p.plan.fits(),
                         "layouts": o.layouts,
                         "source": o.source,
                         "elapsed_s": o.elapsed.as_secs_f64(),

@@ -104,6 +104,13 @@ pub struct ModelStates {
     pub optimizer: f64,
 }
 
+/// The backward transient of PyTorch's unfused cross-entropy on fp32 logits (torchtitan's
+/// loss), given the bytes of the fp32 log-probabilities it saved: `log_softmax`'s backward
+/// holds its output gradient and writes its input gradient, both fp32 and as large.
+pub fn fp32_loss_working(saved_probs: f64) -> f64 {
+    2.0 * saved_probs
+}
+
 /// Model states of `params` parameters on a device with data-parallel degree `dp` under ZeRO
 /// stage `zero`: stage 1 shards the optimizer states over the data-parallel group (Megatron-LM's
 /// distributed optimizer), stage 2 also the gradients, stage 3 everything.

@@ -5,7 +5,7 @@ use crate::cost::analytic::{Collective, collective_time, p2p_time};
 use crate::cost::cluster::{Cluster, GIB, Link};
 use crate::cost::context_parallel::{CpComm, CpConfig, CpGroups, hierarchical_inner};
 use crate::cost::layer_cost::{ExpertLinks, KernelOptions, LayerCost, LayerCostContext, Pricing};
-use crate::cost::memory::{StateBytes, model_states};
+use crate::cost::memory::{StateBytes, fp32_loss_working, model_states};
 use crate::cost::profile::Profile;
 use crate::cost::tensor_parallel::{TpConfig, indivisible_sequence, indivisible_split};
 use crate::model::frontend::{Attention, LowerOptions, ModelDef};
@@ -863,10 +863,8 @@ impl<'a> Estimator<'a> {
             zero_fwd,
             zero_bwd,
             saved,
-            // An unfused fp32 loss: `log_softmax`'s backward holds its output gradient and
-            // writes its input gradient, both fp32 and as large as the saved log-probabilities.
             transient: (rematerialised + c.grad_working).max(if self.opts.fp32_loss {
-                2.0 * c.loss_probs
+                fp32_loss_working(c.loss_probs)
             } else {
                 0.0
             }),

@@ -316,10 +316,18 @@ impl Plan {
         }
     }
 
-    /// Model FLOPs utilisation of the chosen plan: both spaces do the same model FLOPs per
-    /// step, so it scales with the inverse of the step time.
+    /// Model FLOPs utilisation of the chosen plan (as [`Plan::with_ilp`] recorded it for the
+    /// ILP space).
     pub fn mfu(&self) -> f64 {
-        self.estimate.mfu * self.estimate.step_time_s / self.step_time_s()
+        match (&self.space, &self.spaces.ilp) {
+            (Space::Ilp, Some(b)) => b.mfu,
+            _ => self.estimate.mfu,
+        }
+    }
+
+    /// Whether the chosen plan fits: an ILP pipeline's stages all met their memory condition.
+    pub fn fits(&self) -> bool {
+        self.space == Space::Ilp || self.estimate.fits
     }
 
     /// Tokens per second of the chosen plan (the same tokens per step in both spaces).

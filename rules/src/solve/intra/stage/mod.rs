@@ -36,7 +36,7 @@ use crate::cost::analytic::{
     Collective, GemmShape, gradient_accumulation, kernel_time, op_traffic,
 };
 use crate::cost::cluster::{Device, GIB};
-use crate::cost::memory::{Precision, StateBytes};
+use crate::cost::memory::{Precision, StateBytes, fp32_loss_working};
 use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, kernel_name};
 use crate::cost::sharding::{
     AxisSplit, Mesh, Spec, Step, reduce_steps, reshard_steps, steps_time, valid_specs,
@@ -1147,10 +1147,8 @@ impl<'g> StageModel<'g> {
             .map(|&t| tile_bytes(t))
             .fold(0.0, f64::max);
         if self.opts.fp32_loss && op.kind == OpKind::CrossEntropy {
-            // log_softmax's backward beside the saved fp32 log-probabilities (the estimate's
-            // `2 * loss_probs`, `cost::layer_cost`).
             let probs: f64 = op.saves.iter().map(|&t| tile_bytes(t)).sum();
-            working = working.max(2.0 * probs);
+            working = working.max(fp32_loss_working(probs));
         }
         Realized {
             assign: *assign,
