@@ -720,8 +720,10 @@ impl From<PrecisionArg> for Precision {
 /// Attention implementation on the command line.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum AttentionArg {
-    /// Fused flash attention.
+    /// Fused flash attention, the CUDA kernels (FlashAttention-2, cuDNN).
     Flash,
+    /// Fused flash attention written in Triton (llm-foundry's `attn_impl: triton`).
+    FlashTriton,
     /// Separate score, softmax, dropout and context kernels.
     Unfused,
 }
@@ -730,6 +732,7 @@ impl From<AttentionArg> for Attention {
     fn from(a: AttentionArg) -> Self {
         match a {
             AttentionArg::Flash => Attention::Flash,
+            AttentionArg::FlashTriton => Attention::FlashTriton,
             AttentionArg::Unfused => Attention::Unfused,
         }
     }

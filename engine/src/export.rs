@@ -292,7 +292,7 @@ fn nemo(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<String, 
             "make_vocab_size_divisible_by": plan.training.vocab_multiple,
             "gradient_accumulation_fusion": plan.training.grad_accumulation_fusion,
             "use_flash_attention":
-                plan.training.attention == autopar_rules::model::frontend::Attention::Flash,
+                plan.training.attention.flash_kernel().is_some(),
             "activations_checkpoint_granularity": granularity,
             "activations_checkpoint_method": method,
             "activations_checkpoint_num_layers": layers,

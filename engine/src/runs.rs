@@ -21,7 +21,7 @@
 //! | `zero`        | no (0)   | ZeRO stage, or the distributed optimizer as stage 1 |
 //! | `runtime`     | no (megatron-core) | the runtime preset ([`Runtime`]) |
 //! | `precision`   | no       | `bf16`, `fp16` or `fp32` (default: the runtime's) |
-//! | `attention`   | no       | `flash` or `unfused` (default: the runtime's) |
+//! | `attention`   | no       | `flash`, `flash-triton` or `unfused` (default: the runtime's) |
 //! | `grad_reduce_in_fp32` `overlap_grad_reduce` `overlap_param_gather` `fp32_loss` | no | `true`/`false` (default: the runtime's) |
 //! | `memory_gib`  | no       | measured peak memory per GPU, GiB |
 //! | `source` `note` | no     | free text, ignored |
@@ -401,17 +401,15 @@ fn run(
     };
     let attention = match cells.get("attention").map(String::as_str) {
         None => None,
-        Some("flash") => Some(Attention::Flash),
-        Some("unfused") => Some(Attention::Unfused),
-        Some(v) => {
-            return Err(bad(
+        Some(v) => Some(Attention::parse(v).ok_or_else(|| {
+            bad(
                 path,
                 line,
                 "attention",
-                "flash or unfused",
+                "flash, flash-triton or unfused",
                 format!("`{v}`"),
-            ));
-        }
+            )
+        })?),
     };
     let step_time = match text("step_time_s")?.as_str() {
         "oom" | "OOM" => MeasuredTime::OutOfMemory,
@@ -499,10 +497,12 @@ mod tests {
             "# a comment\n{HEADER},seq,sp,recompute,zero,vp,runtime,precision,attention,memory_gib,cp,ep,source\n\
              gpt,a100-80g:2x8,8,2,1,1,64,12.5,2048,true,selective,1,2,megatron-2021,fp16,flash,61.5,1,1,paper\n\
              \n\
-             gpt,a100-80g:2x8,8,2,1,1,64,oom,,,,,,,,,,,,\n"
+             gpt,a100-80g:2x8,8,2,1,1,64,oom,,,,,,,,,,,,\n\
+             gpt,a100-80g:2x8,8,2,1,1,64,9.5,,,,,,llm-foundry,,flash-triton,,,,\n"
         ))
         .expect("parses");
-        assert_eq!(runs.len(), 2);
+        assert_eq!(runs.len(), 3);
+        assert_eq!(runs[2].attention, Some(Attention::FlashTriton));
         let r = &runs[0];
         assert_eq!(r.line, 3);
         assert_eq!((r.layout.tp, r.layout.pp, r.layout.dp), (8, 2, 1));
@@ -565,6 +565,10 @@ mod tests {
             (
                 format!("{HEADER},cp,cp_comm\n{row},2,ring"),
                 "runs.csv:2: field `cp_comm`: expected p2p, a2a, allgather, a2a+p2p, found `ring`",
+            ),
+            (
+                format!("{HEADER},attention\n{row},triton"),
+                "runs.csv:2: field `attention`: expected flash, flash-triton or unfused, found `triton`",
             ),
             (
                 format!("{HEADER},mb\n{row},2"),

@@ -441,7 +441,6 @@ fn estimate_reads_the_clusters_profiles_as_build_does() {
 /// target's `runtime` does the same and a misspelt one is a located input error.
 #[test]
 fn runtime_presets_set_what_their_flags_set() {
-    use autopar_rules::model::frontend::Attention;
     use autopar_rules::plan::runtime::Runtime;
     let ws = TempWorkspace::default_copy();
     let base = [
@@ -467,10 +466,7 @@ fn runtime_presets_set_what_their_flags_set() {
             "--precision",
             r.precision().name(),
             "--attention",
-            match r.attention() {
-                Attention::Flash => "flash",
-                Attention::Unfused => "unfused",
-            },
+            r.attention().name(),
         ];
         if !r.grad_accumulation_fusion() {
             flags.push("--no-grad-accumulation-fusion");
@@ -730,7 +726,7 @@ fn context_parallelism_splits_activations_and_keeps_the_work() {
         ),
         (
             vec!["--cp", "4", "--seq", "65536", "--attention", "unfused"],
-            "error: context parallelism cp = 4: needs attention = \"flash\" (the ring and the gathers feed a blockwise attention kernel)",
+            "error: context parallelism cp = 4: needs attention = \"flash\" or \"flash-triton\" (the ring and the gathers feed a blockwise attention kernel)",
         ),
     ] {
         let mut all = vec!["estimate"];

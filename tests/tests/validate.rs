@@ -76,14 +76,14 @@ fn shipped_datasets_are_priced_as_estimate_prices_them() {
         let model = row.model.path();
         let cluster = format!("{}:{}x8", row.gpu, row.nodes());
         let mut args = row.estimate_args(&model, &cluster);
-        // llm-foundry: bf16, flash attention, gradients added per micro-batch, the data-parallel
-        // collectives overlapped (FSDP), spelled out over its preset.
+        // llm-foundry: bf16, Triton flash attention, gradients added per micro-batch, the
+        // data-parallel collectives overlapped (FSDP), spelled out over its preset.
         args.extend(
             [
                 "--precision",
                 "bf16",
                 "--attention",
-                "flash",
+                "flash-triton",
                 "--no-grad-accumulation-fusion",
                 "--overlap-grad-reduce",
                 "true",

@@ -37,11 +37,10 @@ pub fn run(session: &Session, a: &GraphArgs) -> Result<(), Failure> {
     if a.json {
         print_json(&summary)
     } else {
-        let attention = match attention {
-            Attention::Flash => "flash",
-            Attention::Unfused => "unfused",
-        };
-        out!("{}", render::graph(&summary, precision.name(), attention));
+        out!(
+            "{}",
+            render::graph(&summary, precision.name(), attention.name())
+        );
         Ok(())
     }
 }

@@ -8,7 +8,7 @@ use crate::cost::layer_cost::{ExpertLinks, KernelOptions, LayerCost, LayerCostCo
 use crate::cost::memory::{StateBytes, fp32_loss_working, model_states};
 use crate::cost::profile::Profile;
 use crate::cost::tensor_parallel::{TpConfig, indivisible_sequence, indivisible_split};
-use crate::model::frontend::{Attention, LowerOptions, ModelDef};
+use crate::model::frontend::{LowerOptions, ModelDef};
 use crate::model::graph::{Graph, LayerKind};
 use crate::plan::layout::{Layout, LayoutError, Recompute, TrainingOptions};
 use crate::solve::schedule::{
@@ -640,9 +640,9 @@ impl<'a> Estimator<'a> {
                 2 * l.cp
             )));
         }
-        if self.opts.attention != Attention::Flash {
+        if self.opts.attention.flash_kernel().is_none() {
             return Err(bad(
-                "needs attention = \"flash\" (the ring and the gathers feed a blockwise attention kernel)".into(),
+                "needs attention = \"flash\" or \"flash-triton\" (the ring and the gathers feed a blockwise attention kernel)".into(),
             ));
         }
         // The ranks an all-to-all splits the heads over: the whole group, or under `a2a+p2p`

@@ -4,9 +4,7 @@
 use crate::cost::cluster::{Cluster, GIB};
 use crate::cost::context_parallel::{CpComm, hierarchical_inner};
 use crate::cost::memory::Precision;
-use crate::model::frontend::{
-    Attention, Bias, Mlp, ModelDef, MoeConfig, MoeRouting, Norm, Position,
-};
+use crate::model::frontend::{Bias, Mlp, ModelDef, MoeConfig, MoeRouting, Norm, Position};
 use crate::plan::estimate::{ChunkLayers, Estimate};
 use crate::plan::ilp::{IlpPlan, Space, megatron_recompute, stage_blocks};
 use crate::plan::layout::{Layout, Recompute, TrainingOptions};
@@ -638,7 +636,8 @@ pub fn layout_args(
             a.kv("attention-dropout", "0.0");
             a.kv("hidden-dropout", "0.0");
         }
-        if opts.attention == Attention::Flash {
+        // Megatron-LM has no Triton kernel; its CUDA flash attention holds the same memory.
+        if opts.attention.flash_kernel().is_some() {
             a.flag("use-flash-attn");
         }
         if c.qk_norm {

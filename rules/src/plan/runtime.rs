@@ -14,7 +14,7 @@
 //! | megatron-deepspeed | bf16      | unfused   | yes          | bf16 (DeepSpeed's `communication_data_type` follows the precision) | no | no | fused |
 //! | megatron-2021      | fp16      | unfused   | no           | fp16 | no | no | fused |
 //! | torchtitan         | bf16      | flash     | no           | fp32 (FSDP2 `MixedPrecisionPolicy`, `mixed_precision_reduce = "float32"`) | yes (FSDP reduce-scatters each layer in the backward) | yes (FSDP prefetches) | unfused, fp32 (`cross_entropy(pred.float())`) |
-//! | llm-foundry        | bf16      | flash     | no           | bf16 (FSDP `mixed_precision: PURE`) | yes | yes | fused |
+//! | llm-foundry        | bf16      | flash (Triton: `attn_impl: triton`) | no           | bf16 (FSDP `mixed_precision: PURE`) | yes | yes | fused |
 //!
 //! A fused loss (Megatron-LM's vocabulary-parallel cross-entropy, which overwrites its saved
 //! softmax with the gradient) holds nothing beyond that softmax; torchtitan's unfused one
@@ -117,6 +117,7 @@ impl Runtime {
     pub fn attention(self) -> Attention {
         match self {
             Runtime::MegatronDeepspeed | Runtime::Megatron2021 => Attention::Unfused,
+            Runtime::LlmFoundry => Attention::FlashTriton,
             _ => Attention::Flash,
         }
     }

@@ -779,7 +779,7 @@ pub fn python(graph: &Graph, prog: &Program, header: &Header) -> Result<String, 
                 Kernel::Rope { .. } => format!("rope({})", arg(0)?),
                 Kernel::Attention { scale, keys, .. } => {
                     let causal = writer(graph, step.outputs[0]).is_none_or(|o| {
-                        !matches!(o.kind, OpKind::FlashAttention { causal: false })
+                        !matches!(o.kind, OpKind::FlashAttention { causal: false, .. })
                     });
                     let causal = if causal { "" } else { ", causal=False" };
                     let (q, k, v, scale) = (arg(0)?, arg(1)?, arg(2)?, f32_literal(*scale));

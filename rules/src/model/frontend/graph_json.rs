@@ -8,7 +8,9 @@
 use super::locate::{PathSeg, item_offsets, locate, offset_of};
 use crate::error::FieldError;
 use crate::limits;
-use crate::model::graph::{DType, Graph, GraphBuilder, LayerKind, OpKind, Split, TensorKind};
+use crate::model::graph::{
+    DType, FlashKernel, Graph, GraphBuilder, LayerKind, OpKind, Split, TensorKind,
+};
 use serde::Deserialize;
 
 /// Value of the `format` field this reader accepts.
@@ -123,6 +125,8 @@ struct FileOp {
     #[serde(default)]
     causal: Option<bool>,
     #[serde(default)]
+    kernel: Option<String>,
+    #[serde(default)]
     attention_core: bool,
 }
 
@@ -172,7 +176,7 @@ fn parse_dtype(s: &str) -> Option<DType> {
     })
 }
 
-fn parse_op_kind(s: &str, transpose_b: bool, causal: bool) -> Option<OpKind> {
+fn parse_op_kind(s: &str, transpose_b: bool, causal: bool, kernel: FlashKernel) -> Option<OpKind> {
     Some(match s {
         "embedding" => OpKind::Embedding,
         "matmul" => OpKind::MatMul { transpose_b },
@@ -188,7 +192,7 @@ fn parse_op_kind(s: &str, transpose_b: bool, causal: bool) -> Option<OpKind> {
         "dropout" => OpKind::Dropout,
         "dropout_add" => OpKind::DropoutAdd,
         "rope" => OpKind::Rope,
-        "flash_attention" => OpKind::FlashAttention { causal },
+        "flash_attention" => OpKind::FlashAttention { causal, kernel },
         "cross_entropy" => OpKind::CrossEntropy,
         "slice" => OpKind::Slice,
         "transpose" => OpKind::Transpose,
@@ -339,14 +343,21 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
                 p.push(PathSeg::Key(k));
                 p
             };
-            let kind = parse_op_kind(&op.kind, op.transpose_b, op.causal.unwrap_or(true))
+            let kernel = match op.kernel.as_deref() {
+                None | Some("cuda") => FlashKernel::Cuda,
+                Some("triton") => FlashKernel::Triton,
+                Some(other) => {
+                    return Err(cx.err(&with("kernel"), "cuda or triton", format!("\"{other}\"")));
+                }
+            };
+            let kind = parse_op_kind(&op.kind, op.transpose_b, op.causal.unwrap_or(true), kernel)
                 .ok_or_else(|| {
-                    cx.err(
-                        &with("kind"),
-                        format!("one of {OP_KINDS}"),
-                        format!("\"{}\"", op.kind),
-                    )
-                })?;
+                cx.err(
+                    &with("kind"),
+                    format!("one of {OP_KINDS}"),
+                    format!("\"{}\"", op.kind),
+                )
+            })?;
             let resolve =
                 |names: &[String], field: &'static str| -> Result<Vec<usize>, FieldError> {
                     names
@@ -696,6 +707,56 @@ mod tests {
         let x = g.tensors.iter().find(|t| t.name == "x").expect("x");
         assert_eq!(x.split, Split::Sequence(1));
         assert_eq!(x.shape, vec![2, 16, 64]);
+    }
+
+    /// A small attention graph: a trained query and given keys and values into one fused
+    /// attention op, with `attrs` on it, and a loss on its output.
+    fn attention_graph(attrs: &str) -> String {
+        format!(
+            r#"{{
+  "format": "autopar-graph/1",
+  "name": "attn",
+  "tensors": [
+    {{"name": "q", "shape": [2, 4, 8, 16], "kind": "parameter"}},
+    {{"name": "k", "shape": [2, 4, 8, 16], "kind": "input"}},
+    {{"name": "v", "shape": [2, 4, 8, 16], "kind": "input"}},
+    {{"name": "labels", "shape": [2, 4, 8], "kind": "input", "dtype": "i32"}},
+    {{"name": "o", "shape": [2, 4, 8, 16]}},
+    {{"name": "loss", "shape": [1], "dtype": "f32"}}
+  ],
+  "layers": [
+    {{"name": "core", "ops": [
+      {{"name": "attn", "kind": "flash_attention", "inputs": ["q", "k", "v"], "outputs": ["o"]{attrs}}},
+      {{"name": "ce", "kind": "cross_entropy", "inputs": ["o", "labels"], "outputs": ["loss"]}}]}}
+  ]
+}}"#
+        )
+    }
+
+    #[test]
+    fn the_attention_kernel_is_read_and_checked() {
+        let kind = |attrs: &str| {
+            let g = parse_graph_file(&attention_graph(attrs))
+                .expect("valid graph")
+                .lower(1, 8, DType::Bf16)
+                .expect("lowers");
+            g.op(g.layers[0].forward[0]).kind
+        };
+        let flash = |causal, kernel| OpKind::FlashAttention { causal, kernel };
+        assert_eq!(kind(""), flash(true, FlashKernel::Cuda));
+        assert_eq!(
+            kind(r#", "kernel": "cuda""#),
+            flash(true, FlashKernel::Cuda)
+        );
+        assert_eq!(
+            kind(r#", "kernel": "triton", "causal": false"#),
+            flash(false, FlashKernel::Triton)
+        );
+        let e = parse_graph_file(&attention_graph(r#", "kernel": "cudnn""#))
+            .expect_err("no such kernel");
+        assert_eq!(e.field, "layers[0].ops[0].kernel");
+        assert_eq!(e.expected, "cuda or triton");
+        assert_eq!(e.found, "\"cudnn\"");
     }
 
     #[test]

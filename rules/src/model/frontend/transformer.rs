@@ -9,7 +9,8 @@
 use crate::error::FieldError;
 use crate::limits;
 use crate::model::graph::{
-    DType, Graph, GraphBuilder, GraphError, LayerKind, OpKind, Split, TensorId, TensorKind,
+    DType, FlashKernel, Graph, GraphBuilder, GraphError, LayerKind, OpKind, Split, TensorId,
+    TensorKind,
 };
 use serde::{Deserialize, Serialize};
 
@@ -59,11 +60,44 @@ pub enum Bias {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Attention {
-    /// One fused kernel that never stores the score matrix (FlashAttention).
+    /// One fused kernel that never stores the score matrix (FlashAttention), its CUDA
+    /// implementation ([`FlashKernel::Cuda`]).
     Flash,
+    /// The same fused kernel written in Triton ([`FlashKernel::Triton`]): llm-foundry's
+    /// `attn_impl: triton`.
+    #[serde(rename = "flash-triton")]
+    FlashTriton,
     /// Score matmul, softmax, dropout and context matmul as separate kernels with the score
     /// matrix in memory (Megatron-LM before flash attention, e.g. its 2021 results).
     Unfused,
+}
+
+impl Attention {
+    /// Every implementation.
+    pub const ALL: [Attention; 3] = [Attention::Flash, Attention::FlashTriton, Attention::Unfused];
+
+    /// Its name in workspace files, flags and runs files.
+    pub fn name(self) -> &'static str {
+        match self {
+            Attention::Flash => "flash",
+            Attention::FlashTriton => "flash-triton",
+            Attention::Unfused => "unfused",
+        }
+    }
+
+    /// The implementation named `s`.
+    pub fn parse(s: &str) -> Option<Attention> {
+        Attention::ALL.into_iter().find(|a| a.name() == s)
+    }
+
+    /// The fused kernel that runs the attention core, or `None` when it is unfused.
+    pub fn flash_kernel(self) -> Option<FlashKernel> {
+        match self {
+            Attention::Flash => Some(FlashKernel::Cuda),
+            Attention::FlashTriton => Some(FlashKernel::Triton),
+            Attention::Unfused => None,
+        }
+    }
 }
 
 /// Architecture of a decoder-only transformer.
@@ -818,18 +852,21 @@ impl<'c> Lowering<'c> {
             vec![b, a, s, d],
             Split::Model(1),
         );
-        let proj_in = match self.o.attention {
-            Attention::Flash => {
+        let proj_in = match self.o.attention.flash_kernel() {
+            Some(kernel) => {
                 let op = self.g.op(
                     format!("{p}.attention.core"),
-                    OpKind::FlashAttention { causal: true },
+                    OpKind::FlashAttention {
+                        causal: true,
+                        kernel,
+                    },
                     &[q, k, v],
                     &[ctx],
                 )?;
                 self.g.set_attention_core(op);
                 ctx
             }
-            Attention::Unfused => {
+            None => {
                 let sc = vec![b, a, s, s];
                 let scores = self.act(format!("{p}.attention.scores"), sc.clone(), Split::Model(1));
                 let probs = self.act(format!("{p}.attention.probs"), sc.clone(), Split::Model(1));

@@ -441,7 +441,7 @@ impl GraphBuilder {
                 same_shape(inputs[0], outputs[0])?;
                 Ok((fpe::ROPE * self.numel(inputs[0]) as f64, vec![]))
             }
-            OpKind::FlashAttention { causal } => {
+            OpKind::FlashAttention { causal, .. } => {
                 arity(&[3], 1)?;
                 let (q, k, v, o) = (inputs[0], inputs[1], inputs[2], outputs[0]);
                 let (sq, sk) = (self.t(q).shape.clone(), self.t(k).shape.clone());

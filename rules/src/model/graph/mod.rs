@@ -173,6 +173,9 @@ pub enum OpKind {
     FlashAttention {
         /// Causal masking: only the lower triangle of the score matrix is computed.
         causal: bool,
+        /// The implementation that runs it: the same result at a different speed.
+        #[serde(default, skip_serializing_if = "FlashKernel::is_cuda")]
+        kernel: FlashKernel,
     },
     /// Softmax cross-entropy of logits `[.., V]` against integer labels; output is the loss.
     CrossEntropy,
@@ -230,6 +233,26 @@ impl OpKind {
     /// Whether the op runs on tensor cores as a matrix product (roofline uses the matmul peak).
     pub fn is_matmul(self) -> bool {
         matches!(self, OpKind::MatMul { .. } | OpKind::BatchMatMul { .. })
+    }
+}
+
+/// Implementation of the fused attention kernel ([`OpKind::FlashAttention`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FlashKernel {
+    /// The CUDA kernels: FlashAttention-2 (`flash-attn`, PyTorch's SDPA flash backend) and the
+    /// cuDNN fused attention that Transformer Engine calls.
+    #[default]
+    Cuda,
+    /// FlashAttention written in Triton (`flash_attn.flash_attn_triton`), llm-foundry's
+    /// `attn_impl: triton`.
+    Triton,
+}
+
+impl FlashKernel {
+    /// Whether this is the default CUDA implementation.
+    pub fn is_cuda(&self) -> bool {
+        *self == FlashKernel::Cuda
     }
 }
 
