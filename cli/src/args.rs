@@ -904,6 +904,10 @@ pub struct EstimateArgs {
     /// more fp32 logit-sized tensors, `true` or `false` (default: the runtime's; torchtitan's).
     #[arg(long, value_name = "BOOL")]
     pub fp32_loss: Option<bool>,
+    /// RMSNorm, RoPE and SwiGLU run as eager PyTorch composites of elementwise kernels,
+    /// `true` or `false` (default: the runtime's; torchtitan's).
+    #[arg(long, value_name = "BOOL")]
+    pub eager_elementwise: Option<bool>,
     /// Fraction of device memory kept free.
     #[arg(long, default_value_t = autopar_engine::workspace::DEFAULT_MEMORY_HEADROOM)]
     pub memory_headroom: f64,

@@ -991,6 +991,7 @@ fn plan_from(
                 dtype: t.options.precision.dtype(),
                 attention: t.options.attention,
                 vocab_multiple: 1,
+                eager_elementwise: t.options.eager_elementwise,
             },
         )
         .map_err(|e| e.to_string())?;

@@ -198,6 +198,7 @@ pub fn plan_graph(ws: &Workspace, plan: &Plan) -> Result<Graph, EngineError> {
                 dtype: DType::F32,
                 attention: plan.training.attention,
                 vocab_multiple: plan.training.vocab_multiple.max(1).saturating_mul(l.tp),
+                eager_elementwise: plan.training.eager_elementwise,
             },
         )
         .map_err(|e| EngineError::Exec(ExecError::Lower(e.to_string())))

@@ -41,7 +41,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Every column a runs file may have.
-pub const COLUMNS: [&str; 28] = [
+pub const COLUMNS: [&str; 29] = [
     "model",
     "cluster",
     "tp",
@@ -66,6 +66,7 @@ pub const COLUMNS: [&str; 28] = [
     "overlap_grad_reduce",
     "overlap_param_gather",
     "fp32_loss",
+    "eager_elementwise",
     "step_time_s",
     "memory_gib",
     "source",
@@ -473,6 +474,7 @@ fn run(
             overlap_grad_reduce: flag("overlap_grad_reduce")?,
             overlap_param_gather: flag("overlap_param_gather")?,
             fp32_loss: flag("fp32_loss")?,
+            eager_elementwise: flag("eager_elementwise")?,
         },
         recompute_layers,
         step_time,

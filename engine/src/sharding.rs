@@ -205,6 +205,8 @@ pub(crate) fn lower_model(
         dtype: precision.dtype(),
         attention,
         vocab_multiple: DEFAULT_VOCAB_MULTIPLE * devices,
+        // Elementwise kernels as the default runtime runs them.
+        eager_elementwise: Runtime::default().eager_elementwise(),
     };
     let graph = def
         .lower(name, &opts)

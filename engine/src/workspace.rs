@@ -407,6 +407,8 @@ struct RawTarget {
     #[serde(default)]
     fp32_loss: Option<bool>,
     #[serde(default)]
+    eager_elementwise: Option<bool>,
+    #[serde(default)]
     runtime: Option<Runtime>,
     #[serde(default)]
     vocab_multiple: Option<Positive>,
@@ -1038,6 +1040,7 @@ impl Loader<'_> {
                 overlap_grad_reduce: t.overlap_grad_reduce,
                 overlap_param_gather: t.overlap_param_gather,
                 fp32_loss: t.fp32_loss,
+                eager_elementwise: t.eager_elementwise,
             },
         );
         options.moe_routing = moe_routing;

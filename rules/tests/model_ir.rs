@@ -25,6 +25,7 @@ fn lower(c: &TransformerConfig, b: u64, s: u64, attention: Attention) -> Graph {
             dtype: DType::F16,
             attention,
             vocab_multiple: 1,
+            eager_elementwise: false,
         },
     )
     .expect("lowers")

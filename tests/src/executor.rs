@@ -91,6 +91,7 @@ fn lower(def: &ModelDef, mb: u64, seq: u64, tp: u64, attention: Attention) -> Gr
             dtype: DType::F32,
             attention,
             vocab_multiple: 8 * tp,
+            eager_elementwise: false,
         },
     )
     .expect("lowers")

@@ -29,6 +29,18 @@ pub fn shipped_models() -> Vec<String> {
 /// when `None`; 1024 for a graph file), bf16, flash attention, the vocabulary padded for
 /// `devices`.
 pub fn lower(file: &str, micro_batch: u64, seq: Option<u64>, devices: u64) -> Graph {
+    lower_with(file, micro_batch, seq, devices, false)
+}
+
+/// [`lower`], with RMSNorm, RoPE and SwiGLU run as eager PyTorch composites when
+/// `eager_elementwise` (a transformer's option; graph files ignore it).
+pub fn lower_with(
+    file: &str,
+    micro_batch: u64,
+    seq: Option<u64>,
+    devices: u64,
+    eager_elementwise: bool,
+) -> Graph {
     let path = repo_root().join("models").join(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     if file.ends_with(".graph.json") {
@@ -46,6 +58,7 @@ pub fn lower(file: &str, micro_batch: u64, seq: Option<u64>, devices: u64) -> Gr
         dtype: DType::Bf16,
         attention: Attention::Flash,
         vocab_multiple: 128 * devices,
+        eager_elementwise,
     };
     def.lower(file, &opts)
         .unwrap_or_else(|e| panic!("{file}: {e}"))

@@ -481,6 +481,8 @@ fn runtime_presets_set_what_their_flags_set() {
             bool_flag(r.overlap_param_gather()),
             "--fp32-loss",
             bool_flag(r.fp32_loss()),
+            "--eager-elementwise",
+            bool_flag(r.eager_elementwise()),
         ]);
         let preset = time(&["--runtime", r.name()]);
         assert_eq!(preset, time(&flags), "{}", r.name());

@@ -322,6 +322,7 @@ fn router_settings_size_the_expert_buffers() {
         dtype: DType::Bf16,
         attention: Attention::Flash,
         vocab_multiple: 128,
+        eager_elementwise: false,
     };
     for (factor, drop, cap) in [(1.0, false, 128), (1.25, true, 160), (1.3, false, 167)] {
         let routed = model

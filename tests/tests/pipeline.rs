@@ -48,6 +48,7 @@ fn llama_seq(blocks: u64, micro_batch: u64, seq: u64) -> Graph {
                 dtype: DType::Bf16,
                 attention: Attention::Flash,
                 vocab_multiple: 128,
+                eager_elementwise: false,
             },
         )
         .expect("lowers")

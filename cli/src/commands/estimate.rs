@@ -43,6 +43,7 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             overlap_grad_reduce: a.overlap_grad_reduce,
             overlap_param_gather: a.overlap_param_gather,
             fp32_loss: a.fp32_loss,
+            eager_elementwise: a.eager_elementwise,
         },
     );
     let gpus = cluster.gpus();

@@ -30,6 +30,7 @@ pub fn run(session: &Session, a: &GraphArgs) -> Result<(), Failure> {
                 dtype: precision.dtype(),
                 attention,
                 vocab_multiple: 1,
+                eager_elementwise: a.model_options.runtime.eager_elementwise(),
             },
         )
         .map_err(|e| Failure::Input(anyhow::anyhow!("model `{name}`: {e}")))?;

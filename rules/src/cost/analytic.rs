@@ -75,7 +75,44 @@ pub fn op_traffic(op: &Op, size: impl Fn(TensorId) -> f64) -> f64 {
         }
         _ => sum(&op.inputs) + sum(&op.outputs),
     };
-    streamed + implicit
+    let factor = if op.eager {
+        eager_traffic_factor(op.kind, op.pass)
+    } else {
+        1.0
+    };
+    factor * (streamed + implicit)
+}
+
+/// How many times the bytes of its fused kernel an op moves when eager PyTorch runs it as a
+/// composite of elementwise kernels ([`Op::eager`]), counted kernel by kernel from the code
+/// that runs (torchtitan's `RMSNorm`, `apply_rotary_emb` and `FeedForward`, and the autograd
+/// formulas of each step), for a bf16 activation of `n` elements; the fused kernel reads and
+/// writes each operand once. Views cost nothing; per-row and per-position vectors (the norm's
+/// reciprocal root, the rotary table) are left out, and where autograd could take two kernels
+/// one is counted, so these are lower bounds.
+///
+/// * RMSNorm forward, `(x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).type_as(x) *
+///   weight`: cast to fp32 (2n read, 4n written), `pow` (4n, 4n), `mean` (4n), the product
+///   with the root (4n, 4n), the cast back (4n, 2n), the weight's product (2n, 2n): 36n bytes
+///   against the fused 4n, 9x. Backward: the weight's product (4n for the input's gradient,
+///   8n for the weight's), the cast (6n), the product with the root (8n and 16n for the
+///   root's gradient), `mean` (4n), `pow` (12n), adding the input's two gradients (12n), the
+///   cast (6n): 76n against the fused 6n (the output gradient and the input read, the input
+///   gradient written), 76/6.
+/// * RoPE, forward and backward alike: an fp32 copy (2n, 4n), the complex product (4n, 4n),
+///   the cast back (4n, 2n): 20n against 4n, 5x.
+/// * SwiGLU `silu(a) * b` over `n` elements per half: forward `silu` (2n, 2n) and the product
+///   (4n, 2n), 10n against the fused 6n; backward the product's two gradients (6n each) and
+///   `silu`'s (6n), 18n against the fused 10n.
+pub fn eager_traffic_factor(kind: OpKind, pass: Pass) -> f64 {
+    match (kind, pass) {
+        (OpKind::RmsNorm, Pass::Forward) => 36.0 / 4.0,
+        (OpKind::RmsNorm, Pass::Backward) => 76.0 / 6.0,
+        (OpKind::Rope, _) => 20.0 / 4.0,
+        (OpKind::SwiGlu, Pass::Forward) => 10.0 / 6.0,
+        (OpKind::SwiGlu, Pass::Backward) => 18.0 / 10.0,
+        _ => 1.0,
+    }
 }
 
 /// Dimensions of a matrix product as one device runs it: `batch` independent products of
@@ -262,6 +299,37 @@ mod tests {
             kernel_time(OpKind::Slice, 0.0, 0.0, &d, DType::Bf16, None),
             0.0
         );
+    }
+
+    #[test]
+    fn eager_composites_move_their_counted_bytes() {
+        let op = |kind, pass, eager| Op {
+            name: "op".into(),
+            kind,
+            pass,
+            inputs: vec![TensorId(0), TensorId(1)],
+            outputs: vec![TensorId(2)],
+            saves: vec![],
+            layer: 0,
+            attention_core: false,
+            eager,
+            flops: 0.0,
+            grad_of: None,
+        };
+        let size = |t: TensorId| [100.0, 10.0, 100.0][t.0 as usize];
+        for (kind, pass, factor) in [
+            (OpKind::RmsNorm, Pass::Forward, 9.0),
+            (OpKind::RmsNorm, Pass::Backward, 76.0 / 6.0),
+            (OpKind::Rope, Pass::Backward, 5.0),
+            (OpKind::SwiGlu, Pass::Forward, 10.0 / 6.0),
+            (OpKind::SwiGlu, Pass::Backward, 1.8),
+            (OpKind::Gelu, Pass::Forward, 1.0),
+        ] {
+            let fused = op_traffic(&op(kind, pass, false), size);
+            assert_eq!(fused, 210.0);
+            let eager = op_traffic(&op(kind, pass, true), size);
+            assert!((eager / fused - factor).abs() < 1e-12, "{kind:?} {pass:?}");
+        }
     }
 
     #[test]

@@ -283,6 +283,7 @@ struct CanonicalOp {
     outputs: Vec<u32>,
     saves: Vec<u32>,
     attention_core: bool,
+    eager: bool,
     flops: f64,
 }
 
@@ -772,6 +773,7 @@ impl<'g> LayerCostContext<'g> {
                         outputs: op.outputs.iter().map(|&t| id(t)).collect(),
                         saves: op.saves.iter().map(|&t| id(t)).collect(),
                         attention_core: op.attention_core,
+                        eager: op.eager,
                         flops: op.flops,
                     }
                 })
@@ -876,6 +878,7 @@ mod tests {
                 dtype: DType::Bf16,
                 attention: Attention::Flash,
                 vocab_multiple: 8,
+                eager_elementwise: false,
             },
         )
         .expect("lowers")

@@ -460,6 +460,7 @@ mod tests {
                 dtype: DType::Bf16,
                 attention: Attention::Flash,
                 vocab_multiple: 1,
+                eager_elementwise: false,
             },
         )
         .expect("lowers")

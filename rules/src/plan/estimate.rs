@@ -439,6 +439,7 @@ impl<'a> Estimator<'a> {
             dtype: self.opts.precision.dtype(),
             attention: self.opts.attention,
             vocab_multiple: multiple,
+            eager_elementwise: self.opts.eager_elementwise,
         };
         let routed = self.model.with_routing(self.opts.moe_routing);
         let g = Arc::new(

@@ -49,6 +49,7 @@ pub fn lower_options(
         dtype,
         attention: training.attention,
         vocab_multiple: training.vocab_multiple.max(1).saturating_mul(gpus_per_node),
+        eager_elementwise: training.eager_elementwise,
     }
 }
 

@@ -196,6 +196,12 @@ pub struct TrainingOptions {
     /// input gradient) beside the saved fp32 log-probabilities.
     #[serde(default)]
     pub fp32_loss: bool,
+    /// RMSNorm, RoPE and SwiGLU run as eager PyTorch composites of elementwise kernels
+    /// (torchtitan's `RMSNorm`, `apply_rotary_emb` and `FeedForward` without
+    /// `torch.compile`), not as the fused kernels Megatron-LM and Transformer Engine run: each
+    /// moves several times the bytes ([`crate::cost::analytic::eager_traffic_factor`]).
+    #[serde(default)]
+    pub eager_elementwise: bool,
 }
 
 impl TrainingOptions {

@@ -512,6 +512,7 @@ mod tests {
             overlap_param_gather: false,
             moe_routing: Default::default(),
             fp32_loss: false,
+            eager_elementwise: false,
         }
     }
 

@@ -7,14 +7,14 @@
 //! `megatron-2021` and `nemo`, the published scripts and recipes) set them; a flag or column
 //! given explicitly wins.
 //!
-//! | runtime            | precision | attention | wgrad fusion | grads reduced in | grad reduce overlapped | param gather overlapped | loss |
-//! |--------------------|-----------|-----------|--------------|------------------|------------------------|-------------------------|------|
-//! | megatron-core      | bf16      | flash     | yes          | fp32 (bf16 sets `--accumulate-allreduce-grads-in-fp32`) | no (`--overlap-grad-reduce` is opt-in) | no (`--overlap-param-gather` is opt-in) | fused |
-//! | nemo               | bf16      | flash     | yes          | fp32 (`grad_reduce_in_fp32=True` in its recipes' DDP config) | yes (`overlap_grad_reduce=True`) | yes (`overlap_param_gather=True`) | fused |
-//! | megatron-deepspeed | bf16      | unfused   | yes          | bf16 (DeepSpeed's `communication_data_type` follows the precision) | no | no | fused |
-//! | megatron-2021      | fp16      | unfused   | no           | fp16 | no | no | fused |
-//! | torchtitan         | bf16      | flash     | no           | fp32 (FSDP2 `MixedPrecisionPolicy`, `mixed_precision_reduce = "float32"`) | yes (FSDP reduce-scatters each layer in the backward) | yes (FSDP prefetches) | unfused, fp32 (`cross_entropy(pred.float())`) |
-//! | llm-foundry        | bf16      | flash (Triton: `attn_impl: triton`) | no           | bf16 (FSDP `mixed_precision: PURE`) | yes | yes | fused |
+//! | runtime            | precision | attention | wgrad fusion | grads reduced in | grad reduce overlapped | param gather overlapped | loss | RMSNorm, RoPE, SwiGLU |
+//! |--------------------|-----------|-----------|--------------|------------------|------------------------|-------------------------|------|------|
+//! | megatron-core      | bf16      | flash     | yes          | fp32 (bf16 sets `--accumulate-allreduce-grads-in-fp32`) | no (`--overlap-grad-reduce` is opt-in) | no (`--overlap-param-gather` is opt-in) | fused | fused |
+//! | nemo               | bf16      | flash     | yes          | fp32 (`grad_reduce_in_fp32=True` in its recipes' DDP config) | yes (`overlap_grad_reduce=True`) | yes (`overlap_param_gather=True`) | fused | fused |
+//! | megatron-deepspeed | bf16      | unfused   | yes          | bf16 (DeepSpeed's `communication_data_type` follows the precision) | no | no | fused | fused |
+//! | megatron-2021      | fp16      | unfused   | no           | fp16 | no | no | fused | fused |
+//! | torchtitan         | bf16      | flash     | no           | fp32 (FSDP2 `MixedPrecisionPolicy`, `mixed_precision_reduce = "float32"`) | yes (FSDP reduce-scatters each layer in the backward) | yes (FSDP prefetches) | unfused, fp32 (`cross_entropy(pred.float())`) | eager |
+//! | llm-foundry        | bf16      | flash (Triton: `attn_impl: triton`) | no           | bf16 (FSDP `mixed_precision: PURE`) | yes | yes | fused | fused |
 //!
 //! A fused loss (Megatron-LM's vocabulary-parallel cross-entropy, which overwrites its saved
 //! softmax with the gradient) holds nothing beyond that softmax; torchtitan's unfused one
@@ -49,6 +49,8 @@ pub struct GivenSettings {
     pub overlap_param_gather: Option<bool>,
     /// The loss is PyTorch's unfused cross-entropy on fp32 logits.
     pub fp32_loss: Option<bool>,
+    /// RMSNorm, RoPE and SwiGLU run as eager PyTorch composites of elementwise kernels.
+    pub eager_elementwise: Option<bool>,
 }
 
 /// A training runtime whose defaults a layout is priced with (Megatron-Core where none is
@@ -181,7 +183,17 @@ impl Runtime {
                 .unwrap_or(self.overlap_param_gather()),
             moe_routing: Default::default(),
             fp32_loss: given.fp32_loss.unwrap_or(self.fp32_loss()),
+            eager_elementwise: given.eager_elementwise.unwrap_or(self.eager_elementwise()),
         }
+    }
+
+    /// Whether RMSNorm, RoPE and SwiGLU run as eager PyTorch composites of elementwise
+    /// kernels ([`TrainingOptions::eager_elementwise`]): torchtitan's default `norm_type =
+    /// "rmsnorm"` (`x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)` on `x.float()`,
+    /// then `.type_as(x) * weight`), its `apply_rotary_emb` (through `torch.view_as_complex`
+    /// on fp32 copies) and its `FeedForward` (`w2(F.silu(w1(x)) * w3(x))`), in eager mode.
+    pub fn eager_elementwise(self) -> bool {
+        matches!(self, Runtime::Torchtitan)
     }
 
     /// Whether the loss is PyTorch's unfused cross-entropy on fp32 logits

@@ -313,6 +313,9 @@ pub struct LowerOptions {
     pub attention: Attention,
     /// Pad the vocabulary to a multiple of this (Megatron pads to 128 × tensor-parallel size).
     pub vocab_multiple: u64,
+    /// RMSNorm, RoPE and SwiGLU run as eager PyTorch composites of elementwise kernels
+    /// ([`crate::plan::layout::TrainingOptions::eager_elementwise`]).
+    pub eager_elementwise: bool,
 }
 
 impl TransformerConfig {
@@ -407,10 +410,12 @@ struct Lowering<'c> {
 
 impl<'c> Lowering<'c> {
     fn new(c: &'c TransformerConfig, name: &str, o: &LowerOptions) -> Self {
+        let mut g = GraphBuilder::new(name, o.micro_batch, o.seq);
+        g.eager_elementwise(o.eager_elementwise);
         Lowering {
             c,
             o: *o,
-            g: GraphBuilder::new(name, o.micro_batch, o.seq),
+            g,
             vocab: c.padded_vocab(o.vocab_multiple),
         }
     }

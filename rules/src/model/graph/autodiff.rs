@@ -93,6 +93,7 @@ impl Autodiff<'_> {
             saves: Vec::new(),
             layer: f.layer,
             attention_core: f.attention_core,
+            eager: f.eager,
             flops,
             grad_of: Some(fwd),
         });

@@ -11,6 +11,7 @@ use super::{
 pub struct GraphBuilder {
     graph: Graph,
     produced: Vec<bool>,
+    eager_elementwise: bool,
 }
 
 impl GraphBuilder {
@@ -26,7 +27,14 @@ impl GraphBuilder {
                 layers: Vec::new(),
             },
             produced: Vec::new(),
+            eager_elementwise: false,
         }
+    }
+
+    /// Marks the ops added from now on whose kind eager PyTorch runs as a composite of
+    /// elementwise kernels ([`OpKind::has_eager_composite`]) as run that way.
+    pub fn eager_elementwise(&mut self, eager: bool) {
+        self.eager_elementwise = eager;
     }
 
     /// Starts a new layer; ops added from now on belong to it.
@@ -142,6 +150,7 @@ impl GraphBuilder {
             saves,
             layer: layer as u32,
             attention_core: false,
+            eager: self.eager_elementwise && kind.has_eager_composite(),
             flops,
             grad_of: None,
         });

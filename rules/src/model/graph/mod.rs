@@ -230,6 +230,12 @@ impl OpKind {
         }
     }
 
+    /// Whether eager PyTorch runs this kind as a composite of several elementwise kernels
+    /// where fused implementations run one ([`crate::cost::analytic::eager_traffic_factor`]).
+    pub fn has_eager_composite(self) -> bool {
+        matches!(self, OpKind::RmsNorm | OpKind::Rope | OpKind::SwiGlu)
+    }
+
     /// Whether the op runs on tensor cores as a matrix product (roofline uses the matmul peak).
     pub fn is_matmul(self) -> bool {
         matches!(self, OpKind::MatMul { .. } | OpKind::BatchMatMul { .. })
@@ -286,6 +292,10 @@ pub struct Op {
     /// Part of the attention core (score/softmax/context ops): the ops that selective
     /// activation recomputation re-runs instead of storing their outputs.
     pub attention_core: bool,
+    /// Runs as eager PyTorch's composite of elementwise kernels, not one fused kernel
+    /// ([`crate::cost::analytic::eager_traffic_factor`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub eager: bool,
     /// Floating-point operations of the whole (unsharded) op.
     pub flops: f64,
     /// Backward ops: the forward op they differentiate.
