@@ -283,24 +283,37 @@ fn torchtitan_h100_memory_counts_the_fp32_loss() {
         assert!(number(&megatron["workspace"]) < 2.0 * logits_fp32);
         assert!(number(&titan["total"]) - number(&megatron["total"]) >= logits_fp32);
     }
-    // A runs file's `fp32_loss` column wins over the runtime's too.
-    let fused = std::fs::read_to_string(dataset("torchtitan-h100.csv"))
-        .expect("the dataset")
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .enumerate()
-        .map(|(i, l)| match i {
-            0 => format!("{l},fp32_loss"),
-            _ => format!("{l},false"),
-        })
-        .collect::<Vec<_>>()
-        .join("\n");
-    ws.write("fused.csv", &fused);
-    let f = validate(&ws, "fused.csv");
+    // A runs file's `fp32_loss` and `eager_elementwise` columns win over the runtime's too.
+    let with_column = |column: &str| {
+        let text = std::fs::read_to_string(dataset("torchtitan-h100.csv"))
+            .expect("the dataset")
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .enumerate()
+            .map(|(i, l)| match i {
+                0 => format!("{l},{column}"),
+                _ => format!("{l},false"),
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        ws.write("changed.csv", &text);
+        validate(&ws, "changed.csv")
+    };
+    let f = with_column("fp32_loss");
     for (unfused, fused) in runs.iter().zip(f["runs"].as_array().expect("runs")) {
         let saved =
             number(&unfused["predicted_memory_gib"]) - number(&fused["predicted_memory_gib"]);
         assert!(saved * f64::from(1u32 << 30) >= logits_fp32, "{saved} GiB");
+    }
+    // torchtitan's eager norms, rotary embeddings and SwiGLU cost time, not memory.
+    let f = with_column("eager_elementwise");
+    for (eager, fused) in runs.iter().zip(f["runs"].as_array().expect("runs")) {
+        let time = |r: &serde_json::Value| number(&r["predicted_step_time_s"]);
+        assert!(time(eager) > 1.05 * time(fused), "{eager} vs {fused}");
+        assert_eq!(
+            eager["predicted_memory_gib"], fused["predicted_memory_gib"],
+            "{eager} vs {fused}"
+        );
     }
 }
 
