@@ -2,11 +2,12 @@
 
 use autopar_engine::sharding::ShardingResult;
 use autopar_rules::cost::cluster::{Cluster, GIB, Network};
+use autopar_rules::model::frontend::Attention;
 use autopar_rules::model::graph::{GraphSummary, Pass};
 use autopar_rules::plan::estimate::{Chunk, Estimate, MemoryBreakdown};
 use autopar_rules::plan::format::{Plan, shell_quote};
 use autopar_rules::plan::ilp::{IlpPlan, SolverSpan, Space, spans};
-use autopar_rules::plan::layout::{Layout, Recompute};
+use autopar_rules::plan::layout::{Layout, Recompute, TrainingOptions};
 use autopar_rules::plan::partition::Attempt;
 use autopar_rules::solve::intra::chain::TableSolver;
 use std::fmt::Write;
@@ -156,6 +157,42 @@ fn memory_line(m: &MemoryBreakdown) -> String {
         bytes(m.activations),
         bytes(m.workspace)
     )
+}
+
+/// The runtime settings a layout is priced with, in words.
+pub fn runtime_settings(o: &TrainingOptions) -> String {
+    let attention = match o.attention {
+        Attention::Flash => "flash attention",
+        Attention::FlashTriton => "flash attention in Triton",
+        Attention::Unfused => "unfused attention",
+    };
+    let yes_no = |b: bool, yes: &'static str, no: &'static str| if b { yes } else { no };
+    let reduced = if o.grad_reduce_in_fp32 {
+        "gradients reduced in fp32".to_string()
+    } else {
+        format!("gradients reduced in {}", o.precision.name())
+    };
+    [
+        attention,
+        yes_no(
+            o.eager_elementwise,
+            "eager RMSNorm, RoPE and SwiGLU",
+            "fused elementwise kernels",
+        ),
+        yes_no(
+            o.grad_accumulation_fusion,
+            "weight gradients accumulated in their products",
+            "weight gradients added per micro-batch",
+        ),
+        &reduced,
+        yes_no(
+            o.overlap_grad_reduce,
+            "reduction overlapped",
+            "reduction after the backward",
+        ),
+        yes_no(o.fp32_loss, "unfused fp32 loss", "fused loss"),
+    ]
+    .join(" · ")
 }
 
 /// The body shared by `estimate` and plan reports.

@@ -132,6 +132,11 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             a.gbs,
             opts.precision.name()
         );
+        out.push_str(&format!(
+            "  runtime   {}: {}\n",
+            a.model_options.runtime.name(),
+            render::runtime_settings(&opts)
+        ));
         if let Some((names, _)) = &measured {
             out.push_str(&format!(
                 "  profiles  {} (measured times where they have the kernel, the model elsewhere)\n",
