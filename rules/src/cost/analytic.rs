@@ -91,8 +91,8 @@ pub fn op_traffic(op: &Op, size: impl Fn(TensorId) -> f64) -> f64 {
 /// reciprocal root, the rotary table) are left out, and where autograd could take two kernels
 /// one is counted, so these are lower bounds.
 ///
-/// * RMSNorm forward, `(x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).type_as(x) *
-///   weight`: cast to fp32 (2n read, 4n written), `pow` (4n, 4n), `mean` (4n), the product
+/// * RMSNorm forward, `(y * rsqrt(y.pow(2).mean(-1) + eps)).type_as(x) * weight` with
+///   `y = x.float()`: cast to fp32 (2n read, 4n written), `pow` (4n, 4n), `mean` (4n), the product
 ///   with the root (4n, 4n), the cast back (4n, 2n), the weight's product (2n, 2n): 36n bytes
 ///   against the fused 4n, 9x. Backward: the weight's product (4n for the input's gradient,
 ///   8n for the weight's), the cast (6n), the product with the root (8n and 16n for the
