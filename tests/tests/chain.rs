@@ -4,8 +4,8 @@
 
 use autopar_rules::model::graph::Graph;
 use autopar_rules::solve::intra::chain::{
-    ChainError, Entry, LayerTable, best_path, boundary_bytes, compose, decode_range, layer_table,
-    range_tables,
+    ChainError, Entry, LayerTable, best_path, boundary_bytes, compose, decode_range, extend_along,
+    extend_linked, layer_table, link, range_tables, ranking, start, steady,
 };
 use autopar_rules::solve::intra::stage::{
     Phase, SolverChoice, StageModel, StageOptions, StagePlan,
@@ -206,6 +206,64 @@ fn identical_blocks_have_identical_tables() {
     // Two crossing tensors (the activation and its gradient) per boundary.
     assert!(t1.before.iter().all(|s| s.len() == 2));
     assert!(t1.before.len() > 1 && t1.after.len() > 1);
+}
+
+/// A run of identical blocks reaches its steady state within a few blocks; from there on,
+/// extending along the repeated predecessors gives exactly the full extension's entries, bit
+/// for bit, and the full extension keeps choosing the same predecessors.
+#[test]
+fn a_steady_chain_extends_along_its_predecessors_exactly() {
+    for (a, b) in [(1, 2), (2, 2), (1, 4)] {
+        let g = lower("llama2-7b.json", 1, Some(128), a * b);
+        let (m, c) = mesh(a, b);
+        let table = |l: usize| layer_table(&g, l, m, &c.device, opts()).expect("table");
+        let (embedding, block) = (table(0), table(1));
+        let into = link(&embedding, &block).expect("embedding -> block");
+        let repeat = link(&block, &block).expect("block -> block");
+        let rank = ranking(&block);
+        let (mut best, _) = extend_linked(&start(&embedding), &into, &block, &rank);
+        let mut found: Option<(usize, Vec<usize>)> = None;
+        for j in 2..=24 {
+            let (full, from) = extend_linked(&best, &repeat, &block, &rank);
+            match &found {
+                Some((_, along)) => {
+                    assert_eq!(&from, along, "{a}x{b}, block {j}");
+                    assert_eq!(
+                        extend_along(&best, along, &repeat, &block),
+                        full,
+                        "{a}x{b}, block {j}"
+                    );
+                }
+                None if steady(&best, &full) => found = Some((j, from)),
+                None => {}
+            }
+            best = full;
+        }
+        let at = found.map(|(j, _)| j);
+        assert!(at.is_some_and(|j| j <= 8), "{a}x{b}: steady at {at:?}");
+    }
+}
+
+/// Steady means every state that has a path grew by one cost and one memory, and the same
+/// states have paths.
+#[test]
+fn steady_needs_one_growth_for_every_state() {
+    let e = |cost: f64, memory: f64| Entry {
+        cost,
+        memory,
+        ..Entry::ZERO
+    };
+    let prev = [e(1.0, 10.0), e(2.0, 30.0), Entry::NONE];
+    assert!(steady(&prev, &[e(1.5, 12.0), e(2.5, 32.0), Entry::NONE]));
+    // Another cost growth, another memory growth, a state gaining or losing its path, or
+    // another number of states.
+    assert!(!steady(&prev, &[e(1.5, 12.0), e(2.6, 32.0), Entry::NONE]));
+    assert!(!steady(&prev, &[e(1.5, 12.0), e(2.5, 33.0), Entry::NONE]));
+    assert!(!steady(&prev, &[e(1.5, 12.0), e(2.5, 32.0), e(9.0, 9.0)]));
+    assert!(!steady(&prev, &[e(1.5, 12.0), Entry::NONE, Entry::NONE]));
+    assert!(!steady(&prev, &[e(1.5, 12.0), e(2.5, 32.0)]));
+    // No path at all is not a state to extend along.
+    assert!(!steady(&[Entry::NONE], &[Entry::NONE]));
 }
 
 #[test]

@@ -394,7 +394,8 @@ type RangePrice = [(f64, i64); 2];
 /// No stage.
 const UNPRICED: RangePrice = [(f64::INFINITY, -1); 2];
 
-/// Most boundary-state entries the range pricing memoizes per mesh choice (64 bytes each).
+/// Most boundary-state entries the range pricing memoizes per mesh choice (80 bytes each: the
+/// entry and the state its path comes from).
 const MAX_MEMO_ENTRIES: usize = 1 << 21;
 
 /// Submeshes (hosts x devices per host), and the logical meshes of each.
@@ -840,21 +841,23 @@ fn range_prices<'t>(
     // A range's price depends only on its sequence of layer classes, and identical blocks
     // repeat: ranges are walked as paths in a trie of class sequences, each node chained once
     // (O(L) extensions for [embedding, block x n, head] instead of O(L^2)), with its best
-    // entry per boundary state and the range's price.
+    // entry per boundary state and the range's price. Once a run of identical blocks reaches
+    // its steady state, each further block costs time linear in the states
+    // ([`chain::steady`]).
     let mut out = vec![UNPRICED; layers * layers];
     let mut child: HashMap<(usize, usize), usize> = HashMap::new();
-    let mut nodes: Vec<(Vec<Entry>, RangePrice)> = Vec::new();
+    let mut nodes: Vec<Node> = Vec::new();
     let variants = if opts.recompute { 2 } else { 1 };
-    let price = |best: Vec<Entry>| {
-        let plain = chain::finish(&best);
-        let recomputed = chain::finish_recomputed(&best);
+    let price = |best: &[Entry]| {
+        let plain = chain::finish(best);
+        let recomputed = chain::finish_recomputed(best);
         let mut priced = UNPRICED;
         for (slot, e) in priced.iter_mut().zip([plain, recomputed]).take(variants) {
             if let Some(succ) = most_following(&e, opts, layers) {
                 *slot = (e.cost, succ);
             }
         }
-        (best, priced)
+        priced
     };
     let mut held = 0usize;
     for k in 0..layers {
@@ -872,8 +875,14 @@ fn range_prices<'t>(
         let mut node = match child.get(&(0, classes[k])) {
             Some(&n) => n,
             None => {
-                nodes.push(price(chain::start(first)));
-                held += first.after.len();
+                let best = chain::start(first);
+                held += best.len();
+                nodes.push(Node {
+                    price: price(&best),
+                    best,
+                    from: Vec::new(),
+                    steady: false,
+                });
                 child.insert((0, classes[k]), nodes.len());
                 nodes.len()
             }
@@ -890,18 +899,52 @@ fn range_prices<'t>(
                         ) else {
                             break;
                         };
-                        let best = chain::extend_linked(&nodes[node - 1].0, link, next, rank);
-                        held += best.len();
-                        nodes.push(price(best));
+                        let parent = &nodes[node - 1];
+                        let repeat = classes[i - 1] == classes[i];
+                        let made = if repeat && parent.steady {
+                            Node {
+                                best: chain::extend_along(&parent.best, &parent.from, link, next),
+                                from: parent.from.clone(),
+                                steady: true,
+                                price: UNPRICED,
+                            }
+                        } else {
+                            let (best, from) = chain::extend_linked(&parent.best, link, next, rank);
+                            let steady = repeat && chain::steady(&parent.best, &best);
+                            Node {
+                                best,
+                                from,
+                                steady,
+                                price: UNPRICED,
+                            }
+                        };
+                        held += made.best.len();
+                        nodes.push(Node {
+                            price: price(&made.best),
+                            ..made
+                        });
                         child.insert((node, classes[i]), nodes.len());
                         nodes.len()
                     }
                 };
             }
-            out[k * layers + i] = nodes[node - 1].1;
+            out[k * layers + i] = nodes[node - 1].price;
         }
     }
     Ok(out)
+}
+
+/// A node of [`range_prices`]'s trie: a sequence of layer classes chained.
+struct Node {
+    /// Best entry per boundary state after the sequence's last layer.
+    best: Vec<Entry>,
+    /// The price of a stage of exactly these layers.
+    price: RangePrice,
+    /// Per state after the last layer, the state of the parent's `best` its path comes from.
+    from: Vec<usize>,
+    /// Whether the last two layers are of one class and the chain is in its steady state:
+    /// another layer of that class extends it along `from`.
+    steady: bool,
 }
 
 /// How many stages may follow a stage whose best plan is `e` (built with one micro-batch in

@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 
+mod columns;
 mod drec;
 
 /// Why a range cannot be composed from per-layer tables.
@@ -87,7 +88,9 @@ pub struct LayerTable {
     /// Boundary states with the next layer.
     pub after: Vec<Vec<Spec>>,
     /// Per (before, after) pair, row-major (`after` fastest): the least cost and its plan's
-    /// memory; [`Entry::NONE`] when no choice of the layer gives that pair.
+    /// memory; [`Entry::NONE`] when no choice of the layer gives that pair. Stored column by
+    /// column ([`columns`]).
+    #[serde(with = "columns")]
     pub entries: Vec<Entry>,
     /// Solves run to fill the table: for the exact elimination one, or one per joint choice
     /// of the entering specs when keeping them all through one elimination would be too
@@ -926,13 +929,14 @@ pub fn ranking(t: &LayerTable) -> Ranking {
 
 /// Best entry per state after `next` (whose [`ranking`] is `next_rank`), given `best` per
 /// state after the table before it, whose states [`link`] matched to `next`'s: the cheapest
-/// sum, ties to less memory, then to the earlier state.
+/// sum, ties to less memory, then to the earlier state. With each entry, the index in `best`
+/// of the state its path comes from (`usize::MAX` when none).
 pub fn extend_linked(
     best: &[Entry],
     link: &[usize],
     next: &LayerTable,
     next_rank: &Ranking,
-) -> Vec<Entry> {
+) -> (Vec<Entry>, Vec<usize>) {
     let width = next.after.len();
     let mut cost = vec![f64::INFINITY; width];
     let mut memory = vec![f64::INFINITY; width];
@@ -956,6 +960,19 @@ pub fn extend_linked(
         }
     }
     // Only the winners' entries are summed whole.
+    let best = extend_along(best, &from, link, next);
+    (best, from)
+}
+
+/// Best entry per state after `next` when the path to each state `a` comes from state
+/// `from[a]` of `best` ([`extend_linked`]'s choice, or a [`steady`] chain's repeated one).
+pub fn extend_along(
+    best: &[Entry],
+    from: &[usize],
+    link: &[usize],
+    next: &LayerTable,
+) -> Vec<Entry> {
+    let width = next.after.len();
     from.iter()
         .enumerate()
         .map(|(a, &p)| match p {
@@ -963,6 +980,44 @@ pub fn extend_linked(
             p => best[p].plus(next.entries[link[p] * width + a]),
         })
         .collect()
+}
+
+/// Relative difference under which two increments of a chain count as equal in [`steady`]:
+/// a few thousand roundings of the sums compared, far below any cost the model resolves.
+const STEADY_TOLERANCE: f64 = 1e-12;
+
+/// Whether `best`, extended from `prev` by a table that links a layer to another of the same
+/// class, is the chain's steady state: the same states have a path, and every path grew by
+/// the same cost and the same memory. Then extending by that table again chooses the same
+/// predecessors ([`extend_linked`]'s comparisons all shift by the same amounts), and so does
+/// every further extension: the chain of identical blocks continues with [`extend_along`]
+/// in time linear in the states instead of quadratic. A min-plus product's powers reach such
+/// a state after a few steps when one boundary state is the cheapest to repeat; a chain
+/// that never does is extended in full.
+pub fn steady(prev: &[Entry], best: &[Entry]) -> bool {
+    if prev.len() != best.len() {
+        return false;
+    }
+    let mut first: Option<(f64, f64)> = None;
+    let mut scale = (0.0f64, 0.0f64);
+    let mut spread = (0.0f64, 0.0f64);
+    for (p, b) in prev.iter().zip(best) {
+        match (p.cost.is_finite(), b.cost.is_finite()) {
+            (false, false) => continue,
+            (true, true) => {}
+            _ => return false,
+        }
+        let grew = (b.cost - p.cost, b.memory - p.memory);
+        scale = (scale.0.max(b.cost.abs()), scale.1.max(b.memory.abs()));
+        let (c, m) = *first.get_or_insert(grew);
+        spread = (
+            spread.0.max((grew.0 - c).abs()),
+            spread.1.max((grew.1 - m).abs()),
+        );
+    }
+    first.is_some()
+        && spread.0 <= STEADY_TOLERANCE * scale.0
+        && spread.1 <= STEADY_TOLERANCE * scale.1
 }
 
 /// The range's best entry (free after its last layer).
