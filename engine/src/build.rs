@@ -226,17 +226,13 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
     let est = Estimator::new(&model.name, &model.def, cluster, t.options)
         .with_costs(&costs)
         .with_profile(t.profile.as_deref());
-    let mut reused_after_change = false;
-    let (mut result, source) = match cache.lookup_indexed::<SearchResult>(kind::PLAN, key) {
-        Some(found) => found,
+    let megatron = || match cache.lookup_indexed::<SearchResult>(kind::PLAN, key) {
+        Some((found, source)) => (found, source, false),
         None => {
             let value =
                 search_parts(&parts, layer_cost_digest(&est, &t.search, t.global_batch)).key();
             let found = match cache.lookup::<SearchResult>(kind::SEARCH, value) {
-                Some(found) => {
-                    reused_after_change = true;
-                    found
-                }
+                Some((found, source)) => (found, source, true),
                 None => {
                     let r = search(&est, &t.search, t.global_batch, LAYOUTS_KEPT);
                     let meta = EntryMeta {
@@ -256,7 +252,7 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
                         refined = r.refined,
                         "searched"
                     );
-                    (r, Source::Solved)
+                    (r, Source::Solved, false)
                 }
             };
             let meta = EntryMeta {
@@ -268,6 +264,22 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
             found
         }
     };
+    // The ILP space does not read the Megatron-LM search: the two run side by side.
+    let ilp = || match t.ilp.space {
+        Space::Megatron => IlpOutcome::default(),
+        _ => ilp_search(
+            ws,
+            t,
+            cache,
+            &parts,
+            est.capacity(),
+            previous.as_ref(),
+        ),
+    };
+    let ((mut result, source, reused_after_change), ilp) = rayon::join(
+        || span.in_scope(megatron),
+        || span.in_scope(ilp),
+    );
     if let Some(names) = model.def.layer_names() {
         rename_layers(&mut result, &names);
     }
@@ -293,17 +305,6 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
     }
     let path = ws.plan_path(&t.name);
     let trace = ws.trace_path(&t.name);
-    let ilp = match t.ilp.space {
-        Space::Megatron => IlpOutcome::default(),
-        _ => ilp_search(
-            ws,
-            t,
-            cache,
-            &plan_record.parts,
-            est.capacity(),
-            previous.as_ref(),
-        ),
-    };
     let IlpOutcome {
         best,
         tried,
