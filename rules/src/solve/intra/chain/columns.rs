@@ -11,20 +11,18 @@ use std::fmt;
 /// Fields of an [`Entry`], in the order the columns are stored.
 const FIELDS: usize = 9;
 
-/// The entry's fields in column order.
-fn fields(e: &Entry) -> [f64; FIELDS] {
-    [
-        e.cost,
-        e.memory,
-        e.activations,
-        e.forward,
-        e.checkpoint,
-        e.peak_layer,
-        e.step,
-        e.sync,
-        e.working,
-    ]
-}
+/// Each field of an entry, in column order.
+const COLUMNS: [fn(&Entry) -> f64; FIELDS] = [
+    |e| e.cost,
+    |e| e.memory,
+    |e| e.activations,
+    |e| e.forward,
+    |e| e.checkpoint,
+    |e| e.peak_layer,
+    |e| e.step,
+    |e| e.sync,
+    |e| e.working,
+];
 
 /// The entry of fields `f` in column order.
 fn entry(f: [f64; FIELDS]) -> Entry {
@@ -65,9 +63,9 @@ pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Entry>, D::Err
 /// The columns of `entries` as bytes.
 fn encode(entries: &[Entry]) -> Vec<u8> {
     let mut out = Vec::with_capacity(entries.len() * FIELDS * 8);
-    for field in 0..FIELDS {
+    for column in COLUMNS {
         for e in entries {
-            out.extend_from_slice(&fields(e)[field].to_le_bytes());
+            out.extend_from_slice(&column(e).to_le_bytes());
         }
     }
     out
