@@ -267,19 +267,10 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
     // The ILP space does not read the Megatron-LM search: the two run side by side.
     let ilp = || match t.ilp.space {
         Space::Megatron => IlpOutcome::default(),
-        _ => ilp_search(
-            ws,
-            t,
-            cache,
-            &parts,
-            est.capacity(),
-            previous.as_ref(),
-        ),
+        _ => ilp_search(ws, t, cache, &parts, est.capacity(), previous.as_ref()),
     };
-    let ((mut result, source, reused_after_change), ilp) = rayon::join(
-        || span.in_scope(megatron),
-        || span.in_scope(ilp),
-    );
+    let ((mut result, source, reused_after_change), ilp) =
+        rayon::join(|| span.in_scope(megatron), || span.in_scope(ilp));
     if let Some(names) = model.def.layer_names() {
         rename_layers(&mut result, &names);
     }

@@ -407,7 +407,7 @@ fn run(
                 path,
                 line,
                 "attention",
-                "flash, flash-triton or unfused",
+                format!("one of {}", Attention::names()),
                 format!("`{v}`"),
             )
         })?),
@@ -570,7 +570,7 @@ mod tests {
             ),
             (
                 format!("{HEADER},attention\n{row},triton"),
-                "runs.csv:2: field `attention`: expected flash, flash-triton or unfused, found `triton`",
+                "runs.csv:2: field `attention`: expected one of flash, flash-triton, unfused, found `triton`",
             ),
             (
                 format!("{HEADER},mb\n{row},2"),

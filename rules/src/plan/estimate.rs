@@ -8,7 +8,7 @@ use crate::cost::layer_cost::{ExpertLinks, KernelOptions, LayerCost, LayerCostCo
 use crate::cost::memory::{StateBytes, fp32_loss_working, model_states};
 use crate::cost::profile::Profile;
 use crate::cost::tensor_parallel::{TpConfig, indivisible_sequence, indivisible_split};
-use crate::model::frontend::{LowerOptions, ModelDef};
+use crate::model::frontend::{Attention, LowerOptions, ModelDef};
 use crate::model::graph::{Graph, LayerKind};
 use crate::plan::layout::{Layout, LayoutError, Recompute, TrainingOptions};
 use crate::solve::schedule::{
@@ -642,9 +642,10 @@ impl<'a> Estimator<'a> {
             )));
         }
         if self.opts.attention.flash_kernel().is_none() {
-            return Err(bad(
-                "needs attention = \"flash\" or \"flash-triton\" (the ring and the gathers feed a blockwise attention kernel)".into(),
-            ));
+            return Err(bad(format!(
+                "needs attention = {} (the ring and the gathers feed a blockwise attention kernel)",
+                Attention::fused_names()
+            )));
         }
         // The ranks an all-to-all splits the heads over: the whole group, or under `a2a+p2p`
         // its ranks inside a node.

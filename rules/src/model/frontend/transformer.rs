@@ -90,6 +90,22 @@ impl Attention {
         Attention::ALL.into_iter().find(|a| a.name() == s)
     }
 
+    /// Every name, comma-separated (for error messages).
+    pub fn names() -> String {
+        Attention::ALL.map(Attention::name).join(", ")
+    }
+
+    /// The names of the fused (blockwise) kernels, quoted and joined by "or" (for error
+    /// messages).
+    pub fn fused_names() -> String {
+        let fused: Vec<String> = Attention::ALL
+            .into_iter()
+            .filter(|a| a.flash_kernel().is_some())
+            .map(|a| format!("\"{}\"", a.name()))
+            .collect();
+        fused.join(" or ")
+    }
+
     /// The fused kernel that runs the attention core, or `None` when it is unfused.
     pub fn flash_kernel(self) -> Option<FlashKernel> {
         match self {
