@@ -24,29 +24,18 @@ const COLUMNS: [fn(&Entry) -> f64; FIELDS] = [
     |e| e.working,
 ];
 
-/// The entry of fields `f` in column order.
+/// The entry of fields `f` in column order ([`COLUMNS`]'s).
 fn entry(f: [f64; FIELDS]) -> Entry {
-    let [
-        cost,
-        memory,
-        activations,
-        forward,
-        checkpoint,
-        peak_layer,
-        step,
-        sync,
-        working,
-    ] = f;
     Entry {
-        cost,
-        memory,
-        activations,
-        forward,
-        checkpoint,
-        peak_layer,
-        step,
-        sync,
-        working,
+        cost: f[0],
+        memory: f[1],
+        activations: f[2],
+        forward: f[3],
+        checkpoint: f[4],
+        peak_layer: f[5],
+        step: f[6],
+        sync: f[7],
+        working: f[8],
     }
 }
 
