@@ -983,7 +983,8 @@ pub fn extend_along(
 }
 
 /// Relative difference under which two increments of a chain count as equal in [`steady`]:
-/// a few thousand roundings of the sums compared, far below any cost the model resolves.
+/// well above the rounding of the sums compared (about 1e-16 of each), far below any
+/// difference the cost model resolves.
 const STEADY_TOLERANCE: f64 = 1e-12;
 
 /// Whether `best`, extended from `prev` by a table that links a layer to another of the same
