@@ -254,13 +254,15 @@ fn resolve<'a>(
     }
 }
 
-/// The files a cache directory holds (sled's and the seal): a directory holding anything else
-/// is not moved aside, whatever state it is in.
+/// The files a cache directory holds (sled's, the seal, and the seal's temporary file when
+/// a process stopped while writing it): a directory holding anything else is not moved
+/// aside, whatever state it is in.
 fn is_cache_file(name: &str) -> bool {
     matches!(
         name,
         "conf" | "db" | "blobs" | seal::FILE | record_files::DIR
     ) || name.starts_with("snap.")
+        || name.starts_with(&crate::partial_prefix(Path::new(seal::FILE)))
 }
 
 /// The name of a file in `dir` that is not one of the cache's, if there is one.
@@ -481,6 +483,10 @@ impl LocalCache {
                 Err(OpenError::Unusable(e)) => return Err(err("opening cache")(e)),
             }
         };
+        // This process holds the cache now: a record file or seal half-written is a killed
+        // process's.
+        record_files::remove_partials(dir);
+        crate::remove_partials(&dir.join(seal::FILE));
         // Damage sled absorbed without an error, against what the last flush sealed.
         let damage = if repairs.is_empty() {
             sealed.compare(entries as u64)
@@ -1380,6 +1386,22 @@ mod tests {
         .expect("orphan");
         let report = c.verify().expect("verify");
         assert_eq!((report.orphans, report.removed), (2, 2), "{report:?}");
+        assert_eq!(record_files::list(&dir).len(), 5);
+        // What a write killed half-way left is gone when the cache is next opened.
+        let partial = dir.join(record_files::DIR).join("partial");
+        std::fs::write(
+            partial.join(format!("{}.a1b2c3", Key([41; 32]).hex())),
+            b"half",
+        )
+        .expect("partial");
+        drop(c);
+        // So is the seal's temporary file, which does not make the directory foreign.
+        let seal_partial = dir.join(format!(".{}.partial-x1y2", seal::FILE));
+        std::fs::write(&seal_partial, b"{").expect("partial seal");
+        let c = LocalCache::open(&dir, Duration::ZERO).expect("opens");
+        assert!(!partial.exists());
+        assert!(!seal_partial.exists());
+        assert_eq!(c.verify().expect("verify").removed, 0);
         assert_eq!(record_files::list(&dir).len(), 5);
         // A database found damaged mid-build keeps its records, files included.
         let calls = AtomicU64::new(0);

@@ -34,14 +34,37 @@ pub(crate) fn path(cache: &Path, key: &Key) -> PathBuf {
     cache.join(DIR).join(&hex[..2]).join(hex)
 }
 
-/// Writes `record` as `key`'s file (replacing any file there): [`crate::write_atomic`]'s
-/// temporary file and rename, without its fsync.
+/// The directory, inside [`DIR`], where record files are written before their rename: one
+/// directory, so that what a killed process left half-written is found without walking the
+/// record directories.
+const PARTIAL: &str = "partial";
+
+/// Writes `record` as `key`'s file (replacing any file there): a temporary file in
+/// [`PARTIAL`] and a rename, without an fsync.
 pub(crate) fn write(cache: &Path, key: &Key, record: &[u8]) -> std::io::Result<()> {
     let path = path(cache, key);
-    let (_, mut tmp) = crate::temporary_beside(&path).map_err(|e| e.source)?;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let partial = cache.join(DIR).join(PARTIAL);
+    std::fs::create_dir_all(&partial)?;
+    let prefix = key.hex();
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(&prefix);
+    // Temporary files are private (0600) by default; records are ordinary files.
+    #[cfg(unix)]
+    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+    let mut tmp = builder.tempfile_in(&partial)?;
     tmp.write_all(record)?;
     tmp.persist(&path).map_err(|e| e.error)?;
     Ok(())
+}
+
+/// Removes what writes left half-done when their process stopped in the middle of one. Only
+/// the process holding the cache writes to it, so when it opens the cache nothing there is
+/// in progress.
+pub(crate) fn remove_partials(cache: &Path) {
+    let _ = std::fs::remove_dir_all(cache.join(DIR).join(PARTIAL));
 }
 
 /// Puts `key`'s file of the cache directory `from` into `to`: a hard link (both are in the
