@@ -1388,7 +1388,7 @@ mod tests {
         assert_eq!((report.orphans, report.removed), (2, 2), "{report:?}");
         assert_eq!(record_files::list(&dir).len(), 5);
         // What a write killed half-way left is gone when the cache is next opened.
-        let partial = dir.join(record_files::DIR).join("partial");
+        let partial = dir.join(record_files::DIR).join(record_files::PARTIAL);
         std::fs::write(
             partial.join(format!("{}.a1b2c3", Key([41; 32]).hex())),
             b"half",

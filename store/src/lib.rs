@@ -132,17 +132,20 @@ pub fn remove_partials(path: &Path) {
 fn temporary_beside(path: &Path) -> Result<(&Path, tempfile::NamedTempFile), StoreError> {
     let dir = parent_of(path);
     std::fs::create_dir_all(dir).map_err(err("creating directory", dir))?;
+    let tmp = temporary_in(dir, &partial_prefix(path))
+        .map_err(err("creating a temporary file in", dir))?;
+    Ok((dir, tmp))
+}
+
+/// A new temporary file in `dir` whose name starts with `prefix`.
+fn temporary_in(dir: &Path, prefix: &str) -> std::io::Result<tempfile::NamedTempFile> {
     let mut builder = tempfile::Builder::new();
-    let prefix = partial_prefix(path);
-    builder.prefix(&prefix);
+    builder.prefix(prefix);
     // Temporary files are private (0600) by default; outputs are ordinary files, readable as
     // the umask allows.
     #[cfg(unix)]
     builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
-    let tmp = builder
-        .tempfile_in(dir)
-        .map_err(err("creating a temporary file in", dir))?;
-    Ok((dir, tmp))
+    builder.tempfile_in(dir)
 }
 
 /// Bytes that deflating does not shrink (xorshift noise from `seed`), for tests of large

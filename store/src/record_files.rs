@@ -37,7 +37,7 @@ pub(crate) fn path(cache: &Path, key: &Key) -> PathBuf {
 /// The directory, inside [`DIR`], where record files are written before their rename: one
 /// directory, so that what a killed process left half-written is found without walking the
 /// record directories.
-const PARTIAL: &str = "partial";
+pub(crate) const PARTIAL: &str = "partial";
 
 /// Writes `record` as `key`'s file (replacing any file there): a temporary file in
 /// [`PARTIAL`] and a rename, without an fsync.
@@ -48,13 +48,7 @@ pub(crate) fn write(cache: &Path, key: &Key, record: &[u8]) -> std::io::Result<(
     }
     let partial = cache.join(DIR).join(PARTIAL);
     std::fs::create_dir_all(&partial)?;
-    let prefix = key.hex();
-    let mut builder = tempfile::Builder::new();
-    builder.prefix(&prefix);
-    // Temporary files are private (0600) by default; records are ordinary files.
-    #[cfg(unix)]
-    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
-    let mut tmp = builder.tempfile_in(&partial)?;
+    let mut tmp = crate::temporary_in(&partial, &key.hex())?;
     tmp.write_all(record)?;
     tmp.persist(&path).map_err(|e| e.error)?;
     Ok(())
