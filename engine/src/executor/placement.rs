@@ -740,7 +740,7 @@ mod tests {
             latency: 1e-5,
             bandwidth: 1e11,
             pairwise_bandwidth: 1e11,
-            internode: false,
+            nodes: 1,
         };
         let shape = [4u64, 8, 6];
         let mut compared = 0;

@@ -19,29 +19,128 @@ pub enum Collective {
 }
 
 /// Time of a collective over `n` ranks whose full payload (the reduced tensor, or the gathered
-/// result) is `bytes`, on links with start-up latency alpha and bandwidth 1/beta (ring
-/// algorithms):
+/// result) is `bytes`, on links with start-up latency alpha and bus bandwidth 1/beta:
 ///
 /// ```text
-/// all-reduce      alpha + 2 (n-1)/n   * bytes * beta
-/// all-gather      alpha +   (n-1)/n   * bytes * beta
-/// reduce-scatter  alpha +   (n-1)/n   * bytes * beta
-/// all-to-all      alpha +   (n-1)/n^2 * bytes * beta
+/// all-reduce      alpha + min(ring, tree)
+/// all-gather      alpha + ring,  ring = min over protocols of steps + (n-1)/n * bytes * beta / f
+/// reduce-scatter  alpha + ring
+/// all-to-all      alpha + (n-1)/n^2 * bytes * beta
 /// ```
 ///
-/// All-to-all runs at the link's pairwise bandwidth, the others at its bus bandwidth.
+/// The ring and tree terms follow NCCL's own tuning model (`ring_time`, `tree_time`): each
+/// of a ring's `n - 1` steps (twice that for an all-reduce) pays a hop's latency, and NCCL runs
+/// each call with whichever protocol is fastest for its size. All-to-all runs at the link's
+/// pairwise bandwidth, every pair at once, so it pays the start-up only.
 pub fn collective_time(kind: Collective, n: u64, bytes: f64, link: Link) -> f64 {
     if n <= 1 || bytes <= 0.0 {
         return 0.0;
     }
-    let n = n as f64;
-    let f = (n - 1.0) / n;
-    let (volume, bandwidth) = match kind {
-        Collective::AllReduce => (2.0 * f, link.bandwidth),
-        Collective::AllGather | Collective::ReduceScatter => (f, link.bandwidth),
-        Collective::AllToAll => (f / n, link.pairwise_bandwidth),
+    let f = (n as f64 - 1.0) / n as f64;
+    let wire = |volume: f64| volume * bytes / link.bandwidth;
+    link.latency
+        + match kind {
+            Collective::AllToAll => f / n as f64 * bytes / link.pairwise_bandwidth,
+            Collective::AllGather | Collective::ReduceScatter => {
+                ring_time(n, link.nodes, 1, wire(f))
+            }
+            Collective::AllReduce => {
+                ring_time(n, link.nodes, 2, wire(2.0 * f)).min(tree_time(n, link.nodes, wire(2.0)))
+            }
+        }
+}
+
+/// One of NCCL's three protocols as its tuning model prices it (NVIDIA/nccl,
+/// `src/graph/tuning.cc`, `ncclTopoTuneModel`: the `hwLat` table and the bandwidth
+/// refinements of the releases with NVLS). LL and LL128 trade bandwidth for shorter steps, so small
+/// payloads take them and large ones take Simple.
+struct Protocol {
+    /// Fraction of the bus bandwidth a ring reaches: inside a node, and across nodes.
+    ring_bandwidth: [f64; 2],
+    /// Latency of one ring step over NVLink and over the network, s.
+    ring_step: [f64; 2],
+    /// Fraction of the bus bandwidth a tree reaches: inside a node, and across nodes.
+    tree_bandwidth: [f64; 2],
+    /// Latency of one tree hop over NVLink and over the network, s.
+    tree_step: [f64; 2],
+    /// Floor on a ring step inside a node when the ring also crosses nodes: every step then
+    /// posts network work (NCCL's `getNetOverhead`, 1 us on x86; three times that for Simple).
+    net_overhead: f64,
+}
+
+/// LL, LL128 and Simple. LL128 is NCCL's default on NVLink nodes whose adapters sit on the
+/// GPUs' PCIe switches (every DGX and HGX node); trees reach 92% of the bus bandwidth.
+const PROTOCOLS: [Protocol; 3] = [
+    Protocol {
+        ring_bandwidth: [1.0 / 3.0, 1.0 / 4.0],
+        ring_step: [0.6e-6, 2.7e-6],
+        tree_bandwidth: [0.92 / 3.8, 0.92 / 3.8],
+        tree_step: [0.6e-6, 5.0e-6],
+        net_overhead: 1e-6,
+    },
+    Protocol {
+        ring_bandwidth: [0.92, 0.92],
+        ring_step: [1.9e-6, 4.0e-6],
+        tree_bandwidth: [0.92 * 7.0 / 9.0, 0.92 * 120.0 / 128.0],
+        tree_step: [1.25e-6, 8.5e-6],
+        net_overhead: 1e-6,
+    },
+    Protocol {
+        ring_bandwidth: [1.0, 1.0],
+        ring_step: [3.4e-6, 14.0e-6],
+        tree_bandwidth: [0.92, 0.92],
+        tree_step: [28e-6, 28e-6],
+        net_overhead: 3e-6,
+    },
+];
+
+/// Time past the start-up of a ring collective of `passes` passes (1: all-gather or
+/// reduce-scatter, 2: all-reduce) over `n` ranks on `nodes` nodes, whose bytes take `wire`
+/// seconds at the full bus bandwidth: each pass is `n - 1` steps, `nodes - 1` of which cross
+/// the network (NCCL counts `2 nodes` for an all-reduce), at the fastest protocol. An
+/// all-gather or reduce-scatter inside a node runs LL at a third of the bus bandwidth, not a
+/// quarter.
+fn ring_time(n: u64, nodes: u64, passes: u64, wire: f64) -> f64 {
+    let across = usize::from(nodes > 1);
+    let steps = (passes * (n - 1)) as f64;
+    let inter = match (nodes > 1, passes) {
+        (false, _) => 0.0,
+        (true, 1) => (nodes - 1) as f64,
+        (true, _) => (passes * nodes) as f64,
     };
-    link.latency + volume * bytes / bandwidth
+    PROTOCOLS
+        .iter()
+        .map(|p| {
+            let bandwidth = if passes > 1 {
+                p.ring_bandwidth[1]
+            } else {
+                p.ring_bandwidth[across]
+            };
+            let intra = if nodes > 1 {
+                p.ring_step[0].max(p.net_overhead)
+            } else {
+                p.ring_step[0]
+            };
+            (steps - inter).max(0.0) * intra + inter * p.ring_step[1] + wire / bandwidth
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// Time past the start-up of an all-reduce on NCCL's trees over `n` ranks on `nodes` nodes
+/// (a chain inside each node, a binary tree of depth `log2 nodes` between them, up and down),
+/// whose bytes take `wire` seconds at the full bus bandwidth (a tree sends each byte twice
+/// per rank: its algorithm bandwidth is half the bus bandwidth).
+fn tree_time(n: u64, nodes: u64, wire: f64) -> f64 {
+    let across = usize::from(nodes > 1);
+    let per_node = (n / nodes.max(1)).max(1) as f64;
+    let depth = (nodes.max(1) as f64).log2().floor();
+    PROTOCOLS
+        .iter()
+        .map(|p| {
+            2.0 * ((per_node - 1.0) * p.tree_step[0] + depth * p.tree_step[1])
+                + wire / p.tree_bandwidth[across]
+        })
+        .fold(f64::INFINITY, f64::min)
 }
 
 /// Time to send `bytes` from one rank to another, at the link's pairwise bandwidth.
@@ -256,24 +355,114 @@ mod tests {
             latency: 1e-5,
             bandwidth: 100e9,
             pairwise_bandwidth: 100e9,
-            internode: false,
+            nodes: 1,
         }
     }
 
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-12 * b.abs().max(1e-6)
+    }
+
     #[test]
-    fn ring_formulas() {
+    fn large_payloads_take_simple_rings_of_n_minus_one_steps() {
+        // 1 GB inside a node: Simple, 3.4 us per step, at the full bus bandwidth.
         let b = 1e9;
-        let ar = collective_time(Collective::AllReduce, 8, b, link());
-        assert!((ar - (1e-5 + 2.0 * 7.0 / 8.0 * b / 100e9)).abs() < 1e-12);
         let ag = collective_time(Collective::AllGather, 4, b, link());
-        assert!((ag - (1e-5 + 0.75 * b / 100e9)).abs() < 1e-12);
-        let a2a = collective_time(Collective::AllToAll, 4, b, link());
-        assert!((a2a - (1e-5 + 3.0 / 16.0 * b / 100e9)).abs() < 1e-12);
-        assert_eq!(collective_time(Collective::AllReduce, 1, b, link()), 0.0);
-        // An all-reduce moves as much as a reduce-scatter followed by an all-gather.
+        assert!(close(ag, 1e-5 + 3.0 * 3.4e-6 + 0.75 * b / 100e9), "{ag}");
         let rs = collective_time(Collective::ReduceScatter, 8, b, link());
-        let ag8 = collective_time(Collective::AllGather, 8, b, link());
-        assert!((rs + ag8 - 1e-5 - ar).abs() < 1e-12);
+        assert!(
+            close(rs, 1e-5 + 7.0 * 3.4e-6 + 7.0 / 8.0 * b / 100e9),
+            "{rs}"
+        );
+        // An all-reduce is a reduce-scatter and an all-gather: twice the steps and the bytes.
+        let ar = collective_time(Collective::AllReduce, 8, b, link());
+        assert!(
+            close(ar, 1e-5 + 14.0 * 3.4e-6 + 2.0 * 7.0 / 8.0 * b / 100e9),
+            "{ar}"
+        );
+        let a2a = collective_time(Collective::AllToAll, 4, b, link());
+        assert!(close(a2a, 1e-5 + 3.0 / 16.0 * b / 100e9));
+        assert_eq!(collective_time(Collective::AllReduce, 1, b, link()), 0.0);
+        assert_eq!(collective_time(Collective::AllGather, 8, 0.0, link()), 0.0);
+    }
+
+    #[test]
+    fn small_payloads_take_the_low_latency_protocol() {
+        // 4 KB inside a node: LL's 0.6 us steps at a third of the bus bandwidth beat Simple's
+        // 3.4 us steps.
+        let b = 4096.0;
+        let ag = collective_time(Collective::AllGather, 8, b, link());
+        assert!(
+            close(ag, 1e-5 + 7.0 * 0.6e-6 + 7.0 / 8.0 * b / (100e9 / 3.0)),
+            "{ag}"
+        );
+        // Across 16 nodes, 8 ranks each: 112 steps inside nodes (each at least the 1 us of
+        // posting network work) and 15 on the network (2.7 us), at a quarter of the bandwidth.
+        let wide = Link {
+            nodes: 16,
+            ..link()
+        };
+        let ag = collective_time(Collective::AllGather, 128, b, wide);
+        let ring = 112.0 * 1e-6 + 15.0 * 2.7e-6 + 127.0 / 128.0 * b / 25e9;
+        assert!(close(ag, 1e-5 + ring), "{ag}");
+    }
+
+    #[test]
+    fn small_all_reduces_across_many_nodes_take_the_trees() {
+        // 512 ranks on 64 nodes: a ring of 1,022 steps against a tree of depth 6 between
+        // nodes and a chain of 8 inside each, up and down, on LL.
+        let b = 4096.0;
+        let wide = Link {
+            nodes: 64,
+            ..link()
+        };
+        let ar = collective_time(Collective::AllReduce, 512, b, wide);
+        let tree = 2.0 * (7.0 * 0.6e-6 + 6.0 * 5.0e-6) + 2.0 * b / (100e9 * 0.92 / 3.8);
+        assert!(close(ar, 1e-5 + tree), "{ar}");
+        // A large one still takes the ring: its bandwidth beats the tree's 92%.
+        let big = 1e10;
+        let ar = collective_time(Collective::AllReduce, 512, big, wide);
+        let ring =
+            2.0 * (511.0 - 64.0) * 3.4e-6 + 128.0 * 14e-6 + 2.0 * 511.0 / 512.0 * big / 100e9;
+        assert!(close(ar, 1e-5 + ring), "{ar}");
+    }
+
+    #[test]
+    fn collectives_never_get_faster_with_more_bytes_or_ranks() {
+        for kind in [
+            Collective::AllReduce,
+            Collective::AllGather,
+            Collective::ReduceScatter,
+        ] {
+            for nodes in [1, 2, 16] {
+                let l = Link { nodes, ..link() };
+                let mut last = 0.0;
+                for e in 0..40 {
+                    let t = collective_time(kind, 8 * nodes, 2f64.powi(e), l);
+                    assert!(
+                        t >= last,
+                        "{kind:?} {nodes} nodes, 2^{e} bytes: {t} < {last}"
+                    );
+                    last = t;
+                }
+            }
+            for b in [1e3, 1e6, 1e9] {
+                let t: Vec<f64> = (1..=6)
+                    .map(|k| {
+                        collective_time(
+                            kind,
+                            8 << k,
+                            b,
+                            Link {
+                                nodes: 1 << k,
+                                ..link()
+                            },
+                        )
+                    })
+                    .collect();
+                assert!(t.windows(2).all(|w| w[1] >= w[0]), "{kind:?} {b}: {t:?}");
+            }
+        }
     }
 
     #[test]

@@ -532,15 +532,23 @@ pub struct Cluster {
 /// Effective cost parameters of the links a communication group uses.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Link {
-    /// Start-up latency (alpha), s.
+    /// Start-up latency (alpha) of one collective or transfer, s: the device's, paid once
+    /// (it stands for NCCL's base latency and the launch); each ring step adds its own.
     pub latency: f64,
     /// Achieved bus bandwidth per GPU and direction (1 / beta) of the ring and tree collectives
     /// (all-reduce, all-gather, reduce-scatter), bytes/s.
     pub bandwidth: f64,
     /// Achieved bandwidth of one GPU's own transfers (all-to-all, point-to-point), bytes/s.
     pub pairwise_bandwidth: f64,
+    /// Nodes the group spans (1: inside one node).
+    pub nodes: u64,
+}
+
+impl Link {
     /// Whether the group spans several nodes.
-    pub internode: bool,
+    pub fn internode(&self) -> bool {
+        self.nodes > 1
+    }
 }
 
 impl Cluster {
@@ -632,9 +640,9 @@ impl Cluster {
     /// between DGX A100 nodes of eight 25 GB/s adapters, NVIDIA/nccl#812), up to what NVLink
     /// inside the node carries. All-to-all and point-to-point transfers cannot aggregate
     /// adapters (NVIDIA/nccl-tests#267): each GPU's own traffic to another node goes through its
-    /// own share. Across `m` nodes the start-up latency grows as `log2 m`: NCCL runs small
-    /// collectives on double binary trees, whose depth is logarithmic in the nodes (NVIDIA,
-    /// "Massively Scale Your Deep Learning Training with NCCL 2.4", 2019).
+    /// own share. The start-up latency is paid once; the link records the nodes the group
+    /// spans, from which `analytic::collective_time` counts the ring's steps on each kind of
+    /// link (or the depth of NCCL's trees for an all-reduce).
     pub fn group_link(&self, stride: u64, size: u64) -> Link {
         let d = &self.device;
         let nvlink = d.nvlink_bandwidth * d.nvlink_efficiency;
@@ -644,17 +652,17 @@ impl Cluster {
                 latency: d.nvlink_latency,
                 bandwidth: nvlink,
                 pairwise_bandwidth: nvlink,
-                internode: false,
+                nodes: 1,
             }
         } else {
             let share = self.network_share();
             let per_node = (gpn / stride.max(1)).clamp(1, size);
             let nodes = size.div_ceil(per_node).max(2);
             Link {
-                latency: d.internode_latency * (nodes as f64).log2().ceil(),
+                latency: d.internode_latency,
                 bandwidth: (share * per_node as f64).min(nvlink.max(share)),
                 pairwise_bandwidth: share,
-                internode: true,
+                nodes,
             }
         }
     }
@@ -724,12 +732,12 @@ mod tests {
     #[test]
     fn groups_inside_a_node_use_nvlink() {
         let c = parse_cluster_shorthand("h100-sxm:4x8").expect("valid");
-        assert!(!c.group_link(1, 8).internode);
-        assert!(!c.group_link(2, 4).internode);
-        assert!(c.group_link(8, 4).internode);
-        assert!(c.group_link(1, 16).internode);
-        assert!(!c.p2p_link(3, 4).internode);
-        assert!(c.p2p_link(7, 8).internode);
+        assert!(!c.group_link(1, 8).internode());
+        assert!(!c.group_link(2, 4).internode());
+        assert!(c.group_link(8, 4).internode());
+        assert!(c.group_link(1, 16).internode());
+        assert!(!c.p2p_link(3, 4).internode());
+        assert!(c.p2p_link(7, 8).internode());
     }
 
     #[test]
@@ -784,16 +792,19 @@ mod tests {
     }
 
     #[test]
-    fn latency_across_nodes_grows_with_the_depth_of_a_tree_over_them() {
+    fn a_group_knows_the_nodes_it_spans() {
         let c = parse_cluster_shorthand("dgx-h100:64").expect("valid");
-        let alpha = c.device.internode_latency;
-        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
-        assert!(close(c.group_link(8, 2).latency, alpha));
-        assert!(close(c.group_link(8, 3).latency, 2.0 * alpha));
-        assert!(close(c.group_link(8, 64).latency, 6.0 * alpha));
-        // Eight ranks per node over 64 nodes: still 64 nodes deep.
-        assert!(close(c.group_link(1, 512).latency, 6.0 * alpha));
-        assert!(close(c.group_link(1, 8).latency, c.device.nvlink_latency));
+        let nodes = |stride, size| c.group_link(stride, size).nodes;
+        assert_eq!(nodes(1, 8), 1);
+        assert_eq!(nodes(8, 2), 2);
+        assert_eq!(nodes(8, 3), 3);
+        assert_eq!(nodes(8, 64), 64);
+        assert_eq!(nodes(1, 512), 64);
+        // Two ranks of each node (stride 4): 16 ranks on 8 nodes.
+        assert_eq!(nodes(4, 16), 8);
+        // The start-up is paid once, whatever the nodes; ring steps add the rest.
+        assert_eq!(c.group_link(8, 64).latency, c.device.internode_latency);
+        assert_eq!(c.group_link(1, 8).latency, c.device.nvlink_latency);
     }
 
     proptest::proptest! {

@@ -232,7 +232,7 @@ mod tests {
             latency: 1e-5,
             bandwidth: 100e9,
             pairwise_bandwidth: 50e9,
-            internode: true,
+            nodes: 2,
         }
     }
 

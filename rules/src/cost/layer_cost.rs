@@ -383,7 +383,7 @@ impl<'g> LayerCostContext<'g> {
         CollectiveSignature {
             collective: kind.into(),
             ranks: group.ranks(p.tp),
-            internode: Self::group_link(group, p).internode,
+            internode: Self::group_link(group, p).internode(),
         }
     }
 
@@ -966,7 +966,7 @@ mod tests {
             latency: 1e-5,
             bandwidth: 1e11,
             pairwise_bandwidth: 1e11,
-            internode: false,
+            nodes: 1,
         };
         let base = Pricing {
             tp: TpConfig::dense(1, false),

@@ -405,7 +405,7 @@ mod tests {
             latency: 1e-5,
             bandwidth: 1e11,
             pairwise_bandwidth: 1e11,
-            internode: false,
+            nodes: 1,
         };
         Mesh {
             shape: [a, b],

@@ -336,7 +336,7 @@ pub fn profile_reads(
         .collect();
     for a in 0..2 {
         if mesh.shape[a] > 1 {
-            reads.extend(profile.collective_points(mesh.shape[a], mesh.links[a].internode));
+            reads.extend(profile.collective_points(mesh.shape[a], mesh.links[a].internode()));
         }
     }
     reads.sort_by(|a, b| a.entry.cmp(&b.entry));

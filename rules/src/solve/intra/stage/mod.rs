@@ -1669,7 +1669,7 @@ impl<'g> StageModel<'g> {
         let sig = CollectiveSignature {
             collective: s.kind.into(),
             ranks: self.mesh.shape[s.axis],
-            internode: self.mesh.links[s.axis].internode,
+            internode: self.mesh.links[s.axis].internode(),
         };
         if let Some((seconds, _)) = profile.collective_time(&sig, s.bytes) {
             s.seconds = seconds;
