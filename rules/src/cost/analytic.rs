@@ -55,8 +55,10 @@ pub fn collective_time(kind: Collective, n: u64, bytes: f64, link: Link) -> f64 
 /// refinements of the releases with NVLS). LL and LL128 trade bandwidth for shorter steps, so small
 /// payloads take them and large ones take Simple.
 struct Protocol {
-    /// Fraction of the bus bandwidth a ring reaches: inside a node, and across nodes.
-    ring_bandwidth: [f64; 2],
+    /// Fraction of the bus bandwidth a ring reaches: an all-gather or reduce-scatter inside a
+    /// node; an all-reduce inside a node, or any ring across nodes; a ring across nodes with
+    /// fewer than two ranks per node, whose GPUs send and receive through one adapter.
+    ring_bandwidth: [f64; 3],
     /// Latency of one ring step over NVLink and over the network, s.
     ring_step: [f64; 2],
     /// Fraction of the bus bandwidth a tree reaches: inside a node, and across nodes.
@@ -72,21 +74,21 @@ struct Protocol {
 /// GPUs' PCIe switches (every DGX and HGX node); trees reach 92% of the bus bandwidth.
 const PROTOCOLS: [Protocol; 3] = [
     Protocol {
-        ring_bandwidth: [1.0 / 3.0, 1.0 / 4.0],
+        ring_bandwidth: [1.0 / 3.0, 1.0 / 4.0, 1.0 / 4.0],
         ring_step: [0.6e-6, 2.7e-6],
         tree_bandwidth: [0.92 / 3.8, 0.92 / 3.8],
         tree_step: [0.6e-6, 5.0e-6],
         net_overhead: 1e-6,
     },
     Protocol {
-        ring_bandwidth: [0.92, 0.92],
+        ring_bandwidth: [0.92, 0.92, 0.7],
         ring_step: [1.9e-6, 4.0e-6],
         tree_bandwidth: [0.92 * 7.0 / 9.0, 0.92 * 120.0 / 128.0],
         tree_step: [1.25e-6, 8.5e-6],
         net_overhead: 1e-6,
     },
     Protocol {
-        ring_bandwidth: [1.0, 1.0],
+        ring_bandwidth: [1.0, 1.0, 1.0],
         ring_step: [3.4e-6, 14.0e-6],
         tree_bandwidth: [0.92, 0.92],
         tree_step: [28e-6, 28e-6],
@@ -97,11 +99,13 @@ const PROTOCOLS: [Protocol; 3] = [
 /// Time past the start-up of a ring collective of `passes` passes (1: all-gather or
 /// reduce-scatter, 2: all-reduce) over `n` ranks on `nodes` nodes, whose bytes take `wire`
 /// seconds at the full bus bandwidth: each pass is `n - 1` steps, `nodes - 1` of which cross
-/// the network (NCCL counts `2 nodes` for an all-reduce), at the fastest protocol. An
-/// all-gather or reduce-scatter inside a node runs LL at a third of the bus bandwidth, not a
-/// quarter.
+/// the network (NCCL counts `2 nodes` for an all-reduce), at the fastest protocol.
 fn ring_time(n: u64, nodes: u64, passes: u64, wire: f64) -> f64 {
-    let across = usize::from(nodes > 1);
+    let placement = match (nodes > 1, passes) {
+        (true, _) if n < 2 * nodes => 2,
+        (true, _) | (false, 2..) => 1,
+        (false, _) => 0,
+    };
     let steps = (passes * (n - 1)) as f64;
     let inter = match (nodes > 1, passes) {
         (false, _) => 0.0,
@@ -111,11 +115,7 @@ fn ring_time(n: u64, nodes: u64, passes: u64, wire: f64) -> f64 {
     PROTOCOLS
         .iter()
         .map(|p| {
-            let bandwidth = if passes > 1 {
-                p.ring_bandwidth[1]
-            } else {
-                p.ring_bandwidth[across]
-            };
+            let bandwidth = p.ring_bandwidth[placement];
             let intra = if nodes > 1 {
                 p.ring_step[0].max(p.net_overhead)
             } else {
@@ -405,6 +405,23 @@ mod tests {
         let ag = collective_time(Collective::AllGather, 128, b, wide);
         let ring = 112.0 * 1e-6 + 15.0 * 2.7e-6 + 127.0 / 128.0 * b / 25e9;
         assert!(close(ag, 1e-5 + ring), "{ag}");
+    }
+
+    #[test]
+    fn ll128_slows_down_with_one_rank_per_node() {
+        // 16 ranks on 16 nodes, 100 us of wire at the full bandwidth: LL128's 15 network steps
+        // of 4 us at 70% of the bandwidth beat LL (2.7 us, a quarter) and Simple (14 us).
+        let wire = 100e-6;
+        let bytes = wire * 100e9 * 16.0 / 15.0;
+        let one_per_node = Link { nodes: 16, ..link() };
+        let t = collective_time(Collective::AllGather, 16, bytes, one_per_node);
+        assert!(close(t, 1e-5 + 15.0 * 4e-6 + wire / 0.7), "{t}");
+        // Two ranks per node: 92%, and 16 steps inside nodes (each at least the 1 us of
+        // posting network work) besides the 15 across.
+        let two_per_node = Link { nodes: 16, ..link() };
+        let bytes = wire * 100e9 * 32.0 / 31.0;
+        let t = collective_time(Collective::AllGather, 32, bytes, two_per_node);
+        assert!(close(t, 1e-5 + 16.0 * 1.9e-6 + 15.0 * 4e-6 + wire / 0.92), "{t}");
     }
 
     #[test]
