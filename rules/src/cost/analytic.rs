@@ -413,15 +413,24 @@ mod tests {
         // of 4 us at 70% of the bandwidth beat LL (2.7 us, a quarter) and Simple (14 us).
         let wire = 100e-6;
         let bytes = wire * 100e9 * 16.0 / 15.0;
-        let one_per_node = Link { nodes: 16, ..link() };
+        let one_per_node = Link {
+            nodes: 16,
+            ..link()
+        };
         let t = collective_time(Collective::AllGather, 16, bytes, one_per_node);
         assert!(close(t, 1e-5 + 15.0 * 4e-6 + wire / 0.7), "{t}");
         // Two ranks per node: 92%, and 16 steps inside nodes (each at least the 1 us of
         // posting network work) besides the 15 across.
-        let two_per_node = Link { nodes: 16, ..link() };
+        let two_per_node = Link {
+            nodes: 16,
+            ..link()
+        };
         let bytes = wire * 100e9 * 32.0 / 31.0;
         let t = collective_time(Collective::AllGather, 32, bytes, two_per_node);
-        assert!(close(t, 1e-5 + 16.0 * 1.9e-6 + 15.0 * 4e-6 + wire / 0.92), "{t}");
+        assert!(
+            close(t, 1e-5 + 16.0 * 1.9e-6 + 15.0 * 4e-6 + wire / 0.92),
+            "{t}"
+        );
     }
 
     #[test]
