@@ -774,7 +774,9 @@ fn polish(p: &Problem, shared: &Shared, mut out: Outcome, balls: &[Vec<usize>]) 
     for sweep in first..=POLISH_SWEEPS {
         let mut moved = false;
         let alone = sweep == 0;
-        let (starts, solved) = (&starts[sweep % 2], &mut solved[sweep % 2]);
+        // Full sweeps 1, 2, ... take the tiles, then the shifted ones, in turn.
+        let tiling = (sweep + 1) % 2;
+        let (starts, solved) = (&starts[tiling], &mut solved[tiling]);
         for (w, &at) in starts.iter().enumerate().filter(|_| !alone) {
             let end = starts.get(w + 1).copied().unwrap_or(order.len());
             let members = &order[at..end];
