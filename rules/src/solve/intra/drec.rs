@@ -777,45 +777,34 @@ fn polish(p: &Problem, shared: &Shared, mut out: Outcome, balls: &[Vec<usize>]) 
         // Full sweeps 1, 2, ... take the tiles, then the shifted ones, in turn.
         let tiling = (sweep + 1) % 2;
         let (starts, solved) = (&starts[tiling], &mut solved[tiling]);
+        // Solves one window unless none of its variables' rows changed since `at`, when it
+        // was last solved; returns whether it moved.
+        let mut window = |members: &[usize], at: &mut u64| -> bool {
+            if *at > 0 && members.iter().all(|&v| changed[v] <= *at) {
+                return false;
+            }
+            let before: Vec<usize> = members.iter().map(|&v| out.choice[v]).collect();
+            let m = window_pass(
+                p,
+                shared,
+                members,
+                &mut out.choice,
+                &mut locals,
+                &mut memory,
+            );
+            if m {
+                clock += 1;
+                touch(&mut changed, members, &before, &out.choice, clock);
+            }
+            *at = clock;
+            m
+        };
         for (w, &at) in starts.iter().enumerate().filter(|_| !alone) {
             let end = starts.get(w + 1).copied().unwrap_or(order.len());
-            let members = &order[at..end];
-            if solved[w] > 0 && members.iter().all(|&v| changed[v] <= solved[w]) {
-                continue;
-            }
-            let before: Vec<usize> = members.iter().map(|&v| out.choice[v]).collect();
-            if window_pass(
-                p,
-                shared,
-                members,
-                &mut out.choice,
-                &mut locals,
-                &mut memory,
-            ) {
-                clock += 1;
-                touch(&mut changed, members, &before, &out.choice, clock);
-                moved = true;
-            }
-            solved[w] = clock;
+            moved |= window(&order[at..end], &mut solved[w]);
         }
-        for (b, members) in balls.iter().enumerate() {
-            if balls_solved[b] > 0 && members.iter().all(|&v| changed[v] <= balls_solved[b]) {
-                continue;
-            }
-            let before: Vec<usize> = members.iter().map(|&v| out.choice[v]).collect();
-            if window_pass(
-                p,
-                shared,
-                members,
-                &mut out.choice,
-                &mut locals,
-                &mut memory,
-            ) {
-                clock += 1;
-                touch(&mut changed, members, &before, &out.choice, clock);
-                moved = true;
-            }
-            balls_solved[b] = clock;
+        for (members, at) in balls.iter().zip(balls_solved.iter_mut()) {
+            moved |= window(members, at);
         }
         for members in shared.forests.iter().filter(|_| !alone) {
             let before: Vec<usize> = members.iter().map(|&v| out.choice[v]).collect();
