@@ -71,6 +71,10 @@ pub struct Input<'a> {
     pub forced: &'a [bool],
     /// The mesh axes to cut, in order (the slowest link first; axes of one device left out).
     pub levels: &'a [usize],
+    /// Whether the final polish also solves every variable's neighbourhood
+    /// ([`neighbourhoods`], on problems of at most [`NEIGHBOURHOOD_VARIABLES`]): a whole
+    /// range's solve does; a layer table's many pinned runs do not, for their time.
+    pub neighbourhoods: bool,
 }
 
 /// What D-Rec chose.
@@ -141,7 +145,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn new(p: &Problem) -> Shared {
+    fn new(p: &Problem, neighbours: bool) -> Shared {
         let inc = incidence(p);
         // The order is sequential; the tables' ranges are read meanwhile, once per table
         // that edges share.
@@ -171,7 +175,7 @@ impl Shared {
         if p.vars.len() <= POLISH_VARIABLES {
             shared.forests = forests(p, &shared);
         }
-        if p.vars.len() <= NEIGHBOURHOOD_VARIABLES {
+        if neighbours && p.vars.len() <= NEIGHBOURHOOD_VARIABLES {
             shared.balls = neighbourhoods(p, &shared);
         }
         shared
@@ -301,7 +305,7 @@ pub fn solve(input: &Input) -> Option<Outcome> {
     if !p.fits(p.leanest().memory) {
         return None;
     }
-    let shared = Shared::new(p);
+    let shared = Shared::new(p, input.neighbourhoods);
     let first = masks(input, &shared, 0.0)?;
     if !first.1.bound {
         return Some(polished(input, &shared, first.1, &shared.balls));
@@ -1219,6 +1223,7 @@ mod tests {
             cuts,
             forced: &vec![forced; p.vars.len()],
             levels,
+            neighbourhoods: true,
         })
     }
 
@@ -1306,7 +1311,7 @@ mod tests {
     fn the_polish_moves_paths_and_cycles_that_single_and_paired_moves_cannot() {
         for edges in [vec![(0, 1), (1, 2)], vec![(0, 1), (1, 2), (0, 2)]] {
             let (p, out) = stuck(&edges);
-            let shared = Shared::new(&p);
+            let shared = Shared::new(&p, false);
             // The refinement alone is stuck at 6: every move of one or two variables costs
             // more.
             let mut choice = out.choice.clone();
@@ -1321,7 +1326,7 @@ mod tests {
         // The forests alone move a path, not a triangle (one of its variables is in a
         // second forest).
         let (p, _) = stuck(&[(0, 1), (1, 2)]);
-        let shared = Shared::new(&p);
+        let shared = Shared::new(&p, false);
         let cover = forests(&p, &shared);
         assert_eq!(cover.len(), 1);
         let (mut choice, mut memory) = (vec![0; 3], 3.0);
@@ -1336,7 +1341,7 @@ mod tests {
         );
         assert_eq!((moved, choice), ((true, false), vec![1; 3]));
         let (p, _) = stuck(&[(0, 1), (1, 2), (0, 2)]);
-        assert_eq!(forests(&p, &Shared::new(&p)).len(), 2);
+        assert_eq!(forests(&p, &Shared::new(&p, false)).len(), 2);
     }
 
     #[test]
@@ -1348,7 +1353,7 @@ mod tests {
             v.memory = vec![1.0, 2.0];
         }
         p.memory_budget = Some(4.0);
-        let polished = polish(&p, &Shared::new(&p), out, &[]);
+        let polished = polish(&p, &Shared::new(&p, false), out, &[]);
         assert_eq!(polished.choice, vec![0; 3]);
     }
 
@@ -1404,7 +1409,7 @@ mod tests {
             (p, cuts, forced) in instance(),
         ) {
             let optimum = p.brute_force();
-            let out = solve(&Input { problem: &p, cuts: &cuts, forced: &forced, levels: &[0, 1] });
+            let out = solve(&Input { problem: &p, cuts: &cuts, forced: &forced, levels: &[0, 1], neighbourhoods: true });
             prop_assert_eq!(optimum.is_some(), out.is_some());
             if let (Some(best), Some(out)) = (optimum, out) {
                 let (cost, memory) = p.evaluate(&out.choice);

@@ -138,6 +138,7 @@ pub(super) fn table(graph: &Graph, b: &Bounded) -> Result<LayerTable, ChainError
             cuts: &within,
             forced: &forced,
             levels: &levels,
+            neighbourhoods: false,
         })?;
         let mut choice: Vec<usize> = outcome
             .choice

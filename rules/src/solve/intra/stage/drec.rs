@@ -88,6 +88,7 @@ impl StageModel<'_> {
             cuts,
             forced: &forced,
             levels: &levels,
+            neighbourhoods: true,
         })
         .ok_or_else(|| self.no_fit())?;
         let warnings = self.drec_warnings(&outcome);
