@@ -52,8 +52,8 @@ pub fn collective_time(kind: Collective, n: u64, bytes: f64, link: Link) -> f64 
 
 /// One of NCCL's three protocols as its tuning model prices it (NVIDIA/nccl,
 /// `src/graph/tuning.cc`, `ncclTopoTuneModel`: the `hwLat` table and the bandwidth
-/// refinements of the releases with NVLS). LL and LL128 trade bandwidth for shorter steps, so small
-/// payloads take them and large ones take Simple.
+/// refinements of the releases with NVLS). LL and LL128 trade bandwidth for shorter steps,
+/// so small payloads take them and large ones take Simple.
 struct Protocol {
     /// Fraction of the bus bandwidth a ring reaches: an all-gather or reduce-scatter inside a
     /// node; an all-reduce inside a node, or any ring across nodes; a ring across nodes with

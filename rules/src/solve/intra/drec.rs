@@ -308,7 +308,12 @@ pub fn solve(input: &Input) -> Option<Outcome> {
     let shared = Shared::new(p, input.neighbourhoods);
     let first = masks(input, &shared, 0.0)?;
     if !first.1.bound {
-        return Some(polished(input, &shared, first.1, &shared.balls));
+        // Its run was polished already; only the neighbourhoods are new to it.
+        return Some(if shared.balls.is_empty() {
+            first.1
+        } else {
+            polished(input, &shared, first.1, &shared.balls)
+        });
     }
     let (cost, memory) = p.evaluate(&first.1.choice);
     let per_byte = cost / memory.max(f64::MIN_POSITIVE);
