@@ -30,8 +30,10 @@
 //! (the paper's cost model has no memory), a repair moves variables to leaner strategies, the
 //! least extra cost per byte saved first, until it fits. Then a bounded local refinement
 //! ([`REFINE_SWEEPS`] sweeps) lets each variable, then each edge's two ends together, take
-//! what lowers the objective with the rest as it stands, within the budget. On problems of
-//! at most [`POLISH_VARIABLES`] variables a polish follows ([`POLISH_SWEEPS`] sweeps): windows
+//! what lowers the objective with the rest as it stands, within the budget (above
+//! [`POLISH_VARIABLES`] variables, only the [`REFINED_RUNS`] best greedy plans of the level
+//! orders below are refined). On problems of at most [`POLISH_VARIABLES`] variables a polish
+//! follows ([`POLISH_SWEEPS`] sweeps): windows
 //! of [`WINDOW`] consecutive variables in D-Rec's order, then forests covering every
 //! variable, each solved exactly with the rest as it stands, so that a path or a cycle of
 //! variables moves together (on the default models' blocks this took D-Rec from 27.5% above
@@ -46,14 +48,17 @@
 //! Time: one sweep per level over every strategy of every variable and its edges, and each
 //! refinement sweep over every edge's table at most (a bound skips the rows of a table that
 //! cannot improve, and edges whose ends have not changed are skipped whole): O(levels x sum
-//! of edge tables x degree), plus the order's heap, O((V + E) log V). The polish adds, per
+//! of edge tables x degree), plus the order's heap, O((V + E) log V). The solver's arrays are
+//! flat (edges per variable, cuts per strategy), since a greedy level or a sweep that reads
+//! one small allocation per variable waits on memory more than it computes; two level orders
+//! that start with the same level share that level's pass. The polish adds, per
 //! sweep, one exact solve per window (each of a bounded size, so linear in the problem) and
 //! one pass over every edge's table per forest. No optimality is proven: D-Rec's plans are
 //! reported as not optimal, and the `drec` tests and benchmark measure the gap.
 
 use super::problem::Problem;
 use rayon::prelude::*;
-use std::cmp::Ordering;
+use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
 /// What cutting a strategy makes on one mesh axis: `0` for nothing cut, else any code that
@@ -94,44 +99,86 @@ pub struct Outcome {
     pub bound: bool,
 }
 
-/// An entry of the order's heap (a neighbour of a placed variable): the heaviest first, then
-/// the lowest index.
-#[derive(PartialEq)]
-struct Next {
-    weight: f64,
-    var: usize,
+/// Per variable, its edges: (edge index, the edge's other end, whether the variable is the
+/// edge's `u`), in edge order; all in one buffer (`inc[v]` reads variable `v`'s), which a
+/// solve walks many times.
+struct Incidence {
+    start: Vec<usize>,
+    list: Vec<(usize, usize, bool)>,
 }
 
-impl Eq for Next {}
-
-impl Ord for Next {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.weight
-            .total_cmp(&other.weight)
-            .then(other.var.cmp(&self.var))
+impl Incidence {
+    fn new(p: &Problem) -> Incidence {
+        let n = p.vars.len();
+        let mut start = vec![0usize; n + 1];
+        for e in &p.edges {
+            start[e.u + 1] += 1;
+            start[e.v + 1] += 1;
+        }
+        for v in 0..n {
+            start[v + 1] += start[v];
+        }
+        let mut next = start.clone();
+        let mut list = vec![(0, 0, false); start[n]];
+        for (i, e) in p.edges.iter().enumerate() {
+            for (end, there, is_u) in [(e.u, e.v, true), (e.v, e.u, false)] {
+                list[next[end]] = (i, there, is_u);
+                next[end] += 1;
+            }
+        }
+        Incidence { start, list }
     }
 }
 
-impl PartialOrd for Next {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
+impl std::ops::Index<usize> for Incidence {
+    type Output = [(usize, usize, bool)];
+
+    fn index(&self, v: usize) -> &[(usize, usize, bool)] {
+        &self.list[self.start[v]..self.start[v + 1]]
     }
 }
 
-/// Per variable, its edges: (edge index, whether the variable is the edge's `u`).
-fn incidence(p: &Problem) -> Vec<Vec<(usize, bool)>> {
-    let mut out = vec![Vec::new(); p.vars.len()];
-    for (i, e) in p.edges.iter().enumerate() {
-        out[e.u].push((i, true));
-        out[e.v].push((i, false));
+/// Per variable, per strategy, what it cuts on each mesh axis ([`Input::cuts`]) in one
+/// buffer (`cuts[v]` reads variable `v`'s): every greedy level reads them all, and one
+/// allocation per variable cost each level a cache miss per variable.
+#[derive(Default)]
+struct Strategies {
+    start: Vec<usize>,
+    cuts: Vec<[Cut; 2]>,
+}
+
+impl Strategies {
+    fn new(cuts: &[Vec<[Cut; 2]>]) -> Strategies {
+        let mut start = Vec::with_capacity(cuts.len() + 1);
+        let mut flat = Vec::with_capacity(cuts.iter().map(Vec::len).sum());
+        for c in cuts {
+            start.push(flat.len());
+            flat.extend_from_slice(c);
+        }
+        start.push(flat.len());
+        Strategies { start, cuts: flat }
     }
-    out
+
+    /// Strategies of variable `v`.
+    fn k(&self, v: usize) -> usize {
+        self.start[v + 1] - self.start[v]
+    }
+}
+
+impl std::ops::Index<usize> for Strategies {
+    type Output = [[Cut; 2]];
+
+    fn index(&self, v: usize) -> &[[Cut; 2]] {
+        &self.cuts[self.start[v]..self.start[v + 1]]
+    }
 }
 
 /// What every run of one solve shares.
 struct Shared {
-    /// Per variable, its edges: (edge index, whether the variable is the edge's `u`).
-    inc: Vec<Vec<(usize, bool)>>,
+    /// Per variable, its edges.
+    inc: Incidence,
+    /// What each strategy cuts ([`Input::cuts`]; empty where no greedy pass runs).
+    cuts: Strategies,
     /// D-Rec's operator order ([`order`]).
     order: Vec<usize>,
     /// Per edge, the least and the largest entry of its table (the refinement's bounds).
@@ -146,7 +193,7 @@ struct Shared {
 
 impl Shared {
     fn new(p: &Problem, neighbours: bool) -> Shared {
-        let inc = incidence(p);
+        let inc = Incidence::new(p);
         // The order is sequential; the tables' ranges are read meanwhile, once per table
         // that edges share.
         let (order, range) = rayon::join(
@@ -166,6 +213,7 @@ impl Shared {
             },
         );
         let mut shared = Shared {
+            cuts: Strategies::default(),
             inc,
             order,
             range,
@@ -187,22 +235,12 @@ impl Shared {
 /// seen from `v`).
 fn seen(p: &Problem, e: usize, is_u: bool) -> Table<'_> {
     let edge = &p.edges[e];
-    let kv = p.k(edge.v);
-    if is_u {
-        Table {
-            cost: &edge.cost,
-            across: kv,
-            along: 1,
-            width: kv,
-        }
+    let (end, there) = if is_u {
+        (edge.u, edge.v)
     } else {
-        Table {
-            cost: &edge.cost,
-            across: 1,
-            along: kv,
-            width: p.k(edge.u),
-        }
-    }
+        (edge.v, edge.u)
+    };
+    Table::new(&edge.cost, is_u, p.k(end), p.k(there))
 }
 
 /// An edge's table seen from one end: a row per strategy of that end.
@@ -217,6 +255,27 @@ struct Table<'p> {
 }
 
 impl<'p> Table<'p> {
+    /// An edge's table `cost` seen from one end (`is_u`: from `u`), that end with `k_end`
+    /// strategies and the other with `k_other` ([`seen`] with the counts known: hot loops
+    /// take them from their own rows rather than read every variable's).
+    fn new(cost: &'p [f64], is_u: bool, k_end: usize, k_other: usize) -> Table<'p> {
+        if is_u {
+            Table {
+                cost,
+                across: k_other,
+                along: 1,
+                width: k_other,
+            }
+        } else {
+            Table {
+                cost,
+                across: 1,
+                along: k_end,
+                width: k_other,
+            }
+        }
+    }
+
     /// The edge's cost per strategy of the other end, this end on `c`.
     fn row(self, c: usize) -> impl Iterator<Item = f64> + 'p {
         self.cost[c * self.across..]
@@ -237,31 +296,45 @@ fn least(xs: impl Iterator<Item = f64>) -> f64 {
     xs.fold(f64::INFINITY, |m, x| if x < m { x } else { m })
 }
 
-/// The other end of edge `e` seen from `is_u`.
-fn other(p: &Problem, e: usize, is_u: bool) -> usize {
-    if is_u { p.edges[e].v } else { p.edges[e].u }
+/// [`least`] with four independent running minima: each comparison waits on the one four
+/// elements back rather than the one before, which the refinement's rows are long enough to
+/// gain from.
+fn least4(xs: impl Iterator<Item = f64>) -> f64 {
+    let mut lanes = [f64::INFINITY; 4];
+    for (i, x) in xs.enumerate() {
+        let slot = &mut lanes[i % 4];
+        *slot = if x < *slot { x } else { *slot };
+    }
+    least(lanes.into_iter())
 }
 
 /// The operator order: heaviest first, then by neighbourhood.
-pub fn order(p: &Problem, inc: &[Vec<(usize, bool)>]) -> Vec<usize> {
+fn order(p: &Problem, inc: &Incidence) -> Vec<usize> {
     let n = p.vars.len();
+    // Costs hold no NaN: plain comparisons.
     let weight: Vec<f64> = p
         .vars
         .iter()
-        .map(|v| v.cost.iter().copied().fold(0.0, f64::max))
+        .map(|v| v.cost.iter().fold(0.0, |m, &x| if x > m { x } else { m }))
         .collect();
-    // The heaviest overall (the lowest index on a tie), for when no placed variable has an
-    // unplaced neighbour; the heap holds only neighbours of placed variables, each once.
+    // Every variable by weight, the heaviest first and the lowest index on a tie (keys are
+    // distinct, so an unstable sort gives the same); a variable's rank in it is its key
+    // in the heap, which holds the unplaced neighbours of placed variables, each once.
     let mut heaviest: Vec<usize> = (0..n).collect();
-    heaviest.sort_by(|&a, &b| weight[b].total_cmp(&weight[a]).then(a.cmp(&b)));
+    heaviest.sort_unstable_by(|&a, &b| weight[b].total_cmp(&weight[a]).then(a.cmp(&b)));
+    let mut rank = vec![0usize; n];
+    for (r, &v) in heaviest.iter().enumerate() {
+        rank[v] = r;
+    }
     let mut next = heaviest.iter();
-    let mut heap: BinaryHeap<Next> = BinaryHeap::new();
+    let mut heap: BinaryHeap<Reverse<usize>> = BinaryHeap::new();
     // Placed, or waiting in the heap.
     let mut seen = vec![false; n];
     let mut out = Vec::with_capacity(n);
     loop {
         let var = match heap.pop() {
-            Some(Next { var, .. }) => var,
+            Some(Reverse(r)) => heaviest[r],
+            // No placed variable has an unplaced neighbour: the heaviest left.
             None => match next.find(|&&v| !seen[v]) {
                 Some(&v) => v,
                 None => break,
@@ -269,14 +342,10 @@ pub fn order(p: &Problem, inc: &[Vec<(usize, bool)>]) -> Vec<usize> {
         };
         seen[var] = true;
         out.push(var);
-        for &(e, is_u) in &inc[var] {
-            let w = other(p, e, is_u);
+        for &(_, w, _) in &inc[var] {
             if !seen[w] {
                 seen[w] = true;
-                heap.push(Next {
-                    weight: weight[w],
-                    var: w,
-                });
+                heap.push(Reverse(rank[w]));
             }
         }
     }
@@ -289,8 +358,9 @@ const MEMORY_PRICES: [f64; 8] = [1.0 / 64.0, 1.0 / 16.0, 0.25, 1.0, 4.0, 16.0, 6
 
 /// Runs D-Rec once for every subset of the levels (each mesh axis cut by every operator, or
 /// by none: the whole range replicated across it), two levels in both orders (at most 5
-/// runs, in parallel), and keeps the plan of least objective, the one cutting more levels on
-/// a tie, then the given order; `None` when not even the leanest plan fits the budget.
+/// runs, in parallel; above [`POLISH_VARIABLES`] only the [`REFINED_RUNS`] best greedy plans
+/// are refined), and keeps the plan of least objective, the one cutting more levels on a
+/// tie, then the given order; `None` when not even the leanest plan fits the budget.
 ///
 /// Each run's plan is polished ([`polish`]), and the winner once more with every
 /// variable's neighbourhood among the windows. When the budget binds (the greedy plan is over
@@ -302,10 +372,14 @@ const MEMORY_PRICES: [f64; 8] = [1.0 / 64.0, 1.0 / 16.0, 0.25, 1.0, 4.0, 16.0, 6
 pub fn solve(input: &Input) -> Option<Outcome> {
     let p = input.problem;
     // Every run's repair ends within the budget when the leanest plan does.
-    if !p.fits(p.leanest().memory) {
+    if p.memory_budget.is_some() && !p.fits(p.leanest().memory) {
         return None;
     }
-    let shared = Shared::new(p, input.neighbourhoods);
+    let (mut shared, cuts) = rayon::join(
+        || Shared::new(p, input.neighbourhoods),
+        || Strategies::new(input.cuts),
+    );
+    shared.cuts = cuts;
     let first = masks(input, &shared, 0.0)?;
     if !first.1.bound {
         // Its run was polished already; only the neighbourhoods are new to it.
@@ -389,155 +463,270 @@ fn priced(input: &Input, shared: &Shared, lambda: f64) -> Option<(f64, Outcome)>
 /// byte in the greedy pass (each plan polished at price 0): the best plan and its objective.
 fn masks(input: &Input, shared: &Shared, lambda: f64) -> Option<(f64, Outcome)> {
     let p = input.problem;
-    let all = input.levels.len();
-    // Every subset of the levels, in the given order and (two levels) reversed.
-    let mut orders: Vec<(u32, bool, Vec<usize>)> = Vec::new();
-    for mask in 0..1u32 << all {
-        let levels: Vec<usize> = (0..all)
-            .filter(|i| mask & (1 << i) != 0)
-            .map(|i| input.levels[i])
-            .collect();
-        if levels.len() == 2 {
-            orders.push((mask, true, levels.iter().rev().copied().collect()));
-        }
-        orders.push((mask, false, levels));
-    }
-    let runs: Vec<Option<(f64, u32, bool, Outcome)>> = orders
+    // The least objective first, then more levels cut, then the given order.
+    let rank = |a: &(f64, u32, bool), b: &(f64, u32, bool)| {
+        a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2))
+    };
+    type Run = ((f64, u32, bool), Outcome, Option<Locals>);
+    let mut runs: Vec<Run> = greedy_runs(input, shared, lambda)
         .into_par_iter()
-        .map(|(mask, reversed, levels)| {
-            let mut out = recurse(input, &levels, shared, lambda)?;
-            if lambda == 0.0 {
+        .map(|(mask, reversed, plan)| {
+            let (out, locals) = repaired(input, shared, plan)?;
+            Some(((p.evaluate(&out.choice).0, mask, reversed), out, locals))
+        })
+        .collect::<Option<Vec<_>>>()?;
+    // Above the polish's size only the best repaired greedy plans are refined (see
+    // `REFINED_RUNS`); below it every run is, then polished.
+    let big = p.vars.len() > POLISH_VARIABLES;
+    if big {
+        runs.sort_by(|a, b| rank(&a.0, &b.0));
+        runs.truncate(REFINED_RUNS);
+    }
+    let runs: Vec<((f64, u32, bool), Outcome)> = runs
+        .into_par_iter()
+        .map(|((_, mask, reversed), mut out, locals)| {
+            let mut locals = locals.unwrap_or_else(|| Locals::new(p, &out.choice));
+            out.bound |= refine(p, shared, &mut out.choice, &mut locals);
+            if lambda == 0.0 && !big {
                 out = polished(input, shared, out, &[]);
+            } else {
+                out.skipped = skipped(input, shared, &out.choice);
             }
-            let (cost, _) = p.evaluate(&out.choice);
-            Some((cost, mask, reversed, out))
+            ((p.evaluate(&out.choice).0, mask, reversed), out)
         })
         .collect();
     runs.into_iter()
-        .collect::<Option<Vec<_>>>()?
-        .into_iter()
-        .min_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)))
-        .map(|(cost, _, _, out)| (cost, out))
+        .min_by(|a, b| rank(&a.0, &b.0))
+        .map(|((cost, _, _), out)| (cost, out))
 }
 
-/// D-Rec cutting `levels` in order, memory priced at `lambda` per byte in the greedy pass;
-/// then repaired and refined under the objective and the budget.
-fn recurse(input: &Input, levels: &[usize], shared: &Shared, lambda: f64) -> Option<Outcome> {
+/// A greedy plan: the strategy per variable, and the (variable, mesh axis) pairs of forced
+/// variables nothing could cut.
+type Greedy = (Vec<usize>, Vec<(usize, usize)>);
+
+/// D-Rec's greedy pass ([`level`]) for every subset of the levels, in the given order and
+/// (two levels) reversed, in parallel: (subset's mask, whether reversed, plan). Cutting one
+/// of two levels alone and cutting it before the other share their first pass when every
+/// variable starts uncut on both axes (the other axis then stays uncut in both).
+fn greedy_runs(input: &Input, shared: &Shared, lambda: f64) -> Vec<(u32, bool, Greedy)> {
+    let start = replicated(shared);
+    let levels = input.levels;
+    let all_uncut = || (0..start.len()).all(|v| shared.cuts[v][start[v]] == [0, 0]);
+    if let [a, b] = *levels
+        && all_uncut()
+    {
+        // One level alone (mask 1 or 2), then both with it first.
+        let pair = |first: usize, second: usize, mask: u32, reversed: bool| {
+            let mut plan = (start.clone(), Vec::new());
+            level(input, shared, lambda, &mut plan, first, &[second]);
+            let alone = plan.clone();
+            level(input, shared, lambda, &mut plan, second, &[]);
+            [(mask, false, alone), (3, reversed, plan)]
+        };
+        let (ab, ba) = rayon::join(|| pair(a, b, 1, false), || pair(b, a, 2, true));
+        return std::iter::once((0, false, (start.clone(), Vec::new())))
+            .chain(ab)
+            .chain(ba)
+            .collect();
+    }
+    let all = levels.len();
+    let mut orders: Vec<(u32, bool, Vec<usize>)> = Vec::new();
+    for mask in 0..1u32 << all {
+        let subset: Vec<usize> = (0..all)
+            .filter(|i| mask & (1 << i) != 0)
+            .map(|i| levels[i])
+            .collect();
+        if subset.len() == 2 {
+            orders.push((mask, true, subset.iter().rev().copied().collect()));
+        }
+        orders.push((mask, false, subset));
+    }
+    orders
+        .into_par_iter()
+        .map(|(mask, reversed, subset)| {
+            let mut plan = (start.clone(), Vec::new());
+            for (i, &axis) in subset.iter().enumerate() {
+                level(input, shared, lambda, &mut plan, axis, &subset[i + 1..]);
+            }
+            (mask, reversed, plan)
+        })
+        .collect()
+}
+
+/// Runs of [`masks`] refined on problems above [`POLISH_VARIABLES`]: the repaired greedy
+/// plans of least objective. Refining costs each run several times its greedy pass, and on
+/// the generated graphs of 5,000 and 20,000 ops (transformer, MLP and U-Net, on 1x8 and
+/// 2x4) the plan that won after refining every run was always the best greedy one; two
+/// runs refine in parallel in the time of one on two cores.
+pub const REFINED_RUNS: usize = 2;
+
+/// A greedy plan repaired to fit the budget, with its local costs when the repair needed
+/// them (under a budget; without one nothing moves, and only the runs refined build them).
+fn repaired(
+    input: &Input,
+    shared: &Shared,
+    (mut choice, uncut): Greedy,
+) -> Option<(Outcome, Option<Locals>)> {
     let p = input.problem;
-    let (inc, order) = (&shared.inc, &shared.order);
-    let own = |v: usize, c: usize| p.vars[v].cost[c] + lambda * p.vars[v].memory[c];
-    let n = p.vars.len();
-    // Every variable starts uncut on every axis: its replicated strategy.
-    let mut choice: Vec<usize> = (0..n)
+    let mut locals = None;
+    let mut repaired = 0;
+    if p.memory_budget.is_some() {
+        let l = locals.insert(Locals::new(p, &choice));
+        repaired = repair(p, shared, &mut choice, l)?;
+    }
+    Some((
+        Outcome {
+            choice,
+            uncut,
+            skipped: Vec::new(),
+            repaired,
+            bound: repaired > 0,
+        },
+        locals,
+    ))
+}
+
+/// Every variable's replicated strategy (uncut on every axis; its first strategy when it
+/// has none), where the greedy pass starts.
+fn replicated(shared: &Shared) -> Vec<usize> {
+    (0..shared.cuts.start.len() - 1)
         .map(|v| {
-            (0..p.k(v))
-                .find(|&c| input.cuts[v][c] == [0, 0])
+            shared.cuts[v]
+                .iter()
+                .position(|&c| c == [0, 0])
                 .unwrap_or(0)
         })
-        .collect();
-    let mut uncut = Vec::new();
-    for (li, &axis) in levels.iter().enumerate() {
-        let later = &levels[li + 1..];
-        let mut done = vec![false; n];
-        // Per variable, the strategies it may take on this level: what it cut on the levels
-        // before kept, the later axes uncut, and (an operator) a cut on this axis if any.
-        // All in one buffer: variable `v`'s are `list[start[v]..start[v + 1]]`.
-        let mut start = Vec::with_capacity(n + 1);
-        let mut list = Vec::with_capacity(n);
-        for v in 0..n {
-            start.push(list.len());
-            let now = input.cuts[v][choice[v]];
-            // Axes cut before, and axes left out, keep what they have (nothing, for those
-            // left out); later axes stay uncut.
-            let keeps = |cut: [Cut; 2]| {
-                (0..2).all(|a| {
-                    a == axis
-                        || if later.contains(&a) {
-                            cut[a] == 0
-                        } else {
-                            cut[a] == now[a]
-                        }
-                })
-            };
-            let cuts_axis = |c: usize| input.cuts[v][c][axis] != 0;
-            let ours = (0..p.k(v)).filter(|&c| keeps(input.cuts[v][c]));
-            if input.forced[v] && ours.clone().any(cuts_axis) {
-                list.extend(ours.filter(|&c| cuts_axis(c)));
+        .collect()
+}
+
+/// One level of D-Rec's greedy pass: every variable, in D-Rec's order, fixes what it cuts
+/// on mesh axis `axis` (an operator cuts something if it can), keeping what it cut on the
+/// levels before and leaving the `later` axes uncut, given its neighbours placed so far on
+/// this level; memory is priced at `lambda` per byte. Updates `plan`'s choice and adds the
+/// operators nothing could cut on this axis to its uncut list.
+fn level(
+    input: &Input,
+    shared: &Shared,
+    lambda: f64,
+    (choice, uncut): &mut Greedy,
+    axis: usize,
+    later: &[usize],
+) {
+    let p = input.problem;
+    let (inc, order) = (&shared.inc, &shared.order);
+    // Memory priced in, when it is (read only then).
+    let own = |v: usize, c: usize| {
+        let cost = p.vars[v].cost[c];
+        if lambda == 0.0 {
+            cost
+        } else {
+            cost + lambda * p.vars[v].memory[c]
+        }
+    };
+    let n = p.vars.len();
+    let mut done = vec![false; n];
+    // Per variable, the strategies it may take on this level: what it cut on the levels
+    // before kept, the later axes uncut, and (an operator) a cut on this axis if any.
+    // All in one buffer: variable `v`'s are `list[start[v]..start[v + 1]]`.
+    let mut start = Vec::with_capacity(n + 1);
+    let mut list = Vec::with_capacity(n);
+    for v in 0..n {
+        start.push(list.len());
+        let cuts = &shared.cuts[v];
+        let now = cuts[choice[v]];
+        // Per mesh axis, what a strategy must cut there: this level's axis anything,
+        // later axes nothing, axes cut before (or left out) what they have.
+        let want = [0, 1].map(|a| {
+            if a == axis {
+                None
+            } else if later.contains(&a) {
+                Some(0)
             } else {
-                if input.forced[v] {
-                    uncut.push((v, axis));
-                }
-                list.extend(ours);
+                Some(now[a])
             }
-            // A variable limited to strategies that cut a later axis (its replicated one
-            // not allowed) keeps what it has.
-            if list.len() == start[v] {
-                list.push(choice[v]);
+        });
+        let keeps = |cut: &[Cut; 2]| (0..2).all(|a| want[a].is_none_or(|x| cut[a] == x));
+        list.extend((0..cuts.len()).filter(|&c| keeps(&cuts[c])));
+        // An operator cuts this axis if any of those strategies does.
+        if input.forced[v] {
+            if list[start[v]..].iter().any(|&c| cuts[c][axis] != 0) {
+                let mut kept = start[v];
+                for i in start[v]..list.len() {
+                    if cuts[list[i]][axis] != 0 {
+                        list[kept] = list[i];
+                        kept += 1;
+                    }
+                }
+                list.truncate(kept);
+            } else {
+                uncut.push((v, axis));
             }
         }
-        start.push(list.len());
-        let reachable = |v: usize| &list[start[v]..start[v + 1]];
-        // Each strategy's own cost, beside `list`.
-        let owns: Vec<f64> = (0..n)
-            .flat_map(|v| reachable(v).iter().map(move |&c| own(v, c)))
-            .collect();
-        let owned = |v: usize| &owns[start[v]..start[v + 1]];
-        let alone: Vec<f64> = (0..n).map(|w| least(owned(w).iter().copied())).collect();
-        for &v in order {
-            let candidates = reachable(v);
-            let cost = |c: usize| -> f64 {
-                let mut s = own(v, c);
-                for &(e, is_u) in &inc[v] {
-                    let w = other(p, e, is_u);
-                    s += if done[w] {
-                        seen(p, e, is_u).at(c, choice[w])
-                    } else {
-                        // A neighbour not placed yet: what the edge makes it pay at least,
-                        // its own cost included, over what it would pay alone.
-                        let table = seen(p, e, is_u);
-                        least(
-                            reachable(w)
-                                .iter()
-                                .zip(owned(w))
-                                .map(|(&x, &o)| table.at(c, x) + o),
-                        ) - alone[w]
-                    };
-                }
-                s
-            };
-            let mut best = choice[v];
-            let mut best_key = (f64::INFINITY, f64::INFINITY);
-            for &c in candidates {
-                let key = (cost(c), p.vars[v].memory[c]);
-                if key.0 < best_key.0 || (key.0 == best_key.0 && key.1 < best_key.1) {
-                    (best, best_key) = (c, key);
-                }
-            }
-            choice[v] = best;
-            done[v] = true;
+        // A variable limited to strategies that cut a later axis (its replicated one
+        // not allowed) keeps what it has.
+        if list.len() == start[v] {
+            list.push(choice[v]);
         }
     }
-    let mut locals = Locals::new(p, &choice);
-    let repaired = repair(p, shared, &mut choice, &mut locals)?;
-    let blocked = refine(p, shared, &mut choice, &mut locals);
-    let skipped = skipped(input, &choice);
-    Some(Outcome {
-        choice,
-        uncut,
-        skipped,
-        repaired,
-        bound: repaired > 0 || blocked,
-    })
+    start.push(list.len());
+    let reachable = |v: usize| &list[start[v]..start[v + 1]];
+    // Each strategy's own cost, beside `list`.
+    let owns: Vec<f64> = (0..n)
+        .flat_map(|v| reachable(v).iter().map(move |&c| own(v, c)))
+        .collect();
+    let owned = |v: usize| &owns[start[v]..start[v + 1]];
+    let alone: Vec<f64> = (0..n).map(|w| least(owned(w).iter().copied())).collect();
+    // Per candidate of the variable being placed, its cost: its own, then edge by edge
+    // (each edge's table and its other end read once for all candidates).
+    let mut sums: Vec<f64> = Vec::new();
+    for &v in order {
+        let candidates = reachable(v);
+        sums.clear();
+        sums.extend_from_slice(owned(v));
+        let k = shared.cuts.k(v);
+        for &(e, w, is_u) in &inc[v] {
+            let table = Table::new(&p.edges[e].cost, is_u, k, shared.cuts.k(w));
+            if done[w] {
+                let x = choice[w];
+                for (sum, &c) in sums.iter_mut().zip(candidates) {
+                    *sum += table.at(c, x);
+                }
+            } else {
+                // A neighbour not placed yet: what the edge makes it pay at least, its own
+                // cost included, over what it would pay alone.
+                let (there, paid) = (reachable(w), owned(w));
+                for (sum, &c) in sums.iter_mut().zip(candidates) {
+                    *sum +=
+                        least(there.iter().zip(paid).map(|(&x, &o)| table.at(c, x) + o)) - alone[w];
+                }
+            }
+        }
+        // The least cost, then the least memory (read only on a tie).
+        let memory = &p.vars[v].memory;
+        let mut best: Option<(usize, f64)> = None;
+        for (&c, &cost) in candidates.iter().zip(&sums) {
+            let take = match best {
+                None => true,
+                Some((b, least)) => cost < least || (cost == least && memory[c] < memory[b]),
+            };
+            if take {
+                best = Some((c, cost));
+            }
+        }
+        let best = best.map_or(choice[v], |(c, _)| c);
+        choice[v] = best;
+        done[v] = true;
+    }
 }
 
 /// The mesh axes of `input`'s levels that no operator of `choice` cuts.
-fn skipped(input: &Input, choice: &[usize]) -> Vec<usize> {
+fn skipped(input: &Input, shared: &Shared, choice: &[usize]) -> Vec<usize> {
     input
         .levels
         .iter()
         .copied()
         .filter(|&a| {
-            (0..choice.len()).all(|v| !input.forced[v] || input.cuts[v][choice[v]][a] == 0)
+            (0..choice.len()).all(|v| !input.forced[v] || shared.cuts[v][choice[v]][a] == 0)
         })
         .collect()
 }
@@ -545,7 +734,7 @@ fn skipped(input: &Input, choice: &[usize]) -> Vec<usize> {
 /// [`polish`] (with `balls` among its windows), then the axes the polished plan leaves uncut.
 fn polished(input: &Input, shared: &Shared, out: Outcome, balls: &[Vec<usize>]) -> Outcome {
     let mut out = polish(input.problem, shared, out, balls);
-    out.skipped = skipped(input, &out.choice);
+    out.skipped = skipped(input, shared, &out.choice);
     out
 }
 
@@ -571,11 +760,16 @@ impl Locals {
             cost.extend_from_slice(&var.cost);
         }
         start.push(cost.len());
-        for (i, e) in p.edges.iter().enumerate() {
+        for e in &p.edges {
             let (nu, nv) = (choice[e.u], choice[e.v]);
             // Each end's row gains the edge with the other end as it stands: the other end's
             // row of the table seen from it.
-            for (end, table, there) in [(e.u, seen(p, i, false), nv), (e.v, seen(p, i, true), nu)] {
+            let (ku, kv) = (start[e.u + 1] - start[e.u], start[e.v + 1] - start[e.v]);
+            let (from_v, from_u) = (
+                Table::new(&e.cost, false, kv, ku),
+                Table::new(&e.cost, true, ku, kv),
+            );
+            for (end, table, there) in [(e.u, from_v, nv), (e.v, from_u, nu)] {
                 for (slot, x) in cost[start[end]..start[end + 1]]
                     .iter_mut()
                     .zip(table.row(there))
@@ -593,11 +787,11 @@ impl Locals {
 
     /// Moves `v` from `from` to `to`: each neighbour's row sees its edge change.
     fn moved(&mut self, p: &Problem, shared: &Shared, v: usize, from: usize, to: usize) {
-        for &(e, is_u) in &shared.inc[v] {
-            let w = other(p, e, is_u);
-            let table = seen(p, e, is_u);
-            let (old, new) = (table.row(from), table.row(to));
+        let k = self.start[v + 1] - self.start[v];
+        for &(e, w, is_u) in &shared.inc[v] {
             let row = &mut self.cost[self.start[w]..self.start[w + 1]];
+            let table = Table::new(&p.edges[e].cost, is_u, k, row.len());
+            let (old, new) = (table.row(from), table.row(to));
             for ((slot, a), b) in row.iter_mut().zip(old).zip(new) {
                 *slot += b - a;
             }
@@ -616,7 +810,11 @@ impl Locals {
 /// lowered the objective.
 fn refine(p: &Problem, shared: &Shared, choice: &mut [usize], locals: &mut Locals) -> bool {
     let (inc, order) = (&shared.inc, &shared.order);
-    let mut memory = p.evaluate(choice).1;
+    // Memory is tracked only under a budget: without one every move fits, and reading each
+    // strategy's memory cost a sweep a cache miss per variable and per edge.
+    let budget = p.memory_budget.is_some();
+    let mut memory = if budget { p.evaluate(choice).1 } else { 0.0 };
+    let mem = |v: usize, c: usize| p.vars[v].memory[c];
     let mut blocked = false;
     let better = |cost: f64, than: f64| cost < than - 1e-15 * than.abs();
     // A clock ticking at every move; per variable, when its row or choice last changed; per
@@ -627,8 +825,8 @@ fn refine(p: &Problem, shared: &Shared, choice: &mut [usize], locals: &mut Local
     // A move of `v` changes its choice and its neighbours' rows.
     let touch = |changed: &mut [u64], v: usize, clock: u64| {
         changed[v] = clock;
-        for &(e, is_u) in &inc[v] {
-            changed[other(p, e, is_u)] = clock;
+        for &(_, w, _) in &inc[v] {
+            changed[w] = clock;
         }
     };
     for _ in 0..REFINE_SWEEPS {
@@ -636,11 +834,15 @@ fn refine(p: &Problem, shared: &Shared, choice: &mut [usize], locals: &mut Local
         for &v in order {
             let now = choice[v];
             let row = locals.row(v);
+            // Most variables have no better strategy: the row's least tells, without the
+            // scan's dependent comparisons.
+            if !better(least4(row.iter().copied()), row[now]) {
+                continue;
+            }
             let mut best = now;
             for (c, &cost) in row.iter().enumerate() {
-                let m = memory - p.vars[v].memory[now] + p.vars[v].memory[c];
                 if better(cost, row[best]) {
-                    if p.fits(m) {
+                    if !budget || p.fits(memory - mem(v, now) + mem(v, c)) {
                         best = c;
                     } else {
                         blocked = true;
@@ -648,7 +850,9 @@ fn refine(p: &Problem, shared: &Shared, choice: &mut [usize], locals: &mut Local
                 }
             }
             if best != now {
-                memory += p.vars[v].memory[best] - p.vars[v].memory[now];
+                if budget {
+                    memory += mem(v, best) - mem(v, now);
+                }
                 choice[v] = best;
                 locals.moved(p, shared, v, now, best);
                 clock += 1;
@@ -664,10 +868,11 @@ fn refine(p: &Problem, shared: &Shared, choice: &mut [usize], locals: &mut Local
             if settled[i] > 0 && changed[u] <= settled[i] && changed[v] <= settled[i] {
                 continue;
             }
-            let kv = p.k(v);
             let (nu, nv) = (choice[u], choice[v]);
             let (lu, lv) = (locals.row(u), locals.row(v));
-            let base = memory - p.vars[u].memory[nu] - p.vars[v].memory[nv];
+            let kv = lv.len();
+            // What the plan holds besides the two ends (read only under a budget).
+            let base = || memory - mem(u, nu) - mem(v, nv);
             let now = lu[nu] + lv[nv] - e.cost[nu * kv + nv];
             let mut best = (nu, nv, now);
             let mut held = false;
@@ -677,24 +882,29 @@ fn refine(p: &Problem, shared: &Shared, choice: &mut [usize], locals: &mut Local
             let (floor, ceil) = shared.range[i];
             // The edge per strategy of `u` with `v` as it stands, and per strategy of `v`
             // with `u` as it stands.
-            let (column, rows) = (seen(p, i, false).row(nv), e.cost.chunks_exact(kv));
+            let column = Table::new(&e.cost, false, kv, lu.len()).row(nv);
+            let rows = e.cost.chunks_exact(kv);
             let row_nu = &e.cost[nu * kv..(nu + 1) * kv];
-            let (mut rest_v, mut top_v) = (f64::INFINITY, 0.0f64);
-            for (&b, &x) in lv.iter().zip(row_nu) {
-                let rest = b - x;
-                rest_v = if rest < rest_v { rest } else { rest_v };
-                top_v = if b.abs() > top_v { b.abs() } else { top_v };
-            }
+            // The least of `v`'s row less the edge, and the largest magnitude in `v`'s row
+            // (both exact in any order: four lanes, for the comparisons' latency).
+            let rest_v = least4(lv.iter().zip(row_nu).map(|(&b, &x)| b - x));
+            let top_v = -least4(lv.iter().map(|b| -b.abs()));
             for (cu, ((&a, x), pairs)) in lu.iter().zip(column).zip(rows).enumerate() {
                 let margin = 1e-9 * (a.abs() + top_v + ceil.abs());
                 let a = a - x;
                 if a + rest_v + floor - margin >= best.2 {
                     continue;
                 }
-                for (cv, ((&b, &y), &z)) in lv.iter().zip(row_nu).zip(pairs).enumerate() {
-                    let cost = a + b - y + z;
+                // The row's least first (the same sums as the scan's, so the same verdict):
+                // most rows the bound lets through hold no better pair.
+                let pair = |((&b, &y), &z): ((&f64, &f64), &f64)| a + b - y + z;
+                if !better(least4(lv.iter().zip(row_nu).zip(pairs).map(pair)), best.2) {
+                    continue;
+                }
+                for (cv, entry) in lv.iter().zip(row_nu).zip(pairs).enumerate() {
+                    let cost = pair(entry);
                     if better(cost, best.2) {
-                        if p.fits(base + p.vars[u].memory[cu] + p.vars[v].memory[cv]) {
+                        if !budget || p.fits(base() + mem(u, cu) + mem(v, cv)) {
                             best = (cu, cv, cost);
                         } else {
                             held = true;
@@ -704,7 +914,9 @@ fn refine(p: &Problem, shared: &Shared, choice: &mut [usize], locals: &mut Local
             }
             blocked |= held;
             if (best.0, best.1) != (nu, nv) {
-                memory = base + p.vars[u].memory[best.0] + p.vars[v].memory[best.1];
+                if budget {
+                    memory = base() + mem(u, best.0) + mem(v, best.1);
+                }
                 choice[u] = best.0;
                 locals.moved(p, shared, u, nu, best.0);
                 choice[v] = best.1;
@@ -771,8 +983,8 @@ fn polish(p: &Problem, shared: &Shared, mut out: Outcome, balls: &[Vec<usize>]) 
             for (&v, &was) in members.iter().zip(before) {
                 if choice[v] != was {
                     changed[v] = clock;
-                    for &(e, is_u) in &shared.inc[v] {
-                        changed[other(p, e, is_u)] = clock;
+                    for &(_, w, _) in &shared.inc[v] {
+                        changed[w] = clock;
                     }
                 }
             }
@@ -862,8 +1074,7 @@ fn forests(p: &Problem, shared: &Shared) -> Vec<Vec<usize>> {
         loop {
             let mut trees: Vec<usize> = Vec::new();
             let mut cycle = false;
-            for &(e, is_u) in &shared.inc[v] {
-                let w = other(p, e, is_u);
+            for &(_, w, _) in &shared.inc[v] {
                 if forest[w] == f {
                     let r = root(&mut parent, w);
                     if trees.contains(&r) {
@@ -904,8 +1115,7 @@ fn neighbourhoods(p: &Problem, shared: &Shared) -> Vec<Vec<usize>> {
         mark[v] = i;
         let mut at = 0;
         while at < ball.len() && ball.len() < BALL {
-            for &(e, is_u) in &shared.inc[ball[at]] {
-                let w = other(p, e, is_u);
+            for &(_, w, _) in &shared.inc[ball[at]] {
                 if mark[w] != i && ball.len() < BALL {
                     mark[w] = i;
                     ball.push(w);
@@ -934,8 +1144,7 @@ fn row_outside(
     inside: impl Fn(usize) -> bool,
 ) -> Vec<f64> {
     let mut row = locals.row(v).to_vec();
-    for &(e, is_u) in &shared.inc[v] {
-        let w = other(p, e, is_u);
+    for &(e, w, is_u) in &shared.inc[v] {
         if inside(w) {
             let table = seen(p, e, is_u);
             for (c, slot) in row.iter_mut().enumerate() {
@@ -986,8 +1195,7 @@ fn forest_pass(
         while i < bfs.len() {
             let v = bfs[i];
             i += 1;
-            for &(e, is_u) in &shared.inc[v] {
-                let w = other(p, e, is_u);
+            for &(e, w, is_u) in &shared.inc[v] {
                 if in_forest[w] && !visited[w] {
                     visited[w] = true;
                     // Seen from `w`, the edge's other end is `v`.
@@ -1099,8 +1307,7 @@ fn window_pass(
         });
     }
     for &v in members {
-        for &(e, is_u) in &shared.inc[v] {
-            let w = other(p, e, is_u);
+        for &(e, w, is_u) in &shared.inc[v] {
             if is_u && index[w] != usize::MAX {
                 let edge = &p.edges[e];
                 current += edge.cost[choice[edge.u] * p.k(edge.v) + choice[edge.v]];
@@ -1360,6 +1567,56 @@ mod tests {
         p.memory_budget = Some(4.0);
         let polished = polish(&p, &Shared::new(&p, false), out, &[]);
         assert_eq!(polished.choice, vec![0; 3]);
+    }
+
+    #[test]
+    fn above_the_polish_size_the_best_greedy_plans_are_refined() {
+        // A chain of more variables than the polish takes, on two levels; a budget halfway.
+        let n = POLISH_VARIABLES + 200;
+        let cuts: Vec<Vec<[Cut; 2]>> = (0..n)
+            .map(|_| vec![[0, 0], [1, 0], [0, 1], [1, 1], [2, 0]])
+            .collect();
+        let forced: Vec<bool> = (0..n).map(|v| v % 3 != 0).collect();
+        // A chain, and an edge from each variable to one far away.
+        let pairs: Vec<(usize, usize)> = (1..n)
+            .flat_map(|v| [(v - 1, v), (v, (v * 7919 + 13) % n)])
+            .collect();
+        for (budget, seed) in [(1.5, 7), (1.5, 11), (0.5, 7)] {
+            let p = random(&vec![5; n], pairs.clone(), budget, seed);
+            let input = Input {
+                problem: &p,
+                cuts: &cuts,
+                forced: &forced,
+                levels: &[0, 1],
+                neighbourhoods: false,
+            };
+            let out = solve(&input).expect("the leanest plan fits");
+            let (cost, memory) = p.evaluate(&out.choice);
+            assert!(p.fits(memory));
+            // The best repaired greedy plan of the level orders, refined: D-Rec's plan is
+            // the best of the refined ones, so never worse than this one.
+            let (mut shared, strategies) = (Shared::new(&p, false), Strategies::new(&cuts));
+            shared.cuts = strategies;
+            let runs = greedy_runs(&input, &shared, 0.0);
+            assert_eq!(runs.len(), 5);
+            let (mut best, locals) = runs
+                .into_iter()
+                .map(|(_, _, plan)| repaired(&input, &shared, plan).expect("repaired"))
+                .min_by(|a, b| {
+                    p.evaluate(&a.0.choice)
+                        .0
+                        .total_cmp(&p.evaluate(&b.0.choice).0)
+                })
+                .expect("five runs");
+            let mut locals = locals.unwrap_or_else(|| Locals::new(&p, &best.choice));
+            refine(&p, &shared, &mut best.choice, &mut locals);
+            let refined = p.evaluate(&best.choice).0;
+            assert!(
+                cost <= refined,
+                "budget {budget}, seed {seed}: {cost} above the best greedy plan refined, \
+                 {refined}"
+            );
+        }
     }
 
     #[test]

@@ -136,7 +136,7 @@ pub(super) fn table(graph: &Graph, b: &Bounded) -> Result<LayerTable, ChainError
         let outcome = drec::solve(&drec::Input {
             problem: &restricted,
             cuts: &within,
-            forced: &forced,
+            forced,
             levels: &levels,
             neighbourhoods: false,
         })?;

@@ -29,6 +29,7 @@ pub use megatron::{MegatronSharding, PinError};
 
 mod drec;
 
+use super::drec::Cut;
 use super::einsum::{DimKind, Einsum, einsum};
 use super::problem::{Assignment, Edge, Problem, Var};
 use super::{exact, ilp};
@@ -542,6 +543,11 @@ pub struct StageModel<'g> {
     uses: Vec<WeightUse>,
     syncs: Vec<GradSync>,
     var_sizes: Vec<usize>,
+    /// D-Rec's view of each variable ([`StageModel::drec_cuts`]): per strategy, what it cuts
+    /// on each mesh axis, recorded as the strategies are made.
+    cuts: Vec<Vec<[Cut; 2]>>,
+    /// Per variable, whether it is an operator's (D-Rec cuts those on every level it can).
+    forced: Vec<bool>,
     /// Where each tensor made inside the range comes from: (node, output index).
     produced: HashMap<TensorId, (usize, usize)>,
     /// Activations and gradients whose partial sums are reduced on the way into their
@@ -643,6 +649,8 @@ impl<'g> StageModel<'g> {
             uses: Vec::new(),
             syncs: Vec::new(),
             var_sizes: Vec::new(),
+            cuts: Vec::new(),
+            forced: Vec::new(),
             produced: HashMap::new(),
             deferred: deferred_reductions(graph, &ops),
             problem: Problem {
@@ -722,6 +730,8 @@ impl<'g> StageModel<'g> {
                         .collect();
                     let var = model.var_sizes.len();
                     model.var_sizes.push(realized.len());
+                    model.cuts.push(drec::op_cuts(&realized));
+                    model.forced.push(true);
                     (var, None, realized)
                 }
             };
@@ -744,6 +754,8 @@ impl<'g> StageModel<'g> {
                         let var = model.var_sizes.len();
                         let choices = param_choices(&tensor.shape, &mesh);
                         model.var_sizes.push(choices.len());
+                        model.cuts.push(drec::param_cuts(&choices));
+                        model.forced.push(false);
                         model.params.push(ParamNode {
                             tensor: t,
                             var,
@@ -765,6 +777,8 @@ impl<'g> StageModel<'g> {
                                 let var = model.var_sizes.len();
                                 let specs = valid_specs(&tensor.shape, &mesh);
                                 model.var_sizes.push(specs.len());
+                                model.cuts.push(drec::source_cuts(&specs));
+                                model.forced.push(false);
                                 model.sources.push(SourceNode {
                                     tensor: t,
                                     var,
