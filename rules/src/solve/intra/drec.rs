@@ -163,6 +163,11 @@ impl Strategies {
     fn k(&self, v: usize) -> usize {
         self.start[v + 1] - self.start[v]
     }
+
+    /// Variables (none before any cuts are read).
+    fn len(&self) -> usize {
+        self.start.len().saturating_sub(1)
+    }
 }
 
 impl std::ops::Index<usize> for Strategies {
@@ -589,7 +594,7 @@ fn repaired(
 /// Every variable's replicated strategy (uncut on every axis; its first strategy when it
 /// has none), where the greedy pass starts.
 fn replicated(shared: &Shared) -> Vec<usize> {
-    (0..shared.cuts.start.len() - 1)
+    (0..shared.cuts.len())
         .map(|v| {
             shared.cuts[v]
                 .iter()
