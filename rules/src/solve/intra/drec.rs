@@ -198,11 +198,12 @@ struct Shared {
 
 impl Shared {
     fn new(p: &Problem, neighbours: bool) -> Shared {
-        let inc = Incidence::new(p);
-        // The order is sequential; the tables' ranges are read meanwhile, once per table
-        // that edges share.
+        // The edge lists and the variables by weight are independent; the order follows from
+        // both, sequentially, and the tables' ranges are read meanwhile, once per table that
+        // edges share.
+        let (inc, heaviest) = rayon::join(|| Incidence::new(p), || heaviest(p));
         let (order, range) = rayon::join(
-            || order(p, &inc),
+            || order(&inc, &heaviest),
             || {
                 let mut known: HashMap<*const f64, (f64, f64)> = HashMap::new();
                 p.edges
@@ -304,29 +305,38 @@ fn least(xs: impl Iterator<Item = f64>) -> f64 {
 /// [`least`] with four independent running minima: each comparison waits on the one four
 /// elements back rather than the one before, which the refinement's rows are long enough to
 /// gain from.
-fn least4(xs: impl Iterator<Item = f64>) -> f64 {
+fn least4(mut xs: impl Iterator<Item = f64>) -> f64 {
     let mut lanes = [f64::INFINITY; 4];
-    for (i, x) in xs.enumerate() {
-        let slot = &mut lanes[i % 4];
-        *slot = if x < *slot { x } else { *slot };
+    'all: loop {
+        for slot in &mut lanes {
+            let Some(x) = xs.next() else {
+                break 'all;
+            };
+            *slot = if x < *slot { x } else { *slot };
+        }
     }
     least(lanes.into_iter())
 }
 
-/// The operator order: heaviest first, then by neighbourhood.
-fn order(p: &Problem, inc: &Incidence) -> Vec<usize> {
-    let n = p.vars.len();
+/// Every variable by weight (its costliest strategy), the heaviest first and the lowest
+/// index on a tie (keys are distinct, so an unstable sort gives the same).
+fn heaviest(p: &Problem) -> Vec<usize> {
     // Costs hold no NaN: plain comparisons.
     let weight: Vec<f64> = p
         .vars
         .iter()
         .map(|v| v.cost.iter().fold(0.0, |m, &x| if x > m { x } else { m }))
         .collect();
-    // Every variable by weight, the heaviest first and the lowest index on a tie (keys are
-    // distinct, so an unstable sort gives the same); a variable's rank in it is its key
-    // in the heap, which holds the unplaced neighbours of placed variables, each once.
-    let mut heaviest: Vec<usize> = (0..n).collect();
+    let mut heaviest: Vec<usize> = (0..p.vars.len()).collect();
     heaviest.sort_unstable_by(|&a, &b| weight[b].total_cmp(&weight[a]).then(a.cmp(&b)));
+    heaviest
+}
+
+/// The operator order: heaviest first ([`heaviest`]), then by neighbourhood.
+fn order(inc: &Incidence, heaviest: &[usize]) -> Vec<usize> {
+    let n = heaviest.len();
+    // A variable's rank by weight is its key in the heap, which holds the unplaced
+    // neighbours of placed variables, each once.
     let mut rank = vec![0usize; n];
     for (r, &v) in heaviest.iter().enumerate() {
         rank[v] = r;
