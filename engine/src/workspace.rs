@@ -10,8 +10,9 @@ use autopar_rules::cost::memory::Precision;
 use autopar_rules::cost::profile::{Profile, parse_profile};
 use autopar_rules::limits;
 use autopar_rules::model::frontend::{
-    Attention, Bias, GRAPH_FORMAT, Milli, Mlp, ModelDef, MoeConfig, MoeRouting, Norm, Position,
-    TransformerConfig, canonical_field_name, parse_graph_file, parse_hf_config,
+    Attention, Bias, GRAPH_FORMAT, GraphSpec, Milli, Mlp, ModelDef, MoeConfig, MoeRouting, Norm,
+    Position, TransformerConfig, UnknownKind, canonical_field_name, parse_graph_file,
+    parse_hf_config,
 };
 use autopar_rules::plan::ilp::{IlpSearch, Space};
 use autopar_rules::plan::layout::{Recompute, TrainingOptions};
@@ -1200,11 +1201,38 @@ pub fn parse_model_text(
             .unwrap_or(false)
     });
     let result = if is_graph {
-        parse_graph_file(text).map(ModelDef::Graph)
+        parse_graph_file(text).map(|spec| {
+            warn_unknown_kinds(path, text, &spec);
+            ModelDef::Graph(spec)
+        })
     } else {
         parse_hf_config(text).map(ModelDef::Transformer)
     };
     result.map_err(|e| EngineError::config(Diagnostic::from_field(path, text, e, "")))
+}
+
+/// Warns once per op kind of a graph file that autopar does not know, at its first op, with
+/// how many ops have it.
+fn warn_unknown_kinds(path: &Path, text: &str, spec: &GraphSpec) {
+    let mut first: Vec<(&UnknownKind, usize)> = Vec::new();
+    for u in spec.unknown_kinds() {
+        match first.iter_mut().find(|(f, _)| f.kind == u.kind) {
+            Some((_, n)) => *n += 1,
+            None => first.push((u, 1)),
+        }
+    }
+    for (u, n) in first {
+        let at = Diagnostic::at(path, text, u.offset, &u.field, "", "");
+        let place = match (at.line, at.column) {
+            (Some(l), Some(c)) => format!("{}:{l}:{c}", path.display()),
+            _ => path.display().to_string(),
+        };
+        let others = match n {
+            1 => String::new(),
+            n => format!(" ({} more ops of this kind)", n - 1),
+        };
+        tracing::warn!("{place}: field `{}`{others}: {}", u.field, u.describe());
+    }
 }
 
 /// Whether `rel`, a path from the workspace file, names a place inside the workspace directory

@@ -64,6 +64,34 @@ pub fn lower_with(
         .unwrap_or_else(|e| panic!("{file}: {e}"))
 }
 
+/// `models/tiny-mlp.graph.json` with two ops of kinds autopar does not know (opaque ops):
+/// the first block's activation (`fused_act`, on model-split tensors) and the final norm
+/// (`my_norm`, with a weight, on the residual stream).
+pub fn opaque_mlp() -> String {
+    let path = repo_root().join("models").join("tiny-mlp.graph.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let replaced = text
+        .replace(
+            r#""name": "mlp0.act", "kind": "gelu""#,
+            r#""name": "mlp0.act", "kind": "fused_act""#,
+        )
+        .replace(
+            r#""name": "final_norm", "kind": "rmsnorm""#,
+            r#""name": "final_norm", "kind": "my_norm""#,
+        );
+    assert_eq!(replaced.matches("fused_act").count(), 1, "tiny-mlp changed");
+    assert_eq!(replaced.matches("my_norm").count(), 1, "tiny-mlp changed");
+    replaced
+}
+
+/// A graph file's `text` lowered with `micro_batch` sequences of `seq` tokens, bf16.
+pub fn lower_text(text: &str, micro_batch: u64, seq: u64) -> Graph {
+    parse_graph_file(text)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .lower(micro_batch, seq, DType::Bf16)
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// An H100 cluster big enough for mesh `a x b`.
 pub fn cluster_for(a: u64, b: u64) -> Cluster {
     Cluster::from_preset("h100", "h100-sxm", a.max(a * b / 8), Some(8))

@@ -15,7 +15,7 @@ use autopar_rules::solve::intra::stage::{
 };
 use autopar_tests::TempWorkspace;
 use autopar_tests::graphs::{Family, graph_file};
-use autopar_tests::sharding::{assert_decoded_as_priced, lower, mesh};
+use autopar_tests::sharding::{assert_decoded_as_priced, lower, lower_text, mesh, opaque_mlp};
 use std::ops::Range;
 
 /// How far above the optimum D-Rec may land on these cases (README, "Intra-operator
@@ -259,6 +259,68 @@ fn ops_nothing_can_cut_stay_replicated_with_a_warning() {
             let spec = spec.as_str().unwrap_or_default();
             assert!(!spec.contains('S'), "{op}: split on a mesh nothing divides");
         }
+    }
+}
+
+/// The per-axis splits of a spec as plans print it (`RS0S1` is `R`, `S0`, `S1`).
+fn axes(spec: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = spec;
+    while !rest.is_empty() {
+        let len = 1 + rest[1..].chars().take_while(char::is_ascii_digit).count();
+        out.push(&rest[..len]);
+        rest = &rest[len..];
+    }
+    out
+}
+
+/// Ops of kinds autopar does not know: every solver keeps them whole but for the batch (axis
+/// 0 of their activations; their weight stays whole), D-Rec within its bound of the optimum,
+/// alone and chained.
+#[test]
+fn opaque_ops_are_split_only_along_the_batch() {
+    let g = lower_text(&opaque_mlp(), 2, 128);
+    // The whole range is too wide for the exact solver on 2x2: one layer at a time there.
+    let cases = [
+        ((1, 2), 0..4),
+        ((1, 4), 0..4),
+        ((2, 2), 1..2),
+        ((2, 2), 3..4),
+    ];
+    for (m, layers) in cases {
+        let at = format!("opaque tiny-mlp {layers:?} on {}x{}", m.0, m.1);
+        check(&g, layers.clone(), m, &at);
+        let (mesh, _) = mesh(m.0, m.1);
+        for solver in [SolverChoice::Exact, SolverChoice::Drec] {
+            let plan = model(&g, layers.clone(), mesh, with(solver, None))
+                .solve()
+                .unwrap_or_else(|e| panic!("{at}: {e}"));
+            let opaque: Vec<_> = plan.ops.iter().filter(|o| o.kind == "opaque").collect();
+            // fused_act or my_norm or both, each with its backward.
+            assert_eq!(
+                opaque.len(),
+                2 * (layers.contains(&1) as usize + layers.contains(&3) as usize),
+                "{at}"
+            );
+            for op in opaque {
+                for spec in op.inputs.iter().chain(&op.outputs) {
+                    let a = axes(spec);
+                    assert!(
+                        a[1..].iter().all(|&s| s == "R") && (a.len() > 1 || a[0] == "R"),
+                        "{at} {solver:?}: {} reads or writes {spec}",
+                        op.name
+                    );
+                }
+            }
+        }
+    }
+    for m in [(1, 2), (2, 2)] {
+        drec_chain(
+            &g,
+            0..4,
+            m,
+            &format!("opaque tiny-mlp chained on {}x{}", m.0, m.1),
+        );
     }
 }
 

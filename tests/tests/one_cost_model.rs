@@ -12,7 +12,18 @@ use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::cost::tensor_parallel::TpConfig;
 use autopar_rules::model::graph::Graph;
 use autopar_rules::solve::intra::stage::{MegatronSharding, StageModel, StageOptions, StagePlan};
-use autopar_tests::sharding::{lower, lower_with, mesh};
+use autopar_tests::sharding::{lower, lower_text, lower_with, mesh, opaque_mlp};
+
+/// tiny-mlp with two ops of kinds autopar does not know ([`opaque_mlp`]).
+const OPAQUE: &str = "tiny-mlp with opaque ops";
+
+/// `file` (or [`OPAQUE`]) lowered as [`lower_with`] does, 2048 tokens per sequence.
+fn graph(file: &str, micro_batch: u64, tp: u64, eager: bool) -> Graph {
+    match file {
+        OPAQUE => lower_text(&opaque_mlp(), micro_batch, 2048),
+        _ => lower_with(file, micro_batch, Some(2048), tp, eager),
+    }
+}
 
 /// Worst relative difference allowed.
 const TOLERANCE: f64 = 0.01;
@@ -30,10 +41,13 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
         grad_accumulation_fusion: base.grad_accumulation_fusion,
     };
     // (model, tensor-parallel degrees its heads divide, RMSNorm, RoPE and SwiGLU run eagerly
-    // as torchtitan runs them).
+    // as torchtitan runs them; a graph with opaque ops, which run whole on gathered
+    // operands).
     let models = [
         ("llama2-7b.json", vec![1u64, 2, 4, 8], false),
         ("gpt2-small.json", vec![1, 2, 4], false),
+        (OPAQUE, vec![1, 2, 4], false),
+        ("tiny-mlp.graph.json", vec![1, 2, 4], false),
         ("llama2-7b.json", vec![1, 8], true),
     ];
     let mut worst = (0.0f64, String::new());
@@ -46,8 +60,8 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
                 }
                 // Megatron-LM's micro-batch is per data-parallel rank; the mesh's is the
                 // micro-batch of the whole data-parallel group.
-                let per_rank = lower_with(file, 1, Some(2048), tp, eager);
-                let group = lower_with(file, dp, Some(2048), tp, eager);
+                let per_rank = graph(file, 1, tp, eager);
+                let group = graph(file, dp, tp, eager);
                 let (m, c) = mesh(dp, tp);
                 let last = per_rank.layers.len() - 1;
                 for sp in [false, true] {

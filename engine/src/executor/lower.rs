@@ -628,11 +628,15 @@ fn err(message: impl Into<String>) -> ExecError {
     ExecError::Lower(message.into())
 }
 
-/// Why an op of multi-head latent attention cannot run here.
+/// Why `op` (multi-head latent attention's join, or an op of a kind autopar does not know)
+/// cannot run here.
 fn unsupported(op: &autopar_rules::model::graph::Op) -> ExecError {
+    let what = match op.kind {
+        OpKind::Opaque { .. } => "ops of kinds autopar does not know (no kernel to run them)",
+        _ => "multi-head latent attention yet",
+    };
     err(format!(
-        "`{}` ({}): the CPU executor does not run multi-head latent attention yet; plan and \
-         estimate such models",
+        "`{}` ({}): the CPU executor does not run {what}; plan and estimate such models",
         op.name,
         op.kind.name()
     ))
@@ -641,7 +645,11 @@ fn unsupported(op: &autopar_rules::model::graph::Op) -> ExecError {
 /// Lowers `graph` for `layout`.
 pub fn lower(graph: &Graph, layout: &ExecLayout) -> Result<Program, ExecError> {
     check_layout(graph, layout)?;
-    if let Some(op) = graph.ops.iter().find(|o| matches!(o.kind, OpKind::Concat)) {
+    if let Some(op) = graph
+        .ops
+        .iter()
+        .find(|o| matches!(o.kind, OpKind::Concat | OpKind::Opaque { .. }))
+    {
         return Err(unsupported(op));
     }
     let axes = layout.mesh(0).len();
@@ -2056,7 +2064,7 @@ fn axis_rules(
                 grad_states: vec![rep.clone(); ins.len()],
             });
         }
-        OpKind::Concat => {
+        OpKind::Concat | OpKind::Opaque { .. } => {
             return Err(unsupported(op));
         }
     }

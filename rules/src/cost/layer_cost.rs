@@ -11,7 +11,7 @@ use crate::cost::context_parallel::{self, AttentionBytes, CpConfig, CpGroups};
 use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, ProfileRead, kernel_name};
 use crate::cost::tensor_parallel::{
     Group, Phase, TpConfig, collectives, device_shape_in_op, divided_axis_in_op, gemm_shape,
-    op_device_flops, stored_bytes, stored_elements, tensor_bytes_in_op,
+    op_device_flops, saved_bytes, stored_bytes, stored_elements, tensor_bytes_in_op,
 };
 use crate::model::graph::{
     DType, Graph, LayerKind, Op, OpId, OpKind, Pass, Split, TensorId, TensorKind,
@@ -597,8 +597,8 @@ impl<'g> LayerCostContext<'g> {
                 }
             }
         }
-        for t in g.saved_activations(li) {
-            let b = stored_bytes(g, t, tp);
+        for (saver, t) in g.saved_activations_with_savers(li) {
+            let b = saved_bytes(g, g.op(saver), t, tp);
             c.saved += b;
             if !self.recomputable(t) {
                 c.saved_selective += b;

@@ -11,6 +11,7 @@
 //! | row-parallel matmul        | all-reduce Y (SP: reduce-scatter Y) | SP: all-gather dY      |
 //! | vocab-parallel embedding   | all-reduce Y (SP: reduce-scatter Y) | SP: all-gather dY      |
 //! | vocab-parallel cross-entropy | all-reduce of max, sum and target logit per token | —     |
+//! | opaque op (a kind autopar does not know) | all-gather each divided operand; runs whole | all-gather each divided operand and result gradient |
 //!
 //! Everything else is local: ops on model-split tensors work on their shard, ops on the residual
 //! stream are replicated (or work on a sequence shard under SP).
@@ -175,6 +176,11 @@ pub fn op_is_model_parallel(g: &Graph, op: &Op) -> bool {
 /// except in an op that also touches model-split tensors: there it is consumed after an
 /// all-gather or produced before a reduce-scatter, i.e. whole.
 pub fn divided_axis_in_op(g: &Graph, op: &Op, t: TensorId, cfg: TpConfig) -> Option<usize> {
+    if matches!(op.kind, OpKind::Opaque { .. }) {
+        // Never split: it reads its operands gathered and writes whole results, which each
+        // rank slices to what it stores.
+        return None;
+    }
     match g.tensor(t).split {
         Split::Model(axis) => Some(axis as usize),
         Split::Sequence(axis) if cfg.sp && !op_is_model_parallel(g, op) => Some(axis as usize),
@@ -251,6 +257,16 @@ pub fn stored_bytes(g: &Graph, t: TensorId, cfg: TpConfig) -> f64 {
     }
 }
 
+/// Per-device bytes of an activation `saver`, the first op that saves it, keeps for the
+/// backward pass: as stored ([`stored_bytes`]), or whole when an opaque op keeps it as it
+/// read it.
+pub fn saved_bytes(g: &Graph, saver: &Op, t: TensorId, cfg: TpConfig) -> f64 {
+    match saver.kind {
+        OpKind::Opaque { .. } => g.tensor(t).bytes() as f64,
+        _ => stored_bytes(g, t, cfg),
+    }
+}
+
 /// Per-device stored elements of a tensor (for parameter counts).
 pub fn stored_elements(g: &Graph, t: TensorId, cfg: TpConfig) -> f64 {
     stored_bytes(g, t, cfg) / g.tensor(t).dtype.bytes() as f64
@@ -260,13 +276,14 @@ pub fn stored_elements(g: &Graph, t: TensorId, cfg: TpConfig) -> f64 {
 pub fn op_device_flops(g: &Graph, op: &Op, cfg: TpConfig) -> f64 {
     // An expert op's work is spread over every rank of the stage's expert layout: `1/t` of the
     // graph's (which holds one tensor-parallel group's tokens).
-    let sharded = op_is_model_parallel(g, op)
+    let opaque = matches!(op.kind, OpKind::Opaque { .. });
+    let sharded = !opaque && op_is_model_parallel(g, op)
         || op
             .inputs
             .iter()
             .chain(&op.outputs)
             .any(|&t| g.tensor(t).split.is_expert())
-        || (cfg.sp && op.inputs.iter().chain(&op.outputs).any(|&t| is_seq(g, t)));
+        || (!opaque && cfg.sp && op.inputs.iter().chain(&op.outputs).any(|&t| is_seq(g, t)));
     if sharded {
         op.flops / cfg.t as f64
     } else {
@@ -340,6 +357,26 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
                 let per_token = 4.0 * g.tensor(labels).elements() as f64;
                 for _ in 0..3 {
                     push(Collective::AllReduce, per_token, Phase::Forward);
+                }
+            }
+        }
+        OpKind::Opaque { .. } => {
+            // Every rank runs it whole: it gathers the operands stored divided, and its
+            // backward gathers them again with the divided results' gradients. It keeps what
+            // it saves as it read it ([`saved_bytes`]), as the intra-op model counts every op.
+            // Results and input gradients, whole on every rank, are sliced to what each
+            // stores, for free.
+            let divided = |t: TensorId| is_model(g, t) || (cfg.sp && is_seq(g, t));
+            let backward = op.inputs.iter().any(|&t| g.tensor(t).requires_grad);
+            for &x in op.inputs.iter().filter(|&&x| divided(x)) {
+                push(Collective::AllGather, bytes(x), Phase::Forward);
+                if backward {
+                    push(Collective::AllGather, bytes(x), Phase::Backward);
+                }
+            }
+            if backward {
+                for &y in op.outputs.iter().filter(|&&y| divided(y)) {
+                    push(Collective::AllGather, bytes(y), Phase::Backward);
                 }
             }
         }
@@ -483,6 +520,93 @@ mod tests {
     /// tokens; each rank routes its 4 (256 bytes). Expert parallelism over both ranks
     /// exchanges them all-to-all (the group's 512 bytes) each way; expert tensor parallelism
     /// gathers both ranks' copies (512 bytes) and scatters the partial outputs back.
+    /// An opaque op on the residual stream (sequence-split) with a weight, and one between
+    /// the column- and row-parallel products (model-split), in one block.
+    fn opaque_block() -> Graph {
+        let text = r#"{
+  "format": "autopar-graph/1",
+  "tensors": [
+    {"name": "tokens", "shape": ["b", "s"], "kind": "input", "dtype": "i32"},
+    {"name": "labels", "shape": ["b", "s"], "kind": "input", "dtype": "i32"},
+    {"name": "emb", "shape": [64, 16], "kind": "parameter", "split": "model:0"},
+    {"name": "x", "shape": ["b", "s", 16]},
+    {"name": "g", "shape": [16], "kind": "parameter"},
+    {"name": "y", "shape": ["b", "s", 16]},
+    {"name": "w1", "shape": [16, 32], "kind": "parameter", "split": "model:1"},
+    {"name": "h", "shape": ["b", "s", 32], "split": "model:2"},
+    {"name": "a", "shape": ["b", "s", 32], "split": "model:2"},
+    {"name": "w2", "shape": [32, 64], "kind": "parameter"},
+    {"name": "logits", "shape": ["b", "s", 64]},
+    {"name": "loss", "shape": [1], "dtype": "f32"}
+  ],
+  "layers": [{"name": "all", "ops": [
+    {"name": "lookup", "kind": "embedding", "inputs": ["tokens", "emb"], "outputs": ["x"]},
+    {"name": "scan", "kind": "selective_scan", "inputs": ["x", "g"], "outputs": ["y"]},
+    {"name": "up", "kind": "matmul", "inputs": ["y", "w1"], "outputs": ["h"]},
+    {"name": "act", "kind": "opaque", "inputs": ["h"], "outputs": ["a"]},
+    {"name": "down", "kind": "matmul", "inputs": ["a", "w2"], "outputs": ["logits"]},
+    {"name": "ce", "kind": "cross_entropy", "inputs": ["logits", "labels"], "outputs": ["loss"]}
+  ]}]
+}"#;
+        crate::model::frontend::parse_graph_file(text)
+            .expect("valid graph")
+            .lower(2, 8, DType::Bf16)
+            .expect("lowers")
+    }
+
+    #[test]
+    fn an_opaque_op_runs_whole_on_gathered_operands() {
+        let g = opaque_block();
+        let gathers = |name: &str, cfg: TpConfig| -> Vec<(Phase, f64)> {
+            collectives(&g, op(&g, name), cfg)
+                .iter()
+                .map(|c| {
+                    assert_eq!(c.kind, Collective::AllGather, "{name}");
+                    (c.phase, c.bytes)
+                })
+                .collect()
+        };
+        let stream = (2 * 8 * 16 * 2) as f64;
+        let hidden = (2 * 8 * 32 * 2) as f64;
+        let sp = TpConfig::dense(4, true);
+        // Under SP the stream is stored in sequence shards: gathered into the op, and again
+        // into its backward; its result is whole on every rank, not in shards.
+        let y = tensor(&g, "y");
+        assert_eq!(g.tensor(y).split, Split::None);
+        let x = tensor(&g, "x");
+        assert_eq!(
+            saved_bytes(&g, op(&g, "scan"), x, sp),
+            g.tensor(x).bytes() as f64
+        );
+        assert_eq!(stored_bytes(&g, x, sp), g.tensor(x).bytes() as f64 / 4.0);
+        assert_eq!(
+            gathers("scan", sp),
+            [(Phase::Forward, stream), (Phase::Backward, stream)]
+        );
+        assert!(gathers("scan", TpConfig::dense(4, false)).is_empty());
+        // Model-split operands are gathered with or without SP, and so is the gradient of a
+        // model-split result.
+        for cfg in [sp, TpConfig::dense(4, false)] {
+            assert_eq!(
+                gathers("act", cfg),
+                [
+                    (Phase::Forward, hidden),
+                    (Phase::Backward, hidden),
+                    (Phase::Backward, hidden)
+                ]
+            );
+        }
+        assert!(gathers("act", TpConfig::dense(1, true)).is_empty());
+        // It reads and writes whole tensors and is not divided.
+        for name in ["scan", "act", "scan.grad", "act.grad"] {
+            let o = op(&g, name);
+            for &t in o.inputs.iter().chain(&o.outputs) {
+                assert_eq!(divided_axis_in_op(&g, o, t, sp), None, "{name}");
+                assert_eq!(tensor_bytes_in_op(&g, o, t, sp), g.tensor(t).bytes() as f64);
+            }
+        }
+    }
+
     #[test]
     fn dispatch_and_combine_exchange_each_ranks_tokens_over_their_groups() {
         let g = moe_block();

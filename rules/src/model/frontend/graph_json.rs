@@ -65,6 +65,39 @@ pub struct GraphSpec {
     pub max_seq: Option<u64>,
     tensors: Vec<TensorSpec>,
     layers: Vec<LayerSpec>,
+    unknown_kinds: Vec<UnknownKind>,
+}
+
+/// An op whose kind autopar does not know, read as [`OpKind::Opaque`]: the caller warns.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct UnknownKind {
+    /// The field, as in a [`FieldError`] (`layers[1].ops[0].kind`).
+    pub field: String,
+    /// The kind the file names.
+    pub kind: String,
+    /// Byte offset of the op in the file.
+    pub offset: Option<usize>,
+}
+
+impl UnknownKind {
+    /// What autopar does with the op, naming the known kind the file most likely meant when
+    /// one is a typo away, and the kinds it knows.
+    pub fn describe(&self) -> String {
+        let nearest = OP_KINDS
+            .split(", ")
+            .map(|k| (strsim::damerau_levenshtein(k, &self.kind), k))
+            .min()
+            .filter(|&(d, _)| d <= 2);
+        let hint = match nearest {
+            Some((_, k)) => format!(" (did you mean \"{k}\"?)"),
+            None => String::new(),
+        };
+        format!(
+            "unknown op kind \"{}\"{hint}: run as an opaque op, never split but along the \
+             batch, priced by the bytes it moves; the kinds autopar knows are {OP_KINDS}",
+            self.kind
+        )
+    }
 }
 
 #[derive(Deserialize)]
@@ -132,7 +165,7 @@ struct FileOp {
 
 const OP_KINDS: &str = "embedding, matmul, batch_matmul, layernorm, rmsnorm, softmax, gelu, \
                         silu, swiglu, add, mul, dropout, dropout_add, rope, flash_attention, \
-                        cross_entropy, slice, transpose";
+                        cross_entropy, slice, transpose, opaque";
 
 struct Ctx<'a> {
     text: &'a str,
@@ -196,8 +229,22 @@ fn parse_op_kind(s: &str, transpose_b: bool, causal: bool, kernel: FlashKernel) 
         "cross_entropy" => OpKind::CrossEntropy,
         "slice" => OpKind::Slice,
         "transpose" => OpKind::Transpose,
+        // Whether it runs per sample is decided once its operands are known.
+        "opaque" => OpKind::Opaque { batched: false },
         _ => return None,
     })
+}
+
+/// An opaque op's kind from its operands' and results' tensors: batched when axis 0 of every
+/// one but the parameters is the micro-batch (`"b"`).
+fn opaque_kind(tensors: &[TensorSpec], inputs: &[usize], outputs: &[usize]) -> OpKind {
+    let batched = inputs
+        .iter()
+        .chain(outputs)
+        .map(|&t| &tensors[t])
+        .filter(|t| t.kind != TensorKind::Parameter)
+        .all(|t| t.shape.first() == Some(&Dim::Batch));
+    OpKind::Opaque { batched }
 }
 
 /// Micro-batch size and sequence length used to check a file's shapes when it is read: distinct
@@ -336,57 +383,66 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
             split,
         });
     }
-    let parse_op =
-        |op: &FileOp, base: &[PathSeg<'_>], offset: Option<usize>| -> Result<OpSpec, FieldError> {
-            let with = |k| {
-                let mut p = base.to_vec();
-                p.push(PathSeg::Key(k));
-                p
-            };
-            let kernel = match op.kernel.as_deref() {
-                None | Some("cuda") => FlashKernel::Cuda,
-                Some("triton") => FlashKernel::Triton,
-                Some(other) => {
-                    return Err(cx.err(&with("kernel"), "cuda or triton", format!("\"{other}\"")));
-                }
-            };
-            let kind = parse_op_kind(&op.kind, op.transpose_b, op.causal.unwrap_or(true), kernel)
-                .ok_or_else(|| {
-                cx.err(
-                    &with("kind"),
-                    format!("one of {OP_KINDS}"),
-                    format!("\"{}\"", op.kind),
-                )
-            })?;
-            let resolve =
-                |names: &[String], field: &'static str| -> Result<Vec<usize>, FieldError> {
-                    names
-                        .iter()
-                        .enumerate()
-                        .map(|(j, n)| {
-                            by_name.get(n.as_str()).copied().ok_or_else(|| {
-                                let mut p = with(field);
-                                p.push(PathSeg::Index(j));
-                                cx.err(
-                                    &p,
-                                    "the name of a tensor listed in `tensors`",
-                                    format!("\"{n}\""),
-                                )
-                            })
-                        })
-                        .collect()
-                };
-            Ok(OpSpec {
+    let parse_op = |op: &FileOp,
+                    base: &[PathSeg<'_>],
+                    offset: Option<usize>|
+     -> Result<(OpSpec, Option<UnknownKind>), FieldError> {
+        let with = |k| {
+            let mut p = base.to_vec();
+            p.push(PathSeg::Key(k));
+            p
+        };
+        let kernel = match op.kernel.as_deref() {
+            None | Some("cuda") => FlashKernel::Cuda,
+            Some("triton") => FlashKernel::Triton,
+            Some(other) => {
+                return Err(cx.err(&with("kernel"), "cuda or triton", format!("\"{other}\"")));
+            }
+        };
+        let known = parse_op_kind(&op.kind, op.transpose_b, op.causal.unwrap_or(true), kernel);
+        let unknown = known.is_none().then(|| UnknownKind {
+            field: render(&with("kind")),
+            kind: op.kind.clone(),
+            offset,
+        });
+        let resolve = |names: &[String], field: &'static str| -> Result<Vec<usize>, FieldError> {
+            names
+                .iter()
+                .enumerate()
+                .map(|(j, n)| {
+                    by_name.get(n.as_str()).copied().ok_or_else(|| {
+                        let mut p = with(field);
+                        p.push(PathSeg::Index(j));
+                        cx.err(
+                            &p,
+                            "the name of a tensor listed in `tensors`",
+                            format!("\"{n}\""),
+                        )
+                    })
+                })
+                .collect()
+        };
+        let inputs = resolve(&op.inputs, "inputs")?;
+        let outputs = resolve(&op.outputs, "outputs")?;
+        let kind = match known {
+            Some(OpKind::Opaque { .. }) | None => opaque_kind(&tensors, &inputs, &outputs),
+            Some(k) => k,
+        };
+        Ok((
+            OpSpec {
                 name: op.name.clone(),
                 kind,
-                inputs: resolve(&op.inputs, "inputs")?,
-                outputs: resolve(&op.outputs, "outputs")?,
+                inputs,
+                outputs,
                 attention_core: op.attention_core,
                 offset,
-            })
-        };
+            },
+            unknown,
+        ))
+    };
     let mut layers = Vec::new();
     let mut flat = None;
+    let mut unknown_kinds = Vec::new();
     // Bounds that keep lowering and clustering within seconds and a few hundred MiB.
     let op_count = match (&file.layers, &file.ops) {
         (Some(ls), _) => ls.iter().map(|l| l.ops.len()).sum(),
@@ -475,7 +531,9 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
                         PathSeg::Key("ops"),
                         PathSeg::Index(oi),
                     ];
-                    ops.push(parse_op(op, &base, op_offsets.get(oi).copied())?);
+                    let (op, unknown) = parse_op(op, &base, op_offsets.get(oi).copied())?;
+                    ops.push(op);
+                    unknown_kinds.extend(unknown);
                 }
                 layers.push(LayerSpec {
                     name: l.name.clone(),
@@ -489,7 +547,9 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
             let op_offsets = item_offsets(text, None, &[PathSeg::Key("ops")]);
             for (oi, op) in file_ops.iter().enumerate() {
                 let base = [PathSeg::Key("ops"), PathSeg::Index(oi)];
-                ops.push(parse_op(op, &base, op_offsets.get(oi).copied())?);
+                let (op, unknown) = parse_op(op, &base, op_offsets.get(oi).copied())?;
+                ops.push(op);
+                unknown_kinds.extend(unknown);
             }
             flat = Some(ops);
         }
@@ -508,11 +568,39 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
             ));
         }
     }
+    // An opaque op writes whole results on every tensor-parallel rank: they are not stored in
+    // sequence shards, unless the file asks, which it cannot.
+    let opaque = layers
+        .iter()
+        .flat_map(|l| &l.ops)
+        .chain(flat.iter().flatten())
+        .filter(|o| matches!(o.kind, OpKind::Opaque { .. }));
+    for &t in opaque.flat_map(|o| &o.outputs) {
+        if let Split::Sequence(_) = tensors[t].split {
+            if file.tensors[t].split.is_some() {
+                return Err(cx.err(
+                    &[
+                        PathSeg::Key("tensors"),
+                        PathSeg::Index(t),
+                        PathSeg::Key("split"),
+                    ],
+                    "\"none\" or \"model:AXIS\": an opaque op writes whole results, which are \
+                     never kept in sequence shards",
+                    format!(
+                        "\"{}\"",
+                        file.tensors[t].split.as_deref().unwrap_or_default()
+                    ),
+                ));
+            }
+            tensors[t].split = Split::None;
+        }
+    }
     let mut spec = GraphSpec {
         name: file.name.unwrap_or_else(|| "graph".to_string()),
         max_seq: file.max_seq,
         tensors,
         layers,
+        unknown_kinds,
     };
     if let Some(ops) = flat {
         spec.layers = cluster_ops(&spec, ops, file.layer_count, &cx)?;
@@ -611,6 +699,12 @@ impl GraphSpec {
         self.layers.iter().map(|l| l.name.clone()).collect()
     }
 
+    /// The ops whose kinds autopar does not know, in file order: read as [`OpKind::Opaque`],
+    /// for the caller to warn of.
+    pub fn unknown_kinds(&self) -> &[UnknownKind] {
+        &self.unknown_kinds
+    }
+
     /// Instantiates the graph for micro-batch size `b`, sequence length `s` and floating-point
     /// dtype `dtype`, deriving the backward pass.
     pub fn lower(&self, b: u64, s: u64, dtype: DType) -> Result<Graph, FieldError> {
@@ -658,6 +752,7 @@ impl GraphSpec {
 mod tests {
     use super::*;
     use crate::model::frontend::locate::line_col;
+    use crate::model::graph::{Pass, TensorId};
     use proptest::prelude::*;
 
     pub(crate) const MLP: &str = r#"{
@@ -757,6 +852,98 @@ mod tests {
         assert_eq!(e.field, "layers[0].ops[0].kernel");
         assert_eq!(e.expected, "cuda or triton");
         assert_eq!(e.found, "\"cudnn\"");
+    }
+
+    #[test]
+    fn unknown_kinds_are_opaque_ops_with_a_warning() {
+        let text = MLP
+            .replace(r#""kind": "gelu""#, r#""kind": "fused_gelu""#)
+            .replace(
+                r#""name": "fc2", "kind": "matmul""#,
+                r#""name": "fc2", "kind": "matmull""#,
+            );
+        let spec = parse_graph_file(&text).expect("unknown kinds are read");
+        let unknown = spec.unknown_kinds();
+        let fields: Vec<&str> = unknown.iter().map(|u| u.field.as_str()).collect();
+        assert_eq!(fields, ["layers[1].ops[1].kind", "layers[1].ops[2].kind"]);
+        let (line, _) = line_col(&text, unknown[1].offset.expect("located"));
+        let fc2 = text
+            .lines()
+            .position(|l| l.contains("\"fc2\""))
+            .expect("fc2")
+            + 1;
+        assert_eq!(line, fc2);
+        assert!(!unknown[0].describe().contains("did you mean"));
+        assert!(
+            unknown[1]
+                .describe()
+                .contains(r#"unknown op kind "matmull" (did you mean "matmul"?)"#),
+            "{}",
+            unknown[1].describe()
+        );
+        let g = spec.lower(2, 16, DType::Bf16).expect("lowers");
+        let op = |name: &str| g.ops.iter().find(|o| o.name == name).expect(name);
+        // Every operand but the weight has the batch on axis 0.
+        assert_eq!(op("act").kind, OpKind::Opaque { batched: true });
+        assert_eq!(op("act").flops, 0.0);
+        let (fc2, grad) = (op("fc2"), op("fc2.grad"));
+        assert_eq!(grad.kind, fc2.kind);
+        assert_eq!(grad.pass, Pass::Backward);
+        // The backward reads the result's gradient and every input; it writes the gradients
+        // of the activation and of the weight.
+        let names = |ids: &[TensorId]| -> Vec<&str> {
+            ids.iter().map(|&t| g.tensor(t).name.as_str()).collect()
+        };
+        assert_eq!(names(&grad.inputs), ["dy", "a", "w2"]);
+        assert_eq!(names(&grad.outputs), ["da", "dw2"]);
+        assert_eq!(names(&fc2.saves), ["a"]);
+        // "opaque" is a kind autopar knows: no warning.
+        let declared = MLP.replace(r#""kind": "gelu""#, r#""kind": "opaque""#);
+        let spec = parse_graph_file(&declared).expect("valid graph");
+        assert!(spec.unknown_kinds().is_empty());
+        // An operand without the batch on axis 0: never split at all.
+        let unbatched = declared.replace(
+            r#"{"name": "a", "shape": ["b", "s", 256]"#,
+            r#"{"name": "a", "shape": ["s", "b", 256]"#,
+        );
+        let text = unbatched.replace(r#""inputs": ["a", "w2"]"#, r#""inputs": ["h", "w2"]"#);
+        let g = parse_graph_file(&text)
+            .expect("valid graph")
+            .lower(2, 16, DType::Bf16)
+            .expect("lowers");
+        let act = g.ops.iter().find(|o| o.name == "act").expect("act");
+        assert_eq!(act.kind, OpKind::Opaque { batched: false });
+    }
+
+    #[test]
+    fn an_opaque_ops_results_are_never_in_sequence_shards() {
+        // `y` would be split on its "s" axis by default; written by an opaque op it is whole.
+        let text = MLP.replace(
+            r#""name": "fc2", "kind": "matmul""#,
+            r#""name": "fc2", "kind": "opaque""#,
+        );
+        let g = parse_graph_file(&text)
+            .expect("valid graph")
+            .lower(2, 16, DType::Bf16)
+            .expect("lowers");
+        let y = g.tensors.iter().find(|t| t.name == "y").expect("y");
+        assert_eq!(y.split, Split::None);
+        let declared = text.replace(
+            r#"{"name": "y", "shape": ["b", "s", 64]}"#,
+            r#"{"name": "y", "shape": ["b", "s", 64], "split": "sequence"}"#,
+        );
+        let e = parse_graph_file(&declared).expect_err("a sequence split on a whole result");
+        assert_eq!(e.field, "tensors[8].split");
+        assert!(
+            e.expected.contains("an opaque op writes whole results"),
+            "{e}"
+        );
+        let (line, _) = line_col(&declared, e.offset.expect("located"));
+        let y_line = declared
+            .lines()
+            .position(|l| l.contains(r#""name": "y""#))
+            .expect("y");
+        assert_eq!(line, y_line + 1);
     }
 
     #[test]

@@ -6,7 +6,7 @@ mod hf;
 pub mod locate;
 mod transformer;
 
-pub use graph_json::{Dim, GRAPH_FORMAT, GraphSpec, parse_graph_file};
+pub use graph_json::{Dim, GRAPH_FORMAT, GraphSpec, UnknownKind, parse_graph_file};
 pub use hf::parse_hf_config;
 pub use transformer::{
     Attention, Bias, LowerOptions, Milli, MlaConfig, Mlp, MoeConfig, MoeRouting, Norm, Position,

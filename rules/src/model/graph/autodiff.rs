@@ -385,6 +385,26 @@ impl Autodiff<'_> {
                     self.contribute(o, x, dx);
                 }
             }
+            OpKind::Opaque { .. } => {
+                // Unknown semantics: one backward op reads every output gradient and every
+                // forward input, and writes the gradient of each input that needs one.
+                let mut outs = Vec::new();
+                let mut pairs = Vec::new();
+                for &t in &op.inputs {
+                    if let Some(dt) = self.new_grad(t) {
+                        outs.push(dt);
+                        pairs.push((t, dt));
+                    }
+                }
+                if !outs.is_empty() {
+                    let mut inputs = dys.clone();
+                    inputs.extend(op.inputs.iter().copied());
+                    self.emit(o, "grad", op.kind, inputs, outs, 0.0);
+                }
+                for (t, dt) in pairs {
+                    self.contribute(o, t, dt);
+                }
+            }
             OpKind::Concat => {
                 let mut outs = Vec::new();
                 let mut pairs = Vec::new();

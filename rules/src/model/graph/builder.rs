@@ -641,6 +641,16 @@ impl GraphBuilder {
                 let flops = 2.0 * self.numel(gates) as f64 * ys[2] as f64;
                 Ok((flops, vec![y, gates, idx]))
             }
+            OpKind::Opaque { .. } => {
+                if outputs.is_empty() {
+                    return Err(GraphError::new(
+                        name,
+                        "an opaque op needs at least one output",
+                    ));
+                }
+                // Nothing is known of its arithmetic; its backward reads the forward inputs.
+                Ok((0.0, inputs.iter().copied().filter(|&t| act(t)).collect()))
+            }
             OpKind::EmbeddingGrad => Err(GraphError::new(
                 name,
                 "embedding_grad is a backward op and cannot be added to the forward graph",

@@ -198,6 +198,16 @@ pub enum OpKind {
     /// Token combine: the experts' outputs `[E, C, h]`, the gates and the indices `[.., k]`
     /// become `[.., h]`, each token the gate-weighted sum of its experts' outputs.
     MoeCombine,
+    /// An op of a kind autopar does not model (a graph file's custom kernel): it reads its
+    /// inputs and writes its outputs, costs no FLOPs autopar knows of, and is never split
+    /// inside, so every solver keeps its tensors replicated, except along the batch when
+    /// `batched`. Its backward pass is one opaque op reading the output gradients and the
+    /// forward inputs.
+    Opaque {
+        /// Axis 0 of every operand and result but the weights (and their gradients) is the
+        /// batch: the op may run on a share of the samples, as data parallelism runs every op.
+        batched: bool,
+    },
 }
 
 impl OpKind {
@@ -227,6 +237,7 @@ impl OpKind {
             OpKind::MoeRouter => "moe_router",
             OpKind::MoeDispatch => "moe_dispatch",
             OpKind::MoeCombine => "moe_combine",
+            OpKind::Opaque { .. } => "opaque",
         }
     }
 
@@ -485,11 +496,19 @@ impl Graph {
 
     /// Activations the forward ops of a layer keep for the backward pass, each listed once.
     pub fn saved_activations(&self, layer: usize) -> Vec<TensorId> {
-        let mut out: Vec<TensorId> = Vec::new();
+        self.saved_activations_with_savers(layer)
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect()
+    }
+
+    /// [`Graph::saved_activations`], each with the first forward op that saves it.
+    pub fn saved_activations_with_savers(&self, layer: usize) -> Vec<(OpId, TensorId)> {
+        let mut out: Vec<(OpId, TensorId)> = Vec::new();
         for &op in &self.layers[layer].forward {
             for &t in &self.op(op).saves {
-                if !out.contains(&t) {
-                    out.push(t);
+                if !out.iter().any(|&(_, u)| u == t) {
+                    out.push((op, t));
                 }
             }
         }

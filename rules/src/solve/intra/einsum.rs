@@ -536,6 +536,46 @@ pub fn einsum(g: &Graph, op: &Op) -> Option<Einsum> {
                 outputs,
             }))
         }
+        // Nothing is known of how its axes relate: never split, but along the batch when
+        // every operand and result but the weights' carries it on axis 0.
+        OpKind::Opaque { batched } => {
+            let weight = |t: TensorId| {
+                matches!(
+                    g.tensor(t).kind,
+                    TensorKind::Parameter | TensorKind::WeightGradient
+                )
+            };
+            let first = op.inputs.iter().chain(&op.outputs).find(|&&t| !weight(t))?;
+            let batch = *shape(g, *first).first()?;
+            let per_sample = op
+                .inputs
+                .iter()
+                .chain(&op.outputs)
+                .all(|&t| weight(t) || shape(g, t).first() == Some(&batch));
+            if !batched || !per_sample {
+                return None;
+            }
+            let d = b.dim(DimKind::Parallel);
+            let axes = |t: TensorId| {
+                let mut a = vec![None; shape(g, t).len()];
+                if !weight(t) {
+                    a[0] = Some(d);
+                }
+                a
+            };
+            let mut e = finish(Raw {
+                inputs: op.inputs.iter().map(|&t| axes(t)).collect(),
+                outputs: op.outputs.iter().map(|&t| axes(t)).collect(),
+                dims: b.dims,
+            });
+            // A weight's gradient sums over the samples.
+            for (r, &t) in op.outputs.iter().enumerate() {
+                if weight(t) {
+                    e.summed[r].push(d);
+                }
+            }
+            Some(e)
+        }
         _ => {
             // Elementwise (gelu, silu, swiglu, dropout, rope, add, mul, dropout_add), softmax,
             // and the backward kernels of all of these and of the loss: aligned with the first

@@ -897,10 +897,12 @@ pub fn start(t: &LayerTable) -> Vec<Entry> {
         .collect()
 }
 
-/// For each state after `prev`, its index among the states before `next`; `None` when the
-/// two tables do not meet on the same boundary (a state after `prev` that `next` does not
-/// have). An exact table has every state of a boundary on both sides; a D-Rec table has only
-/// those its plans reach after the layer, and every state it was pinned to before it.
+/// For each state after `prev`, its index among the states before `next`, or `usize::MAX`
+/// for a state `next` cannot be in: a spec of a gradient that `next` makes and no strategy
+/// of its producer writes (an opaque op's, which is never split inside). `None` when the two
+/// tables do not meet on the same boundary (no state after `prev` is one before `next`).
+/// A D-Rec table has only the states its plans reach after the layer, and every state it was
+/// pinned to before it.
 pub fn link(prev: &LayerTable, next: &LayerTable) -> Option<Vec<usize>> {
     let index: HashMap<&Vec<Spec>, usize> = next
         .before
@@ -908,7 +910,12 @@ pub fn link(prev: &LayerTable, next: &LayerTable) -> Option<Vec<usize>> {
         .enumerate()
         .map(|(i, s)| (s, i))
         .collect();
-    prev.after.iter().map(|s| index.get(s).copied()).collect()
+    let link: Vec<usize> = prev
+        .after
+        .iter()
+        .map(|s| index.get(s).copied().unwrap_or(usize::MAX))
+        .collect();
+    (prev.after.is_empty() || link.iter().any(|&b| b != usize::MAX)).then_some(link)
 }
 
 /// A table's cost and memory per entry, each row-major like its entries: what chaining
@@ -942,7 +949,7 @@ pub fn extend_linked(
     let mut memory = vec![f64::INFINITY; width];
     let mut from = vec![usize::MAX; width];
     for (p, (&b, e)) in link.iter().zip(best).enumerate() {
-        if !e.cost.is_finite() {
+        if !e.cost.is_finite() || b == usize::MAX {
             continue;
         }
         let row = b * width..(b + 1) * width;
@@ -977,6 +984,7 @@ pub fn extend_along(
         .enumerate()
         .map(|(a, &p)| match p {
             usize::MAX => Entry::NONE,
+            p if link[p] == usize::MAX => Entry::NONE,
             p => best[p].plus(next.entries[link[p] * width + a]),
         })
         .collect()
@@ -1074,7 +1082,7 @@ pub fn best_path_ending(
         let mut step = vec![Entry::NONE; width];
         let mut from = vec![0; width];
         for (p, (&b, e)) in link.iter().zip(&best).enumerate() {
-            if !e.cost.is_finite() {
+            if !e.cost.is_finite() || b == usize::MAX {
                 continue;
             }
             for a in 0..width {

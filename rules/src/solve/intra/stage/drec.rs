@@ -3,6 +3,7 @@
 
 use super::{IntraError, Realized, SolveInfo, StageModel, StagePlan};
 use crate::cost::sharding::Spec;
+use crate::model::graph::{Op, OpKind};
 use crate::solve::intra::drec::{self, Cut};
 use std::time::Instant;
 
@@ -114,29 +115,36 @@ impl StageModel<'_> {
     /// divides a mesh axis (the first few named), axes left uncut, a repair.
     pub(crate) fn drec_warnings(&self, outcome: &drec::Outcome) -> Vec<String> {
         let g = self.graph;
-        let mut warnings: Vec<String> = outcome
+        // Opaque ops are never cut, as the graph file's reader warned.
+        let uncut: Vec<(&Op, usize)> = outcome
             .uncut
             .iter()
-            .take(LISTED_WARNINGS)
             .filter_map(|&(v, axis)| {
                 let node = self
                     .nodes
                     .iter()
                     .find(|n| n.var == v && n.leader.is_none())?;
-                let op = g.op(node.op);
-                Some(format!(
+                Some((g.op(node.op), axis))
+            })
+            .filter(|(op, _)| !matches!(op.kind, OpKind::Opaque { .. }))
+            .collect();
+        let mut warnings: Vec<String> = uncut
+            .iter()
+            .take(LISTED_WARNINGS)
+            .map(|&(op, axis)| {
+                format!(
                     "op `{}` ({}): no dimension divides mesh axis {axis} ({} devices); kept \
                      replicated on it",
                     op.name,
                     op.kind.name(),
                     self.mesh.shape[axis]
-                ))
+                )
             })
             .collect();
-        if outcome.uncut.len() > LISTED_WARNINGS {
+        if uncut.len() > LISTED_WARNINGS {
             warnings.push(format!(
                 "and {} more ops kept replicated on a mesh axis",
-                outcome.uncut.len() - LISTED_WARNINGS
+                uncut.len() - LISTED_WARNINGS
             ));
         }
         for &axis in &outcome.skipped {

@@ -13,7 +13,7 @@
 use super::StageModel;
 use crate::cost::sharding::{AxisSplit, Spec};
 use crate::cost::tensor_parallel::{TpConfig, divided_axis_in_op};
-use crate::model::graph::{Op, Split, TensorId, TensorKind};
+use crate::model::graph::{Op, OpKind, Split, TensorId, TensorKind};
 
 /// Megatron-LM's options that decide its sharding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -123,7 +123,8 @@ impl StageModel<'_> {
     /// itself is reduced into the stored spec (reduce-scattered into sequence shards under
     /// sequence parallelism); one its consumer reduces is as the op writes it.
     fn output_spec(&self, op: &Op, t: TensorId, m: MegatronSharding) -> Spec {
-        if self.deferred.contains(&t) {
+        // An opaque op writes whole results; its consumers slice them.
+        if self.deferred.contains(&t) || matches!(op.kind, OpKind::Opaque { .. }) {
             self.spec_in_op(op, t, m)
         } else {
             self.stored_spec(t, m)

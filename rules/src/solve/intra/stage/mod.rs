@@ -793,9 +793,11 @@ impl<'g> StageModel<'g> {
                         from,
                         to: n,
                         input: i,
+                        // An opaque op's backward needs its operands before it starts.
                         overlapped: tensor.kind == TensorKind::Activation
                             && op.grad_of.is_some()
-                            && graph.makes_weight_gradient(o),
+                            && graph.makes_weight_gradient(o)
+                            && !matches!(op.kind, OpKind::Opaque { .. }),
                     });
                 }
             }
