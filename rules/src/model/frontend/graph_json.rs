@@ -93,8 +93,9 @@ impl UnknownKind {
             None => String::new(),
         };
         format!(
-            "unknown op kind \"{}\"{hint}: run as an opaque op, never split but along the \
-             batch, priced by the bytes it moves; the kinds autopar knows are {OP_KINDS}",
+            "unknown op kind \"{}\"{hint}: run as an opaque op, never split inside (at most \
+             along the batch), priced by the bytes it moves; the kinds autopar knows are \
+             {OP_KINDS}",
             self.kind
         )
     }

@@ -115,17 +115,19 @@ impl StageModel<'_> {
     /// divides a mesh axis (the first few named), axes left uncut, a repair.
     pub(crate) fn drec_warnings(&self, outcome: &drec::Outcome) -> Vec<String> {
         let g = self.graph;
-        // Opaque ops are never cut, as the graph file's reader warned.
+        // Each variable's op, found in one pass; opaque ops are never cut, as the graph
+        // file's reader warned.
+        let mut op_of: Vec<Option<&Op>> = Vec::new();
+        if !outcome.uncut.is_empty() {
+            op_of = vec![None; self.var_sizes.len()];
+            for n in self.nodes.iter().filter(|n| n.leader.is_none()) {
+                op_of[n.var].get_or_insert(g.op(n.op));
+            }
+        }
         let uncut: Vec<(&Op, usize)> = outcome
             .uncut
             .iter()
-            .filter_map(|&(v, axis)| {
-                let node = self
-                    .nodes
-                    .iter()
-                    .find(|n| n.var == v && n.leader.is_none())?;
-                Some((g.op(node.op), axis))
-            })
+            .filter_map(|&(v, axis)| Some((op_of.get(v).copied().flatten()?, axis)))
             .filter(|(op, _)| !matches!(op.kind, OpKind::Opaque { .. }))
             .collect();
         let mut warnings: Vec<String> = uncut
