@@ -168,8 +168,9 @@ seq_len = 32
     let r = ws.run(&["run", "custom", "--steps", "1"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(
-        r.stderr
-            .contains("(opaque): the CPU executor does not run ops of kinds autopar does not know"),
+        r.stderr.contains(
+            "(opaque): autopar's executors (CPU and JAX) have no kernel for ops of kinds"
+        ),
         "{}",
         r.stderr
     );

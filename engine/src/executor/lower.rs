@@ -632,11 +632,14 @@ fn err(message: impl Into<String>) -> ExecError {
 /// cannot run here.
 fn unsupported(op: &autopar_rules::model::graph::Op) -> ExecError {
     let what = match op.kind {
-        OpKind::Opaque { .. } => "ops of kinds autopar does not know (no kernel to run them)",
-        _ => "multi-head latent attention yet",
+        OpKind::Opaque { .. } => {
+            "autopar's executors (CPU and JAX) have no kernel for ops of kinds autopar does not \
+             know"
+        }
+        _ => "the CPU executor does not run multi-head latent attention yet",
     };
     err(format!(
-        "`{}` ({}): the CPU executor does not run {what}; plan and estimate such models",
+        "`{}` ({}): {what}; plan and estimate such models",
         op.name,
         op.kind.name()
     ))
