@@ -131,6 +131,31 @@ impl Autodiff<'_> {
             .then(|| self.grad_tensor(of, ""))
     }
 
+    /// One backward op `(suffix, kind)` of forward op `o` (`op`) reading `reads` and writing
+    /// the gradient of every input of `op` that needs one, if any does.
+    fn input_grads_at_once(
+        &mut self,
+        o: OpId,
+        op: &Op,
+        (suffix, kind): (&str, OpKind),
+        reads: Vec<TensorId>,
+        flops: f64,
+    ) {
+        let pairs: Vec<(TensorId, TensorId)> = op
+            .inputs
+            .iter()
+            .filter_map(|&t| Some((t, self.new_grad(t)?)))
+            .collect();
+        if pairs.is_empty() {
+            return;
+        }
+        let outs = pairs.iter().map(|&(_, dt)| dt).collect();
+        self.emit(o, suffix, kind, reads, outs, flops);
+        for (t, dt) in pairs {
+            self.contribute(o, t, dt);
+        }
+    }
+
     fn backward_of(&mut self, o: OpId) -> Result<(), GraphError> {
         let op = self.g.op(o).clone();
         let dys: Vec<TensorId> = op
@@ -331,30 +356,11 @@ impl Autodiff<'_> {
                 }
             }
             OpKind::FlashAttention { .. } => {
-                let mut outs = Vec::new();
-                let mut pairs = Vec::new();
-                for &t in &op.inputs {
-                    if let Some(dt) = self.new_grad(t) {
-                        outs.push(dt);
-                        pairs.push((t, dt));
-                    }
-                }
-                if !outs.is_empty() {
-                    let mut inputs = op.inputs.clone();
-                    inputs.push(op.outputs[0]);
-                    inputs.push(dy);
-                    self.emit(
-                        o,
-                        "grad",
-                        op.kind,
-                        inputs,
-                        outs,
-                        op.flops * FLASH_BACKWARD_FLOPS_FACTOR,
-                    );
-                }
-                for (t, dt) in pairs {
-                    self.contribute(o, t, dt);
-                }
+                let mut reads = op.inputs.clone();
+                reads.push(op.outputs[0]);
+                reads.push(dy);
+                let flops = op.flops * FLASH_BACKWARD_FLOPS_FACTOR;
+                self.input_grads_at_once(o, &op, ("grad", op.kind), reads, flops);
             }
             OpKind::CrossEntropy => {
                 let (logits, labels) = (op.inputs[0], op.inputs[1]);
@@ -387,48 +393,26 @@ impl Autodiff<'_> {
             }
             OpKind::Opaque { .. } => {
                 // Unknown semantics: one backward op reads every output gradient and every
-                // forward input, and writes the gradient of each input that needs one.
-                let mut outs = Vec::new();
-                let mut pairs = Vec::new();
-                for &t in &op.inputs {
-                    if let Some(dt) = self.new_grad(t) {
-                        outs.push(dt);
-                        pairs.push((t, dt));
-                    }
-                }
-                if !outs.is_empty() {
-                    let mut inputs = dys.clone();
-                    inputs.extend(op.inputs.iter().copied());
-                    self.emit(o, "grad", op.kind, inputs, outs, 0.0);
-                }
-                for (t, dt) in pairs {
-                    self.contribute(o, t, dt);
-                }
+                // forward input.
+                let mut reads = dys.clone();
+                reads.extend(op.inputs.iter().copied());
+                self.input_grads_at_once(o, &op, ("grad", op.kind), reads, 0.0);
             }
             OpKind::Concat => {
-                let mut outs = Vec::new();
-                let mut pairs = Vec::new();
                 // A broadcast input's gradient sums the output gradient over the broadcast axes.
-                let mut flops = 0.0;
                 let out_n = numel(self.g, op.outputs[0]);
                 let out_last = *self.g.tensor(op.outputs[0]).shape.last().unwrap_or(&1) as f64;
-                for &t in &op.inputs {
-                    if let Some(dt) = self.new_grad(t) {
-                        let share = *self.g.tensor(t).shape.last().unwrap_or(&0) as f64 / out_last;
-                        let n = numel(self.g, t);
-                        if n < out_n * share {
-                            flops += out_n * share;
-                        }
-                        outs.push(dt);
-                        pairs.push((t, dt));
-                    }
-                }
-                if !outs.is_empty() {
-                    self.emit(o, "split", OpKind::Slice, vec![dy], outs, flops);
-                }
-                for (t, dt) in pairs {
-                    self.contribute(o, t, dt);
-                }
+                let flops: f64 = op
+                    .inputs
+                    .iter()
+                    .filter(|&&t| self.g.tensor(t).requires_grad)
+                    .map(|&t| {
+                        let last = *self.g.tensor(t).shape.last().unwrap_or(&0) as f64;
+                        let whole = out_n * last / out_last;
+                        if numel(self.g, t) < whole { whole } else { 0.0 }
+                    })
+                    .sum();
+                self.input_grads_at_once(o, &op, ("split", OpKind::Slice), vec![dy], flops);
             }
             OpKind::MoeRouter => {
                 let scores = op.inputs[0];
