@@ -516,10 +516,6 @@ mod tests {
         )
     }
 
-    /// The dispatch's buffer `[4, 4, 16]` in bf16 is 512 bytes for the tensor-parallel pair's 8
-    /// tokens; each rank routes its 4 (256 bytes). Expert parallelism over both ranks
-    /// exchanges them all-to-all (the group's 512 bytes) each way; expert tensor parallelism
-    /// gathers both ranks' copies (512 bytes) and scatters the partial outputs back.
     /// An opaque op on the residual stream (sequence-split) with a weight, and one between
     /// the column- and row-parallel products (model-split), in one block.
     fn opaque_block() -> Graph {
@@ -607,6 +603,10 @@ mod tests {
         }
     }
 
+    /// The dispatch's buffer `[4, 4, 16]` in bf16 is 512 bytes for the tensor-parallel pair's 8
+    /// tokens; each rank routes its 4 (256 bytes). Expert parallelism over both ranks
+    /// exchanges them all-to-all (the group's 512 bytes) each way; expert tensor parallelism
+    /// gathers both ranks' copies (512 bytes) and scatters the partial outputs back.
     #[test]
     fn dispatch_and_combine_exchange_each_ranks_tokens_over_their_groups() {
         let g = moe_block();

@@ -570,7 +570,7 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
         }
     }
     // An opaque op writes whole results on every tensor-parallel rank: they are not stored in
-    // sequence shards, unless the file asks, which it cannot.
+    // sequence shards, and a file that declares such a split on one is refused.
     let opaque = layers
         .iter()
         .flat_map(|l| &l.ops)
