@@ -264,7 +264,10 @@ impl Dp {
             l,
             d,
             sizes,
-            f: vec![f64::INFINITY; (s_max + 1) * (l + 1) * (d + 1)],
+            // Zeroed, not filled: `run` writes every entry it reads before reading it, so the
+            // pages of rows no bound reaches are never touched (the table is ~100 MB for a
+            // 1,024-device cluster).
+            f: vec![0.0; (s_max + 1) * (l + 1) * (d + 1)],
             band: vec![(1, 0); l + 1],
             s_max,
             choices,
@@ -346,8 +349,10 @@ impl Dp {
         if self.band[0].0 > d || self.band[0].1 < d {
             return None;
         }
-        // Row (0, L) holds F(0, L, 0) = 0.
+        // Row (0, L) holds F(0, L, 0) = 0: no stage left, no device left; any other count of
+        // devices left over is infeasible.
         let r0 = self.row(0, l);
+        self.f[r0..=r0 + d].fill(f64::INFINITY);
         self.f[r0] = 0.0;
         let mut best: Option<(f64, usize)> = None;
         for s in 1..=self.s_max {
@@ -418,6 +423,10 @@ impl Dp {
             let first_end = if s == 1 { self.l - 1 } else { k };
             let mut found = None;
             'search: for i in first_end..self.l {
+                // As in `run`: rows of more stages than layers left are never filled.
+                if s - 1 > self.l - i - 1 {
+                    break;
+                }
                 for sm in 0..self.sizes.len() {
                     let n = self.sizes[sm];
                     if n > d {
