@@ -244,16 +244,27 @@ pub fn gemm_shape(g: &Graph, op: &Op, cfg: TpConfig) -> Option<GemmShape> {
     }
 }
 
+/// The axis of tensor `t` divided over the tensor-parallel ranks where it is stored between
+/// ops: a model-split axis always, a sequence-split one under sequence parallelism (`sp`).
+pub fn stored_divided_axis(g: &Graph, t: TensorId, sp: bool) -> Option<usize> {
+    match g.tensor(t).split {
+        Split::Model(axis) => Some(axis as usize),
+        Split::Sequence(axis) if sp => Some(axis as usize),
+        _ => None,
+    }
+}
+
 /// Per-device size in bytes of a tensor stored between ops (activations kept for the backward
-/// pass, weights): model-split tensors are 1/t, sequence-split ones 1/t under SP.
+/// pass, weights): divided by t along its [`stored_divided_axis`], an expert tensor by its
+/// ranks' share.
 pub fn stored_bytes(g: &Graph, t: TensorId, cfg: TpConfig) -> f64 {
-    let tensor = g.tensor(t);
-    let bytes = tensor.bytes() as f64;
-    match tensor.split {
-        Split::Model(_) => bytes / cfg.t as f64,
-        Split::Sequence(_) if cfg.sp => bytes / cfg.t as f64,
-        Split::Experts | Split::ExpertModel(_) => bytes * expert_share(g, t, cfg).unwrap_or(1.0),
-        _ => bytes,
+    let bytes = g.tensor(t).bytes() as f64;
+    if let Some(share) = expert_share(g, t, cfg) {
+        return bytes * share;
+    }
+    match stored_divided_axis(g, t, cfg.sp) {
+        Some(_) => bytes / cfg.t as f64,
+        None => bytes,
     }
 }
 
@@ -366,7 +377,7 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
             // it saves as it read it ([`saved_bytes`]), as the intra-op model counts every op.
             // Results and input gradients, whole on every rank, are sliced to what each
             // stores, for free.
-            let divided = |t: TensorId| is_model(g, t) || (cfg.sp && is_seq(g, t));
+            let divided = |t: TensorId| stored_divided_axis(g, t, cfg.sp).is_some();
             let backward = op.inputs.iter().any(|&t| g.tensor(t).requires_grad);
             for &x in op.inputs.iter().filter(|&&x| divided(x)) {
                 push(Collective::AllGather, bytes(x), Phase::Forward);

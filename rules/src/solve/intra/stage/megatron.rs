@@ -12,8 +12,8 @@
 
 use super::StageModel;
 use crate::cost::sharding::{AxisSplit, Spec};
-use crate::cost::tensor_parallel::{TpConfig, divided_axis_in_op};
-use crate::model::graph::{Op, OpKind, Split, TensorId, TensorKind};
+use crate::cost::tensor_parallel::{TpConfig, divided_axis_in_op, stored_divided_axis};
+use crate::model::graph::{Op, OpKind, TensorId, TensorKind};
 
 /// Megatron-LM's options that decide its sharding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,12 +141,7 @@ impl StageModel<'_> {
 
     /// Megatron-LM's spec of `t` between ops (as it is stored).
     fn stored_spec(&self, t: TensorId, m: MegatronSharding) -> Spec {
-        let divided = match self.graph.tensor(t).split {
-            Split::Model(a) => Some(a as usize),
-            Split::Sequence(a) if m.sp => Some(a as usize),
-            _ => None,
-        };
-        self.megatron_spec(t, divided)
+        self.megatron_spec(t, stored_divided_axis(self.graph, t, m.sp))
     }
 
     /// The choice of every variable that runs the range as Megatron-LM does on this mesh
