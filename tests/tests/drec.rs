@@ -324,6 +324,44 @@ fn opaque_ops_are_split_only_along_the_batch() {
     }
 }
 
+/// D-Rec warns of a batched opaque op whose batch does not divide a mesh axis, as of any op
+/// it keeps replicated there, and never of an opaque op with no batch to split: the graph
+/// file's reader has already warned of its kind, and D-Rec does not try to cut it.
+#[test]
+fn drec_warns_of_an_opaque_op_only_when_its_batch_does_not_divide() {
+    let text = opaque_mlp().replace(
+        r#""name": "loss", "kind": "cross_entropy""#,
+        r#""name": "loss", "kind": "my_loss""#,
+    );
+    assert!(text.contains("my_loss"), "tiny-mlp changed");
+    // The head: `final_norm` (batched) and the loss (its result has no batch).
+    let head = 3..4;
+    for (micro_batch, warned) in [(1, true), (2, false)] {
+        let g = lower_text(&text, micro_batch, 128);
+        let (m, _) = mesh(1, 2);
+        let plan = model(&g, head.clone(), m, with(SolverChoice::Drec, None))
+            .solve()
+            .unwrap_or_else(|e| panic!("micro-batch {micro_batch}: {e}"));
+        let named = |op: &str| {
+            plan.solve
+                .warnings
+                .iter()
+                .any(|w| w.contains(&format!("`{op}`")))
+        };
+        assert_eq!(
+            named("final_norm"),
+            warned,
+            "micro-batch {micro_batch}: {:?}",
+            plan.solve.warnings
+        );
+        assert!(
+            !named("loss"),
+            "micro-batch {micro_batch}: {:?}",
+            plan.solve.warnings
+        );
+    }
+}
+
 /// How far above the exact chain's optimum D-Rec's chained tables may land on these cases
 /// (README, "Intra-operator sharding"): the worst measured is 4.0%, GPT-2 small's blocks on
 /// 1x2 and 2x2.

@@ -3,7 +3,7 @@
 
 use super::{IntraError, Realized, SolveInfo, StageModel, StagePlan};
 use crate::cost::sharding::Spec;
-use crate::model::graph::{Op, OpKind};
+use crate::model::graph::Op;
 use crate::solve::intra::drec::{self, Cut};
 use std::time::Instant;
 
@@ -115,8 +115,7 @@ impl StageModel<'_> {
     /// divides a mesh axis (the first few named), axes left uncut, a repair.
     pub(crate) fn drec_warnings(&self, outcome: &drec::Outcome) -> Vec<String> {
         let g = self.graph;
-        // Each variable's op, found in one pass; opaque ops are never cut, as the graph
-        // file's reader warned.
+        // Each variable's op, found in one pass.
         let mut op_of: Vec<Option<&Op>> = Vec::new();
         if !outcome.uncut.is_empty() {
             op_of = vec![None; self.var_sizes.len()];
@@ -128,7 +127,6 @@ impl StageModel<'_> {
             .uncut
             .iter()
             .filter_map(|&(v, axis)| Some((op_of.get(v).copied().flatten()?, axis)))
-            .filter(|(op, _)| !matches!(op.kind, OpKind::Opaque { .. }))
             .collect();
         let mut warnings: Vec<String> = uncut
             .iter()

@@ -731,7 +731,11 @@ impl<'g> StageModel<'g> {
                     let var = model.var_sizes.len();
                     model.var_sizes.push(realized.len());
                     model.cuts.push(drec::op_cuts(&realized));
-                    model.forced.push(true);
+                    // D-Rec cuts every operator on every level it can; an opaque op that is
+                    // not batched has nothing to cut, by its nature rather than its shapes.
+                    model
+                        .forced
+                        .push(!matches!(op.kind, OpKind::Opaque { batched: false }));
                     (var, None, realized)
                 }
             };
