@@ -207,13 +207,21 @@ impl StageProblem {
     }
 }
 
+/// An empty range of device counts.
+const NOTHING: (usize, usize) = (1, 0);
+
 /// Reusable buffers and per-instance tables of the DP.
 struct Dp {
     l: usize,
     d: usize,
     sizes: Vec<usize>,
-    /// `F[(s * (L + 1) + k) * (D + 1) + d]`, valid inside `band[k]` only.
+    /// `F[(s * (L + 1) + k) * (D + 1) + d]`, valid inside `written` of its row only.
     f: Vec<f64>,
+    /// Per row `(s, k)` (`s * (L + 1) + k`), the device counts `F` holds for the current
+    /// bound, `lo > hi` when none: inside `band[k]`, only where some stage reaches, so
+    /// neither the rest of the band nor rows nothing reaches are ever written. Outside it, `F`
+    /// is `+inf`.
+    written: Vec<(usize, usize)>,
     /// Per `k`: the device counts a suffix starting at `k` can have, for the current bound.
     band: Vec<(usize, usize)>,
     /// Most stages any solution can have.
@@ -264,10 +272,11 @@ impl Dp {
             l,
             d,
             sizes,
-            // Zeroed, not filled: `run` writes every entry it reads before reading it, so the
-            // pages of rows no bound reaches are never touched (the table is ~100 MB for a
+            // Zeroed, not filled: `run` reads only what it wrote for the bound (`written`), so
+            // the pages no stage reaches are never touched (the table is ~100 MB for a
             // 1,024-device cluster).
             f: vec![0.0; (s_max + 1) * (l + 1) * (d + 1)],
+            written: vec![NOTHING; (s_max + 1) * (l + 1)],
             band: vec![(1, 0); l + 1],
             s_max,
             choices,
@@ -283,6 +292,16 @@ impl Dp {
 
     fn row(&self, s: usize, k: usize) -> usize {
         (s * (self.l + 1) + k) * (self.d + 1)
+    }
+
+    /// `F(s, k, d)`: `+inf` outside what its row holds.
+    fn at(&self, s: usize, k: usize, d: usize) -> f64 {
+        let (lo, hi) = self.written[s * (self.l + 1) + k];
+        if (lo..=hi).contains(&d) {
+            self.f[self.row(s, k) + d]
+        } else {
+            f64::INFINITY
+        }
     }
 
     /// Cheapest configuration of stage `[k, i]` on submesh `sm` within `t_max` that fits with
@@ -349,28 +368,29 @@ impl Dp {
         if self.band[0].0 > d || self.band[0].1 < d {
             return None;
         }
-        // Row (0, L) holds F(0, L, 0) = 0: no stage left, no device left; any other count of
-        // devices left over is infeasible.
+        // Row (0, L) holds F(0, L, 0) = 0 alone: no stage left, no device left; any other
+        // count of devices left over is infeasible.
         let r0 = self.row(0, l);
-        self.f[r0..=r0 + d].fill(f64::INFINITY);
         self.f[r0] = 0.0;
+        self.written[l] = (0, 0);
         let mut best: Option<(f64, usize)> = None;
         for s in 1..=self.s_max {
             let mut any = false;
             for k in (0..l).rev() {
                 let (lo, hi) = self.band[k];
                 let row = self.row(s, k);
+                let here = s * (l + 1) + k;
+                self.written[here] = NOTHING;
                 if lo > hi || s > l - k {
                     continue;
                 }
-                self.f[row + lo..=row + hi].fill(f64::INFINITY);
                 // The last stage (s = 1) must end at the last layer.
                 let first_end = if s == 1 { l - 1 } else { k };
                 for i in first_end..l {
                     if s - 1 > l - i - 1 {
                         break;
                     }
-                    let (slo, shi) = self.band[i + 1];
+                    let (slo, shi) = self.written[(s - 1) * (l + 1) + i + 1];
                     if slo > shi {
                         continue;
                     }
@@ -380,13 +400,27 @@ impl Dp {
                         let Some((cost, _)) = self.best(k, i, sm, s, t_max) else {
                             continue;
                         };
-                        // d ranges over the band of row k whose source d - n lies in the band
-                        // of row i + 1.
+                        // d ranges over the band of row k whose source d - n is held by row
+                        // i + 1.
                         let from = lo.max(slo + n);
                         let to = hi.min(shi + n);
                         if from > to {
                             continue;
                         }
+                        // What the row did not hold yet starts at +inf.
+                        let (wlo, whi) = self.written[here];
+                        let (nlo, nhi) = if wlo > whi {
+                            (from, to)
+                        } else {
+                            (from.min(wlo), to.max(whi))
+                        };
+                        if wlo > whi {
+                            self.f[row + nlo..=row + nhi].fill(f64::INFINITY);
+                        } else {
+                            self.f[row + nlo..row + wlo].fill(f64::INFINITY);
+                            self.f[row + whi + 1..=row + nhi].fill(f64::INFINITY);
+                        }
+                        self.written[here] = (nlo, nhi);
                         // Rows of s - 1 stages precede rows of s stages (see `row`), so the
                         // source lies entirely before the destination row.
                         let (before, from_row) = self.f.split_at_mut(row);
@@ -403,7 +437,7 @@ impl Dp {
                     }
                 }
             }
-            let total = self.f[self.row(s, 0) + d];
+            let total = self.at(s, 0, d);
             if total.is_finite() && best.is_none_or(|(b, _)| total < b) {
                 best = Some((total, s));
             }
@@ -419,7 +453,7 @@ impl Dp {
         let mut stages = Vec::with_capacity(s_total);
         let (mut s, mut k, mut d) = (s_total, 0usize, self.d);
         while s > 0 {
-            let here = self.f[self.row(s, k) + d];
+            let here = self.at(s, k, d);
             let first_end = if s == 1 { self.l - 1 } else { k };
             let mut found = None;
             'search: for i in first_end..self.l {
@@ -432,12 +466,8 @@ impl Dp {
                     if n > d {
                         continue;
                     }
-                    let (slo, shi) = self.band[i + 1];
-                    if d - n < slo || d - n > shi {
-                        continue;
-                    }
                     if let Some((cost, c)) = self.best(k, i, sm, s, t_max) {
-                        let prev = self.f[self.row(s - 1, i + 1) + d - n];
+                        let prev = self.at(s - 1, i + 1, d - n);
                         if cost + prev == here {
                             found = Some((i, sm, c, cost, n));
                             break 'search;
