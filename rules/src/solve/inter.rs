@@ -290,13 +290,19 @@ impl Dp {
         &self.choices[self.offsets[r]..self.offsets[r + 1]]
     }
 
+    /// Index of row `(s, k)` among the rows (into `written`).
+    fn slot(&self, s: usize, k: usize) -> usize {
+        s * (self.l + 1) + k
+    }
+
+    /// Index of row `(s, k)`'s first entry in `f`.
     fn row(&self, s: usize, k: usize) -> usize {
-        (s * (self.l + 1) + k) * (self.d + 1)
+        self.slot(s, k) * (self.d + 1)
     }
 
     /// `F(s, k, d)`: `+inf` outside what its row holds.
     fn at(&self, s: usize, k: usize, d: usize) -> f64 {
-        let (lo, hi) = self.written[s * (self.l + 1) + k];
+        let (lo, hi) = self.written[self.slot(s, k)];
         if (lo..=hi).contains(&d) {
             self.f[self.row(s, k) + d]
         } else {
@@ -372,14 +378,15 @@ impl Dp {
         // count of devices left over is infeasible.
         let r0 = self.row(0, l);
         self.f[r0] = 0.0;
-        self.written[l] = (0, 0);
+        let s0 = self.slot(0, l);
+        self.written[s0] = (0, 0);
         let mut best: Option<(f64, usize)> = None;
         for s in 1..=self.s_max {
             let mut any = false;
             for k in (0..l).rev() {
                 let (lo, hi) = self.band[k];
                 let row = self.row(s, k);
-                let here = s * (l + 1) + k;
+                let here = self.slot(s, k);
                 self.written[here] = NOTHING;
                 if lo > hi || s > l - k {
                     continue;
@@ -390,7 +397,7 @@ impl Dp {
                     if s - 1 > l - i - 1 {
                         break;
                     }
-                    let (slo, shi) = self.written[(s - 1) * (l + 1) + i + 1];
+                    let (slo, shi) = self.written[self.slot(s - 1, i + 1)];
                     if slo > shi {
                         continue;
                     }
@@ -408,19 +415,18 @@ impl Dp {
                             continue;
                         }
                         // What the row did not hold yet starts at +inf.
-                        let (wlo, whi) = self.written[here];
-                        let (nlo, nhi) = if wlo > whi {
-                            (from, to)
-                        } else {
-                            (from.min(wlo), to.max(whi))
+                        self.written[here] = match self.written[here] {
+                            (wlo, whi) if wlo <= whi => {
+                                let (nlo, nhi) = (from.min(wlo), to.max(whi));
+                                self.f[row + nlo..row + wlo].fill(f64::INFINITY);
+                                self.f[row + whi + 1..=row + nhi].fill(f64::INFINITY);
+                                (nlo, nhi)
+                            }
+                            _ => {
+                                self.f[row + from..=row + to].fill(f64::INFINITY);
+                                (from, to)
+                            }
                         };
-                        if wlo > whi {
-                            self.f[row + nlo..=row + nhi].fill(f64::INFINITY);
-                        } else {
-                            self.f[row + nlo..row + wlo].fill(f64::INFINITY);
-                            self.f[row + whi + 1..=row + nhi].fill(f64::INFINITY);
-                        }
-                        self.written[here] = (nlo, nhi);
                         // Rows of s - 1 stages precede rows of s stages (see `row`), so the
                         // source lies entirely before the destination row.
                         let (before, from_row) = self.f.split_at_mut(row);
