@@ -908,6 +908,10 @@ pub struct EstimateArgs {
     /// `true` or `false` (default: the runtime's; torchtitan's).
     #[arg(long, value_name = "BOOL")]
     pub eager_elementwise: Option<bool>,
+    /// Transformer Engine's FP8 training (Megatron-LM's `--fp8-format hybrid`): the blocks'
+    /// products with a weight run on the FP8 tensor cores (Hopper or later).
+    #[arg(long)]
+    pub fp8: bool,
     /// Fraction of device memory kept free.
     #[arg(long, default_value_t = autopar_engine::workspace::DEFAULT_MEMORY_HEADROOM)]
     pub memory_headroom: f64,

@@ -392,7 +392,7 @@ pub fn plan(p: &Plan, path: Option<&Path>, trace: Option<&Path>) -> String {
         cluster(&p.cluster),
         e.layout.global_batch,
         p.training.seq,
-        p.training.precision.name()
+        p.training.precision_label()
     );
     spaces(&mut out, p);
     if let Some(ilp) = &p.ilp {

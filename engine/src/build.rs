@@ -984,6 +984,7 @@ fn plan_from(
                 attention: t.options.attention,
                 vocab_multiple: 1,
                 eager_elementwise: t.options.eager_elementwise,
+                fp8: t.options.fp8,
             },
         )
         .map_err(|e| e.to_string())?;

@@ -291,6 +291,9 @@ fn nemo(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<String, 
             "attention_dropout": if c.dropout { json!(0.1) } else { json!(0.0) },
             "make_vocab_size_divisible_by": plan.training.vocab_multiple,
             "gradient_accumulation_fusion": plan.training.grad_accumulation_fusion,
+            "transformer_engine": true,
+            "fp8": plan.training.fp8,
+            "fp8_hybrid": plan.training.fp8,
             "use_flash_attention":
                 plan.training.attention.flash_kernel().is_some(),
             "activations_checkpoint_granularity": granularity,
@@ -394,6 +397,9 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
             f,
             "fp16 training; torchtitan's mixed precision is bfloat16 or float32",
         ));
+    }
+    if plan.training.fp8 {
+        return Err(cannot(f, FP8_OUTSIDE_TE));
     }
     if !plan.training.grad_reduce_in_fp32 && plan.training.precision == Precision::Bf16 {
         return Err(cannot(
@@ -661,9 +667,18 @@ fn deepspeed_layout(l: &LaunchLayout, f: Framework) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// Why a plan training in FP8 exports only to Megatron-LM and NeMo: it is priced as Transformer
+/// Engine runs FP8 (per-tensor scaling, FP8 copies of inputs and weights kept), which those two
+/// run; torchtitan's float8 (torchao) keeps other copies, and DeepSpeed has no FP8 recipe.
+const FP8_OUTSIDE_TE: &str = "FP8 training as Transformer Engine runs it (Megatron-LM and NeMo); \
+     torchtitan's float8 (torchao) keeps other copies and DeepSpeed has no FP8 recipe";
+
 /// DeepSpeed's config JSON.
 fn deepspeed_config(plan: &Plan, def: &ModelDef, l: &LaunchLayout) -> Result<String, EngineError> {
     let f = Framework::Deepspeed;
+    if plan.training.fp8 {
+        return Err(cannot(f, FP8_OUTSIDE_TE));
+    }
     dense_for_deepspeed(plan, def.transformer(), f)?;
     deepspeed_layout(l, f)?;
     let lay = &l.layout;
@@ -700,6 +715,9 @@ fn megatron_deepspeed(
     o: &ExportOptions,
 ) -> Result<String, EngineError> {
     let f = Framework::MegatronDeepspeed;
+    if plan.training.fp8 {
+        return Err(cannot(f, FP8_OUTSIDE_TE));
+    }
     dense_for_deepspeed(plan, Some(c), f)?;
     deepspeed_layout(l, f)?;
     let lay = &l.layout;

@@ -199,6 +199,9 @@ pub fn plan_graph(ws: &Workspace, plan: &Plan) -> Result<Graph, EngineError> {
                 attention: plan.training.attention,
                 vocab_multiple: plan.training.vocab_multiple.max(1).saturating_mul(l.tp),
                 eager_elementwise: plan.training.eager_elementwise,
+                // Every product runs in f32 here, an FP8 plan's too: FP8 changes what a
+                // product costs and keeps, not what the plan computes.
+                fp8: false,
             },
         )
         .map_err(|e| EngineError::Exec(ExecError::Lower(e.to_string())))

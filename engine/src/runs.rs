@@ -41,7 +41,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Every column a runs file may have.
-pub const COLUMNS: [&str; 29] = [
+pub const COLUMNS: [&str; 30] = [
     "model",
     "cluster",
     "tp",
@@ -67,6 +67,7 @@ pub const COLUMNS: [&str; 29] = [
     "overlap_param_gather",
     "fp32_loss",
     "eager_elementwise",
+    "fp8",
     "step_time_s",
     "memory_gib",
     "source",
@@ -475,6 +476,7 @@ fn run(
             overlap_param_gather: flag("overlap_param_gather")?,
             fp32_loss: flag("fp32_loss")?,
             eager_elementwise: flag("eager_elementwise")?,
+            fp8: flag("fp8")?,
         },
         recompute_layers,
         step_time,

@@ -207,6 +207,7 @@ pub(crate) fn lower_model(
         vocab_multiple: DEFAULT_VOCAB_MULTIPLE * devices,
         // Elementwise kernels as the default runtime runs them.
         eager_elementwise: Runtime::default().eager_elementwise(),
+        fp8: false,
     };
     let graph = def
         .lower(name, &opts)

@@ -410,6 +410,8 @@ struct RawTarget {
     #[serde(default)]
     eager_elementwise: Option<bool>,
     #[serde(default)]
+    fp8: Option<Spanned<bool>>,
+    #[serde(default)]
     runtime: Option<Runtime>,
     #[serde(default)]
     vocab_multiple: Option<Positive>,
@@ -1042,8 +1044,24 @@ impl Loader<'_> {
                 overlap_param_gather: t.overlap_param_gather,
                 fp32_loss: t.fp32_loss,
                 eager_elementwise: t.eager_elementwise,
+                fp8: t.fp8.as_ref().map(|f| *f.get_ref()),
             },
         );
+        let device = &clusters[cluster].device;
+        if let Some(f) = t.fp8.as_ref().filter(|f| *f.get_ref())
+            && device.peak_fp8_flops <= 0.0
+        {
+            return Err(self.diag(
+                f.span().start,
+                "target.fp8",
+                format!(
+                    "a cluster whose GPUs have FP8 tensor cores (h100-sxm, h200), or \
+                     `peak_fp8_tflops` in the cluster's overrides; `{}`'s {} have none",
+                    clusters[cluster].name, device.name
+                ),
+                "true",
+            ));
+        }
         options.moe_routing = moe_routing;
         Ok(Target {
             name: t.name.get_ref().clone(),

@@ -92,6 +92,7 @@ fn lower(def: &ModelDef, mb: u64, seq: u64, tp: u64, attention: Attention) -> Gr
             attention,
             vocab_multiple: 8 * tp,
             eager_elementwise: false,
+            fp8: false,
         },
     )
     .expect("lowers")

@@ -29,24 +29,26 @@ pub fn shipped_models() -> Vec<String> {
 /// when `None`; 1024 for a graph file), bf16, flash attention, the vocabulary padded for
 /// `devices`.
 pub fn lower(file: &str, micro_batch: u64, seq: Option<u64>, devices: u64) -> Graph {
-    lower_with(file, micro_batch, seq, devices, false)
+    lower_with(file, micro_batch, seq, devices, false, false)
 }
 
 /// [`lower`], with RMSNorm, RoPE and SwiGLU run as eager PyTorch composites when
-/// `eager_elementwise` (a transformer's option; graph files ignore it).
+/// `eager_elementwise` (a transformer's option; graph files ignore it), and the blocks'
+/// products with a weight in FP8 when `fp8`.
 pub fn lower_with(
     file: &str,
     micro_batch: u64,
     seq: Option<u64>,
     devices: u64,
     eager_elementwise: bool,
+    fp8: bool,
 ) -> Graph {
     let path = repo_root().join("models").join(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     if file.ends_with(".graph.json") {
         let spec = parse_graph_file(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
         return spec
-            .lower(micro_batch, seq.unwrap_or(1024), DType::Bf16)
+            .lower_with(micro_batch, seq.unwrap_or(1024), DType::Bf16, fp8)
             .unwrap_or_else(|e| panic!("{file}: {e}"));
     }
     let cfg = parse_hf_config(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
@@ -59,6 +61,7 @@ pub fn lower_with(
         attention: Attention::Flash,
         vocab_multiple: 128 * devices,
         eager_elementwise,
+        fp8,
     };
     def.lower(file, &opts)
         .unwrap_or_else(|e| panic!("{file}: {e}"))

@@ -323,6 +323,7 @@ fn router_settings_size_the_expert_buffers() {
         attention: Attention::Flash,
         vocab_multiple: 128,
         eager_elementwise: false,
+        fp8: false,
     };
     for (factor, drop, cap) in [(1.0, false, 128), (1.25, true, 160), (1.3, false, 167)] {
         let routed = model

@@ -49,6 +49,7 @@ fn llama_seq(blocks: u64, micro_batch: u64, seq: u64) -> Graph {
                 attention: Attention::Flash,
                 vocab_multiple: 128,
                 eager_elementwise: false,
+                fp8: false,
             },
         )
         .expect("lowers")

@@ -44,6 +44,7 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             overlap_param_gather: a.overlap_param_gather,
             fp32_loss: a.fp32_loss,
             eager_elementwise: a.eager_elementwise,
+            fp8: a.fp8.then_some(true),
         },
     );
     let gpus = cluster.gpus();
@@ -130,7 +131,7 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             "{name} on {}, global batch {} x {seq} tokens, {}\n",
             render::cluster(&cluster),
             a.gbs,
-            opts.precision.name()
+            opts.precision_label()
         );
         out.push_str(&format!(
             "  runtime   {}: {}\n",

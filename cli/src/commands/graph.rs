@@ -31,6 +31,7 @@ pub fn run(session: &Session, a: &GraphArgs) -> Result<(), Failure> {
                 attention,
                 vocab_multiple: 1,
                 eager_elementwise: a.model_options.runtime.eager_elementwise(),
+                fp8: false,
             },
         )
         .map_err(|e| Failure::Input(anyhow::anyhow!("model `{name}`: {e}")))?;

@@ -272,6 +272,12 @@ pub fn flash_kernel_speed(kernel: FlashKernel) -> f64 {
     }
 }
 
+/// The dtype op `op`'s kernel runs in when the model trains in `dtype`: FP8 for an FP8 product
+/// ([`Op::fp8`]), which a profile names as such.
+pub fn kernel_dtype(op: &Op, dtype: DType) -> DType {
+    if op.fp8 { DType::F8 } else { dtype }
+}
+
 /// Roofline time of one kernel on one device: the larger of its compute time (FLOPs at the peak
 /// of the unit it runs on, times that unit's achievable efficiency, times the wave and depth
 /// efficiencies of a matrix product of shape `gemm`, its reduction length being FLOPs / (2
@@ -288,8 +294,14 @@ pub fn kernel_time(
     if flops <= 0.0 && bytes <= 0.0 {
         return 0.0;
     }
+    // An FP8 product runs at the FP8 peak with the efficiency of the device's products: on
+    // H100 cuBLASLt's FP8 GEMM of 8192^3 reaches 1,600-1,630 of 1,979 TFLOP/s (0.81; a public
+    // cross-check report, gitea.d-robotics.cc/han.zhao/test_gpu_scripts,
+    // `reports_cublaslt_fp8_crosscheck_20260524.md`), the fraction mamf-finder's best bf16
+    // shape reaches of the bf16 peak (0.80).
     let tensor_peak = match dtype {
         DType::F32 => device.peak_fp32_flops,
+        DType::F8 => device.peak_fp8_flops,
         _ => device.peak_bf16_flops,
     };
     let rate = match kind {
@@ -314,6 +326,28 @@ pub fn kernel_time(
     let compute = flops / rate;
     let memory = bytes / (device.hbm_bandwidth * device.hbm_efficiency);
     compute.max(memory) + device.kernel_overhead
+}
+
+/// Bytes per element that Transformer Engine's `cast_transpose` moves to cast a 16-bit tensor
+/// to FP8 for a product: the input read (2), the FP8 copy and its transpose written (1 + 1),
+/// the layout the weight-gradient product reads (`fp8_cast_transpose_fused` in TE's linear
+/// layers; Hopper's FP8 products take only the TN layout).
+pub const FP8_CAST_BYTES_PER_ELEMENT: f64 = 4.0;
+
+/// Time of the kernel that casts `elements` elements to FP8 ([`FP8_CAST_BYTES_PER_ELEMENT`])
+/// before an FP8 product reads them: memory-bound, with one launch.
+pub fn fp8_cast_time(elements: f64, device: &Device) -> f64 {
+    if elements <= 0.0 {
+        return 0.0;
+    }
+    kernel_time(
+        OpKind::Transpose,
+        0.0,
+        FP8_CAST_BYTES_PER_ELEMENT * elements,
+        device,
+        DType::Bf16,
+        None,
+    )
 }
 
 /// What accumulating a fresh weight gradient of `elements` elements (`fresh` bytes each)
@@ -517,6 +551,25 @@ mod tests {
     }
 
     #[test]
+    fn fp8_products_run_at_the_fp8_peak_after_a_memory_bound_cast() {
+        let d = preset("h100-sxm").expect("preset");
+        let matmul = OpKind::MatMul { transpose_b: false };
+        let f = 2.0 * 8192f64.powi(3);
+        let bf16 = kernel_time(matmul, f, 0.0, &d, DType::Bf16, None) - d.kernel_overhead;
+        let fp8 = kernel_time(matmul, f, 0.0, &d, DType::F8, None) - d.kernel_overhead;
+        assert!((fp8 - f / (1979e12 * d.matmul_efficiency)).abs() / fp8 < 1e-12);
+        assert!((bf16 / fp8 - 1979.0 / 989.0).abs() < 1e-9);
+        // The cast reads 2 bytes and writes 2 per element (the copy and its transpose).
+        let n = 8192.0 * 8192.0;
+        let cast = fp8_cast_time(n, &d);
+        let expect = 4.0 * n / (3.35e12 * 0.9) + d.kernel_overhead;
+        assert!((cast - expect).abs() / expect < 1e-12);
+        assert_eq!(fp8_cast_time(0.0, &d), 0.0);
+        // A device without FP8 tensor cores has no FP8 peak to run at.
+        assert_eq!(preset("a100-80g").expect("preset").peak_fp8_flops, 0.0);
+    }
+
+    #[test]
     fn eager_composites_move_their_counted_bytes() {
         let op = |kind, pass, eager| Op {
             name: "op".into(),
@@ -528,6 +581,7 @@ mod tests {
             layer: 0,
             attention_core: false,
             eager,
+            fp8: false,
             flops: 0.0,
             grad_of: None,
         };

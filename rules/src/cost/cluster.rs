@@ -18,6 +18,10 @@ pub struct Device {
     pub peak_bf16_flops: f64,
     /// fp32 peak without tensor cores (used for fp32 training and for non-matmul ops), FLOP/s.
     pub peak_fp32_flops: f64,
+    /// Dense FP8 tensor-core peak, FLOP/s; 0 for a device without FP8 tensor cores (before
+    /// Hopper), which cannot train with `fp8`. Absent from plans of earlier versions (0).
+    #[serde(default)]
+    pub peak_fp8_flops: f64,
     /// Memory capacity, bytes.
     pub hbm_bytes: f64,
     /// Memory bandwidth, bytes/s.
@@ -133,6 +137,14 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         doc: "dense bf16/fp16 tensor-core peak",
         domain: Domain::Positive,
         field: |d| &mut d.peak_bf16_flops,
+    },
+    DeviceField {
+        key: "peak_fp8_tflops",
+        unit: "TFLOP/s",
+        scale: 1e12,
+        doc: "dense FP8 tensor-core peak (0: no FP8 tensor cores)",
+        domain: Domain::NonNegative,
+        field: |d| &mut d.peak_fp8_flops,
     },
     DeviceField {
         key: "peak_fp32_tflops",
@@ -297,7 +309,8 @@ pub const HOPPER_MATMUL_EFFICIENCY: f64 = 0.61;
 
 /// A built-in device by name.
 ///
-/// Sources. SM counts, peaks, memory bandwidth and NVLink: NVIDIA A100 and H100/H200 SXM datasheets (NVLink
+/// Sources. SM counts, peaks, memory bandwidth and NVLink: NVIDIA A100 and H100/H200 SXM datasheets (the
+/// FP8 peak is the datasheet's 3,958 TFLOP/s "with sparsity" halved; A100 has no FP8; NVLink
 /// is quoted there as total bidirectional bandwidth: 600 and 900 GB/s, i.e. 300 and 450 GB/s per
 /// direction). Memory capacity: the total `nvidia-smi` reports. The network between nodes is the
 /// cluster's ([`Network`]); the efficiency and latency of collectives over it are the device's.
@@ -331,6 +344,7 @@ pub fn preset(name: &str) -> Option<Device> {
         sm_count: 108.0,
         peak_bf16_flops: 312e12,
         peak_fp32_flops: 19.5e12,
+        peak_fp8_flops: 0.0,
         hbm_bytes: hbm_mib * MIB,
         hbm_bandwidth: hbm_bw,
         nvlink_bandwidth: 300e9,
@@ -350,6 +364,7 @@ pub fn preset(name: &str) -> Option<Device> {
         sm_count: 132.0,
         peak_bf16_flops: 989e12,
         peak_fp32_flops: 67e12,
+        peak_fp8_flops: 1979e12,
         hbm_bytes: hbm_mib * MIB,
         hbm_bandwidth: hbm_bw,
         nvlink_bandwidth: 450e9,
@@ -374,6 +389,7 @@ pub fn preset(name: &str) -> Option<Device> {
             sm_count: 1.0,
             peak_bf16_flops: 120e9,
             peak_fp32_flops: 120e9,
+            peak_fp8_flops: 0.0,
             hbm_bytes: 8.0 * GIB,
             hbm_bandwidth: 30e9,
             nvlink_bandwidth: 5e9,

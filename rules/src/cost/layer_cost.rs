@@ -4,7 +4,8 @@
 
 use crate::canonical::KeyParts;
 use crate::cost::analytic::{
-    Collective, collective_time, gradient_accumulation, kernel_time, op_traffic,
+    Collective, collective_time, fp8_cast_time, gradient_accumulation, kernel_dtype, kernel_time,
+    op_traffic,
 };
 use crate::cost::cluster::{Device, Link};
 use crate::cost::context_parallel::{self, AttentionBytes, CpConfig, CpGroups};
@@ -88,6 +89,10 @@ pub struct LayerCost {
     /// Of those, the routed experts' (reduced and sharded over the expert data-parallel group).
     #[serde(default)]
     pub expert_params: f64,
+    /// Of those, the weights FP8 products read ([`crate::model::graph::Op::fp8`]), whose FP8
+    /// copies the layer also keeps ([`crate::cost::memory::FP8_WEIGHT_COPY_BYTES`]).
+    #[serde(default)]
+    pub fp8_params: f64,
     /// Parameters the layer reads but another layer owns (a tied output embedding), as
     /// (owning layer, elements per device).
     pub borrowed_params: Vec<(usize, f64)>,
@@ -119,6 +124,7 @@ impl LayerCost {
             loss_probs: 0.0,
             params: 0.0,
             expert_params: 0.0,
+            fp8_params: 0.0,
             borrowed_params: Vec::new(),
             input_bytes: 0.0,
         }
@@ -284,6 +290,9 @@ struct CanonicalOp {
     saves: Vec<u32>,
     attention_core: bool,
     eager: bool,
+    // Only when set: a layer without FP8 products keeps the key it always had.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    fp8: bool,
     flops: f64,
 }
 
@@ -369,7 +378,7 @@ impl<'g> LayerCostContext<'g> {
         OpSignature {
             op: kernel_name(op.kind),
             pass: op.pass,
-            dtype: p.kernels.dtype,
+            dtype: kernel_dtype(op, p.kernels.dtype),
             inputs,
             outputs,
         }
@@ -413,8 +422,9 @@ impl<'g> LayerCostContext<'g> {
         kernel + accumulate
     }
 
-    /// The analytic time of op `o`'s kernel, and of the separate accumulation of a fresh
-    /// weight gradient into the gradient buffer when the product does not fuse it.
+    /// The analytic time of op `o`'s kernel, and of the separate kernels it needs: the
+    /// accumulation of a fresh weight gradient into the gradient buffer when the product does
+    /// not fuse it, and an FP8 product's cast of its operand ([`Graph::fp8_cast_operand`]).
     fn kernel_and_accumulation(&self, o: OpId, p: &Pricing<'_>) -> (f64, f64) {
         let g = self.g;
         let op = g.op(o);
@@ -439,13 +449,17 @@ impl<'g> LayerCostContext<'g> {
             bytes += traffic;
             accumulate += separate;
         }
+        if let Some(x) = g.fp8_cast_operand(op) {
+            let elements = tensor_bytes_in_op(g, op, x, tp) / g.tensor(x).dtype.bytes() as f64;
+            accumulate += fp8_cast_time(elements, p.device);
+        }
         let flops = op_device_flops(g, op, tp);
         let kernel = kernel_time(
             op.kind,
             flops,
             bytes,
             p.device,
-            dtype,
+            kernel_dtype(op, dtype),
             gemm_shape(g, op, tp),
         );
         (kernel, accumulate)
@@ -619,6 +633,18 @@ impl<'g> LayerCostContext<'g> {
             .filter(|&&t| g.tensor(t).split.is_expert())
             .map(|&t| stored_elements(g, t, tp))
             .sum();
+        let fp8_weights: Vec<TensorId> = layer
+            .forward
+            .iter()
+            .map(|&o| g.op(o))
+            .filter(|op| op.fp8)
+            .map(|op| op.inputs[1])
+            .collect();
+        c.fp8_params = self.owned[li]
+            .iter()
+            .filter(|t| fp8_weights.contains(t))
+            .map(|&t| stored_elements(g, t, tp))
+            .sum();
         c.borrowed_params = self.borrowed(li, tp);
         (c, reads)
     }
@@ -774,6 +800,7 @@ impl<'g> LayerCostContext<'g> {
                         saves: op.saves.iter().map(|&t| id(t)).collect(),
                         attention_core: op.attention_core,
                         eager: op.eager,
+                        fp8: op.fp8,
                         flops: op.flops,
                     }
                 })
@@ -879,6 +906,7 @@ mod tests {
                 attention: Attention::Flash,
                 vocab_multiple: 8,
                 eager_elementwise: false,
+                fp8: false,
             },
         )
         .expect("lowers")

@@ -45,6 +45,11 @@ impl Precision {
     }
 }
 
+/// Bytes per weight that FP8 training keeps besides the weight itself: Transformer Engine's
+/// linear layers cast each weight to FP8 once per step (on the first micro-batch) and keep the
+/// copy and its transpose for every micro-batch's products (`weight_fp8`, `weight_t_fp8`).
+pub const FP8_WEIGHT_COPY_BYTES: f64 = 2.0;
+
 /// Bytes per parameter that Adam training keeps: working weights, the gradient buffer the
 /// backward accumulates into (and the data-parallel collectives move), and the optimizer's own
 /// states.

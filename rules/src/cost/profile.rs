@@ -464,6 +464,7 @@ fn dtype_name(d: DType) -> &'static str {
         DType::F16 => "f16",
         DType::I32 => "i32",
         DType::U8 => "u8",
+        DType::F8 => "f8",
     }
 }
 
@@ -545,6 +546,7 @@ fn parse_dtype(s: &str) -> Option<DType> {
         "f16" | "fp16" => Some(DType::F16),
         "i32" => Some(DType::I32),
         "u8" => Some(DType::U8),
+        "f8" | "fp8" => Some(DType::F8),
         _ => None,
     }
 }

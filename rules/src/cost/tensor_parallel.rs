@@ -509,6 +509,7 @@ mod tests {
                 attention: Attention::Flash,
                 vocab_multiple: 1,
                 eager_elementwise: false,
+                fp8: false,
             },
         )
         .expect("lowers")

@@ -1,11 +1,11 @@
 //! Prices one layout: step time with its breakdown, throughput, and memory per device per
 //! stage, from the op graph, the cluster and the analytic cost model.
 
-use crate::cost::analytic::{Collective, collective_time, p2p_time};
+use crate::cost::analytic::{Collective, FP8_CAST_BYTES_PER_ELEMENT, collective_time, p2p_time};
 use crate::cost::cluster::{Cluster, GIB, Link};
 use crate::cost::context_parallel::{CpComm, CpConfig, CpGroups, hierarchical_inner};
 use crate::cost::layer_cost::{ExpertLinks, KernelOptions, LayerCost, LayerCostContext, Pricing};
-use crate::cost::memory::{StateBytes, fp32_loss_working, model_states};
+use crate::cost::memory::{FP8_WEIGHT_COPY_BYTES, StateBytes, fp32_loss_working, model_states};
 use crate::cost::profile::Profile;
 use crate::cost::tensor_parallel::{TpConfig, indivisible_sequence, indivisible_split};
 use crate::model::frontend::{Attention, LowerOptions, ModelDef};
@@ -149,6 +149,9 @@ pub struct StageEstimate {
     /// group).
     #[serde(default)]
     pub expert_params: f64,
+    /// Of those, the weights FP8 products read (cast to FP8 once per step, their copies held).
+    #[serde(default)]
+    pub fp8_params: f64,
     /// Memory per device.
     pub memory: MemoryBreakdown,
 }
@@ -440,6 +443,7 @@ impl<'a> Estimator<'a> {
             attention: self.opts.attention,
             vocab_multiple: multiple,
             eager_elementwise: self.opts.eager_elementwise,
+            fp8: self.opts.fp8,
         };
         let routed = self.model.with_routing(self.opts.moe_routing);
         let g = Arc::new(
@@ -577,6 +581,11 @@ impl<'a> Estimator<'a> {
                 degrees,
                 product,
                 gpus: self.cluster.gpus(),
+            });
+        }
+        if self.opts.fp8 && self.cluster.device.peak_fp8_flops <= 0.0 {
+            return Err(LayoutError::Fp8Unsupported {
+                device: self.cluster.device.name.clone(),
             });
         }
         self.check_context_parallel(l)?;
@@ -984,7 +993,7 @@ impl<'a> Estimator<'a> {
             let mut time = StageTime::default();
             let (mut fwd_s, mut bwd_s) = (0.0, 0.0);
             let (mut transient, mut params, mut max_layer_params) = (0.0f64, 0.0, 0.0f64);
-            let mut expert_params = 0.0;
+            let (mut expert_params, mut fp8_params) = (0.0, 0.0);
             let mut blocks = 0;
             let mut stage_chunks = Vec::with_capacity(vu);
             for c in 0..vu {
@@ -1020,6 +1029,7 @@ impl<'a> Estimator<'a> {
                     transient = transient.max(lt.transient);
                     params += lp;
                     expert_params += cost.expert_params;
+                    fp8_params += cost.fp8_params;
                     max_layer_params = max_layer_params.max(lp);
                 }
                 // The output goes to the next virtual stage, the input gradient back to the
@@ -1087,13 +1097,14 @@ impl<'a> Estimator<'a> {
                 0.0
             };
             let workspace = transient + gathered + device.reserved_bytes;
+            let weights = states.weights + fp8_params * FP8_WEIGHT_COPY_BYTES;
             let memory = MemoryBreakdown {
-                weights: states.weights,
+                weights,
                 grads: states.grads,
                 optimizer: states.optimizer,
                 activations,
                 workspace,
-                total: states.weights + states.grads + states.optimizer + activations + workspace,
+                total: weights + states.grads + states.optimizer + activations + workspace,
             };
             stages.push(StageEstimate {
                 index: j,
@@ -1107,6 +1118,7 @@ impl<'a> Estimator<'a> {
                 inflight_microbatches: held as f64 / v as f64,
                 params,
                 expert_params,
+                fp8_params,
                 memory,
             });
         }
@@ -1192,7 +1204,9 @@ impl<'a> Estimator<'a> {
             .map(|s| {
                 let updated =
                     (s.params - s.expert_params) / zero_shard + s.expert_params / expert_shard;
-                updated * precision.optimizer_traffic()
+                // Every rank casts the FP8 weights it computes with, once per step.
+                (updated * precision.optimizer_traffic()
+                    + s.fp8_params * FP8_CAST_BYTES_PER_ELEMENT)
                     / (device.hbm_bandwidth * device.hbm_efficiency)
             })
             .fold(0.0, f64::max);

@@ -745,10 +745,15 @@ fn moe_args(
 /// What the runtime settings of `opts` take on Megatron-LM's command line, where they differ
 /// from its defaults: weight-gradient accumulation fusion (on by default), the gradients'
 /// reduction dtype (bf16 reduces in fp32 unless `--grad-reduce-in-bf16`; fp16 in fp16 unless
-/// `--accumulate-allreduce-grads-in-fp32`), and the data-parallel overlaps (off by default).
+/// `--accumulate-allreduce-grads-in-fp32`), FP8 training (`--fp8-format hybrid`), and the
+/// data-parallel overlaps (off by default).
 fn runtime_args(a: &mut Args, l: &Layout, opts: &TrainingOptions) {
     if !opts.grad_accumulation_fusion {
         a.flag("no-gradient-accumulation-fusion");
+    }
+    // Transformer Engine's FP8 recipe: E4M3 forward, E5M2 gradients.
+    if opts.fp8 {
+        a.kv("fp8-format", "hybrid");
     }
     match (opts.precision, opts.grad_reduce_in_fp32) {
         (Precision::Bf16, false) => a.flag("grad-reduce-in-bf16"),

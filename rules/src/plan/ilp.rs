@@ -50,6 +50,7 @@ pub fn lower_options(
         attention: training.attention,
         vocab_multiple: training.vocab_multiple.max(1).saturating_mul(gpus_per_node),
         eager_elementwise: training.eager_elementwise,
+        fp8: training.fp8,
     }
 }
 

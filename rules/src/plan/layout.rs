@@ -202,12 +202,30 @@ pub struct TrainingOptions {
     /// moves several times the bytes ([`crate::cost::analytic::eager_traffic_factor`]).
     #[serde(default)]
     pub eager_elementwise: bool,
+    /// Transformer Engine's FP8 training (Megatron-LM's `--fp8-format hybrid`, NeMo's
+    /// `fp8: hybrid`): every product of a transformer block with a weight (the attention's
+    /// projections, the MLP's, a routed expert's) runs on the FP8 tensor cores, forward and
+    /// backward, after a cast of its operand; it keeps an FP8 copy of its input for the backward
+    /// pass, and each weight an FP8 copy and its transpose, cast once per step. Embeddings, the
+    /// output layer, attention and the optimizer stay in `precision`. Needs a device with FP8
+    /// tensor cores ([`crate::cost::cluster::Device::peak_fp8_flops`]).
+    #[serde(default)]
+    pub fp8: bool,
 }
 
 impl TrainingOptions {
     /// Bytes per parameter of weights, gradients and optimizer states.
     pub fn state_bytes(&self) -> crate::cost::memory::StateBytes {
         crate::cost::memory::StateBytes::of(self.precision, self.grad_reduce_in_fp32)
+    }
+
+    /// The precision in words: its name, with FP8 products when [`TrainingOptions::fp8`].
+    pub fn precision_label(&self) -> String {
+        if self.fp8 {
+            format!("{} with FP8 products", self.precision.name())
+        } else {
+            self.precision.name().to_string()
+        }
     }
 }
 
@@ -295,6 +313,15 @@ pub enum LayoutError {
     /// ZeRO stage out of range.
     #[error("ZeRO stage {0} does not exist (expected 0, 1, 2 or 3)")]
     ZeroStage(u8),
+    /// FP8 training on a device without FP8 tensor cores.
+    #[error(
+        "fp8 needs FP8 tensor cores (Hopper or later: h100-sxm, h200), and {device} has none \
+         (peak_fp8_tflops = 0)"
+    )]
+    Fp8Unsupported {
+        /// The device.
+        device: String,
+    },
     /// The sequence is longer than the model's position table.
     #[error("sequence length {seq} exceeds the model's maximum of {max}")]
     Sequence {

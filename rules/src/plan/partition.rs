@@ -513,6 +513,7 @@ mod tests {
             moe_routing: Default::default(),
             fp32_loss: false,
             eager_elementwise: false,
+            fp8: false,
         }
     }
 

@@ -51,6 +51,8 @@ pub struct GivenSettings {
     pub fp32_loss: Option<bool>,
     /// RMSNorm, RoPE and SwiGLU run as eager PyTorch composites of elementwise kernels.
     pub eager_elementwise: Option<bool>,
+    /// The blocks' products with a weight run in FP8 ([`TrainingOptions::fp8`]).
+    pub fp8: Option<bool>,
 }
 
 /// A training runtime whose defaults a layout is priced with (Megatron-Core where none is
@@ -184,6 +186,9 @@ impl Runtime {
             moe_routing: Default::default(),
             fp32_loss: given.fp32_loss.unwrap_or(self.fp32_loss()),
             eager_elementwise: given.eager_elementwise.unwrap_or(self.eager_elementwise()),
+            // No runtime trains in FP8 unless asked to (NeMo's and Megatron-LM's recipes
+            // default to bf16; their FP8 runs pass `fp8`).
+            fp8: given.fp8.unwrap_or(false),
         }
     }
 

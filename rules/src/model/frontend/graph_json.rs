@@ -709,7 +709,14 @@ impl GraphSpec {
     /// Instantiates the graph for micro-batch size `b`, sequence length `s` and floating-point
     /// dtype `dtype`, deriving the backward pass.
     pub fn lower(&self, b: u64, s: u64, dtype: DType) -> Result<Graph, FieldError> {
+        self.lower_with(b, s, dtype, false)
+    }
+
+    /// [`GraphSpec::lower`], with the products with a weight of `block` layers on the FP8
+    /// tensor cores when `fp8` ([`GraphBuilder::fp8`]).
+    pub fn lower_with(&self, b: u64, s: u64, dtype: DType, fp8: bool) -> Result<Graph, FieldError> {
         let mut g = GraphBuilder::new(&self.name, b, s);
+        g.fp8(fp8);
         let ids: Vec<_> = self
             .tensors
             .iter()

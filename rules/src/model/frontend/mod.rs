@@ -50,7 +50,9 @@ impl ModelDef {
             ModelDef::Transformer(c) => c
                 .lower(name, opts)
                 .map_err(|e| FieldError::new(e.op, "a well-formed transformer", e.message)),
-            ModelDef::Graph(spec) => spec.lower(opts.micro_batch, opts.seq, opts.dtype),
+            ModelDef::Graph(spec) => {
+                spec.lower_with(opts.micro_batch, opts.seq, opts.dtype, opts.fp8)
+            }
         }
     }
 

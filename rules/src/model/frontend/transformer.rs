@@ -332,6 +332,9 @@ pub struct LowerOptions {
     /// RMSNorm, RoPE and SwiGLU run as eager PyTorch composites of elementwise kernels
     /// ([`crate::plan::layout::TrainingOptions::eager_elementwise`]).
     pub eager_elementwise: bool,
+    /// A transformer block's products with a weight run on the FP8 tensor cores
+    /// ([`crate::plan::layout::TrainingOptions::fp8`]).
+    pub fp8: bool,
 }
 
 impl TransformerConfig {
@@ -428,6 +431,7 @@ impl<'c> Lowering<'c> {
     fn new(c: &'c TransformerConfig, name: &str, o: &LowerOptions) -> Self {
         let mut g = GraphBuilder::new(name, o.micro_batch, o.seq);
         g.eager_elementwise(o.eager_elementwise);
+        g.fp8(o.fp8);
         Lowering {
             c,
             o: *o,

@@ -94,6 +94,8 @@ impl Autodiff<'_> {
             layer: f.layer,
             attention_core: f.attention_core,
             eager: f.eager,
+            // The products of an FP8 linear layer (its input and weight gradients) run in FP8.
+            fp8: f.fp8 && matches!(kind, OpKind::MatMul { .. }),
             flops,
             grad_of: Some(fwd),
         });

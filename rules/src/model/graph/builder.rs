@@ -12,6 +12,7 @@ pub struct GraphBuilder {
     graph: Graph,
     produced: Vec<bool>,
     eager_elementwise: bool,
+    fp8: bool,
 }
 
 impl GraphBuilder {
@@ -28,7 +29,15 @@ impl GraphBuilder {
             },
             produced: Vec::new(),
             eager_elementwise: false,
+            fp8: false,
         }
+    }
+
+    /// Runs the products with a weight that transformer blocks add from now on on the FP8
+    /// tensor cores ([`Op::fp8`]), as Transformer Engine's linear layers do under FP8
+    /// training; embeddings, the output layer and the attention core stay in the graph's dtype.
+    pub fn fp8(&mut self, fp8: bool) {
+        self.fp8 = fp8;
     }
 
     /// Marks the ops added from now on whose kind eager PyTorch runs as a composite of
@@ -127,7 +136,18 @@ impl GraphBuilder {
                 ));
             }
         }
-        let (flops, saves) = self.forward_rules(&name, kind, inputs, outputs)?;
+        let (flops, mut saves) = self.forward_rules(&name, kind, inputs, outputs)?;
+        let fp8 = self.fp8
+            && self.graph.layers[layer].kind == LayerKind::Block
+            && matches!(kind, OpKind::MatMul { .. })
+            && self.t(inputs[1]).kind == TensorKind::Parameter;
+        if fp8 {
+            // Transformer Engine keeps the FP8 copy of the input it cast (its `inputmat` or
+            // `inputmat_t`, one byte per element) for the weight gradient, not the input.
+            for t in saves.iter_mut() {
+                *t = self.implicit(format!("{name}.input_fp8"), *t, DType::F8);
+            }
+        }
         let requires_grad = inputs
             .iter()
             .any(|&t| self.graph.tensors[t.0 as usize].requires_grad);
@@ -151,6 +171,7 @@ impl GraphBuilder {
             layer: layer as u32,
             attention_core: false,
             eager: self.eager_elementwise && kind.has_eager_composite(),
+            fp8,
             flops,
             grad_of: None,
         });

@@ -30,6 +30,9 @@ pub enum DType {
     I32,
     /// Bytes (dropout masks).
     U8,
+    /// An 8-bit float (E4M3 or E5M2): the copies Transformer Engine casts a matrix product's
+    /// operands to under FP8 training ([`Op::fp8`]).
+    F8,
 }
 
 impl DType {
@@ -38,7 +41,7 @@ impl DType {
         match self {
             DType::F32 | DType::I32 => 4,
             DType::Bf16 | DType::F16 => 2,
-            DType::U8 => 1,
+            DType::U8 | DType::F8 => 1,
         }
     }
 }
@@ -307,6 +310,12 @@ pub struct Op {
     /// ([`crate::cost::analytic::eager_traffic_factor`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub eager: bool,
+    /// A matrix product that runs on the FP8 tensor cores (Transformer Engine's linear layers
+    /// under `fp8`: a transformer block's products with a weight, forward and backward): its
+    /// operands are cast to FP8 first ([`Graph::fp8_cast_operand`]) and it keeps an FP8 copy
+    /// of its input for the backward pass instead of the input itself.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fp8: bool,
     /// Floating-point operations of the whole (unsharded) op.
     pub flops: f64,
     /// Backward ops: the forward op they differentiate.
@@ -375,6 +384,21 @@ impl Graph {
     /// The op with this id.
     pub fn op(&self, id: OpId) -> &Op {
         &self.ops[id.0 as usize]
+    }
+
+    /// The operand an FP8 product ([`Op::fp8`]) casts to FP8 in a kernel of its own before it
+    /// runs: the input of a forward product and the output gradient of an input-gradient
+    /// product (Transformer Engine's `cast_transpose`, which also writes the transposed copy
+    /// the weight-gradient product reads); a weight-gradient product reads copies made
+    /// before it. `None` for any other op.
+    pub fn fp8_cast_operand(&self, op: &Op) -> Option<TensorId> {
+        let casts = op.fp8
+            && (op.pass == Pass::Forward
+                || !op
+                    .outputs
+                    .iter()
+                    .any(|&t| self.tensor(t).kind == TensorKind::WeightGradient));
+        casts.then(|| op.inputs.first().copied()).flatten()
     }
 
     /// Whether op `id` makes a weight gradient (a weight-gradient product, a norm's or a

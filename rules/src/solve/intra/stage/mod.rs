@@ -34,10 +34,11 @@ use super::einsum::{DimKind, Einsum, einsum};
 use super::problem::{Assignment, Edge, Problem, Var};
 use super::{exact, ilp};
 use crate::cost::analytic::{
-    Collective, GemmShape, gradient_accumulation, kernel_time, op_traffic,
+    Collective, FP8_CAST_BYTES_PER_ELEMENT, GemmShape, fp8_cast_time, gradient_accumulation,
+    kernel_dtype, kernel_time, op_traffic,
 };
 use crate::cost::cluster::{Device, GIB};
-use crate::cost::memory::{Precision, StateBytes, fp32_loss_working};
+use crate::cost::memory::{FP8_WEIGHT_COPY_BYTES, Precision, StateBytes, fp32_loss_working};
 use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, kernel_name};
 use crate::cost::sharding::{
     AxisSplit, Mesh, Spec, Step, reduce_steps, reshard_steps, steps_time, valid_specs,
@@ -554,6 +555,9 @@ pub struct StageModel<'g> {
     /// consumer: one consumer, in the producer's layer, and never saved for the backward
     /// pass.
     deferred: HashSet<TensorId>,
+    /// The weights the range's FP8 products read: each is cast to FP8 once per step and its
+    /// FP8 copies held ([`crate::cost::memory::FP8_WEIGHT_COPY_BYTES`]).
+    fp8_weights: HashSet<TensorId>,
     problem: Problem,
 }
 
@@ -653,6 +657,12 @@ impl<'g> StageModel<'g> {
             forced: Vec::new(),
             produced: HashMap::new(),
             deferred: deferred_reductions(graph, &ops),
+            fp8_weights: ops
+                .iter()
+                .map(|&o| graph.op(o))
+                .filter(|op| op.fp8 && op.pass == Pass::Forward)
+                .map(|op| op.inputs[1])
+                .collect(),
             problem: Problem {
                 vars: Vec::new(),
                 edges: Vec::new(),
@@ -1084,7 +1094,7 @@ impl<'g> StageModel<'g> {
             let sig = OpSignature {
                 op: kernel_name(op.kind),
                 pass: op.pass,
-                dtype: self.opts.precision.dtype(),
+                dtype: kernel_dtype(op, self.opts.precision.dtype()),
                 inputs: tiles(&op.inputs, &inputs),
                 outputs: tiles(&op.outputs, &outputs),
             };
@@ -1096,10 +1106,14 @@ impl<'g> StageModel<'g> {
                 op.flops / parts as f64,
                 traffic,
                 &self.device,
-                self.opts.precision.dtype(),
+                kernel_dtype(op, self.opts.precision.dtype()),
                 gemm,
             )
         });
+        if let Some(x) = g.fp8_cast_operand(op) {
+            let elements = tile_bytes(x) / g.tensor(x).dtype.bytes() as f64;
+            accumulate += fp8_cast_time(elements, &self.device);
+        }
         let compute = kernel + accumulate;
         let mut comm = Vec::new();
         let mut partial = partial;
@@ -1710,10 +1724,15 @@ impl<'g> StageModel<'g> {
         let so = o.tiles(&self.mesh) as f64;
         let sw = w.tiles(&self.mesh) as f64;
         let (update, gather) = self.param_times(p, c);
+        let copies = if self.fp8_weights.contains(&p.tensor) {
+            FP8_WEIGHT_COPY_BYTES
+        } else {
+            0.0
+        };
         (
             update + gather,
             StageMemory {
-                weights: elements * wb / sw,
+                weights: elements * (wb + copies) / sw,
                 optimizer: elements * ob / so,
                 ..StageMemory::default()
             },
@@ -1726,9 +1745,13 @@ impl<'g> StageModel<'g> {
         let (w, o) = &p.choices[c];
         let elements = self.graph.tensor(p.tensor).elements() as f64;
         let wb = self.opts.state_bytes().weights;
-        let update = elements * self.opts.precision.optimizer_traffic()
-            / o.tiles(&self.mesh) as f64
-            / (self.device.hbm_bandwidth * self.device.hbm_efficiency);
+        let mut traffic =
+            elements * self.opts.precision.optimizer_traffic() / o.tiles(&self.mesh) as f64;
+        if self.fp8_weights.contains(&p.tensor) {
+            // Every device casts the working weight it computes with, once per step.
+            traffic += elements * FP8_CAST_BYTES_PER_ELEMENT / w.tiles(&self.mesh) as f64;
+        }
+        let update = traffic / (self.device.hbm_bandwidth * self.device.hbm_efficiency);
         let gather = steps_time(&self.measured(reshard_steps(elements * wb, o, w, &self.mesh)));
         (update, gather)
     }
