@@ -1385,7 +1385,14 @@ fn signed_percent(x: f64) -> String {
 
 /// A layout in a table cell: the degrees, then only the knobs that differ from their default.
 fn layout_cell(l: &Layout) -> String {
-    let mut s = format!("tp{} pp{} dp{} mb{}", l.tp, l.pp, l.dp, l.micro_batch);
+    let mut s = format!("tp{}", l.tp);
+    if l.cp > 1 {
+        let _ = write!(s, " cp{}", l.cp);
+    }
+    if l.ep > 1 {
+        let _ = write!(s, " ep{}", l.ep);
+    }
+    let _ = write!(s, " pp{} dp{} mb{}", l.pp, l.dp, l.micro_batch);
     if l.interleave > 1 {
         let _ = write!(s, " v{}", l.interleave);
     }

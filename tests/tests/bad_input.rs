@@ -52,7 +52,7 @@ fn unknown_key() {
         "workspace.toml:21:1: field `target.batch`: expected one of `name`, `model`, \
          `cluster`, `global_batch`, `seq_len`, `precision`, `memory_headroom`, `attention`, \
          `moe_capacity_factor`, `moe_load_imbalance`, `grad_accumulation_fusion`, `grad_reduce_in_fp32`, `overlap_grad_reduce`, \
-         `overlap_param_gather`, `fp32_loss`, `eager_elementwise`, `runtime`, `vocab_multiple`, `space`, `solver`, `search`, `profiles`, \
+         `overlap_param_gather`, `fp32_loss`, `eager_elementwise`, `fp8`, `runtime`, `vocab_multiple`, `space`, `solver`, `search`, `profiles`, \
          found unknown field `batch`",
     );
 }
@@ -182,7 +182,7 @@ fn unknown_device_override() {
         "gpus_per_node = 8",
         "gpus_per_node = 8\noverrides = { nvlink = 900 }",
         "workspace.toml:14:24: field `cluster.overrides.nvlink`: expected one of sm_count, \
-         peak_bf16_tflops, peak_fp32_tflops, hbm_gib, hbm_tbps, nvlink_gbps, \
+         peak_bf16_tflops, peak_fp8_tflops, peak_fp32_tflops, hbm_gib, hbm_tbps, nvlink_gbps, \
          nvlink_latency_us, internode_latency_us, matmul_efficiency, gemm_pipeline_depth, \
          attention_efficiency, hbm_efficiency, nvlink_efficiency, internode_efficiency, kernel_overhead_us, \
          reserved_gib, found unknown field `nvlink`",

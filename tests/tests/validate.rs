@@ -207,6 +207,79 @@ fn shipped_datasets_are_priced_as_estimate_prices_them() {
     assert!(number(&korthikanti["mean_abs_error"]) <= 0.10);
 }
 
+/// NeMo's published FP8 runs on DGX H100 (NeMo 24.09): each is priced as `estimate --fp8`
+/// prices its layout with the nemo runtime and bf16 gradients, the step times follow from the
+/// published tokens per second, and the dataset meets the time goal (a mean |error| of at most
+/// 10%). Without FP8 products every run would be predicted slower.
+#[test]
+fn nemo_fp8_runs_are_priced_with_fp8_products() {
+    let ws = TempWorkspace::default_copy();
+    let v = validate(&ws, &dataset("nemo-h100-fp8.csv"));
+    let runs = v["runs"].as_array().expect("runs");
+    // (model, GPUs, gbs, mbs, seq, tp, pp, cp, vp, tokens/s/GPU): the 24.09 table.
+    let published = [
+        ("gpt3-5b", 64u64, 2048u64, 4u64, 2048u64, 1u64, 1u64, 1u64, 1u64, 23406.0),
+        ("gpt3-20b", 64, 256, 2, 2048, 2, 1, 1, 1, 5851.0),
+        ("gpt3-175b", 128, 256, 1, 2048, 4, 8, 1, 6, 716.0),
+        ("gpt3-175b", 512, 2048, 2, 2048, 4, 8, 1, 6, 825.0),
+        ("llama2-7b", 8, 128, 1, 4096, 1, 1, 1, 1, 16934.0),
+        ("llama2-13b", 16, 128, 1, 4096, 1, 4, 1, 10, 8715.0),
+        ("llama2-70b", 64, 128, 1, 4096, 4, 4, 1, 20, 1728.0),
+        ("llama3-8b", 8, 128, 1, 8192, 1, 1, 2, 1, 12273.0),
+        ("llama3-70b", 64, 128, 1, 8192, 4, 4, 2, 5, 1524.0),
+    ];
+    assert_eq!(runs.len(), published.len());
+    for (run, (model, gpus, gbs, mbs, seq, tp, pp, cp, vp, tps)) in runs.iter().zip(published) {
+        let got = number(&run["measured_step_time_s"]);
+        let want = (gbs * seq) as f64 / (tps * gpus as f64);
+        assert!((got / want - 1.0).abs() < 1e-3, "{model}: {got} vs {want}");
+        let mut args: Vec<String> = [
+            "--model",
+            &format!("models/{model}.json"),
+            "--cluster",
+            &format!("dgx-h100:{}", gpus / 8),
+            "--tp",
+            &tp.to_string(),
+            "--pp",
+            &pp.to_string(),
+            "--cp",
+            &cp.to_string(),
+            "--vp",
+            &vp.to_string(),
+            "--mbs",
+            &mbs.to_string(),
+            "--gbs",
+            &gbs.to_string(),
+            "--seq",
+            &seq.to_string(),
+            "--zero",
+            "1",
+            "--runtime",
+            "nemo",
+            "--grad-reduce-in-fp32",
+            "false",
+            "--memory-headroom",
+            "0",
+        ]
+        .map(String::from)
+        .to_vec();
+        if tp > 1 {
+            args.push("--sp".into());
+        }
+        let bf16 = estimate_time(&ws, &args);
+        args.push("--fp8".into());
+        let predicted = number(&run["predicted_step_time_s"]);
+        assert_eq!(predicted, estimate_time(&ws, &args), "{model} on {gpus} GPUs");
+        assert!(predicted < bf16, "{model} on {gpus} GPUs: FP8 is no faster");
+    }
+    println!(
+        "nemo-h100-fp8: mean |time error| {:.1}%",
+        number(&v["mean_abs_error"]) * 100.0
+    );
+    assert_eq!(v["oom_agreement"], 1.0);
+    assert!(number(&v["mean_abs_error"]) <= 0.10);
+}
+
 /// torchtitan's H100 runs publish peak memory: each is predicted with torchtitan's unfused
 /// fp32 loss, whose backward holds two fp32 logit-sized gradients beside the saved
 /// log-probabilities, and lands within 15% of the measured peak (12% below it today: the
