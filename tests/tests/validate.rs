@@ -218,7 +218,9 @@ fn nemo_fp8_runs_are_priced_with_fp8_products() {
     let runs = v["runs"].as_array().expect("runs");
     // (model, GPUs, gbs, mbs, seq, tp, pp, cp, vp, tokens/s/GPU): the 24.09 table.
     let published = [
-        ("gpt3-5b", 64u64, 2048u64, 4u64, 2048u64, 1u64, 1u64, 1u64, 1u64, 23406.0),
+        (
+            "gpt3-5b", 64u64, 2048u64, 4u64, 2048u64, 1u64, 1u64, 1u64, 1u64, 23406.0,
+        ),
         ("gpt3-20b", 64, 256, 2, 2048, 2, 1, 1, 1, 5851.0),
         ("gpt3-175b", 128, 256, 1, 2048, 4, 8, 1, 6, 716.0),
         ("gpt3-175b", 512, 2048, 2, 2048, 4, 8, 1, 6, 825.0),
@@ -269,7 +271,11 @@ fn nemo_fp8_runs_are_priced_with_fp8_products() {
         let bf16 = estimate_time(&ws, &args);
         args.push("--fp8".into());
         let predicted = number(&run["predicted_step_time_s"]);
-        assert_eq!(predicted, estimate_time(&ws, &args), "{model} on {gpus} GPUs");
+        assert_eq!(
+            predicted,
+            estimate_time(&ws, &args),
+            "{model} on {gpus} GPUs"
+        );
         assert!(predicted < bf16, "{model} on {gpus} GPUs: FP8 is no faster");
     }
     println!(
