@@ -1458,7 +1458,11 @@ pub fn validation(file: &Path, v: &autopar_engine::validate::Validation) -> Stri
                 None => layout_cell(&r.layout),
             },
             r.seq,
-            r.runtime,
+            if r.fp8 {
+                format!("{} fp8", r.runtime)
+            } else {
+                r.runtime.to_string()
+            },
             measured,
             predicted,
             r.time_error.map_or_else(|| "-".into(), signed_percent),

@@ -34,6 +34,8 @@ pub struct RunCheck {
     pub seq: u64,
     /// Runtime preset.
     pub runtime: &'static str,
+    /// Trained with FP8 products.
+    pub fp8: bool,
     /// Measured step time, s (`None`: out of memory).
     pub measured_step_time_s: Option<f64>,
     /// Predicted step time, s.
@@ -196,6 +198,7 @@ pub(crate) fn check(
         recompute_layers: r.recompute_layers,
         seq: opts.seq,
         runtime: r.runtime.name(),
+        fp8: opts.fp8,
         measured_step_time_s: measured,
         predicted_step_time_s: e.step_time_s,
         time_error: measured.map(|m| relative_error(e.step_time_s, m)),

@@ -370,3 +370,39 @@ fn what_a_framework_lacks_is_named_never_dropped() {
         unbuilt.stderr
     );
 }
+
+#[test]
+fn fp8_plans_export_where_transformer_engine_runs_them() {
+    let ws = TempWorkspace::default_copy();
+    let mut toml = ws.read("workspace.toml");
+    toml.push_str(
+        "\n[[target]]\nname = \"fp8\"\nmodel = \"tiny-llama\"\ncluster = \"dgx-h100-1\"\n\
+         global_batch = 48\nseq_len = 128\nspace = \"megatron\"\nfp8 = true\n[target.search]\n\
+         tp = [2]\npp = [2]\ninterleave = [1]\nsequence_parallel = [true]\nzero = [0]\n\
+         micro_batch = [2]\nrecompute = [\"full\"]\n",
+    );
+    ws.write("workspace.toml", &toml);
+    let b = ws.run(&["build", "fp8"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let m = export(&ws, "fp8", "megatron");
+    assert_eq!(m.code, 0, "{}", m.stderr);
+    assert_eq!(arg(&m.stdout, "fp8-format"), Some("hybrid"), "{}", m.stdout);
+    assert!(has_flag(&m.stdout, "bf16"), "{}", m.stdout);
+    let n = export(&ws, "fp8", "nemo");
+    assert_eq!(n.code, 0, "{}", n.stderr);
+    let y: Value = yaml_serde::from_str(&n.stdout).expect("YAML");
+    assert_eq!(y["model"]["fp8"], true);
+    assert_eq!(y["model"]["fp8_hybrid"], true);
+    assert_eq!(y["model"]["transformer_engine"], true);
+    for f in ["torchtitan", "deepspeed", "megatron-deepspeed"] {
+        let r = export(&ws, "fp8", f);
+        assert_eq!(r.code, 1, "{f}: {}", r.stdout);
+        assert!(
+            r.stderr.contains(&format!(
+                "{f} cannot express this plan: FP8 training as Transformer Engine runs it"
+            )),
+            "{f}: {}",
+            r.stderr
+        );
+    }
+}
