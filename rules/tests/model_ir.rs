@@ -283,3 +283,55 @@ fn fp8_blocks_keep_one_byte_copies_of_their_products_inputs() {
         costs(&g, 1, false)[head].saved
     );
 }
+
+#[test]
+fn fp8_routed_experts_run_their_grouped_products_in_fp8() {
+    use autopar_rules::model::frontend::MoeConfig;
+    use autopar_rules::model::graph::{OpKind, TensorKind};
+    let mut c = gpt(256, 4, false);
+    c.moe = Some(MoeConfig {
+        experts: 4,
+        top_k: 2,
+        expert_ffn: 512,
+        shared_ffn: 0,
+        dense_layers: 0,
+        router_bias: false,
+        routing: Default::default(),
+    });
+    let opts = LowerOptions {
+        micro_batch: 1,
+        seq: 128,
+        dtype: DType::Bf16,
+        attention: Attention::Flash,
+        vocab_multiple: 1,
+        eager_elementwise: false,
+        fp8: true,
+    };
+    let g = c.lower("moe", &opts).expect("lowers");
+    let forward: Vec<_> = g
+        .ops
+        .iter()
+        .filter(|op| op.fp8 && op.pass == autopar_rules::model::graph::Pass::Forward)
+        .collect();
+    // Per block: the query/key/value and output projections and the experts' two grouped
+    // products; not the router (Megatron-Core's is no TE layer), nor the attention core's
+    // batched products, which read no weight.
+    assert!(forward.iter().any(|op| op.name.ends_with("experts.fc1")));
+    assert!(forward.iter().any(|op| op.name.ends_with("experts.fc2")));
+    assert!(forward.iter().all(|op| !op.name.ends_with("router")));
+    assert_eq!(forward.len(), 4 * c.layers as usize);
+    assert!(
+        g.ops
+            .iter()
+            .all(|op| !op.fp8
+                || matches!(op.kind, OpKind::MatMul { .. } | OpKind::BatchMatMul { .. }))
+    );
+    for op in &forward {
+        // What an FP8 product keeps is its input's one-byte copy, never a weight.
+        for &t in &op.saves {
+            let tensor = g.tensor(t);
+            assert_eq!(tensor.kind, TensorKind::Activation, "{}", op.name);
+            assert_eq!(tensor.dtype, DType::F8, "{}", op.name);
+        }
+    }
+}

@@ -1019,12 +1019,16 @@ impl<'c> Lowering<'c> {
         if m.router_bias {
             inputs.push(self.param(format!("{p}.router.bias"), vec![e], Split::None));
         }
+        // Megatron-Core's router is a plain linear layer, not Transformer Engine's: it stays in
+        // the model's dtype under FP8.
+        self.g.fp8(false);
         self.g.op(
             format!("{p}.router"),
             OpKind::MatMul { transpose_b: false },
             &inputs,
             &[scores],
         )?;
+        self.g.fp8(self.o.fp8);
         let gates = self.g.tensor(
             format!("{p}.router.gates"),
             vec![b, s, k],

@@ -95,7 +95,7 @@ impl Autodiff<'_> {
             attention_core: f.attention_core,
             eager: f.eager,
             // The products of an FP8 linear layer (its input and weight gradients) run in FP8.
-            fp8: f.fp8 && matches!(kind, OpKind::MatMul { .. }),
+            fp8: f.fp8 && kind.is_matmul(),
             flops,
             grad_of: Some(fwd),
         });

@@ -139,13 +139,15 @@ impl GraphBuilder {
         let (flops, mut saves) = self.forward_rules(&name, kind, inputs, outputs)?;
         let fp8 = self.fp8
             && self.graph.layers[layer].kind == LayerKind::Block
-            && matches!(kind, OpKind::MatMul { .. })
+            && kind.is_matmul()
             && self.t(inputs[1]).kind == TensorKind::Parameter;
         if fp8 {
             // Transformer Engine keeps the FP8 copy of the input it cast (its `inputmat` or
             // `inputmat_t`, one byte per element) for the weight gradient, not the input.
             for t in saves.iter_mut() {
-                *t = self.implicit(format!("{name}.input_fp8"), *t, DType::F8);
+                if self.t(*t).kind == TensorKind::Activation {
+                    *t = self.implicit(format!("{name}.input_fp8"), *t, DType::F8);
+                }
             }
         }
         let requires_grad = inputs
