@@ -398,9 +398,7 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
             "fp16 training; torchtitan's mixed precision is bfloat16 or float32",
         ));
     }
-    if plan.training.fp8 {
-        return Err(cannot(f, FP8_OUTSIDE_TE));
-    }
+    refuse_fp8(plan, f)?;
     if !plan.training.grad_reduce_in_fp32 && plan.training.precision == Precision::Bf16 {
         return Err(cannot(
             f,
@@ -667,18 +665,24 @@ fn deepspeed_layout(l: &LaunchLayout, f: Framework) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// Why a plan training in FP8 exports only to Megatron-LM and NeMo: it is priced as Transformer
-/// Engine runs FP8 (per-tensor scaling, FP8 copies of inputs and weights kept), which those two
-/// run; torchtitan's float8 (torchao) keeps other copies, and DeepSpeed has no FP8 recipe.
-const FP8_OUTSIDE_TE: &str = "FP8 training as Transformer Engine runs it (Megatron-LM and NeMo); \
-     torchtitan's float8 (torchao) keeps other copies and DeepSpeed has no FP8 recipe";
+/// Refuses a plan training in FP8 for framework `f`: it is priced as Transformer Engine runs
+/// FP8 (per-tensor scaling, FP8 copies of inputs and weights kept), which only Megatron-LM and
+/// NeMo run; torchtitan's float8 (torchao) keeps other copies, and DeepSpeed has no FP8 recipe.
+fn refuse_fp8(plan: &Plan, f: Framework) -> Result<(), EngineError> {
+    if plan.training.fp8 {
+        return Err(cannot(
+            f,
+            "FP8 training as Transformer Engine runs it (Megatron-LM and NeMo); torchtitan's \
+             float8 (torchao) keeps other copies and DeepSpeed has no FP8 recipe",
+        ));
+    }
+    Ok(())
+}
 
 /// DeepSpeed's config JSON.
 fn deepspeed_config(plan: &Plan, def: &ModelDef, l: &LaunchLayout) -> Result<String, EngineError> {
     let f = Framework::Deepspeed;
-    if plan.training.fp8 {
-        return Err(cannot(f, FP8_OUTSIDE_TE));
-    }
+    refuse_fp8(plan, f)?;
     dense_for_deepspeed(plan, def.transformer(), f)?;
     deepspeed_layout(l, f)?;
     let lay = &l.layout;
@@ -715,9 +719,7 @@ fn megatron_deepspeed(
     o: &ExportOptions,
 ) -> Result<String, EngineError> {
     let f = Framework::MegatronDeepspeed;
-    if plan.training.fp8 {
-        return Err(cannot(f, FP8_OUTSIDE_TE));
-    }
+    refuse_fp8(plan, f)?;
     dense_for_deepspeed(plan, Some(c), f)?;
     deepspeed_layout(l, f)?;
     let lay = &l.layout;

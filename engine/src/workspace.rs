@@ -1049,7 +1049,7 @@ impl Loader<'_> {
         );
         let device = &clusters[cluster].device;
         if let Some(f) = t.fp8.as_ref().filter(|f| *f.get_ref())
-            && device.peak_fp8_flops <= 0.0
+            && !device.has_fp8()
         {
             return Err(self.diag(
                 f.span().start,

@@ -55,6 +55,12 @@ pub struct Device {
 }
 
 impl Device {
+    /// Whether the device has FP8 tensor cores ([`Device::peak_fp8_flops`]): what training with
+    /// `fp8` needs.
+    pub fn has_fp8(&self) -> bool {
+        self.peak_fp8_flops > 0.0
+    }
+
     /// The device without its name and link numbers: what a result that reads the links
     /// only through a [`Link`] of its own depends on, so that a change
     /// to the network leaves the results of single-node groups as they were.

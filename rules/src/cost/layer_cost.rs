@@ -636,9 +636,7 @@ impl<'g> LayerCostContext<'g> {
         let fp8_weights: Vec<TensorId> = layer
             .forward
             .iter()
-            .map(|&o| g.op(o))
-            .filter(|op| op.fp8)
-            .map(|op| op.inputs[1])
+            .filter_map(|&o| g.fp8_weight(g.op(o)))
             .collect();
         c.fp8_params = self.owned[li]
             .iter()

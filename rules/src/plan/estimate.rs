@@ -583,7 +583,7 @@ impl<'a> Estimator<'a> {
                 gpus: self.cluster.gpus(),
             });
         }
-        if self.opts.fp8 && self.cluster.device.peak_fp8_flops <= 0.0 {
+        if self.opts.fp8 && !self.cluster.device.has_fp8() {
             return Err(LayoutError::Fp8Unsupported {
                 device: self.cluster.device.name.clone(),
             });

@@ -401,6 +401,14 @@ impl Graph {
         casts.then(|| op.inputs.first().copied()).flatten()
     }
 
+    /// The weight a forward FP8 product ([`Op::fp8`]) reads, whose FP8 copy and transpose are
+    /// kept between micro-batches and cast once per step. `None` for any other op.
+    pub fn fp8_weight(&self, op: &Op) -> Option<TensorId> {
+        (op.fp8 && op.pass == Pass::Forward)
+            .then(|| op.inputs.get(1).copied())
+            .flatten()
+    }
+
     /// Whether op `id` makes a weight gradient (a weight-gradient product, a norm's or a
     /// bias's backward).
     pub fn makes_weight_gradient(&self, id: OpId) -> bool {

@@ -659,9 +659,7 @@ impl<'g> StageModel<'g> {
             deferred: deferred_reductions(graph, &ops),
             fp8_weights: ops
                 .iter()
-                .map(|&o| graph.op(o))
-                .filter(|op| op.fp8 && op.pass == Pass::Forward)
-                .map(|op| op.inputs[1])
+                .filter_map(|&o| graph.fp8_weight(graph.op(o)))
                 .collect(),
             problem: Problem {
                 vars: Vec::new(),
