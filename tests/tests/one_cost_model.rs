@@ -174,19 +174,9 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
                             ("backward", plan.backward, backward),
                             ("working memory", plan.memory.working, lc.grad_working),
                             ("working memory, fp32 loss", fp32.memory.working, working),
-                            // Under sequence parallelism the pinned problem counts a
-                            // column-parallel product's saved input as it reads it (gathered),
-                            // where Megatron-LM keeps the shard and gathers it again for the
-                            // weight gradient, as both price the time: compared without SP.
-                            (
-                                "saved activations",
-                                if sp {
-                                    lc.saved
-                                } else {
-                                    plan.memory.activations
-                                },
-                                lc.saved,
-                            ),
+                            // Under sequence parallelism both keep a column-parallel
+                            // product's input as its sequence shard.
+                            ("saved activations", plan.memory.activations, lc.saved),
                         ] {
                             let rel = (ilp - megatron).abs() / megatron;
                             if rel >= worst.0 {

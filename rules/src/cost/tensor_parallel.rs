@@ -32,7 +32,7 @@
 //! `C x ep x etp / t` tokens per expert (`C`: an expert's tokens in the graph's micro-batch).
 
 use crate::cost::analytic::{Collective, GemmShape};
-use crate::model::graph::{Graph, Op, OpKind, Split, TensorId, TensorKind};
+use crate::model::graph::{DType, Graph, Op, OpKind, Split, TensorId, TensorKind};
 
 /// Tensor-parallel configuration of a stage, with the expert layout of its MoE layers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -343,7 +343,13 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
                     push(reduce(x), bytes(x), Phase::Backward);
                 }
                 if gathered && g.tensor(w).requires_grad {
-                    push(Collective::AllGather, bytes(x), Phase::BackwardOverlapped);
+                    // Transformer Engine keeps an FP8 product's input as its FP8 shard and
+                    // gathers that (one byte per element) for the weight gradient.
+                    let saved = match g.fp8_saved_operand(op) {
+                        Some(x) => g.tensor(x).elements() as f64 * DType::F8.bytes() as f64,
+                        None => bytes(x),
+                    };
+                    push(Collective::AllGather, saved, Phase::BackwardOverlapped);
                 }
             } else if row {
                 push(reduce(y), bytes(y), Phase::Forward);

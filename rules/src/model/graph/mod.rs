@@ -401,6 +401,24 @@ impl Graph {
         casts.then(|| op.inputs.first().copied()).flatten()
     }
 
+    /// The activation an FP8 product ([`Op::fp8`]) reads that its forward product keeps as an
+    /// FP8 copy (one byte per element): the input of the forward product, which the
+    /// weight-gradient product reads back from that copy (under sequence parallelism it
+    /// gathers the copy's shard, as Transformer Engine's `_Linear` does). `None` for any
+    /// other op.
+    pub fn fp8_saved_operand(&self, op: &Op) -> Option<TensorId> {
+        let x = *op.inputs.first()?;
+        let wgrad = op.pass == Pass::Backward
+            && op
+                .outputs
+                .iter()
+                .any(|&t| self.tensor(t).kind == TensorKind::WeightGradient);
+        (op.fp8
+            && (op.pass == Pass::Forward || wgrad)
+            && self.tensor(x).kind == TensorKind::Activation)
+            .then_some(x)
+    }
+
     /// The weight a forward FP8 product ([`Op::fp8`]) reads, whose FP8 copy and transpose are
     /// kept between micro-batches and cast once per step. `None` for any other op.
     pub fn fp8_weight(&self, op: &Op) -> Option<TensorId> {

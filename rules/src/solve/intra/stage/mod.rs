@@ -43,7 +43,7 @@ use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, kernel_nam
 use crate::cost::sharding::{
     AxisSplit, Mesh, Spec, Step, reduce_steps, reshard_steps, steps_time, valid_specs,
 };
-use crate::model::graph::{Graph, OpId, OpKind, Pass, TensorId, TensorKind};
+use crate::model::graph::{DType, Graph, OpId, OpKind, Pass, TensorId, TensorKind};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -468,7 +468,6 @@ struct Realized {
     partial: Vec<u8>,
     compute: f64,
     comm: Vec<(Step, Reason, TensorId)>,
-    activations: f64,
     gradients: f64,
     /// The backward transient of the op: its largest activation-gradient output, or the
     /// unfused fp32 loss's two working tensors.
@@ -518,6 +517,16 @@ struct Flow {
     overlapped: bool,
 }
 
+/// An activation saved for the backward pass, held as `at` gives it: as its producer made it
+/// (or as it entered the range), or as an opaque op read it. Megatron-LM's column-parallel
+/// products under sequence parallelism keep their input's sequence shard and gather it again
+/// for the weight gradient (`LinearWithGradAccumulationAndAsyncCommunication`; Korthikanti et
+/// al. 2022 §4.2.2), which is what every backward read, a flow from the producer, prices.
+struct Saved {
+    tensor: TensorId,
+    at: Producer,
+}
+
 struct WeightUse {
     param: usize,
     to: usize,
@@ -541,6 +550,7 @@ pub struct StageModel<'g> {
     params: Vec<ParamNode>,
     sources: Vec<SourceNode>,
     flows: Vec<Flow>,
+    saved: Vec<Saved>,
     uses: Vec<WeightUse>,
     syncs: Vec<GradSync>,
     var_sizes: Vec<usize>,
@@ -650,6 +660,7 @@ impl<'g> StageModel<'g> {
             params: Vec::new(),
             sources: Vec::new(),
             flows: Vec::new(),
+            saved: Vec::new(),
             uses: Vec::new(),
             syncs: Vec::new(),
             var_sizes: Vec::new(),
@@ -682,6 +693,21 @@ impl<'g> StageModel<'g> {
                 }
             }
         }
+        // Transformer Engine's FP8 copy of a product's input, and that input: the copy is held
+        // as the input was made, a sequence shard under sequence parallelism (TE's `_Linear`
+        // saves the quantized shard and gathers it for the weight gradient).
+        let copy_of: HashMap<TensorId, TensorId> = ops
+            .iter()
+            .map(|&o| graph.op(o))
+            .filter(|op| op.pass == Pass::Forward)
+            .filter_map(|op| graph.fp8_saved_operand(op).map(|x| (op, x)))
+            .flat_map(|(op, x)| {
+                op.saves
+                    .iter()
+                    .filter(|&&t| graph.tensor(t).dtype == DType::F8)
+                    .map(move |&t| (t, x))
+            })
+            .collect();
         let mut produced: HashMap<TensorId, (usize, usize)> = HashMap::new();
         // Per forward op, the nodes of its input-gradient ops, in order (`sibling_read`).
         let mut input_grads: HashMap<OpId, Vec<usize>> = HashMap::new();
@@ -714,9 +740,7 @@ impl<'g> StageModel<'g> {
                     let realized: Vec<Realized> = model.nodes[p]
                         .realized
                         .iter()
-                        .map(|r| {
-                            model.realize(n, o, &saver, Some(e), &model.derive(o, e, &r.outputs[j]))
-                        })
+                        .map(|r| model.realize(o, Some(e), &model.derive(o, e, &r.outputs[j])))
                         .collect();
                     (var, Some(p), realized)
                 }
@@ -728,12 +752,7 @@ impl<'g> StageModel<'g> {
                     let realized: Vec<Realized> = assigns
                         .iter()
                         .flat_map(|a| {
-                            model.scattered(
-                                o,
-                                &saver,
-                                n,
-                                model.realize(n, o, &saver, e.as_ref(), a),
-                            )
+                            model.scattered(o, &saver, n, model.realize(o, e.as_ref(), a))
                         })
                         .collect();
                     let var = model.var_sizes.len();
@@ -781,24 +800,9 @@ impl<'g> StageModel<'g> {
                         input: i,
                     });
                 } else {
-                    let from = match (model.sibling_read(o, t, &input_grads), produced.get(&t)) {
-                        (Some(copy), _) => copy,
-                        (None, Some(&(p, j))) => Producer::Op(p, j),
-                        (None, None) => {
-                            Producer::Source(*source_of.entry(t).or_insert_with(|| {
-                                let var = model.var_sizes.len();
-                                let specs = valid_specs(&tensor.shape, &mesh);
-                                model.var_sizes.push(specs.len());
-                                model.cuts.push(drec::source_cuts(&specs));
-                                model.forced.push(false);
-                                model.sources.push(SourceNode {
-                                    tensor: t,
-                                    var,
-                                    specs,
-                                });
-                                model.sources.len() - 1
-                            }))
-                        }
+                    let from = match model.sibling_read(o, t, &input_grads) {
+                        Some(copy) => copy,
+                        None => model.origin(t, &produced, &mut source_of),
                     };
                     model.flows.push(Flow {
                         tensor: t,
@@ -844,6 +848,37 @@ impl<'g> StageModel<'g> {
                 }
             }
         }
+        // Each saved activation, where it is held: as it was made, unless an opaque op made it
+        // (whole but for the batch) or made it whole under every strategy, or the saver is
+        // opaque (it runs whole on gathered operands), and then as the saver read it.
+        for (n, &o) in ops.iter().enumerate() {
+            let op = graph.op(o);
+            for &t in op.saves.iter().filter(|t| saver.get(t) == Some(&n)) {
+                let read = op.inputs.iter().position(|&u| u == t);
+                let made = match copy_of.get(&t) {
+                    Some(&x) => model.origin(x, &produced, &mut source_of),
+                    None => model.origin(t, &produced, &mut source_of),
+                };
+                let whole = match made {
+                    Producer::Op(p, j) => {
+                        matches!(graph.op(ops[p]).kind, OpKind::Opaque { .. })
+                            || model.nodes[p]
+                                .realized
+                                .iter()
+                                .all(|r| r.outputs[j].tiles(&mesh) == 1)
+                    }
+                    _ => false,
+                };
+                let opaque = matches!(op.kind, OpKind::Opaque { .. });
+                let at = match (read, produced.get(&t)) {
+                    (Some(i), _) if whole || opaque => Producer::Read(n, i),
+                    // An FP8 copy the saver made, shaped like the operand it read.
+                    (None, Some(&(p, j))) if whole => Producer::Op(p, j),
+                    _ => made,
+                };
+                model.saved.push(Saved { tensor: t, at });
+            }
+        }
         model.produced = produced;
         model.problem = model.assemble();
         Ok(model)
@@ -859,9 +894,10 @@ impl<'g> StageModel<'g> {
     pub fn activation_memory(&self) -> Vec<Vec<f64>> {
         let inflight = self.opts.inflight.max(1) as f64;
         let mut out: Vec<Vec<f64>> = self.var_sizes.iter().map(|&k| vec![0.0; k]).collect();
-        for node in &self.nodes {
-            for (c, r) in node.realized.iter().enumerate() {
-                out[node.var][c] += r.activations / inflight;
+        for s in &self.saved {
+            let v = self.producer_var(s.at);
+            for (c, m) in out[v].iter_mut().enumerate() {
+                *m += self.saved_bytes(s, c) / inflight;
             }
         }
         out
@@ -963,16 +999,10 @@ impl<'g> StageModel<'g> {
             .unwrap_or([None, None])
     }
 
-    /// Prices op `o` (node `n`) under `assign`: specs, kernel time on its tile, the
-    /// collectives it implies, and the memory it holds at the peak.
-    fn realize(
-        &self,
-        n: usize,
-        o: OpId,
-        saver: &HashMap<TensorId, usize>,
-        e: Option<&Einsum>,
-        assign: &Assign,
-    ) -> Realized {
+    /// Prices op `o` under `assign`: specs, kernel time on its tile, the collectives it
+    /// implies, and the gradients and transients it holds (saved activations are
+    /// [`Saved`]).
+    fn realize(&self, o: OpId, e: Option<&Einsum>, assign: &Assign) -> Realized {
         let g = self.graph;
         let op = g.op(o);
         let mesh = &self.mesh;
@@ -1157,13 +1187,6 @@ impl<'g> StageModel<'g> {
                 }
             }
         }
-        let inflight = self.opts.inflight.max(1) as f64;
-        let activations: f64 = op
-            .saves
-            .iter()
-            .filter(|t| saver.get(t) == Some(&n))
-            .map(|&t| tile_bytes(t) * inflight)
-            .sum();
         let grad_bytes = self.opts.state_bytes().grads;
         let gradients: f64 = op
             .outputs
@@ -1189,7 +1212,6 @@ impl<'g> StageModel<'g> {
             partial,
             compute,
             comm,
-            activations,
             gradients,
             working,
         }
@@ -1293,8 +1315,14 @@ impl<'g> StageModel<'g> {
                 vars[node.var].cost[c] +=
                     r.compute + r.comm.iter().map(|(s, _, _)| s.seconds).sum::<f64>();
                 if memory {
-                    vars[node.var].memory[c] += r.activations + r.gradients;
+                    vars[node.var].memory[c] += r.gradients;
                 }
+            }
+        }
+        for s in self.saved.iter().filter(|_| memory) {
+            let v = self.producer_var(s.at);
+            for c in 0..self.var_sizes[v] {
+                vars[v].memory[c] += self.saved_bytes(s, c);
             }
         }
         for p in self.params.iter().filter(|_| per_step) {
@@ -1491,7 +1519,6 @@ impl<'g> StageModel<'g> {
             add(&mut plan, phase, r.compute + comm);
             plan.per_microbatch.compute += r.compute;
             plan.per_microbatch.communication += comm;
-            plan.memory.activations += r.activations;
             plan.memory.gradients += r.gradients;
             plan.memory.working = plan.memory.working.max(r.working);
             for (s, reason, t) in &r.comm {
@@ -1526,6 +1553,9 @@ impl<'g> StageModel<'g> {
                 plan.per_microbatch.resharding += t;
                 record(&mut plan, &steps, f.tensor, Reason::Reshard, phase);
             }
+        }
+        for s in &self.saved {
+            plan.memory.activations += self.saved_bytes(s, choice[self.producer_var(s.at)]);
         }
         for w in &self.uses {
             let p = &self.params[w.param];
@@ -1599,6 +1629,39 @@ impl<'g> StageModel<'g> {
         }
     }
 
+    /// Where tensor `t` comes from: the op of the range that made it (`produced`), else the
+    /// variable of `t` entering the range (`source_of`), made on first need.
+    fn origin(
+        &mut self,
+        t: TensorId,
+        produced: &HashMap<TensorId, (usize, usize)>,
+        source_of: &mut HashMap<TensorId, usize>,
+    ) -> Producer {
+        if let Some(&(p, j)) = produced.get(&t) {
+            return Producer::Op(p, j);
+        }
+        Producer::Source(*source_of.entry(t).or_insert_with(|| {
+            let specs = valid_specs(&self.graph.tensor(t).shape, &self.mesh);
+            let var = self.var_sizes.len();
+            self.var_sizes.push(specs.len());
+            self.cuts.push(drec::source_cuts(&specs));
+            self.forced.push(false);
+            self.sources.push(SourceNode {
+                tensor: t,
+                var,
+                specs,
+            });
+            self.sources.len() - 1
+        }))
+    }
+
+    /// Bytes per device that saved activation `s` holds for the micro-batches in flight when
+    /// its holder's variable takes choice `c`.
+    fn saved_bytes(&self, s: &Saved, c: usize) -> f64 {
+        let tiles = self.producer_spec(s.at, c).tiles(&self.mesh) as f64;
+        self.graph.tensor(s.tensor).bytes() as f64 / tiles * self.opts.inflight.max(1) as f64
+    }
+
     /// Op `o` reads `t`: when `o` is a weight-gradient product and the input-gradient
     /// product of the same forward op (the last of `input_grads`, the nodes of each forward
     /// op's input-gradient ops so far) read `t` before it, that copy.
@@ -1634,8 +1697,15 @@ impl<'g> StageModel<'g> {
 
     /// The collectives that bring a flow's tensor from its producer into its consumer's spec.
     fn flow_steps(&self, f: &Flow, cu: usize, cv: usize) -> Vec<Step> {
-        let tensor = self.graph.tensor(f.tensor);
-        let bytes = tensor.bytes() as f64;
+        let g = self.graph;
+        let tensor = g.tensor(f.tensor);
+        // A weight-gradient product reads its input back from the forward's FP8 copy.
+        let to = g.op(self.nodes[f.to].op);
+        let bytes = if to.pass == Pass::Backward && g.fp8_saved_operand(to) == Some(f.tensor) {
+            tensor.elements() as f64 * DType::F8.bytes() as f64
+        } else {
+            tensor.bytes() as f64
+        };
         let from = self.producer_spec(f.from, cu);
         let to = &self.nodes[f.to].realized[cv].inputs[f.input];
         self.measured(match self.pending_sum(f, cu) {
@@ -1793,6 +1863,10 @@ fn deferred_reductions(g: &Graph, ops: &[OpId]) -> HashSet<TensorId> {
             }
         }
         saved.extend(op.saves.iter().copied());
+        // The input of an FP8 product is held as its FP8 copy, at the input's spec.
+        if op.pass == Pass::Forward {
+            saved.extend(g.fp8_saved_operand(op));
+        }
     }
     // What no op reads (the loss) is never reduced: the backward pass starts from each
     // rank's part of it.
