@@ -787,6 +787,11 @@ fn fp8_products_are_priced_on_hopper_and_refused_elsewhere() {
     let weights = |e: &serde_json::Value| number(&e["memory"], "weights");
     assert_eq!(weights(&fp8) - weights(&bf16), 2.0 * fp8_params);
     assert!(number(&fp8["memory"], "activations") < number(&bf16["memory"], "activations"));
+    // Under sequence parallelism the all-gathers move FP8 copies (one byte per element, half
+    // the bytes); the reduce-scatters stay in bf16.
+    let tp_comm = |e: &serde_json::Value| number(&e["time"], "tp_comm");
+    let ratio = tp_comm(&fp8) / tp_comm(&bf16);
+    assert!(ratio > 0.5 && ratio < 0.85, "{ratio}");
 
     let mut args = layout.to_vec();
     args.extend(["--cluster", "dgx-a100:1", "--fp8"]);

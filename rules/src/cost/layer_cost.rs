@@ -450,7 +450,9 @@ impl<'g> LayerCostContext<'g> {
             accumulate += separate;
         }
         if let Some(x) = g.fp8_cast_operand(op) {
-            let elements = tensor_bytes_in_op(g, op, x, tp) / g.tensor(x).dtype.bytes() as f64;
+            // Cast as the rank holds it (the sequence shard under sequence parallelism), before
+            // it is gathered in FP8 ([`crate::cost::tensor_parallel::collectives`]).
+            let elements = stored_bytes(g, x, tp) / g.tensor(x).dtype.bytes() as f64;
             accumulate += fp8_cast_time(elements, p.device);
         }
         let flops = op_device_flops(g, op, tp);

@@ -334,10 +334,15 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
             let (x, w, y) = (op.inputs[0], op.inputs[1], op.outputs[0]);
             let column = is_model(g, y) && !is_model(g, x);
             let row = is_model(g, x) && !is_model(g, y);
+            // Transformer Engine casts an FP8 product's operand on the sequence shard and
+            // gathers the FP8 copy: the input in the forward, the output gradient in the
+            // backward (`_Linear` with `sequence_parallel`).
+            let fp8_bytes = |t: TensorId| g.tensor(t).elements() as f64 * DType::F8.bytes() as f64;
             if column {
                 let gathered = cfg.sp && is_seq(g, x);
                 if gathered {
-                    push(Collective::AllGather, bytes(x), Phase::Forward);
+                    let moved = if op.fp8 { fp8_bytes(x) } else { bytes(x) };
+                    push(Collective::AllGather, moved, Phase::Forward);
                 }
                 if g.tensor(x).requires_grad {
                     push(reduce(x), bytes(x), Phase::Backward);
@@ -346,7 +351,7 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
                     // Transformer Engine keeps an FP8 product's input as its FP8 shard and
                     // gathers that (one byte per element) for the weight gradient.
                     let saved = match g.fp8_saved_operand(op) {
-                        Some(x) => g.tensor(x).elements() as f64 * DType::F8.bytes() as f64,
+                        Some(x) => fp8_bytes(x),
                         None => bytes(x),
                     };
                     push(Collective::AllGather, saved, Phase::BackwardOverlapped);
@@ -354,7 +359,8 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
             } else if row {
                 push(reduce(y), bytes(y), Phase::Forward);
                 if cfg.sp && is_seq(g, y) {
-                    push(Collective::AllGather, bytes(y), Phase::Backward);
+                    let moved = if op.fp8 { fp8_bytes(y) } else { bytes(y) };
+                    push(Collective::AllGather, moved, Phase::Backward);
                 }
             }
         }

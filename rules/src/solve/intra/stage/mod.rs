@@ -1138,10 +1138,8 @@ impl<'g> StageModel<'g> {
                 gemm,
             )
         });
-        if let Some(x) = g.fp8_cast_operand(op) {
-            let elements = tile_bytes(x) / g.tensor(x).dtype.bytes() as f64;
-            accumulate += fp8_cast_time(elements, &self.device);
-        }
+        // An FP8 product's cast of its operand is priced with the flow that brings it
+        // ([`StageModel::fp8_cast`]).
         let compute = kernel + accumulate;
         let mut comm = Vec::new();
         let mut partial = partial;
@@ -1365,7 +1363,7 @@ impl<'g> StageModel<'g> {
             let v = self.nodes[f.to].var;
             let u = self.producer_var(f.from);
             pairwise(u, v, &|cu, cv| {
-                self.flow_time(f, &self.flow_steps(f, cu, cv), cv)
+                self.flow_time(f, &self.flow_steps(f, cu, cv), cv) + self.fp8_cast(f, cu, cv)
             });
         }
         for w in self.uses.iter().filter(|w| counted(w.to)) {
@@ -1544,7 +1542,14 @@ impl<'g> StageModel<'g> {
                 choice[self.nodes[f.to].var],
             );
             let phase = phase_of(f.to);
-            let t = self.flow_time(f, &steps, choice[self.nodes[f.to].var]);
+            let (cu, cv) = (
+                choice[self.producer_var(f.from)],
+                choice[self.nodes[f.to].var],
+            );
+            let cast = self.fp8_cast(f, cu, cv);
+            add(&mut plan, phase, cast);
+            plan.per_microbatch.compute += cast;
+            let t = self.flow_time(f, &steps, cv);
             add(&mut plan, phase, t);
             if self.pending_sum(f, choice[self.producer_var(f.from)]) != 0 {
                 plan.per_microbatch.communication += t;
@@ -1699,9 +1704,11 @@ impl<'g> StageModel<'g> {
     fn flow_steps(&self, f: &Flow, cu: usize, cv: usize) -> Vec<Step> {
         let g = self.graph;
         let tensor = g.tensor(f.tensor);
-        // A weight-gradient product reads its input back from the forward's FP8 copy.
+        // A weight-gradient product reads its input back from the forward's FP8 copy; an FP8
+        // product's operand is cast where it was made and moved in FP8.
         let to = g.op(self.nodes[f.to].op);
-        let bytes = if to.pass == Pass::Backward && g.fp8_saved_operand(to) == Some(f.tensor) {
+        let copy = to.pass == Pass::Backward && g.fp8_saved_operand(to) == Some(f.tensor);
+        let bytes = if copy || self.fp8_cast_at_producer(f, cu) {
             tensor.elements() as f64 * DType::F8.bytes() as f64
         } else {
             tensor.bytes() as f64
@@ -1712,6 +1719,36 @@ impl<'g> StageModel<'g> {
             0 => reshard_steps(bytes, from, to, &self.mesh),
             partial => reduce_steps(bytes, partial, from, to, &self.mesh),
         })
+    }
+
+    /// Whether flow `f` carries the operand an FP8 product casts ([`Graph::fp8_cast_operand`])
+    /// and that operand is whole when its producer takes choice `cu`: Transformer Engine casts
+    /// the tensor as the rank holds it (the sequence shard under sequence parallelism) and
+    /// gathers the FP8 copy (`_Linear` with `sequence_parallel`). A partial sum is reduced in
+    /// the working precision first, and cast as the product reads it.
+    fn fp8_cast_at_producer(&self, f: &Flow, cu: usize) -> bool {
+        self.is_fp8_cast(f) && self.pending_sum(f, cu) == 0
+    }
+
+    fn is_fp8_cast(&self, f: &Flow) -> bool {
+        let g = self.graph;
+        f.input == 0 && g.fp8_cast_operand(g.op(self.nodes[f.to].op)) == Some(f.tensor)
+    }
+
+    /// The time of the FP8 cast flow `f` feeds (0 for any other flow): a memory-bound
+    /// kernel over the operand where it is cast ([`StageModel::fp8_cast_at_producer`]).
+    fn fp8_cast(&self, f: &Flow, cu: usize, cv: usize) -> f64 {
+        if !self.is_fp8_cast(f) {
+            return 0.0;
+        }
+        let spec = if self.fp8_cast_at_producer(f, cu) {
+            self.producer_spec(f.from, cu)
+        } else {
+            &self.nodes[f.to].realized[cv].inputs[f.input]
+        };
+        let elements =
+            self.graph.tensor(f.tensor).elements() as f64 / spec.tiles(&self.mesh) as f64;
+        fp8_cast_time(elements, &self.device)
     }
 
     /// What a flow's collectives cost on the critical path: all of them, except that the
