@@ -335,3 +335,43 @@ fn fp8_routed_experts_run_their_grouped_products_in_fp8() {
         }
     }
 }
+
+#[test]
+fn pinned_stage_model_holds_korthikanti_activations() {
+    use autopar_rules::cost::sharding::Mesh;
+    use autopar_rules::solve::intra::stage::{MegatronSharding, StageModel, StageOptions};
+    // The intra-op problem pinned to Megatron-LM's specs holds what Megatron-LM does: under
+    // sequence parallelism a column-parallel product keeps its input's sequence shard (and
+    // gathers it again for the weight gradient), so the whole block is divided by t.
+    let (s, b, h) = (2048u64, 2u64, 1024u64);
+    let g = lower(&gpt(h, 16, true), b, s, Attention::Flash);
+    let block = g.block_layers()[0];
+    let sbh = (s * b * h) as f64;
+    let c = autopar_rules::cost::cluster::Cluster::from_preset("c", "a100-80g", 1, Some(8))
+        .expect("preset");
+    for t in [2u64, 4, 8] {
+        let tf = t as f64;
+        let mesh = Mesh::on(&c, 1, t).expect("mesh");
+        let model = StageModel::build(
+            &g,
+            block..block + 1,
+            mesh,
+            &c.device,
+            StageOptions::default(),
+        )
+        .expect("builds");
+        for (sp, expected) in [(false, sbh * (10.0 + 24.0 / tf)), (true, sbh * 34.0 / tf)] {
+            let plan = model
+                .megatron_plan(MegatronSharding {
+                    sp,
+                    distributed_optimizer: false,
+                })
+                .expect("Megatron-LM's specs");
+            let held = plan.memory.activations;
+            assert!(
+                (held / expected - 1.0).abs() < 1e-12,
+                "t={t} sp={sp}: {held} against {expected}"
+            );
+        }
+    }
+}
