@@ -32,7 +32,7 @@
 //! `C x ep x etp / t` tokens per expert (`C`: an expert's tokens in the graph's micro-batch).
 
 use crate::cost::analytic::{Collective, GemmShape};
-use crate::model::graph::{DType, Graph, Op, OpKind, Split, TensorId, TensorKind};
+use crate::model::graph::{Graph, Op, OpKind, Split, TensorId, TensorKind};
 
 /// Tensor-parallel configuration of a stage, with the expert layout of its MoE layers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -337,7 +337,7 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
             // Transformer Engine casts an FP8 product's operand on the sequence shard and
             // gathers the FP8 copy: the input in the forward, the output gradient in the
             // backward (`_Linear` with `sequence_parallel`).
-            let fp8_bytes = |t: TensorId| g.tensor(t).elements() as f64 * DType::F8.bytes() as f64;
+            let fp8_bytes = |t: TensorId| g.tensor(t).fp8_copy_bytes() as f64;
             if column {
                 let gathered = cfg.sp && is_seq(g, x);
                 if gathered {

@@ -128,6 +128,12 @@ impl Tensor {
     pub fn bytes(&self) -> u64 {
         self.elements().saturating_mul(self.dtype.bytes())
     }
+
+    /// Size in bytes of its FP8 copy (one byte per element), as Transformer Engine keeps and
+    /// gathers it.
+    pub fn fp8_copy_bytes(&self) -> u64 {
+        self.elements().saturating_mul(DType::F8.bytes())
+    }
 }
 
 /// Operation kinds. Backward ops reuse these kinds; [`Op::grad_of`] links them to the forward op.

@@ -855,10 +855,8 @@ impl<'g> StageModel<'g> {
             let op = graph.op(o);
             for &t in op.saves.iter().filter(|t| saver.get(t) == Some(&n)) {
                 let read = op.inputs.iter().position(|&u| u == t);
-                let made = match copy_of.get(&t) {
-                    Some(&x) => model.origin(x, &produced, &mut source_of),
-                    None => model.origin(t, &produced, &mut source_of),
-                };
+                let held = copy_of.get(&t).copied().unwrap_or(t);
+                let made = model.origin(held, &produced, &mut source_of);
                 let whole = match made {
                     Producer::Op(p, j) => {
                         matches!(graph.op(ops[p]).kind, OpKind::Opaque { .. })
@@ -1536,22 +1534,18 @@ impl<'g> StageModel<'g> {
             });
         }
         for f in &self.flows {
-            let steps = self.flow_steps(
-                f,
-                choice[self.producer_var(f.from)],
-                choice[self.nodes[f.to].var],
-            );
-            let phase = phase_of(f.to);
             let (cu, cv) = (
                 choice[self.producer_var(f.from)],
                 choice[self.nodes[f.to].var],
             );
+            let steps = self.flow_steps(f, cu, cv);
+            let phase = phase_of(f.to);
             let cast = self.fp8_cast(f, cu, cv);
             add(&mut plan, phase, cast);
             plan.per_microbatch.compute += cast;
             let t = self.flow_time(f, &steps, cv);
             add(&mut plan, phase, t);
-            if self.pending_sum(f, choice[self.producer_var(f.from)]) != 0 {
+            if self.pending_sum(f, cu) != 0 {
                 plan.per_microbatch.communication += t;
                 record(&mut plan, &steps, f.tensor, Reason::PartialSum, phase);
             } else {
@@ -1709,7 +1703,7 @@ impl<'g> StageModel<'g> {
         let to = g.op(self.nodes[f.to].op);
         let copy = to.pass == Pass::Backward && g.fp8_saved_operand(to) == Some(f.tensor);
         let bytes = if copy || self.fp8_cast_at_producer(f, cu) {
-            tensor.elements() as f64 * DType::F8.bytes() as f64
+            tensor.fp8_copy_bytes() as f64
         } else {
             tensor.bytes() as f64
         };
