@@ -908,6 +908,12 @@ pub struct EstimateArgs {
     /// `true` or `false` (default: the runtime's; torchtitan's).
     #[arg(long, value_name = "BOOL")]
     pub eager_elementwise: Option<bool>,
+    /// Transformer Engine's userbuffers overlap the tensor-parallel all-gathers and
+    /// reduce-scatters of sequence parallelism with the products next to them, `true` or
+    /// `false` (default: the runtime's; Megatron-Core's `--tp-comm-overlap`, on in NeMo's
+    /// recipes).
+    #[arg(long, value_name = "BOOL")]
+    pub tp_comm_overlap: Option<bool>,
     /// Transformer Engine's FP8 training (Megatron-LM's `--fp8-format hybrid`): the blocks'
     /// products with a weight run on the FP8 tensor cores (Hopper or later).
     #[arg(long)]

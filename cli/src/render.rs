@@ -192,6 +192,13 @@ pub fn runtime_settings(o: &TrainingOptions) -> String {
         ),
         yes_no(o.fp32_loss, "unfused fp32 loss", "fused loss"),
     ]
+    .into_iter()
+    // Said only when on: without it, no runtime overlaps tensor-parallel communication.
+    .chain(
+        o.tp_comm_overlap
+            .then_some("tensor-parallel communication overlapped (userbuffers)"),
+    )
+    .collect::<Vec<_>>()
     .join(" · ")
 }
 

@@ -433,6 +433,7 @@ fn ilp_options(t: &Target, mb: u64, budget: f64) -> PipelineOptions<'_> {
         grad_accumulation_fusion: t.options.grad_accumulation_fusion,
         grad_reduce_in_fp32: t.options.grad_reduce_in_fp32,
         fp32_loss: t.options.fp32_loss,
+        tp_comm_overlap: t.options.tp_comm_overlap,
         profile: t.profile.as_deref(),
         solver: t.ilp.solver,
     }

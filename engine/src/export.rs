@@ -294,6 +294,7 @@ fn nemo(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<String, 
             "transformer_engine": true,
             "fp8": plan.training.fp8,
             "fp8_hybrid": plan.training.fp8,
+            "ub_tp_comm_overlap": overlaps_tp_comm(plan, l),
             "use_flash_attention":
                 plan.training.attention.flash_kernel().is_some(),
             "activations_checkpoint_granularity": granularity,
@@ -398,7 +399,7 @@ fn torchtitan(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<St
             "fp16 training; torchtitan's mixed precision is bfloat16 or float32",
         ));
     }
-    refuse_fp8(plan, f)?;
+    refuse_transformer_engine(plan, l, f)?;
     if !plan.training.grad_reduce_in_fp32 && plan.training.precision == Precision::Bf16 {
         return Err(cannot(
             f,
@@ -665,10 +666,16 @@ fn deepspeed_layout(l: &LaunchLayout, f: Framework) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// Refuses a plan training in FP8 for framework `f`: it is priced as Transformer Engine runs
-/// FP8 (per-tensor scaling, FP8 copies of inputs and weights kept), which only Megatron-LM and
-/// NeMo run; torchtitan's float8 (torchao) keeps other copies, and DeepSpeed has no FP8 recipe.
-fn refuse_fp8(plan: &Plan, f: Framework) -> Result<(), EngineError> {
+/// Refuses a plan that needs Transformer Engine for framework `f`: FP8 training, priced as
+/// Transformer Engine runs it (per-tensor scaling, FP8 copies of inputs and weights kept),
+/// which only Megatron-LM and NeMo run (torchtitan's float8, torchao's, keeps other copies, and
+/// DeepSpeed has no FP8 recipe); and tensor-parallel communication overlapped by its
+/// userbuffers, which no other framework has.
+fn refuse_transformer_engine(
+    plan: &Plan,
+    l: &LaunchLayout,
+    f: Framework,
+) -> Result<(), EngineError> {
     if plan.training.fp8 {
         return Err(cannot(
             f,
@@ -676,13 +683,28 @@ fn refuse_fp8(plan: &Plan, f: Framework) -> Result<(), EngineError> {
              float8 (torchao) keeps other copies and DeepSpeed has no FP8 recipe",
         ));
     }
+    if overlaps_tp_comm(plan, l) {
+        return Err(cannot(
+            f,
+            "tensor-parallel communication overlapped with the products by Transformer \
+             Engine's userbuffers (Megatron-LM's `--tp-comm-overlap`, NeMo's \
+             `ub_tp_comm_overlap`); set `tp_comm_overlap = false` on the target to plan \
+             without it",
+        ));
+    }
     Ok(())
+}
+
+/// Whether the plan's tensor-parallel communication is overlapped by userbuffers: asked for,
+/// and with sequence parallelism over a group of more than one rank.
+fn overlaps_tp_comm(plan: &Plan, l: &LaunchLayout) -> bool {
+    plan.training.tp_comm_overlap && l.layout.tp > 1 && l.layout.sequence_parallel
 }
 
 /// DeepSpeed's config JSON.
 fn deepspeed_config(plan: &Plan, def: &ModelDef, l: &LaunchLayout) -> Result<String, EngineError> {
     let f = Framework::Deepspeed;
-    refuse_fp8(plan, f)?;
+    refuse_transformer_engine(plan, l, f)?;
     dense_for_deepspeed(plan, def.transformer(), f)?;
     deepspeed_layout(l, f)?;
     let lay = &l.layout;
@@ -719,7 +741,7 @@ fn megatron_deepspeed(
     o: &ExportOptions,
 ) -> Result<String, EngineError> {
     let f = Framework::MegatronDeepspeed;
-    refuse_fp8(plan, f)?;
+    refuse_transformer_engine(plan, l, f)?;
     dense_for_deepspeed(plan, Some(c), f)?;
     deepspeed_layout(l, f)?;
     let lay = &l.layout;

@@ -273,6 +273,7 @@ pub fn solve_pipeline(
         grad_accumulation_fusion: Runtime::default().grad_accumulation_fusion(),
         grad_reduce_in_fp32: Runtime::default().grad_reduce_in_fp32(req.precision),
         fp32_loss: Runtime::default().fp32_loss(),
+        tp_comm_overlap: Runtime::default().tp_comm_overlap(),
         solver: req.solver,
     };
     let source = CachedTables::new(cache, &name);

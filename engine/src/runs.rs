@@ -22,7 +22,7 @@
 //! | `runtime`     | no (megatron-core) | the runtime preset ([`Runtime`]) |
 //! | `precision`   | no       | `bf16`, `fp16` or `fp32` (default: the runtime's) |
 //! | `attention`   | no       | `flash`, `flash-triton` or `unfused` (default: the runtime's) |
-//! | `grad_reduce_in_fp32` `overlap_grad_reduce` `overlap_param_gather` `fp32_loss` | no | `true`/`false` (default: the runtime's) |
+//! | `grad_reduce_in_fp32` `overlap_grad_reduce` `overlap_param_gather` `fp32_loss` `tp_comm_overlap` | no | `true`/`false` (default: the runtime's) |
 //! | `memory_gib`  | no       | measured peak memory per GPU, GiB |
 //! | `source` `note` | no     | free text, ignored |
 //!
@@ -41,7 +41,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Every column a runs file may have.
-pub const COLUMNS: [&str; 30] = [
+pub const COLUMNS: [&str; 31] = [
     "model",
     "cluster",
     "tp",
@@ -68,6 +68,7 @@ pub const COLUMNS: [&str; 30] = [
     "fp32_loss",
     "eager_elementwise",
     "fp8",
+    "tp_comm_overlap",
     "step_time_s",
     "memory_gib",
     "source",
@@ -477,6 +478,7 @@ fn run(
             fp32_loss: flag("fp32_loss")?,
             eager_elementwise: flag("eager_elementwise")?,
             fp8: flag("fp8")?,
+            tp_comm_overlap: flag("tp_comm_overlap")?,
         },
         recompute_layers,
         step_time,

@@ -412,6 +412,8 @@ struct RawTarget {
     #[serde(default)]
     fp8: Option<Spanned<bool>>,
     #[serde(default)]
+    tp_comm_overlap: Option<bool>,
+    #[serde(default)]
     runtime: Option<Runtime>,
     #[serde(default)]
     vocab_multiple: Option<Positive>,
@@ -1045,6 +1047,7 @@ impl Loader<'_> {
                 fp32_loss: t.fp32_loss,
                 eager_elementwise: t.eager_elementwise,
                 fp8: t.fp8.as_ref().map(|f| *f.get_ref()),
+                tp_comm_overlap: t.tp_comm_overlap,
             },
         );
         let device = &clusters[cluster].device;

@@ -101,6 +101,7 @@ fn costs(g: &Graph, t: u64, sp: bool) -> Vec<LayerCost> {
         dtype: DType::F16,
         grad_buffer_bytes: 2.0,
         grad_accumulation_fusion: true,
+        tp_comm_overlap: false,
     };
     layer_costs(g, TpConfig::dense(t, sp), &d, &kernels, c.group_link(1, t))
 }

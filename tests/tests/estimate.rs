@@ -483,6 +483,8 @@ fn runtime_presets_set_what_their_flags_set() {
             bool_flag(r.fp32_loss()),
             "--eager-elementwise",
             bool_flag(r.eager_elementwise()),
+            "--tp-comm-overlap",
+            bool_flag(r.tp_comm_overlap()),
         ]);
         let preset = time(&["--runtime", r.name()]);
         assert_eq!(preset, time(&flags), "{}", r.name());
@@ -830,4 +832,59 @@ fn fp8_products_are_priced_on_hopper_and_refused_elsewhere() {
     let plan = ws.read("plans/fp8.json");
     assert!(plan.contains("--fp8-format hybrid"), "{plan}");
     assert!(r.stdout.contains("bf16 with FP8 products"), "{}", r.stdout);
+}
+
+/// Transformer Engine's userbuffers (`--tp-comm-overlap`, on in the nemo runtime) hide
+/// sequence parallelism's all-gathers and reduce-scatters behind the products next to them;
+/// without sequence parallelism the all-reduces stay exposed, and the flag changes nothing.
+#[test]
+fn userbuffers_hide_sequence_parallel_collectives_behind_the_products() {
+    let ws = TempWorkspace::default_copy();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--model",
+            "models/llama2-7b.json",
+            "--cluster",
+            "dgx-h100:1",
+            "--tp",
+            "4",
+            "--pp",
+            "1",
+            "--mbs",
+            "1",
+            "--gbs",
+            "128",
+            "--seq",
+            "4096",
+            "--zero",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        estimate(&ws, &args)
+    };
+    let tp_comm = |e: &serde_json::Value| number(&e["time"], "tp_comm");
+    let (hidden, exposed) = (
+        run(&["--sp", "--tp-comm-overlap", "true"]),
+        run(&["--sp", "--tp-comm-overlap", "false"]),
+    );
+    // On NVLink at tp 4, the products of a LLaMA-2 7B block take longer than their
+    // collectives: little more than a ring's first steps stays exposed.
+    assert!(
+        tp_comm(&hidden) > 0.0 && tp_comm(&hidden) < 0.25 * tp_comm(&exposed),
+        "{} vs {}",
+        tp_comm(&hidden),
+        tp_comm(&exposed)
+    );
+    assert!(number(&hidden, "step_time_s") < number(&exposed, "step_time_s"));
+    assert_eq!(
+        run(&["--tp-comm-overlap", "true"])["time"],
+        run(&["--tp-comm-overlap", "false"])["time"],
+        "all-reduces are never overlapped"
+    );
+    // NeMo's recipes turn it on; Megatron-Core's default leaves it off.
+    assert_eq!(
+        run(&["--sp", "--runtime", "nemo"])["time"],
+        run(&["--sp", "--runtime", "nemo", "--tp-comm-overlap", "true"])["time"]
+    );
+    assert_eq!(run(&["--sp"])["time"], exposed["time"]);
 }

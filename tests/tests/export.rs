@@ -406,3 +406,50 @@ fn fp8_plans_export_where_transformer_engine_runs_them() {
         );
     }
 }
+
+#[test]
+fn userbuffers_export_where_transformer_engine_runs_them() {
+    let ws = TempWorkspace::default_copy();
+    let mut toml = ws.read("workspace.toml");
+    toml.push_str(
+        "\n[[target]]\nname = \"ub\"\nmodel = \"tiny-llama\"\ncluster = \"dgx-h100-1\"\n\
+         global_batch = 48\nseq_len = 128\nspace = \"megatron\"\nruntime = \"nemo\"\n\
+         [target.search]\ntp = [2]\npp = [2]\ninterleave = [1]\nsequence_parallel = [true]\n\
+         zero = [0]\nmicro_batch = [2]\nrecompute = [\"full\"]\n",
+    );
+    ws.write("workspace.toml", &toml);
+    let b = ws.run(&["build", "ub"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let m = export(&ws, "ub", "megatron");
+    assert_eq!(m.code, 0, "{}", m.stderr);
+    assert!(has_flag(&m.stdout, "tp-comm-overlap"), "{}", m.stdout);
+    let n = export(&ws, "ub", "nemo");
+    assert_eq!(n.code, 0, "{}", n.stderr);
+    let y: Value = yaml_serde::from_str(&n.stdout).expect("YAML");
+    assert_eq!(y["model"]["ub_tp_comm_overlap"], true);
+    for f in ["torchtitan", "deepspeed", "megatron-deepspeed"] {
+        let r = export(&ws, "ub", f);
+        assert_eq!(r.code, 1, "{f}: {}", r.stdout);
+        assert!(
+            r.stderr
+                .contains("overlapped with the products by Transformer Engine's userbuffers")
+                && r.stderr.contains("tp_comm_overlap = false"),
+            "{f}: {}",
+            r.stderr
+        );
+    }
+    // Planned without them, the same plan exports to torchtitan.
+    ws.write(
+        "workspace.toml",
+        &toml.replace(
+            "runtime = \"nemo\"\n",
+            "runtime = \"nemo\"\ntp_comm_overlap = false\n",
+        ),
+    );
+    let b = ws.run(&["build", "ub"]);
+    assert_eq!(b.code, 0, "{}", b.stderr);
+    let m = export(&ws, "ub", "megatron");
+    assert!(!has_flag(&m.stdout, "tp-comm-overlap"), "{}", m.stdout);
+    let t = export(&ws, "ub", "deepspeed");
+    assert!(!t.stderr.contains("userbuffers"), "{}", t.stderr);
+}

@@ -2,8 +2,8 @@
 //! layout search uses agrees with the intra-op problem pinned to Megatron-LM's specs, layer by
 //! layer (embedding, blocks, head), forward and backward times and the backward pass's
 //! transient memory (with and without torchtitan's fp32 loss) and saved activations, with and
-//! without sequence parallelism, with and without FP8 products, over tensor- and data-parallel
-//! meshes.
+//! without sequence parallelism (and under it with and without Transformer Engine's
+//! userbuffers), with and without FP8 products, over tensor- and data-parallel meshes.
 
 use autopar_rules::cost::cluster::Cluster;
 use autopar_rules::cost::context_parallel::{CpConfig, CpGroups};
@@ -40,6 +40,7 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
         dtype: base.precision.dtype(),
         grad_buffer_bytes: base.state_bytes().grads,
         grad_accumulation_fusion: base.grad_accumulation_fusion,
+        tp_comm_overlap: base.tp_comm_overlap,
     };
     // (model, tensor-parallel degrees its heads divide, RMSNorm, RoPE and SwiGLU run eagerly
     // as torchtitan runs them, the blocks' products in FP8; a graph with opaque ops, which
@@ -68,10 +69,19 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
                 let group = graph(file, dp, tp, eager, fp8);
                 let (m, c) = mesh(dp, tp);
                 let last = per_rank.layers.len() - 1;
-                for sp in [false, true] {
+                // Userbuffers overlap only sequence parallelism's collectives.
+                for (sp, overlap) in [(false, false), (true, false), (true, true)] {
                     if sp && tp == 1 {
                         continue;
                     }
+                    let kernels = KernelOptions {
+                        tp_comm_overlap: overlap,
+                        ..kernels
+                    };
+                    let base = StageOptions {
+                        tp_comm_overlap: overlap,
+                        ..base
+                    };
                     let plain = Pricing {
                         tp: TpConfig::dense(tp, sp),
                         cp: CpConfig::NONE,
@@ -85,9 +95,10 @@ fn worst_difference(measured: Option<f64>) -> (f64, String, usize) {
                     let ctx = LayerCostContext::new(&per_rank);
                     for li in [0, 1, last - 1, last] {
                         let case = format!(
-                            "{file} dp {dp} tp {tp} sp {sp} layer {li}{}{}",
+                            "{file} dp {dp} tp {tp} sp {sp} layer {li}{}{}{}",
                             if eager { " eager" } else { "" },
-                            if fp8 { " fp8" } else { "" }
+                            if fp8 { " fp8" } else { "" },
+                            if overlap { " userbuffers" } else { "" }
                         );
                         let profile = measured.map(|scale| {
                             let modelled = ctx.modelled_entries(li, &plain);

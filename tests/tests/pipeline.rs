@@ -68,6 +68,7 @@ fn options(microbatches: u64) -> PipelineOptions<'static> {
         grad_accumulation_fusion: true,
         grad_reduce_in_fp32: true,
         fp32_loss: false,
+        tp_comm_overlap: false,
         profile: None,
         solver: SolverChoice::Auto,
     }

@@ -45,6 +45,7 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             fp32_loss: a.fp32_loss,
             eager_elementwise: a.eager_elementwise,
             fp8: a.fp8.then_some(true),
+            tp_comm_overlap: a.tp_comm_overlap,
         },
     );
     let gpus = cluster.gpus();

@@ -11,8 +11,8 @@ use crate::cost::cluster::{Device, Link};
 use crate::cost::context_parallel::{self, AttentionBytes, CpConfig, CpGroups};
 use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, ProfileRead, kernel_name};
 use crate::cost::tensor_parallel::{
-    Group, Phase, TpConfig, collectives, device_shape_in_op, divided_axis_in_op, gemm_shape,
-    op_device_flops, saved_bytes, stored_bytes, stored_elements, tensor_bytes_in_op,
+    Group, Phase, TpCollective, TpConfig, collectives, device_shape_in_op, divided_axis_in_op,
+    gemm_shape, op_device_flops, saved_bytes, stored_bytes, stored_elements, tensor_bytes_in_op,
 };
 use crate::model::graph::{
     DType, Graph, LayerKind, Op, OpId, OpKind, Pass, Split, TensorId, TensorKind,
@@ -31,6 +31,11 @@ pub struct KernelOptions {
     /// (Megatron-LM's `--gradient-accumulation-fusion`); otherwise every micro-batch adds
     /// each fresh weight gradient to the buffer in a separate kernel.
     pub grad_accumulation_fusion: bool,
+    /// Transformer Engine's userbuffers overlap the tensor-parallel all-gathers and
+    /// reduce-scatters with the products next to them (Megatron-Core's `--tp-comm-overlap`;
+    /// [`crate::cost::tp_comm_overlap`]).
+    #[serde(default)]
+    pub tp_comm_overlap: bool,
 }
 use std::collections::HashMap;
 
@@ -449,12 +454,7 @@ impl<'g> LayerCostContext<'g> {
             bytes += traffic;
             accumulate += separate;
         }
-        if let Some(x) = g.fp8_cast_operand(op) {
-            // Cast as the rank holds it (the sequence shard under sequence parallelism), before
-            // it is gathered in FP8 ([`crate::cost::tensor_parallel::collectives`]).
-            let elements = stored_bytes(g, x, tp) / g.tensor(x).dtype.bytes() as f64;
-            accumulate += fp8_cast_time(elements, p.device);
-        }
+        accumulate += self.fp8_cast_time(o, p);
         let flops = op_device_flops(g, op, tp);
         let kernel = kernel_time(
             op.kind,
@@ -496,7 +496,7 @@ impl<'g> LayerCostContext<'g> {
     /// the collective on this group.
     fn collective_time(
         &self,
-        coll: &crate::cost::tensor_parallel::TpCollective,
+        coll: &TpCollective,
         p: &Pricing<'_>,
         reads: &mut Vec<ProfileRead>,
     ) -> f64 {
@@ -578,7 +578,11 @@ impl<'g> LayerCostContext<'g> {
                 .map(|&t| kept * stored_bytes(g, t, tp))
                 .sum::<f64>();
             for coll in collectives(g, op, tp) {
-                let ct = self.collective_time(&coll, p, &mut reads);
+                let mut ct = self.collective_time(&coll, p, &mut reads);
+                if let Some(ub) = coll.userbuffers.filter(|_| p.kernels.tp_comm_overlap) {
+                    let product = self.product_beside(li, o, &coll, p);
+                    ct = ub.exposed(ct, product, coll.group.ranks(tp));
+                }
                 if coll.phase == Phase::Forward && coll.kind != Collective::ReduceScatter {
                     c.op_policy_recompute += rerun * ct;
                 }
@@ -690,6 +694,39 @@ impl<'g> LayerCostContext<'g> {
             .find(|&b| g.op(b).grad_of == Some(o) && g.makes_weight_gradient(b))?;
         // Its profile reads are recorded where the backward pass is priced.
         Some(self.op_time(wgrad, p, &mut Vec::new()))
+    }
+
+    /// The time of an FP8 product's cast of its operand ([`Graph::fp8_cast_operand`]; 0 for
+    /// any other op), as the rank holds it (the sequence shard under sequence parallelism),
+    /// before it is gathered in FP8 ([`crate::cost::tensor_parallel::collectives`]).
+    fn fp8_cast_time(&self, o: OpId, p: &Pricing<'_>) -> f64 {
+        let g = self.g;
+        g.fp8_cast_operand(g.op(o)).map_or(0.0, |x| {
+            let elements = stored_bytes(g, x, p.tp) / g.tensor(x).dtype.bytes() as f64;
+            fp8_cast_time(elements, p.device)
+        })
+    }
+
+    /// What hides forward op `o`'s collective `coll` when userbuffers overlap it
+    /// ([`crate::cost::tp_comm_overlap`]): in the forward, the product itself; in the
+    /// backward, its input-gradient product, which the gather of the output gradient feeds and
+    /// which stands for the weight-gradient product the input gradient's reduce-scatter runs
+    /// beside (the same FLOPs), as the intra-op model prices both. Without an FP8 cast: that
+    /// runs before the gather.
+    fn product_beside(&self, li: usize, o: OpId, coll: &TpCollective, p: &Pricing<'_>) -> f64 {
+        let g = self.g;
+        let product = match coll.phase {
+            Phase::Forward => Some(o),
+            _ => g.layers[li]
+                .backward
+                .iter()
+                .copied()
+                .find(|&b| g.op(b).grad_of == Some(o) && !g.makes_weight_gradient(b)),
+        };
+        product.map_or(0.0, |b| {
+            // Its profile reads are recorded where its pass is priced.
+            self.op_time(b, p, &mut Vec::new()) - self.fp8_cast_time(b, p)
+        })
     }
 
     /// The cost of layer `li`.
@@ -938,6 +975,7 @@ mod tests {
         dtype: DType::Bf16,
         grad_buffer_bytes: 4.0,
         grad_accumulation_fusion: true,
+        tp_comm_overlap: false,
     };
 
     /// Pricing under `tp` with every group inside one 8-GPU node, no profile.

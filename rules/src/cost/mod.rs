@@ -1,6 +1,7 @@
 //! The cost model: devices and clusters, measured profiles, the analytic kernel and collective
-//! costs, sharding specs and their resharding collectives, memory per device, and what a layer
-//! costs under Megatron-LM's tensor and context parallelism.
+//! costs, sharding specs and their resharding collectives, memory per device, what a layer
+//! costs under Megatron-LM's tensor and context parallelism, and which of its tensor-parallel
+//! communication Transformer Engine's userbuffers hide.
 
 pub mod analytic;
 pub mod cluster;
@@ -10,3 +11,4 @@ pub mod memory;
 pub mod profile;
 pub mod sharding;
 pub mod tensor_parallel;
+pub mod tp_comm_overlap;

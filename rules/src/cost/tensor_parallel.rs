@@ -32,6 +32,7 @@
 //! `C x ep x etp / t` tokens per expert (`C`: an expert's tokens in the graph's micro-batch).
 
 use crate::cost::analytic::{Collective, GemmShape};
+use crate::cost::tp_comm_overlap::Userbuffers;
 use crate::model::graph::{Graph, Op, OpKind, Split, TensorId, TensorKind};
 
 /// Tensor-parallel configuration of a stage, with the expert layout of its MoE layers.
@@ -155,6 +156,10 @@ pub struct TpCollective {
     pub phase: Phase,
     /// Over which group.
     pub group: Group,
+    /// How Transformer Engine's userbuffers overlap it with the op's product when
+    /// tensor-parallel communication overlap is on ([`crate::cost::tp_comm_overlap`]); `None`
+    /// for a collective they never overlap.
+    pub userbuffers: Option<Userbuffers>,
 }
 
 fn is_model(g: &Graph, t: TensorId) -> bool {
@@ -313,12 +318,13 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
         return out;
     }
     let bytes = |t: TensorId| g.tensor(t).bytes() as f64;
-    let mut push = |kind, bytes, phase| {
+    let mut push = |kind, bytes, phase, userbuffers| {
         out.push(TpCollective {
             kind,
             bytes,
             phase,
             group: Group::Tensor,
+            userbuffers,
         })
     };
     // Sum of partial results over the group: reduce-scatter into sequence shards under SP.
@@ -338,14 +344,19 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
             // gathers the FP8 copy: the input in the forward, the output gradient in the
             // backward (`_Linear` with `sequence_parallel`).
             let fp8_bytes = |t: TensorId| g.tensor(t).fp8_copy_bytes() as f64;
+            // Userbuffers overlap the gathers into a product and the reduce-scatters out of it
+            // ([`crate::cost::tp_comm_overlap`]); an all-reduce runs exposed.
+            let seq_shard = |t: TensorId| cfg.sp && is_seq(g, t);
+            let ring = Some(Userbuffers::RingExchange);
             if column {
-                let gathered = cfg.sp && is_seq(g, x);
+                let gathered = seq_shard(x);
                 if gathered {
                     let moved = if op.fp8 { fp8_bytes(x) } else { bytes(x) };
-                    push(Collective::AllGather, moved, Phase::Forward);
+                    push(Collective::AllGather, moved, Phase::Forward, ring);
                 }
                 if g.tensor(x).requires_grad {
-                    push(reduce(x), bytes(x), Phase::Backward);
+                    let bulk = seq_shard(x).then_some(Userbuffers::Bulk);
+                    push(reduce(x), bytes(x), Phase::Backward, bulk);
                 }
                 if gathered && g.tensor(w).requires_grad {
                     // Transformer Engine keeps an FP8 product's input as its FP8 shard and
@@ -354,22 +365,28 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
                         Some(x) => fp8_bytes(x),
                         None => bytes(x),
                     };
-                    push(Collective::AllGather, saved, Phase::BackwardOverlapped);
+                    push(
+                        Collective::AllGather,
+                        saved,
+                        Phase::BackwardOverlapped,
+                        None,
+                    );
                 }
             } else if row {
-                push(reduce(y), bytes(y), Phase::Forward);
-                if cfg.sp && is_seq(g, y) {
+                let ring_rs = seq_shard(y).then_some(Userbuffers::RingExchange);
+                push(reduce(y), bytes(y), Phase::Forward, ring_rs);
+                if seq_shard(y) {
                     let moved = if op.fp8 { fp8_bytes(y) } else { bytes(y) };
-                    push(Collective::AllGather, moved, Phase::Backward);
+                    push(Collective::AllGather, moved, Phase::Backward, ring);
                 }
             }
         }
         OpKind::Embedding => {
             let (table, y) = (op.inputs[1], op.outputs[0]);
             if is_model(g, table) {
-                push(reduce(y), bytes(y), Phase::Forward);
+                push(reduce(y), bytes(y), Phase::Forward, None);
                 if cfg.sp && is_seq(g, y) {
-                    push(Collective::AllGather, bytes(y), Phase::Backward);
+                    push(Collective::AllGather, bytes(y), Phase::Backward, None);
                 }
             }
         }
@@ -379,7 +396,7 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
                 // Max, sum of exponentials and target logit per token, in fp32.
                 let per_token = 4.0 * g.tensor(labels).elements() as f64;
                 for _ in 0..3 {
-                    push(Collective::AllReduce, per_token, Phase::Forward);
+                    push(Collective::AllReduce, per_token, Phase::Forward, None);
                 }
             }
         }
@@ -392,14 +409,14 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
             let divided = |t: TensorId| stored_divided_axis(g, t, cfg.sp).is_some();
             let backward = op.inputs.iter().any(|&t| g.tensor(t).requires_grad);
             for &x in op.inputs.iter().filter(|&&x| divided(x)) {
-                push(Collective::AllGather, bytes(x), Phase::Forward);
+                push(Collective::AllGather, bytes(x), Phase::Forward, None);
                 if backward {
-                    push(Collective::AllGather, bytes(x), Phase::Backward);
+                    push(Collective::AllGather, bytes(x), Phase::Backward, None);
                 }
             }
             if backward {
                 for &y in op.outputs.iter().filter(|&&y| divided(y)) {
-                    push(Collective::AllGather, bytes(y), Phase::Backward);
+                    push(Collective::AllGather, bytes(y), Phase::Backward, None);
                 }
             }
         }
@@ -424,12 +441,14 @@ fn expert_collectives(g: &Graph, op: &Op, cfg: TpConfig, out: &mut Vec<TpCollect
         bytes: local * ep as f64,
         phase,
         group: Group::Expert,
+        userbuffers: None,
     };
     let gather = |kind, phase| TpCollective {
         kind,
         bytes: local * etp as f64,
         phase,
         group: Group::ExpertTensor,
+        userbuffers: None,
     };
     let (fwd, bwd) = match op.kind {
         OpKind::MoeDispatch => (Collective::AllGather, Collective::ReduceScatter),
@@ -650,6 +669,7 @@ mod tests {
             bytes: 512.0,
             phase,
             group,
+            userbuffers: None,
         };
         for o in [dispatch, combine] {
             assert_eq!(

@@ -496,6 +496,7 @@ impl<'a> Estimator<'a> {
             dtype: self.opts.precision.dtype(),
             grad_buffer_bytes: self.opts.state_bytes().grads,
             grad_accumulation_fusion: self.opts.grad_accumulation_fusion,
+            tp_comm_overlap: self.opts.tp_comm_overlap,
         }
     }
 

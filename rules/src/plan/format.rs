@@ -767,6 +767,11 @@ fn runtime_args(a: &mut Args, l: &Layout, opts: &TrainingOptions) {
     if opts.overlap_param_gather && l.dp > 1 && l.zero >= 1 {
         a.flag("overlap-param-gather");
     }
+    // Userbuffers overlap sequence parallelism's collectives; Megatron-Core refuses the flag
+    // without it.
+    if opts.tp_comm_overlap && l.tp > 1 && l.sequence_parallel {
+        a.flag("tp-comm-overlap");
+    }
 }
 
 #[cfg(test)]
@@ -830,6 +835,23 @@ mod tests {
         );
         assert_eq!(flags(Runtime::Nemo, 8, 0), ["--overlap-grad-reduce"]);
         assert!(flags(Runtime::Nemo, 1, 1).is_empty());
+        // NeMo's userbuffers, with sequence parallelism over a tensor-parallel group only.
+        let nemo = Runtime::Nemo.options(2048, None, None, 0.1, 128, GivenSettings::default());
+        for (tp, sp, want) in [(2, true, true), (2, false, false), (1, false, false)] {
+            let mut a = Args::default();
+            let l = Layout {
+                tp,
+                dp: 1,
+                sequence_parallel: sp,
+                ..layout(1, 0)
+            };
+            runtime_args(&mut a, &l, &nemo);
+            assert_eq!(
+                a.0.contains(&"--tp-comm-overlap".to_string()),
+                want,
+                "tp {tp} sp {sp}"
+            );
+        }
         // The 2021 scripts: no fusion, fp16 gradients (Megatron's fp16 default).
         assert_eq!(
             flags(Runtime::Megatron2021, 8, 0),

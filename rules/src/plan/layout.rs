@@ -211,6 +211,12 @@ pub struct TrainingOptions {
     /// tensor cores ([`crate::cost::cluster::Device::peak_fp8_flops`]).
     #[serde(default)]
     pub fp8: bool,
+    /// Transformer Engine's userbuffers overlap the tensor-parallel all-gathers and
+    /// reduce-scatters of sequence parallelism with the products next to them (Megatron-Core's
+    /// `--tp-comm-overlap`, NeMo's `tp_comm_overlap`; [`crate::cost::tp_comm_overlap`]).
+    /// Nothing changes without sequence parallelism: an all-reduce is never overlapped.
+    #[serde(default)]
+    pub tp_comm_overlap: bool,
 }
 
 impl TrainingOptions {

@@ -514,6 +514,7 @@ mod tests {
             fp32_loss: false,
             eager_elementwise: false,
             fp8: false,
+            tp_comm_overlap: false,
         }
     }
 

@@ -7,14 +7,14 @@
 //! `megatron-2021` and `nemo`, the published scripts and recipes) set them; a flag or column
 //! given explicitly wins.
 //!
-//! | runtime            | precision | attention | wgrad fusion | grads reduced in | grad reduce overlapped | param gather overlapped | loss | RMSNorm, RoPE, SwiGLU |
-//! |--------------------|-----------|-----------|--------------|------------------|------------------------|-------------------------|------|------|
-//! | megatron-core      | bf16      | flash     | yes          | fp32 (bf16 sets `--accumulate-allreduce-grads-in-fp32`) | no (`--overlap-grad-reduce` is opt-in) | no (`--overlap-param-gather` is opt-in) | fused | fused |
-//! | nemo               | bf16      | flash     | yes          | fp32 (`grad_reduce_in_fp32=True` in its recipes' DDP config) | yes (`overlap_grad_reduce=True`) | yes (`overlap_param_gather=True`) | fused | fused |
-//! | megatron-deepspeed | bf16      | unfused   | yes          | bf16 (DeepSpeed's `communication_data_type` follows the precision) | no | no | fused | fused |
-//! | megatron-2021      | fp16      | unfused   | no           | fp16 | no | no | fused | fused |
-//! | torchtitan         | bf16      | flash     | no           | fp32 (FSDP2 `MixedPrecisionPolicy`, `mixed_precision_reduce = "float32"`) | yes (FSDP reduce-scatters each layer in the backward) | yes (FSDP prefetches) | unfused, fp32 (`cross_entropy(pred.float())`) | eager |
-//! | llm-foundry        | bf16      | flash (Triton: `attn_impl: triton`) | no           | bf16 (FSDP `mixed_precision: PURE`) | yes | yes | fused | fused |
+//! | runtime            | precision | attention | wgrad fusion | grads reduced in | grad reduce overlapped | param gather overlapped | TP comm overlapped | loss | RMSNorm, RoPE, SwiGLU |
+//! |--------------------|-----------|-----------|--------------|------------------|------------------------|-------------------------|--------------------|------|------|
+//! | megatron-core      | bf16      | flash     | yes          | fp32 (bf16 sets `--accumulate-allreduce-grads-in-fp32`) | no (`--overlap-grad-reduce` is opt-in) | no (`--overlap-param-gather` is opt-in) | no (`--tp-comm-overlap` is opt-in) | fused | fused |
+//! | nemo               | bf16      | flash     | yes          | fp32 (`grad_reduce_in_fp32=True` in its recipes' DDP config) | yes (`overlap_grad_reduce=True`) | yes (`overlap_param_gather=True`) | yes (userbuffers, with SP) | fused | fused |
+//! | megatron-deepspeed | bf16      | unfused   | yes          | bf16 (DeepSpeed's `communication_data_type` follows the precision) | no | no | no | fused | fused |
+//! | megatron-2021      | fp16      | unfused   | no           | fp16 | no | no | no | fused | fused |
+//! | torchtitan         | bf16      | flash     | no           | fp32 (FSDP2 `MixedPrecisionPolicy`, `mixed_precision_reduce = "float32"`) | yes (FSDP reduce-scatters each layer in the backward) | yes (FSDP prefetches) | no | unfused, fp32 (`cross_entropy(pred.float())`) | eager |
+//! | llm-foundry        | bf16      | flash (Triton: `attn_impl: triton`) | no           | bf16 (FSDP `mixed_precision: PURE`) | yes | yes | no | fused | fused |
 //!
 //! A fused loss (Megatron-LM's vocabulary-parallel cross-entropy, which overwrites its saved
 //! softmax with the gradient) holds nothing beyond that softmax; torchtitan's unfused one
@@ -27,8 +27,9 @@
 //! (default on); Megatron-LM's SC'21 scripts (`run_table_1.sh`) predate it, and autograd in
 //! torchtitan and Composer adds each micro-batch's gradient with a separate kernel. Flash
 //! attention in Megatron-DeepSpeed is `--use-flash-attn-v2`, opt in. Tensor-parallel
-//! communication is never overlapped here: Megatron-Core's `--tp-comm-overlap` needs
-//! Transformer Engine's userbuffers and is off by default.
+//! communication overlaps the products only in NeMo, whose recipes turn on Transformer
+//! Engine's userbuffers ([`Runtime::tp_comm_overlap`]); Megatron-Core's `--tp-comm-overlap`
+//! is off by default.
 
 use crate::cost::memory::Precision;
 use crate::model::frontend::Attention;
@@ -53,6 +54,9 @@ pub struct GivenSettings {
     pub eager_elementwise: Option<bool>,
     /// The blocks' products with a weight run in FP8 ([`TrainingOptions::fp8`]).
     pub fp8: Option<bool>,
+    /// Tensor-parallel communication overlapped with the products
+    /// ([`TrainingOptions::tp_comm_overlap`]).
+    pub tp_comm_overlap: Option<bool>,
 }
 
 /// A training runtime whose defaults a layout is priced with (Megatron-Core where none is
@@ -189,7 +193,18 @@ impl Runtime {
             // No runtime trains in FP8 unless asked to (NeMo's and Megatron-LM's recipes
             // default to bf16; their FP8 runs pass `fp8`).
             fp8: given.fp8.unwrap_or(false),
+            tp_comm_overlap: given.tp_comm_overlap.unwrap_or(self.tp_comm_overlap()),
         }
+    }
+
+    /// Whether Transformer Engine's userbuffers overlap tensor-parallel communication with
+    /// the products ([`TrainingOptions::tp_comm_overlap`]): NeMo's recipes add
+    /// `MegatronCommOverlapCallback(tp_comm_overlap=True)` with a userbuffers configuration
+    /// per model (`nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py`: GPT-3 20B
+    /// at tp 2, GPT-3 175B and the 70B LLaMAs at tp 4); Megatron-Core's `--tp-comm-overlap` is
+    /// off by default, and the other runtimes have no userbuffers.
+    pub fn tp_comm_overlap(self) -> bool {
+        matches!(self, Runtime::Nemo)
     }
 
     /// Whether RMSNorm, RoPE and SwiGLU run as eager PyTorch composites of elementwise

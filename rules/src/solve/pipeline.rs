@@ -64,6 +64,8 @@ pub struct PipelineOptions<'p> {
     pub grad_reduce_in_fp32: bool,
     /// See [`StageOptions::fp32_loss`].
     pub fp32_loss: bool,
+    /// See [`StageOptions::tp_comm_overlap`].
+    pub tp_comm_overlap: bool,
     /// Measured kernel times the layer tables read (see [`StageOptions::profile`]).
     pub profile: Option<&'p Profile>,
     /// What fills the layer tables ([`chain::layer_table_with`]): the exact elimination,
@@ -85,6 +87,7 @@ impl<'p> PipelineOptions<'p> {
             grad_accumulation_fusion: self.grad_accumulation_fusion,
             grad_reduce_in_fp32: self.grad_reduce_in_fp32,
             fp32_loss: self.fp32_loss,
+            tp_comm_overlap: self.tp_comm_overlap,
             profile: self.profile,
             solver: self.solver,
             ..StageOptions::default()
@@ -291,9 +294,15 @@ pub fn table_key(
             ),
         )
         .with("profile", reads);
-    // Only when set: a fused loss, whatever the runtime, keeps the key it always had.
-    if opts.fp32_loss {
+    // Only when set: a fused loss, whatever the runtime, keeps the key it always had; so does
+    // communication that userbuffers do not overlap.
+    let parts = if opts.fp32_loss {
         parts.with("fp32_loss", &true)
+    } else {
+        parts
+    };
+    if opts.tp_comm_overlap {
+        parts.with("tp_comm_overlap", &true)
     } else {
         parts
     }

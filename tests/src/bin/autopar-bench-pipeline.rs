@@ -110,6 +110,7 @@ fn main() -> ExitCode {
             grad_accumulation_fusion: true,
             grad_reduce_in_fp32: true,
             fp32_loss: false,
+            tp_comm_overlap: false,
             profile: None,
             solver: SolverChoice::Auto,
         };

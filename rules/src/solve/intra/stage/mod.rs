@@ -43,6 +43,7 @@ use crate::cost::profile::{CollectiveSignature, OpSignature, Profile, kernel_nam
 use crate::cost::sharding::{
     AxisSplit, Mesh, Spec, Step, reduce_steps, reshard_steps, steps_time, valid_specs,
 };
+use crate::cost::tp_comm_overlap::Userbuffers;
 use crate::model::graph::{DType, Graph, OpId, OpKind, Pass, TensorId, TensorKind};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
@@ -108,6 +109,10 @@ pub struct StageOptions<'p> {
     /// The loss is PyTorch's unfused fp32 cross-entropy (torchtitan's): its backward holds two
     /// fp32 tensors the size of the probabilities it saved ([`crate::plan::runtime::Runtime`]).
     pub fp32_loss: bool,
+    /// Transformer Engine's userbuffers overlap an all-gather into a product and a
+    /// reduce-scatter out of one with that product ([`StageModel::userbuffers`]), as
+    /// Megatron-Core's `--tp-comm-overlap` does for the tensor-parallel group's.
+    pub tp_comm_overlap: bool,
     /// Measured kernel times: an op whose tile shapes the profile measured (under the name,
     /// pass and dtype `autopar profile` gives it) costs the measured time, as in Megatron-LM's
     /// layer costs.
@@ -128,6 +133,7 @@ impl Default for StageOptions<'_> {
             grad_accumulation_fusion: true,
             grad_reduce_in_fp32: false,
             fp32_loss: false,
+            tp_comm_overlap: false,
             profile: None,
         }
     }
@@ -1361,7 +1367,7 @@ impl<'g> StageModel<'g> {
             let v = self.nodes[f.to].var;
             let u = self.producer_var(f.from);
             pairwise(u, v, &|cu, cv| {
-                self.flow_time(f, &self.flow_steps(f, cu, cv), cv) + self.fp8_cast(f, cu, cv)
+                self.flow_time(f, &self.flow_steps(f, cu, cv), cu, cv) + self.fp8_cast(f, cu, cv)
             });
         }
         for w in self.uses.iter().filter(|w| counted(w.to)) {
@@ -1543,7 +1549,7 @@ impl<'g> StageModel<'g> {
             let cast = self.fp8_cast(f, cu, cv);
             add(&mut plan, phase, cast);
             plan.per_microbatch.compute += cast;
-            let t = self.flow_time(f, &steps, cv);
+            let t = self.flow_time(f, &steps, cu, cv);
             add(&mut plan, phase, t);
             if self.pending_sum(f, cu) != 0 {
                 plan.per_microbatch.communication += t;
@@ -1750,12 +1756,56 @@ impl<'g> StageModel<'g> {
     /// while the input-gradient product of the same op computes (Megatron-LM does so under
     /// sequence parallelism, Korthikanti et al. 2022 §4.2.2); that product costs what the
     /// weight-gradient product does (the same FLOPs), so only the excess is exposed.
-    fn flow_time(&self, f: &Flow, steps: &[Step], cv: usize) -> f64 {
+    /// With userbuffers, a collective they overlap exposes only what its product leaves.
+    fn flow_time(&self, f: &Flow, steps: &[Step], cu: usize, cv: usize) -> f64 {
         let t = steps_time(steps);
         if f.overlapped {
-            (t - self.nodes[f.to].realized[cv].compute).max(0.0)
-        } else {
-            t
+            return (t - self.nodes[f.to].realized[cv].compute).max(0.0);
+        }
+        match (self.userbuffers(f, steps, cu, cv), steps) {
+            (Some((ub, product)), [step]) => ub.exposed(t, product, self.mesh.shape[step.axis]),
+            _ => t,
+        }
+    }
+
+    /// How Transformer Engine's userbuffers overlap flow `f`'s one collective, and the time of
+    /// the product that hides it, when tensor-parallel communication overlap is on
+    /// ([`crate::cost::tp_comm_overlap`]): an all-gather into a product runs as a ring
+    /// exchange beside that product (a column-parallel product's input, a row-parallel
+    /// one's output gradient into its input-gradient product); a partial sum's
+    /// reduce-scatter out of a product runs beside it, chunk by chunk in the forward, and in
+    /// the backward in bulk beside the weight-gradient product, whose FLOPs the
+    /// input-gradient product that made the sum stands for (as the layer costs price both).
+    fn userbuffers(
+        &self,
+        f: &Flow,
+        steps: &[Step],
+        cu: usize,
+        cv: usize,
+    ) -> Option<(Userbuffers, f64)> {
+        let [step] = steps else { return None };
+        if !self.opts.tp_comm_overlap {
+            return None;
+        }
+        let g = self.graph;
+        match (step.kind, f.from) {
+            (Collective::AllGather, _) if self.pending_sum(f, cu) == 0 => {
+                let to = &self.nodes[f.to];
+                g.op(to.op)
+                    .kind
+                    .is_matmul()
+                    .then(|| (Userbuffers::RingExchange, to.realized[cv].compute))
+            }
+            (Collective::ReduceScatter, Producer::Op(n, _)) if self.pending_sum(f, cu) != 0 => {
+                let from = &self.nodes[n];
+                let op = g.op(from.op);
+                let ub = match op.pass {
+                    Pass::Forward => Userbuffers::RingExchange,
+                    Pass::Backward => Userbuffers::Bulk,
+                };
+                op.kind.is_matmul().then(|| (ub, from.realized[cu].compute))
+            }
+            _ => None,
         }
     }
 
