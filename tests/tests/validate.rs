@@ -22,6 +22,24 @@ fn dataset(name: &str) -> String {
         .into_owned()
 }
 
+/// `validate` on the shipped dataset `name` with a column `column` of `false` added to every
+/// run.
+fn validate_with_false(ws: &TempWorkspace, name: &str, column: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(dataset(name))
+        .expect("the dataset")
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .enumerate()
+        .map(|(i, l)| match i {
+            0 => format!("{l},{column}"),
+            _ => format!("{l},false"),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    ws.write("changed.csv", &text);
+    validate(ws, "changed.csv")
+}
+
 /// `estimate --json` with `args`, which must succeed: its predicted step time.
 fn estimate_time(ws: &TempWorkspace, args: &[String]) -> f64 {
     let mut all = vec!["estimate".to_string()];
@@ -293,20 +311,13 @@ fn nemo_fp8_runs_are_priced_with_fp8_products() {
         }
     }
     // A runs file's `tp_comm_overlap` column wins over the runtime's.
-    let text = std::fs::read_to_string(dataset("nemo-h100-fp8.csv"))
-        .expect("the dataset")
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .enumerate()
-        .map(|(i, l)| match i {
-            0 => format!("{l},tp_comm_overlap"),
-            _ => format!("{l},false"),
-        })
-        .collect::<Vec<_>>()
-        .join("\n");
-    ws.write("exposed.csv", &text);
-    let e = validate(&ws, "exposed.csv");
-    for (run, want) in e["runs"].as_array().expect("runs").iter().zip(&exposed_times) {
+    let e = validate_with_false(&ws, "nemo-h100-fp8.csv", "tp_comm_overlap");
+    for (run, want) in e["runs"]
+        .as_array()
+        .expect("runs")
+        .iter()
+        .zip(&exposed_times)
+    {
         assert_eq!(number(&run["predicted_step_time_s"]), *want, "{run}");
     }
     println!(
@@ -394,21 +405,7 @@ fn torchtitan_h100_memory_counts_the_fp32_loss() {
         assert!(number(&titan["total"]) - number(&megatron["total"]) >= logits_fp32);
     }
     // A runs file's `fp32_loss` and `eager_elementwise` columns win over the runtime's too.
-    let with_column = |column: &str| {
-        let text = std::fs::read_to_string(dataset("torchtitan-h100.csv"))
-            .expect("the dataset")
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .enumerate()
-            .map(|(i, l)| match i {
-                0 => format!("{l},{column}"),
-                _ => format!("{l},false"),
-            })
-            .collect::<Vec<_>>()
-            .join("\n");
-        ws.write("changed.csv", &text);
-        validate(&ws, "changed.csv")
-    };
+    let with_column = |column: &str| validate_with_false(&ws, "torchtitan-h100.csv", column);
     let f = with_column("fp32_loss");
     for (unfused, fused) in runs.iter().zip(f["runs"].as_array().expect("runs")) {
         let saved =
