@@ -253,6 +253,10 @@ impl LayerTable {
 pub struct Crossings {
     maker: HashMap<TensorId, usize>,
     readers: HashMap<TensorId, BTreeSet<usize>>,
+    /// Per layer `l`, the tensors crossing between layers `l` and `l + 1`, in id order:
+    /// found in one pass over the tensors, so that a deep graph's boundaries cost time linear
+    /// in its size, not in its size times its layers.
+    boundaries: Vec<Vec<TensorId>>,
 }
 
 impl Crossings {
@@ -273,23 +277,31 @@ impl Crossings {
                 }
             }
         }
-        Crossings { maker, readers }
+        // A tensor crosses a boundary when the layer on one side makes it and the layer on the
+        // other reads it.
+        let mut boundaries: Vec<Vec<TensorId>> = vec![Vec::new(); graph.layers.len()];
+        for (t, r) in &readers {
+            let Some(&m) = maker.get(t) else { continue };
+            if r.contains(&(m + 1)) {
+                boundaries[m].push(*t);
+            }
+            if m > 0 && r.contains(&(m - 1)) {
+                boundaries[m - 1].push(*t);
+            }
+        }
+        for b in &mut boundaries {
+            b.sort_unstable();
+        }
+        Crossings {
+            maker,
+            readers,
+            boundaries,
+        }
     }
 
     /// Tensors crossing between layers `l` and `l + 1`, in id order.
     fn boundary(&self, l: usize) -> Vec<TensorId> {
-        let mut out: Vec<TensorId> = self
-            .readers
-            .iter()
-            .filter(|(t, r)| match self.maker.get(t) {
-                Some(&m) if m == l => r.contains(&(l + 1)),
-                Some(&m) if m == l + 1 => r.contains(&l),
-                _ => false,
-            })
-            .map(|(&t, _)| t)
-            .collect();
-        out.sort_unstable();
-        out
+        self.boundaries.get(l).cloned().unwrap_or_default()
     }
 
     /// Tensors crossing layer `l`'s edges: with layer `l - 1` (none for the first layer),
