@@ -294,7 +294,7 @@ fn nemo(plan: &Plan, l: &LaunchLayout, c: &TransformerConfig) -> Result<String, 
             "transformer_engine": true,
             "fp8": plan.training.fp8,
             "fp8_hybrid": plan.training.fp8,
-            "ub_tp_comm_overlap": overlaps_tp_comm(plan, l),
+            "ub_tp_comm_overlap": plan.training.overlaps_tp_comm(&l.layout),
             "use_flash_attention":
                 plan.training.attention.flash_kernel().is_some(),
             "activations_checkpoint_granularity": granularity,
@@ -683,7 +683,7 @@ fn refuse_transformer_engine(
              float8 (torchao) keeps other copies and DeepSpeed has no FP8 recipe",
         ));
     }
-    if overlaps_tp_comm(plan, l) {
+    if plan.training.overlaps_tp_comm(&l.layout) {
         return Err(cannot(
             f,
             "tensor-parallel communication overlapped with the products by Transformer \
@@ -693,12 +693,6 @@ fn refuse_transformer_engine(
         ));
     }
     Ok(())
-}
-
-/// Whether the plan's tensor-parallel communication is overlapped by userbuffers: asked for,
-/// and with sequence parallelism over a group of more than one rank.
-fn overlaps_tp_comm(plan: &Plan, l: &LaunchLayout) -> bool {
-    plan.training.tp_comm_overlap && l.layout.tp > 1 && l.layout.sequence_parallel
 }
 
 /// DeepSpeed's config JSON.

@@ -684,14 +684,20 @@ impl<'g> LayerCostContext<'g> {
         }
     }
 
-    /// Time of the weight-gradient product of forward op `o` of layer `li`, if it has one.
-    fn weight_gradient_time(&self, li: usize, o: OpId, p: &Pricing<'_>) -> Option<f64> {
+    /// The backward op of layer `li` that forward op `o` implies: its weight-gradient
+    /// product (`weight`) or its input-gradient one.
+    fn gradient_op(&self, li: usize, o: OpId, weight: bool) -> Option<OpId> {
         let g = self.g;
-        let wgrad = g.layers[li]
+        g.layers[li]
             .backward
             .iter()
             .copied()
-            .find(|&b| g.op(b).grad_of == Some(o) && g.makes_weight_gradient(b))?;
+            .find(|&b| g.op(b).grad_of == Some(o) && g.makes_weight_gradient(b) == weight)
+    }
+
+    /// Time of the weight-gradient product of forward op `o` of layer `li`, if it has one.
+    fn weight_gradient_time(&self, li: usize, o: OpId, p: &Pricing<'_>) -> Option<f64> {
+        let wgrad = self.gradient_op(li, o, true)?;
         // Its profile reads are recorded where the backward pass is priced.
         Some(self.op_time(wgrad, p, &mut Vec::new()))
     }
@@ -714,14 +720,9 @@ impl<'g> LayerCostContext<'g> {
     /// beside (the same FLOPs), as the intra-op model prices both. Without an FP8 cast: that
     /// runs before the gather.
     fn product_beside(&self, li: usize, o: OpId, coll: &TpCollective, p: &Pricing<'_>) -> f64 {
-        let g = self.g;
         let product = match coll.phase {
             Phase::Forward => Some(o),
-            _ => g.layers[li]
-                .backward
-                .iter()
-                .copied()
-                .find(|&b| g.op(b).grad_of == Some(o) && !g.makes_weight_gradient(b)),
+            _ => self.gradient_op(li, o, false),
         };
         product.map_or(0.0, |b| {
             // Its profile reads are recorded where its pass is priced.

@@ -327,9 +327,11 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
             userbuffers,
         })
     };
+    // Held as a sequence shard (under SP).
+    let seq_shard = |t: TensorId| cfg.sp && is_seq(g, t);
     // Sum of partial results over the group: reduce-scatter into sequence shards under SP.
     let reduce = |t: TensorId| {
-        if cfg.sp && is_seq(g, t) {
+        if seq_shard(t) {
             Collective::ReduceScatter
         } else {
             Collective::AllReduce
@@ -346,7 +348,6 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
             let fp8_bytes = |t: TensorId| g.tensor(t).fp8_copy_bytes() as f64;
             // Userbuffers overlap the gathers into a product and the reduce-scatters out of it
             // ([`crate::cost::tp_comm_overlap`]); an all-reduce runs exposed.
-            let seq_shard = |t: TensorId| cfg.sp && is_seq(g, t);
             let ring = Some(Userbuffers::RingExchange);
             if column {
                 let gathered = seq_shard(x);
@@ -385,7 +386,7 @@ pub fn collectives(g: &Graph, op: &Op, cfg: TpConfig) -> Vec<TpCollective> {
             let (table, y) = (op.inputs[1], op.outputs[0]);
             if is_model(g, table) {
                 push(reduce(y), bytes(y), Phase::Forward, None);
-                if cfg.sp && is_seq(g, y) {
+                if seq_shard(y) {
                     push(Collective::AllGather, bytes(y), Phase::Backward, None);
                 }
             }

@@ -767,9 +767,7 @@ fn runtime_args(a: &mut Args, l: &Layout, opts: &TrainingOptions) {
     if opts.overlap_param_gather && l.dp > 1 && l.zero >= 1 {
         a.flag("overlap-param-gather");
     }
-    // Userbuffers overlap sequence parallelism's collectives; Megatron-Core refuses the flag
-    // without it.
-    if opts.tp_comm_overlap && l.tp > 1 && l.sequence_parallel {
+    if opts.overlaps_tp_comm(l) {
         a.flag("tp-comm-overlap");
     }
 }

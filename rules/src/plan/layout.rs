@@ -220,6 +220,13 @@ pub struct TrainingOptions {
 }
 
 impl TrainingOptions {
+    /// Whether userbuffers overlap layout `l`'s tensor-parallel communication: asked for, and
+    /// with sequence parallelism over a group of more than one rank (Megatron-Core refuses
+    /// `--tp-comm-overlap` without it).
+    pub fn overlaps_tp_comm(&self, l: &Layout) -> bool {
+        self.tp_comm_overlap && l.tp > 1 && l.sequence_parallel
+    }
+
     /// Bytes per parameter of weights, gradients and optimizer states.
     pub fn state_bytes(&self) -> crate::cost::memory::StateBytes {
         crate::cost::memory::StateBytes::of(self.precision, self.grad_reduce_in_fp32)

@@ -296,16 +296,11 @@ pub fn table_key(
         .with("profile", reads);
     // Only when set: a fused loss, whatever the runtime, keeps the key it always had; so does
     // communication that userbuffers do not overlap.
-    let parts = if opts.fp32_loss {
-        parts.with("fp32_loss", &true)
-    } else {
-        parts
+    let when = |parts: KeyParts, name: &str, on: bool| {
+        if on { parts.with(name, &true) } else { parts }
     };
-    if opts.tp_comm_overlap {
-        parts.with("tp_comm_overlap", &true)
-    } else {
-        parts
-    }
+    let parts = when(parts, "fp32_loss", opts.fp32_loss);
+    when(parts, "tp_comm_overlap", opts.tp_comm_overlap)
 }
 
 /// The measurements layer `layer`'s table on `mesh` may read: every kernel of the options'

@@ -110,7 +110,7 @@ pub struct StageOptions<'p> {
     /// fp32 tensors the size of the probabilities it saved ([`crate::plan::runtime::Runtime`]).
     pub fp32_loss: bool,
     /// Transformer Engine's userbuffers overlap an all-gather into a product and a
-    /// reduce-scatter out of one with that product ([`StageModel::userbuffers`]), as
+    /// reduce-scatter out of one with that product ([`StageModel::userbuffers_exposed`]), as
     /// Megatron-Core's `--tp-comm-overlap` does for the tensor-parallel group's.
     pub tp_comm_overlap: bool,
     /// Measured kernel times: an op whose tile shapes the profile measured (under the name,
@@ -1762,41 +1762,40 @@ impl<'g> StageModel<'g> {
         if f.overlapped {
             return (t - self.nodes[f.to].realized[cv].compute).max(0.0);
         }
-        match (self.userbuffers(f, steps, cu, cv), steps) {
-            (Some((ub, product)), [step]) => ub.exposed(t, product, self.mesh.shape[step.axis]),
-            _ => t,
-        }
+        self.userbuffers_exposed(f, steps, t, cu, cv).unwrap_or(t)
     }
 
-    /// How Transformer Engine's userbuffers overlap flow `f`'s one collective, and the time of
-    /// the product that hides it, when tensor-parallel communication overlap is on
-    /// ([`crate::cost::tp_comm_overlap`]): an all-gather into a product runs as a ring
+    /// What flow `f`'s one collective, of `t` seconds, leaves exposed when Transformer Engine's
+    /// userbuffers overlap it with a product (tensor-parallel communication overlap on;
+    /// [`crate::cost::tp_comm_overlap`]), or `None` where they do not: an all-gather into a product runs as a ring
     /// exchange beside that product (a column-parallel product's input, a row-parallel
     /// one's output gradient into its input-gradient product); a partial sum's
     /// reduce-scatter out of a product runs beside it, chunk by chunk in the forward, and in
     /// the backward in bulk beside the weight-gradient product, whose FLOPs the
     /// input-gradient product that made the sum stands for (as the layer costs price both).
-    fn userbuffers(
+    fn userbuffers_exposed(
         &self,
         f: &Flow,
         steps: &[Step],
+        t: f64,
         cu: usize,
         cv: usize,
-    ) -> Option<(Userbuffers, f64)> {
-        let [step] = steps else { return None };
+    ) -> Option<f64> {
         if !self.opts.tp_comm_overlap {
             return None;
         }
+        let [step] = steps else { return None };
         let g = self.graph;
-        match (step.kind, f.from) {
-            (Collective::AllGather, _) if self.pending_sum(f, cu) == 0 => {
+        let pending = self.pending_sum(f, cu) != 0;
+        let (ub, product) = match (step.kind, f.from) {
+            (Collective::AllGather, _) if !pending => {
                 let to = &self.nodes[f.to];
                 g.op(to.op)
                     .kind
                     .is_matmul()
                     .then(|| (Userbuffers::RingExchange, to.realized[cv].compute))
             }
-            (Collective::ReduceScatter, Producer::Op(n, _)) if self.pending_sum(f, cu) != 0 => {
+            (Collective::ReduceScatter, Producer::Op(n, _)) if pending => {
                 let from = &self.nodes[n];
                 let op = g.op(from.op);
                 let ub = match op.pass {
@@ -1806,7 +1805,8 @@ impl<'g> StageModel<'g> {
                 op.kind.is_matmul().then(|| (ub, from.realized[cu].compute))
             }
             _ => None,
-        }
+        }?;
+        Some(ub.exposed(t, product, self.mesh.shape[step.axis]))
     }
 
     fn use_steps(&self, w: &WeightUse, cu: usize, cv: usize) -> Vec<Step> {
