@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
 /// Longest a bounded case may take (the debug build on two busy cores; the slowest case, 4096
-/// blocks, takes about 16 s there and 9 s in a release build).
+/// blocks, takes about 17 s in a release build on two cores, several times that in debug).
 const TIME: Duration = Duration::from_secs(120);
 
 /// Most memory a bounded build may use.

@@ -184,27 +184,205 @@ impl StageProblem {
         Ok(self)
     }
 
-    /// Most stages a solution can have: every stage holds a layer and a smallest submesh.
-    fn max_stages(&self) -> u64 {
-        let smallest = (0..self.submeshes.len())
-            .map(|s| self.size(s))
-            .min()
-            .unwrap_or(1)
-            .max(1);
-        (self.layers as u64).min(self.devices / smallest)
-    }
-
     /// Entries of the DP table, `(stages + 1) x (layers + 1) x (devices + 1)`, saturated.
     fn dp_entries(&self) -> u64 {
-        (self.max_stages() + 1)
-            .saturating_mul(self.layers as u64 + 1)
-            .saturating_mul(self.devices.saturating_add(1))
+        let sizes: Vec<u64> = (0..self.submeshes.len()).map(|s| self.size(s)).collect();
+        dp_entries(self.layers, &sizes, self.devices)
+    }
+
+    /// The instance as the DP reads it, its dominated configurations left out (see
+    /// [`StageChoices`]).
+    pub fn choices(&self) -> Result<StageChoices, InterError> {
+        let per_submesh: Vec<SubmeshChoices> = (0..self.submeshes.len())
+            .map(|s| {
+                SubmeshChoices::new(self.layers, |k, i, out| {
+                    out.extend((0..self.configs).map(|c| {
+                        let x = self.idx(k, i, s, c);
+                        (self.cost[x], self.max_succ[x], c as u32)
+                    }))
+                })
+            })
+            .collect();
+        StageChoices::new(
+            self.layers,
+            &self.submeshes,
+            &per_submesh,
+            self.devices,
+            self.microbatches,
+        )
     }
 
     /// Devices of submesh `s`.
     pub fn size(&self, s: usize) -> u64 {
         self.submeshes[s].0.saturating_mul(self.submeshes[s].1)
     }
+}
+
+/// A configuration of a range on a submesh as the DP reads it: `(cost per micro-batch, most
+/// stages that may follow, configuration index)`. (16 bytes: the most following stages never
+/// exceed the layers, so `i32` holds them after clamping.)
+pub type Choice = (f64, i32, u32);
+
+/// One submesh's usable configurations of every range `[k, i]` (`k * L + i`): by cost, then
+/// configuration, each kept only if it allows more following stages than every cheaper one.
+/// The first whose `max_succ` admits a stage count is then the cheapest configuration for it,
+/// and every configuration left out is dominated (no cheaper, no more stages after it), so
+/// the DP over these is the DP over all of them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SubmeshChoices {
+    choices: Vec<Choice>,
+    /// `L * L + 1` offsets into `choices`.
+    offsets: Vec<usize>,
+}
+
+impl SubmeshChoices {
+    /// The usable configurations of every range of `layers` layers: `candidates(k, i, out)`
+    /// appends range `[k, i]`'s `(cost, max_succ, config)`. Empty ranges (`i < k`), infinite,
+    /// NaN or negative costs and negative `max_succ` are not usable.
+    pub fn new(
+        layers: usize,
+        mut candidates: impl FnMut(usize, usize, &mut Vec<(f64, i64, u32)>),
+    ) -> Self {
+        let mut choices = Vec::new();
+        let mut offsets = Vec::with_capacity(layers * layers + 1);
+        offsets.push(0);
+        let mut found = Vec::new();
+        let mut usable: Vec<Choice> = Vec::new();
+        for k in 0..layers {
+            for i in 0..layers {
+                if i >= k {
+                    found.clear();
+                    candidates(k, i, &mut found);
+                    usable.clear();
+                    usable.extend(found.iter().filter_map(|&(cost, succ, c)| {
+                        (cost.is_finite() && cost >= 0.0 && succ >= 0).then_some((
+                            cost,
+                            succ.min(i64::from(i32::MAX)) as i32,
+                            c,
+                        ))
+                    }));
+                    usable.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.2.cmp(&b.2)));
+                    let mut most = -1;
+                    for &choice in &usable {
+                        if choice.1 > most {
+                            most = choice.1;
+                            choices.push(choice);
+                        }
+                    }
+                }
+                offsets.push(choices.len());
+            }
+        }
+        SubmeshChoices { choices, offsets }
+    }
+
+    /// Range `r`'s (`k * L + i`) usable configurations.
+    fn range(&self, r: usize) -> &[Choice] {
+        &self.choices[self.offsets[r]..self.offsets[r + 1]]
+    }
+}
+
+/// A stage-construction instance as the DP reads it: what [`StageProblem`] holds with every
+/// dominated configuration left out ([`SubmeshChoices`]), so that an instance of many
+/// submeshes and logical meshes is never held whole (the dense tables of GPT-3 175B on 128
+/// nodes are half a gigabyte per micro-batch size, of which a few percent are usable).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageChoices {
+    /// Layers `L`.
+    layers: usize,
+    /// Devices of each submesh.
+    sizes: Vec<u64>,
+    /// Per `(k, i, submesh)` (row-major), the range's usable configurations: slices of
+    /// `choices` between `offsets`.
+    choices: Vec<Choice>,
+    offsets: Vec<usize>,
+    /// Devices the stages must use in total.
+    devices: u64,
+    /// Micro-batches `B`.
+    microbatches: u64,
+}
+
+impl StageChoices {
+    /// The instance of `layers` layers whose submesh `s` has shape `submeshes[s]` and usable
+    /// configurations `per_submesh[s]` ([`SubmeshChoices::new`] with the same `layers`).
+    pub fn new(
+        layers: usize,
+        submeshes: &[(u64, u64)],
+        per_submesh: &[SubmeshChoices],
+        devices: u64,
+        microbatches: u64,
+    ) -> Result<Self, InterError> {
+        if layers == 0 || submeshes.is_empty() {
+            return Err(InterError::Shape(
+                "layers and submesh choices must be non-empty".into(),
+            ));
+        }
+        if per_submesh.len() != submeshes.len()
+            || per_submesh
+                .iter()
+                .any(|c| c.offsets.len() != layers * layers + 1)
+        {
+            return Err(InterError::Shape(format!(
+                "the configurations of {} submeshes over {layers} layers were expected, found {}",
+                submeshes.len(),
+                per_submesh.len()
+            )));
+        }
+        if submeshes.iter().any(|&(n, m)| n == 0 || m == 0) || devices == 0 {
+            return Err(InterError::Shape(
+                "submesh shapes and the device count must be positive".into(),
+            ));
+        }
+        if microbatches == 0 {
+            return Err(InterError::Shape(
+                "num_microbatches must be positive".into(),
+            ));
+        }
+        let sizes: Vec<u64> = submeshes
+            .iter()
+            .map(|&(n, m)| n.saturating_mul(m))
+            .collect();
+        let entries = dp_entries(layers, &sizes, devices);
+        if entries > MAX_DP_ENTRIES {
+            return Err(InterError::TooLarge {
+                layers,
+                devices,
+                entries,
+                limit: MAX_DP_ENTRIES,
+            });
+        }
+        let total = per_submesh.iter().map(|c| c.choices.len()).sum();
+        let mut choices = Vec::with_capacity(total);
+        let mut offsets = Vec::with_capacity(layers * layers * sizes.len() + 1);
+        offsets.push(0);
+        for r in 0..layers * layers {
+            for c in per_submesh {
+                choices.extend_from_slice(c.range(r));
+                offsets.push(choices.len());
+            }
+        }
+        Ok(StageChoices {
+            layers,
+            sizes,
+            choices,
+            offsets,
+            devices,
+            microbatches,
+        })
+    }
+}
+
+/// Most stages a solution can have: every stage holds a layer and a smallest submesh.
+fn max_stages(layers: usize, sizes: &[u64], devices: u64) -> u64 {
+    let smallest = sizes.iter().copied().min().unwrap_or(1).max(1);
+    (layers as u64).min(devices / smallest)
+}
+
+/// Entries of the DP table, `(stages + 1) x (layers + 1) x (devices + 1)`, saturated.
+fn dp_entries(layers: usize, sizes: &[u64], devices: u64) -> u64 {
+    (max_stages(layers, sizes, devices) + 1)
+        .saturating_mul(layers as u64 + 1)
+        .saturating_mul(devices.saturating_add(1))
 }
 
 /// An empty range of device counts.
@@ -226,52 +404,22 @@ struct Dp {
     band: Vec<(usize, usize)>,
     /// Most stages any solution can have.
     s_max: usize,
-    /// Per `(k, i, submesh)` (row-major), the range's usable configurations
-    /// `(cost, max_succ, config)` by cost, then config, each kept only if it allows more
-    /// following stages than every cheaper one: the first whose `max_succ` admits a stage
-    /// count is the cheapest configuration for it. Slices of `choices` between `offsets`.
-    /// (16 bytes each: the most following stages never exceed the layers, so `i32` holds
-    /// them after clamping.)
-    choices: Vec<(f64, i32, u32)>,
+    /// Per `(k, i, submesh)` (row-major), the range's usable configurations (see
+    /// [`SubmeshChoices`]): slices of `choices` between `offsets`.
+    choices: Vec<Choice>,
     offsets: Vec<usize>,
 }
 
 impl Dp {
-    fn new(p: &StageProblem) -> Self {
+    fn new(p: StageChoices) -> Self {
         let l = p.layers;
         let d = p.devices as usize;
-        let sizes: Vec<usize> = (0..p.submeshes.len()).map(|s| p.size(s) as usize).collect();
-        // Bounded by `validate`'s table-size check.
-        let s_max = p.max_stages() as usize;
-        let ranges = l * l * p.submeshes.len();
-        let mut choices = Vec::new();
-        let mut offsets = Vec::with_capacity(ranges + 1);
-        offsets.push(0);
-        let mut configs: Vec<(f64, i32, u32)> = Vec::with_capacity(p.configs);
-        for r in 0..ranges {
-            configs.clear();
-            configs.extend((0..p.configs).filter_map(|c| {
-                let x = r * p.configs + c;
-                (p.cost[x].is_finite() && p.max_succ[x] >= 0).then_some((
-                    p.cost[x],
-                    p.max_succ[x].min(i64::from(i32::MAX)) as i32,
-                    c as u32,
-                ))
-            }));
-            configs.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.2.cmp(&b.2)));
-            let mut most = -1;
-            for &choice in &configs {
-                if choice.1 > most {
-                    most = choice.1;
-                    choices.push(choice);
-                }
-            }
-            offsets.push(choices.len());
-        }
+        // Bounded by `StageChoices::new`'s table-size check.
+        let s_max = max_stages(l, &p.sizes, p.devices) as usize;
         Dp {
             l,
             d,
-            sizes,
+            sizes: p.sizes.iter().map(|&n| n as usize).collect(),
             // Zeroed, not filled: `run` reads only what it wrote for the bound (`written`), so
             // the pages no stage reaches are never touched (the table is ~100 MB for a
             // 1,024-device cluster).
@@ -279,13 +427,13 @@ impl Dp {
             written: vec![NOTHING; (s_max + 1) * (l + 1)],
             band: vec![(1, 0); l + 1],
             s_max,
-            choices,
-            offsets,
+            choices: p.choices,
+            offsets: p.offsets,
         }
     }
 
     /// The usable configurations of stage `[k, i]` on submesh `sm` (see `choices`).
-    fn configs(&self, k: usize, i: usize, sm: usize) -> &[(f64, i32, u32)] {
+    fn configs(&self, k: usize, i: usize, sm: usize) -> &[Choice] {
         let r = (k * self.l + i) * self.sizes.len() + sm;
         &self.choices[self.offsets[r]..self.offsets[r + 1]]
     }
@@ -501,17 +649,23 @@ impl Dp {
 /// Solves a stage-construction instance exactly: the DP for each `t_max` bound, searched with
 /// [`crate::solve::bottleneck::minimize`] (which evaluates only the bounds that can still win).
 pub fn solve(problem: StageProblem, options: StageOptions) -> Result<StagePlan, InterError> {
-    let p = problem.validate()?;
+    let choices = problem.validate()?.choices()?;
+    solve_choices(choices, options)
+}
+
+/// [`solve`] on an instance given as its usable configurations.
+pub fn solve_choices(
+    problem: StageChoices,
+    options: StageOptions,
+) -> Result<StagePlan, InterError> {
     let infeasible = InterError::Infeasible {
-        layers: p.layers,
-        devices: p.devices,
+        layers: problem.layers,
+        devices: problem.devices,
     };
-    let mut dp = Dp::new(&p);
+    let weight = problem.microbatches as f64 - 1.0;
+    let mut dp = Dp::new(problem);
     // Only the configurations the DP keeps can be a solution's largest stage.
     let bounds = bottleneck::candidates(dp.choices.iter().map(|c| c.0));
-    let weight = p.microbatches as f64 - 1.0;
-    // The instance's tables are no longer read (the DP keeps what it needs).
-    drop(p);
     let best = bottleneck::minimize(&bounds, weight, options.bound_gap, |t| {
         let (sum, s) = dp.run(t)?;
         let stages = dp.reconstruct(s, t)?;
@@ -773,6 +927,42 @@ mod tests {
             solve(p, StageOptions::default()),
             Err(InterError::Infeasible { .. })
         ));
+    }
+
+    #[test]
+    fn only_dominated_configurations_are_left_out() {
+        // Range [0, 0] of one layer: configuration 3 (cost 2, up to 1 stage after) is
+        // dominated by 1 (cost 1, up to 2 after); 0 has no following stage, 2 is unusable,
+        // 4 is the only one allowing 5 following stages.
+        let found = SubmeshChoices::new(1, |_, _, out| {
+            out.extend([
+                (0.5, 0, 0),
+                (1.0, 2, 1),
+                (f64::NAN, 9, 2),
+                (2.0, 1, 3),
+                (3.0, 5, 4),
+                (-1.0, 9, 5),
+            ])
+        });
+        assert_eq!(found.range(0), [(0.5, 0, 0), (1.0, 2, 1), (3.0, 5, 4)]);
+        // Ranges ending before they start are never asked for.
+        let asked = std::cell::RefCell::new(Vec::new());
+        let _ = SubmeshChoices::new(2, |k, i, _| asked.borrow_mut().push((k, i)));
+        assert_eq!(asked.into_inner(), [(0, 0), (0, 1), (1, 1)]);
+    }
+
+    #[test]
+    fn stage_choices_must_match_their_submeshes() {
+        let one = SubmeshChoices::new(2, |_, _, out| out.push((1.0, 1, 0)));
+        assert!(StageChoices::new(2, &[(1, 1)], std::slice::from_ref(&one), 2, 1).is_ok());
+        for bad in [
+            StageChoices::new(2, &[(1, 1), (1, 2)], std::slice::from_ref(&one), 2, 1),
+            StageChoices::new(3, &[(1, 1)], std::slice::from_ref(&one), 2, 1),
+            StageChoices::new(2, &[(1, 1)], std::slice::from_ref(&one), 2, 0),
+            StageChoices::new(2, &[(0, 1)], std::slice::from_ref(&one), 2, 1),
+        ] {
+            assert!(matches!(bad, Err(InterError::Shape(_))), "{bad:?}");
+        }
     }
 
     #[test]

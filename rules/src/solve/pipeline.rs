@@ -19,7 +19,7 @@
 //! their gradients.
 
 use super::balance::layers::{RecomputeChoice, least_recompute};
-use super::inter::{self, InterError, StageProblem, submesh_choices};
+use super::inter::{self, InterError, StageChoices, SubmeshChoices, submesh_choices};
 use super::intra::chain::{self, ChainError, Crossings, Entry, LayerTable, TableSolver};
 use super::intra::stage::{SolverChoice, StageOptions, StagePlan};
 use crate::canonical::{Digest, KeyParts, digest};
@@ -530,7 +530,6 @@ pub fn price_pipeline_with(
 ) -> Result<PricedPipeline, PipelineError> {
     let layers = graph.layers.len();
     let (submeshes, configs) = mesh_choices(cluster, opts.powers_of_two, opts.logical_meshes);
-    let width = configs.iter().map(Vec::len).max().unwrap_or(0);
     let identities = layer_identities(graph);
     let classes = classes_of(&identities);
     let stage_opts = opts.stage_options(1);
@@ -594,51 +593,49 @@ pub fn price_pipeline_with(
         }
     }
     let solves = tables.values().map(|t| t.solves).sum();
-    // Alpa's tables: cost[((k * L + i) * S + s) * C + c], inclusive ends, with C twice the
-    // logical meshes: configuration `2 m + r` is logical mesh `m` with (r = 1) or without
-    // every layer of the stage recomputed.
-    let variants = 2 * width;
-    let cells = layers * layers * submeshes.len() * variants;
-    let mut cost = vec![f64::INFINITY; cells];
-    let mut max_succ = vec![-1i64; cells];
-    // Every range on every mesh choice, one mesh choice per task.
-    let choices: Vec<(usize, usize)> = configs
-        .iter()
-        .enumerate()
-        .flat_map(|(s, logical)| (0..logical.len()).map(move |c| (s, c)))
-        .collect();
-    // Per mesh choice, per range (k, i) row-major: the stage's cost and how many stages may
-    // follow it, without and with recomputation (what Alpa's tables hold; 32 bytes a range,
-    // the only per-range state kept). A few mesh choices per thread at a time, copied into
-    // Alpa's tables before the next, so that only those are held twice.
-    let batch = 4 * rayon::current_num_threads().max(1);
-    for group in choices.chunks(batch) {
-        let priced: Vec<Vec<RangePrice>> = group
+    // Alpa's tables, inclusive ends, with configuration `2 m + r` logical mesh `m` with
+    // (r = 1) or without every layer of the stage recomputed; built a few submeshes at a time
+    // (each mesh choice's ranges priced in parallel) and kept only as the configurations the
+    // stage DP can use ([`SubmeshChoices`]), never as the dense tables of every mesh choice.
+    let batch = rayon::current_num_threads().max(1);
+    let mut per_submesh: Vec<SubmeshChoices> = Vec::with_capacity(submeshes.len());
+    let order: Vec<usize> = (0..submeshes.len()).collect();
+    for group in order.chunks(batch) {
+        let built: Vec<SubmeshChoices> = group
             .par_iter()
-            .map(|&(s, c)| {
-                range_prices(&|l: usize| tables.get(&(s, c, classes[l])), &classes, opts)
+            .map(|&s| {
+                // Per logical mesh, per range (k, i) row-major: the stage's cost and how many
+                // stages may follow it, without and with recomputation (32 bytes a range).
+                let priced: Vec<Vec<RangePrice>> = (0..configs[s].len())
+                    .into_par_iter()
+                    .map(|c| {
+                        let by_layer: Vec<Option<&LayerTable>> = classes
+                            .iter()
+                            .map(|&class| tables.get(&(s, c, class)))
+                            .collect();
+                        range_prices(&|l: usize| by_layer[l], &classes, opts)
+                    })
+                    .collect::<Result<_, ChainError>>()?;
+                Ok(SubmeshChoices::new(layers, |k, i, out| {
+                    for (c, ranges) in priced.iter().enumerate() {
+                        for (r, &(t, succ)) in ranges[k * layers + i].iter().enumerate() {
+                            out.push((t, succ, (2 * c + r) as u32));
+                        }
+                    }
+                }))
             })
             .collect::<Result<_, ChainError>>()?;
-        for (&(s, c), ranges) in group.iter().zip(priced) {
-            for (range, prices) in ranges.into_iter().enumerate() {
-                for (r, (t, succ)) in prices.into_iter().enumerate() {
-                    let at = (range * submeshes.len() + s) * variants + 2 * c + r;
-                    cost[at] = t;
-                    max_succ[at] = succ;
-                }
-            }
-        }
+        per_submesh.extend(built);
     }
-    let problem = StageProblem {
+    let problem = StageChoices::new(
         layers,
-        submeshes: submeshes.clone(),
-        configs: variants,
-        cost,
-        max_succ,
-        devices: cluster.gpus(),
-        microbatches: opts.microbatches,
-    };
-    let plan = inter::solve(problem, inter::StageOptions::default())?;
+        &submeshes,
+        &per_submesh,
+        cluster.gpus(),
+        opts.microbatches,
+    )?;
+    drop(per_submesh);
+    let plan = inter::solve_choices(problem, inter::StageOptions::default())?;
     let count = plan.stages.len();
     let b = opts.microbatches.max(1) as f64;
     let stages = plan
