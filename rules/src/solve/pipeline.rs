@@ -594,39 +594,33 @@ pub fn price_pipeline_with(
     }
     let solves = tables.values().map(|t| t.solves).sum();
     // Alpa's tables, inclusive ends, with configuration `2 m + r` logical mesh `m` with
-    // (r = 1) or without every layer of the stage recomputed; built a few submeshes at a time
-    // (each mesh choice's ranges priced in parallel) and kept only as the configurations the
+    // (r = 1) or without every layer of the stage recomputed; built one submesh per task
+    // (its logical meshes' ranges priced in parallel) and kept only as the configurations the
     // stage DP can use ([`SubmeshChoices`]), never as the dense tables of every mesh choice.
-    let batch = rayon::current_num_threads().max(1);
-    let mut per_submesh: Vec<SubmeshChoices> = Vec::with_capacity(submeshes.len());
-    let order: Vec<usize> = (0..submeshes.len()).collect();
-    for group in order.chunks(batch) {
-        let built: Vec<SubmeshChoices> = group
-            .par_iter()
-            .map(|&s| {
-                // Per logical mesh, per range (k, i) row-major: the stage's cost and how many
-                // stages may follow it, without and with recomputation (32 bytes a range).
-                let priced: Vec<Vec<RangePrice>> = (0..configs[s].len())
-                    .into_par_iter()
-                    .map(|c| {
-                        let by_layer: Vec<Option<&LayerTable>> = classes
-                            .iter()
-                            .map(|&class| tables.get(&(s, c, class)))
-                            .collect();
-                        range_prices(&|l: usize| by_layer[l], &classes, opts)
-                    })
-                    .collect::<Result<_, ChainError>>()?;
-                Ok(SubmeshChoices::new(layers, |k, i, out| {
-                    for (c, ranges) in priced.iter().enumerate() {
-                        for (r, &(t, succ)) in ranges[k * layers + i].iter().enumerate() {
-                            out.push((t, succ, (2 * c + r) as u32));
-                        }
+    let per_submesh: Vec<SubmeshChoices> = (0..submeshes.len())
+        .into_par_iter()
+        .map(|s| {
+            // Per logical mesh, per range (k, i) row-major: the stage's cost and how many
+            // stages may follow it, without and with recomputation (32 bytes a range).
+            let priced: Vec<Vec<RangePrice>> = (0..configs[s].len())
+                .into_par_iter()
+                .map(|c| {
+                    let by_layer: Vec<Option<&LayerTable>> = classes
+                        .iter()
+                        .map(|&class| tables.get(&(s, c, class)))
+                        .collect();
+                    range_prices(&|l: usize| by_layer[l], &classes, opts)
+                })
+                .collect::<Result<_, ChainError>>()?;
+            Ok(SubmeshChoices::new(layers, |k, i, out| {
+                for (c, ranges) in priced.iter().enumerate() {
+                    for (r, &(t, succ)) in ranges[k * layers + i].iter().enumerate() {
+                        out.push((t, succ, (2 * c + r) as u32));
                     }
-                }))
-            })
-            .collect::<Result<_, ChainError>>()?;
-        per_submesh.extend(built);
-    }
+                }
+            }))
+        })
+        .collect::<Result<_, ChainError>>()?;
     let problem = StageChoices::new(
         layers,
         &submeshes,
