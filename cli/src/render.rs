@@ -536,6 +536,9 @@ fn spaces(out: &mut String, p: &Plan) {
             .collect();
         let _ = writeln!(out, "            ilp by micro-batch: {}", sizes.join(" · "));
     }
+    if let Some(why) = &p.spaces.ilp_sizes_left_out {
+        let _ = writeln!(out, "            ilp left out: {why}");
+    }
 }
 
 /// The ILP space's pipeline: stages with their meshes, and how they differ from Megatron-LM.

@@ -330,10 +330,13 @@ fn plan_target(ws: &Workspace, t: &Target, cache: &Cache) -> Result<TargetOutcom
         let searched = t.ilp.space != Space::Megatron;
         let no_plan =
             (searched && best.is_none()).then(|| format!("the ILP space has no plan: {why_none}"));
+        // A size left out is said even when another size has a plan: never a silent cut.
+        let left_out = (best.is_some() && !reasons.is_empty()).then(|| why_none.clone());
         match plan.with_ilp(&model.def, best, t.ilp.space) {
             Some(mut plan) => {
                 plan.spaces.ilp_no_plan = no_plan;
                 plan.spaces.ilp_sizes = sizes;
+                plan.spaces.ilp_sizes_left_out = left_out;
                 Ok(plan)
             }
             None => Err(format!(

@@ -510,6 +510,27 @@ fn the_ilp_space_recomputes_what_memory_needs() {
 }
 
 #[test]
+fn a_micro_batch_size_left_out_is_said_when_another_plans() {
+    // Size 1 has an ILP pipeline; at 8 nothing fits. The plan says why 8 is missing, in the
+    // file and in the summary, not only when no size has a plan.
+    let ws = TempWorkspace::with_toml(&tight("search = { ilp_micro_batch = [1, 8] }"));
+    let r = ws.run(&["build"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let p = plan(&ws);
+    assert!(p["spaces"]["ilp"].is_object(), "{}", p["spaces"]);
+    assert!(p["spaces"]["ilp_no_plan"].is_null(), "{}", p["spaces"]);
+    let why = p["spaces"]["ilp_sizes_left_out"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(why.starts_with("micro-batch size 8: no pipeline"), "{why}");
+    assert!(
+        r.stdout.contains(&format!("ilp left out: {why}")),
+        "{}",
+        r.stdout
+    );
+}
+
+#[test]
 fn an_ilp_space_with_no_plan_says_why() {
     // At 8 sequences per micro-batch nothing fits the ILP space, even recomputed; Megatron-LM
     // recomputes at 1.

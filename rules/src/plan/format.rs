@@ -129,6 +129,10 @@ pub struct Spaces {
     /// fastest is decoded into `ilp`).
     #[serde(default)]
     pub ilp_sizes: Vec<SizeStep>,
+    /// The micro-batch sizes without a pipeline, with each one's reason, when other sizes
+    /// have one (`ilp_no_plan` says it when none has).
+    #[serde(default)]
+    pub ilp_sizes_left_out: Option<String>,
 }
 
 /// The ILP space's best pipeline at one micro-batch size.
@@ -221,6 +225,7 @@ impl Plan {
                 ilp_not_searched: None,
                 ilp_no_plan: None,
                 ilp_sizes: Vec::new(),
+                ilp_sizes_left_out: None,
             },
             megatron_expressible: true,
             ilp: None,
