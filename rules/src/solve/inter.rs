@@ -285,7 +285,8 @@ impl SubmeshChoices {
 /// A stage-construction instance as the DP reads it: what [`StageProblem`] holds with every
 /// dominated configuration left out ([`SubmeshChoices`]), so that an instance of many
 /// submeshes and logical meshes is never held whole (the dense tables of GPT-3 175B on 128
-/// nodes are half a gigabyte per micro-batch size, of which a few percent are usable).
+/// nodes are half a gigabyte per micro-batch size, half of it ranges that end before they
+/// start).
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageChoices {
     /// Layers `L`.
