@@ -125,7 +125,9 @@ impl StageProblem {
         ((k * self.layers + i) * self.submeshes.len() + s) * self.configs + c
     }
 
-    /// Checks sizes and normalises infeasible entries (NaN, negative costs) to `+inf`.
+    /// Checks the tables' sizes and normalises infeasible entries (NaN, negative costs) to
+    /// `+inf`; [`StageProblem::choices`] checks the rest (submesh shapes, devices,
+    /// micro-batches, the DP's size).
     pub fn validate(mut self) -> Result<Self, InterError> {
         let want = self.layers * self.layers * self.submeshes.len() * self.configs;
         if self.layers == 0 || self.submeshes.is_empty() || self.configs == 0 {
@@ -145,25 +147,6 @@ impl StageProblem {
                 self.max_succ.len()
             )));
         }
-        if self.submeshes.iter().any(|&(n, m)| n == 0 || m == 0) || self.devices == 0 {
-            return Err(InterError::Shape(
-                "submesh shapes and the device count must be positive".into(),
-            ));
-        }
-        let entries = self.dp_entries();
-        if entries > MAX_DP_ENTRIES {
-            return Err(InterError::TooLarge {
-                layers: self.layers,
-                devices: self.devices,
-                entries,
-                limit: MAX_DP_ENTRIES,
-            });
-        }
-        if self.microbatches == 0 {
-            return Err(InterError::Shape(
-                "num_microbatches must be positive".into(),
-            ));
-        }
         for k in 0..self.layers {
             for i in 0..self.layers {
                 for s in 0..self.submeshes.len() {
@@ -182,12 +165,6 @@ impl StageProblem {
             }
         }
         Ok(self)
-    }
-
-    /// Entries of the DP table, `(stages + 1) x (layers + 1) x (devices + 1)`, saturated.
-    fn dp_entries(&self) -> u64 {
-        let sizes: Vec<u64> = (0..self.submeshes.len()).map(|s| self.size(s)).collect();
-        dp_entries(self.layers, &sizes, self.devices)
     }
 
     /// The instance as the DP reads it, its dominated configurations left out (see
@@ -324,19 +301,19 @@ impl StageChoices {
                 .any(|c| c.offsets.len() != layers * layers + 1)
         {
             return Err(InterError::Shape(format!(
-                "the configurations of {} submeshes over {layers} layers were expected, found {}",
+                "the configurations of {} submeshes over {layers} layers were expected, found \
+                 {} submeshes' over {:?} ranges",
                 submeshes.len(),
-                per_submesh.len()
+                per_submesh.len(),
+                per_submesh
+                    .iter()
+                    .map(|c| c.offsets.len().saturating_sub(1))
+                    .collect::<Vec<_>>()
             )));
         }
         if submeshes.iter().any(|&(n, m)| n == 0 || m == 0) || devices == 0 {
             return Err(InterError::Shape(
                 "submesh shapes and the device count must be positive".into(),
-            ));
-        }
-        if microbatches == 0 {
-            return Err(InterError::Shape(
-                "num_microbatches must be positive".into(),
             ));
         }
         let sizes: Vec<u64> = submeshes
@@ -351,6 +328,11 @@ impl StageChoices {
                 entries,
                 limit: MAX_DP_ENTRIES,
             });
+        }
+        if microbatches == 0 {
+            return Err(InterError::Shape(
+                "num_microbatches must be positive".into(),
+            ));
         }
         let total = per_submesh.iter().map(|c| c.choices.len()).sum();
         let mut choices = Vec::with_capacity(total);
