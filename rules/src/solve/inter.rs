@@ -168,11 +168,13 @@ impl StageProblem {
     }
 
     /// The instance as the DP reads it, its dominated configurations left out (see
-    /// [`StageChoices`]).
+    /// [`StageChoices`]); every range is a group of its own.
     pub fn choices(&self) -> Result<StageChoices, InterError> {
+        let groups = RangeGroups::new(self.layers, |k, i| k * self.layers + i);
         let per_submesh: Vec<SubmeshChoices> = (0..self.submeshes.len())
             .map(|s| {
-                SubmeshChoices::new(self.layers, |k, i, out| {
+                SubmeshChoices::new(&groups, |g, out| {
+                    let (k, i) = groups.range(g);
                     out.extend((0..self.configs).map(|c| {
                         let x = self.idx(k, i, s, c);
                         (self.cost[x], self.max_succ[x], c as u32)
@@ -181,7 +183,7 @@ impl StageProblem {
             })
             .collect();
         StageChoices::new(
-            self.layers,
+            &groups,
             &self.submeshes,
             &per_submesh,
             self.devices,
@@ -195,82 +197,141 @@ impl StageProblem {
     }
 }
 
+/// Which ranges `[k, i]` (`i >= k`) have the same configurations on every submesh, so that
+/// the DP reads one set of them per group: ranges holding the same sequence of layers cost
+/// the same wherever they start, and a model of identical blocks has O(L) such sequences,
+/// not O(L^2).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RangeGroups {
+    layers: usize,
+    /// Per range `k * L + i`, its group; [`NO_GROUP`] when `i < k`.
+    of: Vec<u32>,
+    /// Per group, its first range `(k, i)` in row-major order.
+    first: Vec<(usize, usize)>,
+}
+
+/// The group of a range that ends before it starts.
+const NO_GROUP: u32 = u32::MAX;
+
+impl RangeGroups {
+    /// The ranges of `layers` layers grouped by `key(k, i)` (below `layers^2`): ranges with
+    /// equal keys share a group. Groups are numbered by their first range in row-major order.
+    pub fn new(layers: usize, mut key: impl FnMut(usize, usize) -> usize) -> Self {
+        let mut group_of_key = vec![NO_GROUP; layers * layers];
+        let mut of = vec![NO_GROUP; layers * layers];
+        let mut first = Vec::new();
+        for k in 0..layers {
+            for i in k..layers {
+                let slot = &mut group_of_key[key(k, i)];
+                if *slot == NO_GROUP {
+                    *slot = first.len() as u32;
+                    first.push((k, i));
+                }
+                of[k * layers + i] = *slot;
+            }
+        }
+        RangeGroups { layers, of, first }
+    }
+
+    /// Layers `L`.
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+
+    /// Number of groups.
+    pub fn len(&self) -> usize {
+        self.first.len()
+    }
+
+    /// Whether there are no groups (no layers).
+    pub fn is_empty(&self) -> bool {
+        self.first.is_empty()
+    }
+
+    /// Range `[k, i]`'s group, `None` when `i < k`.
+    pub fn of(&self, k: usize, i: usize) -> Option<usize> {
+        let g = self.of[k * self.layers + i];
+        (g != NO_GROUP).then_some(g as usize)
+    }
+
+    /// Group `g`'s first range `(k, i)`, in row-major order.
+    pub fn range(&self, g: usize) -> (usize, usize) {
+        self.first[g]
+    }
+}
+
 /// A configuration of a range on a submesh as the DP reads it: `(cost per micro-batch, most
 /// stages that may follow, configuration index)`. (16 bytes: the most following stages never
 /// exceed the layers, so `i32` holds them after clamping.)
 pub type Choice = (f64, i32, u32);
 
-/// One submesh's usable configurations of every range `[k, i]` (`k * L + i`): by cost, then
-/// configuration, each kept only if it allows more following stages than every cheaper one.
-/// The first whose `max_succ` admits a stage count is then the cheapest configuration for it,
-/// and every configuration left out is dominated (no cheaper, no more stages after it), so
-/// the DP over these is the DP over all of them.
+/// One submesh's usable configurations of every group of ranges ([`RangeGroups`]): by cost,
+/// then configuration, each kept only if it allows more following stages than every cheaper
+/// one. The first whose `max_succ` admits a stage count is then the cheapest configuration
+/// for it, and every configuration left out is dominated (no cheaper, no more stages after
+/// it), so the DP over these is the DP over all of them.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SubmeshChoices {
     choices: Vec<Choice>,
-    /// `L * L + 1` offsets into `choices`.
+    /// One offset into `choices` per group, and one past the last.
     offsets: Vec<usize>,
 }
 
 impl SubmeshChoices {
-    /// The usable configurations of every range of `layers` layers: `candidates(k, i, out)`
-    /// appends range `[k, i]`'s `(cost, max_succ, config)`. Empty ranges (`i < k`), infinite,
-    /// NaN or negative costs and negative `max_succ` are not usable.
+    /// The usable configurations of every group of `groups`: `candidates(g, out)` appends
+    /// group `g`'s `(cost, max_succ, config)`. Infinite, NaN or negative costs and negative
+    /// `max_succ` are not usable.
     pub fn new(
-        layers: usize,
-        mut candidates: impl FnMut(usize, usize, &mut Vec<(f64, i64, u32)>),
+        groups: &RangeGroups,
+        mut candidates: impl FnMut(usize, &mut Vec<(f64, i64, u32)>),
     ) -> Self {
         let mut choices = Vec::new();
-        let mut offsets = Vec::with_capacity(layers * layers + 1);
+        let mut offsets = Vec::with_capacity(groups.len() + 1);
         offsets.push(0);
         let mut found = Vec::new();
         let mut usable: Vec<Choice> = Vec::new();
-        for k in 0..layers {
-            for i in 0..layers {
-                if i >= k {
-                    found.clear();
-                    candidates(k, i, &mut found);
-                    usable.clear();
-                    usable.extend(found.iter().filter_map(|&(cost, succ, c)| {
-                        (cost.is_finite() && cost >= 0.0 && succ >= 0).then_some((
-                            cost,
-                            succ.min(i64::from(i32::MAX)) as i32,
-                            c,
-                        ))
-                    }));
-                    usable.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.2.cmp(&b.2)));
-                    let mut most = -1;
-                    for &choice in &usable {
-                        if choice.1 > most {
-                            most = choice.1;
-                            choices.push(choice);
-                        }
-                    }
+        for g in 0..groups.len() {
+            found.clear();
+            candidates(g, &mut found);
+            usable.clear();
+            usable.extend(found.iter().filter_map(|&(cost, succ, c)| {
+                (cost.is_finite() && cost >= 0.0 && succ >= 0).then_some((
+                    cost,
+                    succ.min(i64::from(i32::MAX)) as i32,
+                    c,
+                ))
+            }));
+            usable.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.2.cmp(&b.2)));
+            let mut most = -1;
+            for &choice in &usable {
+                if choice.1 > most {
+                    most = choice.1;
+                    choices.push(choice);
                 }
-                offsets.push(choices.len());
             }
+            offsets.push(choices.len());
         }
         SubmeshChoices { choices, offsets }
     }
 
-    /// Range `r`'s (`k * L + i`) usable configurations.
-    fn range(&self, r: usize) -> &[Choice] {
-        &self.choices[self.offsets[r]..self.offsets[r + 1]]
+    /// Group `g`'s usable configurations.
+    fn group(&self, g: usize) -> &[Choice] {
+        &self.choices[self.offsets[g]..self.offsets[g + 1]]
     }
 }
 
 /// A stage-construction instance as the DP reads it: what [`StageProblem`] holds with every
-/// dominated configuration left out ([`SubmeshChoices`]), so that an instance of many
-/// submeshes and logical meshes is never held whole (the dense tables of GPT-3 175B on 128
-/// nodes are half a gigabyte per micro-batch size, half of it ranges that end before they
-/// start).
+/// dominated configuration left out ([`SubmeshChoices`]) and ranges of the same layers read
+/// once ([`RangeGroups`]), so that an instance of many submeshes and logical meshes is never
+/// held whole (the dense tables of GPT-3 175B on 128 nodes are half a gigabyte per
+/// micro-batch size, half of it ranges that end before they start).
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageChoices {
-    /// Layers `L`.
-    layers: usize,
+    /// The ranges' groups.
+    groups: RangeGroups,
     /// Devices of each submesh.
     sizes: Vec<u64>,
-    /// Per `(k, i, submesh)` (row-major), the range's usable configurations: slices of
+    /// Per `(group, submesh)` (row-major), the group's usable configurations: slices of
     /// `choices` between `offsets`.
     choices: Vec<Choice>,
     offsets: Vec<usize>,
@@ -281,15 +342,16 @@ pub struct StageChoices {
 }
 
 impl StageChoices {
-    /// The instance of `layers` layers whose submesh `s` has shape `submeshes[s]` and usable
-    /// configurations `per_submesh[s]` ([`SubmeshChoices::new`] with the same `layers`).
+    /// The instance of the ranges `groups` whose submesh `s` has shape `submeshes[s]` and
+    /// usable configurations `per_submesh[s]` ([`SubmeshChoices::new`] with the same groups).
     pub fn new(
-        layers: usize,
+        groups: &RangeGroups,
         submeshes: &[(u64, u64)],
         per_submesh: &[SubmeshChoices],
         devices: u64,
         microbatches: u64,
     ) -> Result<Self, InterError> {
+        let layers = groups.layers();
         if layers == 0 || submeshes.is_empty() {
             return Err(InterError::Shape(
                 "layers and submesh choices must be non-empty".into(),
@@ -298,12 +360,13 @@ impl StageChoices {
         if per_submesh.len() != submeshes.len()
             || per_submesh
                 .iter()
-                .any(|c| c.offsets.len() != layers * layers + 1)
+                .any(|c| c.offsets.len() != groups.len() + 1)
         {
             return Err(InterError::Shape(format!(
-                "the configurations of {} submeshes over {layers} layers were expected, found \
-                 {} submeshes' over {:?} ranges",
+                "the configurations of {} submeshes over {} groups of ranges of {layers} layers \
+                 were expected, found {} submeshes' over {:?} groups",
                 submeshes.len(),
+                groups.len(),
                 per_submesh.len(),
                 per_submesh
                     .iter()
@@ -336,16 +399,16 @@ impl StageChoices {
         }
         let total = per_submesh.iter().map(|c| c.choices.len()).sum();
         let mut choices = Vec::with_capacity(total);
-        let mut offsets = Vec::with_capacity(layers * layers * sizes.len() + 1);
+        let mut offsets = Vec::with_capacity(groups.len() * sizes.len() + 1);
         offsets.push(0);
-        for r in 0..layers * layers {
+        for g in 0..groups.len() {
             for c in per_submesh {
-                choices.extend_from_slice(c.range(r));
+                choices.extend_from_slice(c.group(g));
                 offsets.push(choices.len());
             }
         }
         Ok(StageChoices {
-            layers,
+            groups: groups.clone(),
             sizes,
             choices,
             offsets,
@@ -387,7 +450,9 @@ struct Dp {
     band: Vec<(usize, usize)>,
     /// Most stages any solution can have.
     s_max: usize,
-    /// Per `(k, i, submesh)` (row-major), the range's usable configurations (see
+    /// Per range `k * L + i`, its group ([`RangeGroups`]).
+    group: Vec<u32>,
+    /// Per `(group, submesh)` (row-major), the group's usable configurations (see
     /// [`SubmeshChoices`]): slices of `choices` between `offsets`.
     choices: Vec<Choice>,
     offsets: Vec<usize>,
@@ -395,7 +460,7 @@ struct Dp {
 
 impl Dp {
     fn new(p: StageChoices) -> Self {
-        let l = p.layers;
+        let l = p.groups.layers();
         let d = p.devices as usize;
         // Bounded by `StageChoices::new`'s table-size check.
         let s_max = max_stages(l, &p.sizes, p.devices) as usize;
@@ -410,14 +475,21 @@ impl Dp {
             written: vec![NOTHING; (s_max + 1) * (l + 1)],
             band: vec![(1, 0); l + 1],
             s_max,
+            group: p.groups.of,
             choices: p.choices,
             offsets: p.offsets,
         }
     }
 
-    /// The usable configurations of stage `[k, i]` on submesh `sm` (see `choices`).
-    fn configs(&self, k: usize, i: usize, sm: usize) -> &[Choice] {
-        let r = (k * self.l + i) * self.sizes.len() + sm;
+    /// Stage `[k, i]`'s group of ranges, `None` when `i < k`.
+    fn group(&self, k: usize, i: usize) -> Option<usize> {
+        let g = self.group[k * self.l + i];
+        (g != NO_GROUP).then_some(g as usize)
+    }
+
+    /// The usable configurations of group `g` on submesh `sm` (see `choices`).
+    fn configs(&self, g: usize, sm: usize) -> &[Choice] {
+        let r = g * self.sizes.len() + sm;
         &self.choices[self.offsets[r]..self.offsets[r + 1]]
     }
 
@@ -441,11 +513,11 @@ impl Dp {
         }
     }
 
-    /// Cheapest configuration of stage `[k, i]` on submesh `sm` within `t_max` that fits with
-    /// `s` stages from it to the end.
-    fn best(&self, k: usize, i: usize, sm: usize, s: usize, t_max: f64) -> Option<(f64, usize)> {
+    /// Cheapest configuration of a stage of group `g` on submesh `sm` within `t_max` that fits
+    /// with `s` stages from it to the end.
+    fn best(&self, g: usize, sm: usize, s: usize, t_max: f64) -> Option<(f64, usize)> {
         let &(cost, _, c) = self
-            .configs(k, i, sm)
+            .configs(g, sm)
             .iter()
             .find(|(_, succ, _)| s as i64 - 1 <= i64::from(*succ))?;
         (cost <= t_max).then_some((cost, c as usize))
@@ -456,9 +528,11 @@ impl Dp {
     fn bands(&mut self, t_max: f64) {
         let (l, d) = (self.l, self.d);
         let usable = |k: usize, i: usize, sm: usize| {
-            self.configs(k, i, sm)
-                .first()
-                .is_some_and(|&(cost, _, _)| cost <= t_max)
+            self.group(k, i).is_some_and(|g| {
+                self.configs(g, sm)
+                    .first()
+                    .is_some_and(|&(cost, _, _)| cost <= t_max)
+            })
         };
         const NONE: usize = usize::MAX;
         let mut suffix = vec![NONE; l + 1];
@@ -533,9 +607,12 @@ impl Dp {
                         continue;
                     }
                     let src = self.row(s - 1, i + 1);
+                    let Some(g) = self.group(k, i) else {
+                        continue;
+                    };
                     for sm in 0..self.sizes.len() {
                         let n = self.sizes[sm];
-                        let Some((cost, _)) = self.best(k, i, sm, s, t_max) else {
+                        let Some((cost, _)) = self.best(g, sm, s, t_max) else {
                             continue;
                         };
                         // d ranges over the band of row k whose source d - n is held by row
@@ -598,12 +675,15 @@ impl Dp {
                 if s - 1 > self.l - i - 1 {
                     break;
                 }
+                let Some(g) = self.group(k, i) else {
+                    continue;
+                };
                 for sm in 0..self.sizes.len() {
                     let n = self.sizes[sm];
                     if n > d {
                         continue;
                     }
-                    if let Some((cost, c)) = self.best(k, i, sm, s, t_max) {
+                    if let Some((cost, c)) = self.best(g, sm, s, t_max) {
                         let prev = self.at(s - 1, i + 1, d - n);
                         if cost + prev == here {
                             found = Some((i, sm, c, cost, n));
@@ -642,7 +722,7 @@ pub fn solve_choices(
     options: StageOptions,
 ) -> Result<StagePlan, InterError> {
     let infeasible = InterError::Infeasible {
-        layers: problem.layers,
+        layers: problem.groups.layers(),
         devices: problem.devices,
     };
     let weight = problem.microbatches as f64 - 1.0;
@@ -814,6 +894,31 @@ mod tests {
         );
     }
 
+    /// `p` made to price every range by the sequence of `classes` it holds (each range takes
+    /// the costs of the first range holding the same sequence), and its ranges grouped by
+    /// that sequence.
+    fn by_sequence(mut p: StageProblem, classes: &[usize]) -> (StageProblem, RangeGroups) {
+        let l = p.layers;
+        let mut keys: std::collections::HashMap<&[usize], usize> = Default::default();
+        let groups = RangeGroups::new(l, |k, i| {
+            let next = keys.len();
+            *keys.entry(&classes[k..=i]).or_insert(next)
+        });
+        for k in 0..l {
+            for i in k..l {
+                let (k0, i0) = groups.range(groups.of(k, i).expect("a range"));
+                for s in 0..p.submeshes.len() {
+                    for c in 0..p.configs {
+                        let (to, from) = (p.idx(k, i, s, c), p.idx(k0, i0, s, c));
+                        p.cost[to] = p.cost[from];
+                        p.max_succ[to] = p.max_succ[from];
+                    }
+                }
+            }
+        }
+        (p, groups)
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(400))]
 
@@ -838,6 +943,37 @@ mod tests {
                     }
                     prop_assert_eq!(next, p.layers);
                     prop_assert_eq!(devices, p.devices);
+                }
+                (e, g) => prop_assert!(false, "exhaustive {e:?} vs dp {g:?}"),
+            }
+        }
+
+        #[test]
+        fn grouped_ranges_solve_as_the_dense_instance(
+            p in instance(),
+            classes in proptest::collection::vec(0usize..2, 5),
+        ) {
+            let layers = p.layers;
+            let (p, groups) = by_sequence(p, &classes[..layers]);
+            let p = p.validate().expect("valid");
+            let expect = brute_force(&p);
+            let per_submesh: Vec<SubmeshChoices> = (0..p.submeshes.len())
+                .map(|s| {
+                    SubmeshChoices::new(&groups, |g, out| {
+                        let (k, i) = groups.range(g);
+                        out.extend((0..p.configs).map(|c| {
+                            let x = p.idx(k, i, s, c);
+                            (p.cost[x], p.max_succ[x], c as u32)
+                        }))
+                    })
+                })
+                .collect();
+            let grouped = StageChoices::new(&groups, &p.submeshes, &per_submesh, p.devices, p.microbatches)
+                .expect("valid");
+            match (expect, solve_choices(grouped, StageOptions::default())) {
+                (None, Err(InterError::Infeasible { .. })) => {}
+                (Some(e), Ok(plan)) => {
+                    prop_assert!((plan.cost - e).abs() < 1e-9, "dp {} vs exhaustive {e}", plan.cost);
                 }
                 (e, g) => prop_assert!(false, "exhaustive {e:?} vs dp {g:?}"),
             }
@@ -917,7 +1053,7 @@ mod tests {
         // Range [0, 0] of one layer: configuration 3 (cost 2, up to 1 stage after) is
         // dominated by 1 (cost 1, up to 2 after); 0 has no following stage, 2 is unusable,
         // 4 is the only one allowing 5 following stages.
-        let found = SubmeshChoices::new(1, |_, _, out| {
+        let found = SubmeshChoices::new(&RangeGroups::new(1, |_, _| 0), |_, out| {
             out.extend([
                 (0.5, 0, 0),
                 (1.0, 2, 1),
@@ -927,22 +1063,47 @@ mod tests {
                 (-1.0, 9, 5),
             ])
         });
-        assert_eq!(found.range(0), [(0.5, 0, 0), (1.0, 2, 1), (3.0, 5, 4)]);
-        // Ranges ending before they start are never asked for.
+        assert_eq!(found.group(0), [(0.5, 0, 0), (1.0, 2, 1), (3.0, 5, 4)]);
+        // Each group is asked for once; ranges ending before they start are in none.
+        let groups = RangeGroups::new(2, |k, i| k * 2 + i);
         let asked = std::cell::RefCell::new(Vec::new());
-        let _ = SubmeshChoices::new(2, |k, i, _| asked.borrow_mut().push((k, i)));
+        let _ = SubmeshChoices::new(&groups, |g, _| asked.borrow_mut().push(groups.range(g)));
         assert_eq!(asked.into_inner(), [(0, 0), (0, 1), (1, 1)]);
+        assert_eq!(groups.of(1, 0), None);
+    }
+
+    #[test]
+    fn ranges_of_one_key_share_a_group() {
+        // Layers of classes [a, b, b, b, c], grouped by the sequence they hold.
+        let classes = [0, 1, 1, 1, 4];
+        let mut keys: std::collections::HashMap<&[usize], usize> = Default::default();
+        let groups = RangeGroups::new(5, |k, i| {
+            let next = keys.len();
+            *keys.entry(&classes[k..=i]).or_insert(next)
+        });
+        // a b^j (j = 0..3), a b^3 c, b^j (j = 1..3), b^j c (j = 1..3), c.
+        assert_eq!(groups.len(), 12);
+        assert_eq!(groups.of(1, 2), groups.of(2, 3));
+        assert_eq!(groups.of(2, 2), groups.of(3, 3));
+        assert_ne!(groups.of(1, 4), groups.of(2, 4));
+        assert_eq!(groups.range(groups.of(3, 4).expect("a range")), (3, 4));
+        for g in 0..groups.len() {
+            let (k, i) = groups.range(g);
+            assert_eq!(groups.of(k, i), Some(g));
+        }
     }
 
     #[test]
     fn stage_choices_must_match_their_submeshes() {
-        let one = SubmeshChoices::new(2, |_, _, out| out.push((1.0, 1, 0)));
-        assert!(StageChoices::new(2, &[(1, 1)], std::slice::from_ref(&one), 2, 1).is_ok());
+        let two = RangeGroups::new(2, |k, i| k * 2 + i);
+        let one = SubmeshChoices::new(&two, |_, out| out.push((1.0, 1, 0)));
+        assert!(StageChoices::new(&two, &[(1, 1)], std::slice::from_ref(&one), 2, 1).is_ok());
+        let three = RangeGroups::new(3, |k, i| k * 3 + i);
         for bad in [
-            StageChoices::new(2, &[(1, 1), (1, 2)], std::slice::from_ref(&one), 2, 1),
-            StageChoices::new(3, &[(1, 1)], std::slice::from_ref(&one), 2, 1),
-            StageChoices::new(2, &[(1, 1)], std::slice::from_ref(&one), 2, 0),
-            StageChoices::new(2, &[(0, 1)], std::slice::from_ref(&one), 2, 1),
+            StageChoices::new(&two, &[(1, 1), (1, 2)], std::slice::from_ref(&one), 2, 1),
+            StageChoices::new(&three, &[(1, 1)], std::slice::from_ref(&one), 2, 1),
+            StageChoices::new(&two, &[(1, 1)], std::slice::from_ref(&one), 2, 0),
+            StageChoices::new(&two, &[(0, 1)], std::slice::from_ref(&one), 2, 1),
         ] {
             assert!(matches!(bad, Err(InterError::Shape(_))), "{bad:?}");
         }

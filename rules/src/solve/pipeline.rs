@@ -19,7 +19,7 @@
 //! their gradients.
 
 use super::balance::layers::{RecomputeChoice, least_recompute};
-use super::inter::{self, InterError, StageChoices, SubmeshChoices, submesh_choices};
+use super::inter::{self, InterError, RangeGroups, StageChoices, SubmeshChoices, submesh_choices};
 use super::intra::chain::{self, ChainError, Crossings, Entry, LayerTable, TableSolver};
 use super::intra::stage::{SolverChoice, StageOptions, StagePlan};
 use crate::canonical::{Digest, KeyParts, digest};
@@ -387,8 +387,10 @@ impl TableSource for Solve {
 /// build leaves the ILP space out, saying so: each is an exact solve of its own.
 pub const MAX_TABLES: u64 = 20_000;
 
-/// Most range prices one pipeline search computes (layers^2 x mesh choices) before the build
+/// Most range prices one pipeline search considers (layers^2 x mesh choices) before the build
 /// leaves the ILP space out, saying so: GPT-3 175B on every submesh of 128 nodes is 1.7e7.
+/// Ranges holding the same sequence of layers are priced once, but the stage DP still reads
+/// every range on every submesh.
 pub const MAX_RANGE_PRICES: u64 = 20_000_000;
 
 /// A range's stage cost per micro-batch and the most stages that may follow it, without
@@ -397,10 +399,6 @@ type RangePrice = [(f64, i64); 2];
 
 /// No stage.
 const UNPRICED: RangePrice = [(f64::INFINITY, -1); 2];
-
-/// Most boundary-state entries the range pricing memoizes per mesh choice (80 bytes each: the
-/// entry and the state its path comes from).
-const MAX_MEMO_ENTRIES: usize = 1 << 21;
 
 /// Submeshes (hosts x devices per host), and the logical meshes of each.
 type MeshChoices = (Vec<(u64, u64)>, Vec<Vec<[u64; 2]>>);
@@ -445,7 +443,6 @@ pub fn search_size(
         layers.saturating_mul(layers).saturating_mul(meshes),
     )
 }
-
 /// One layer table the search asks its [`TableSource`] for.
 #[derive(Clone, Debug)]
 pub struct TableRequest {
@@ -528,7 +525,6 @@ pub fn price_pipeline_with(
     opts: PipelineOptions,
     source: &dyn TableSource,
 ) -> Result<PricedPipeline, PipelineError> {
-    let layers = graph.layers.len();
     let (submeshes, configs) = mesh_choices(cluster, opts.powers_of_two, opts.logical_meshes);
     let identities = layer_identities(graph);
     let classes = classes_of(&identities);
@@ -596,25 +592,21 @@ pub fn price_pipeline_with(
     // Alpa's tables, inclusive ends, with configuration `2 m + r` logical mesh `m` with
     // (r = 1) or without every layer of the stage recomputed; built one submesh per task
     // (its logical meshes' ranges priced in parallel) and kept only as the configurations the
-    // stage DP can use ([`SubmeshChoices`]), never as the dense tables of every mesh choice.
+    // stage DP can use ([`SubmeshChoices`]), one set per sequence of layer classes the ranges
+    // hold ([`Sequences`]), never as the dense tables of every mesh choice and range.
+    let seqs = Sequences::of(&classes);
     let per_submesh: Vec<SubmeshChoices> = (0..submeshes.len())
         .into_par_iter()
         .map(|s| {
-            // Per logical mesh, per range (k, i) row-major: the stage's cost and how many
-            // stages may follow it, without and with recomputation (32 bytes a range).
+            // Per logical mesh, per sequence: the stage's cost and how many stages may follow
+            // it, without and with recomputation (32 bytes a sequence).
             let priced: Vec<Vec<RangePrice>> = (0..configs[s].len())
                 .into_par_iter()
-                .map(|c| {
-                    let by_layer: Vec<Option<&LayerTable>> = classes
-                        .iter()
-                        .map(|&class| tables.get(&(s, c, class)))
-                        .collect();
-                    range_prices(&|l: usize| by_layer[l], &classes, opts)
-                })
+                .map(|c| range_prices(&seqs, &|class| tables.get(&(s, c, class)), opts))
                 .collect::<Result<_, ChainError>>()?;
-            Ok(SubmeshChoices::new(layers, |k, i, out| {
-                for (c, ranges) in priced.iter().enumerate() {
-                    for (r, &(t, succ)) in ranges[k * layers + i].iter().enumerate() {
+            Ok(SubmeshChoices::new(&seqs.groups, |g, out| {
+                for (c, sequences) in priced.iter().enumerate() {
+                    for (r, &(t, succ)) in sequences[g].iter().enumerate() {
                         out.push((t, succ, (2 * c + r) as u32));
                     }
                 }
@@ -622,7 +614,7 @@ pub fn price_pipeline_with(
         })
         .collect::<Result<_, ChainError>>()?;
     let problem = StageChoices::new(
-        layers,
+        &seqs.groups,
         &submeshes,
         &per_submesh,
         cluster.gpus(),
@@ -806,42 +798,69 @@ pub fn decode_pipeline(
     })
 }
 
-/// Every range's [`RangePrice`] on one mesh choice whose layer `l` has table `table(l)`
-/// (`None`: the layer is not placed there), per range `(k, i)` row-major.
-fn range_prices<'t>(
-    table: &dyn Fn(usize) -> Option<&'t LayerTable>,
-    classes: &[usize],
-    opts: PipelineOptions,
-) -> Result<Vec<RangePrice>, ChainError> {
-    let layers = classes.len();
-    // Boundaries matched once per pair of neighbouring classes.
-    let mut links: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
-    for i in 1..layers {
-        if let (Some(prev), Some(next)) = (table(i - 1), table(i)) {
-            let pair = (classes[i - 1], classes[i]);
-            if let std::collections::hash_map::Entry::Vacant(slot) = links.entry(pair) {
-                slot.insert(chain::link(prev, next).ok_or(ChainError::Mismatch(i - 1, i))?);
+/// The distinct sequences of layer classes that the ranges of a model hold, as a trie whose
+/// nodes are the ranges' groups ([`RangeGroups`]): a range's price on a mesh choice depends
+/// on its sequence alone, and `[embedding, block x n, head]` has O(L) sequences, not O(L^2).
+struct Sequences {
+    /// Range `[k, i]`'s group: the node of `classes[k..=i]`.
+    groups: RangeGroups,
+    /// Per node, its sequence's last class.
+    class: Vec<usize>,
+    /// Per node, the nodes one class longer; and the nodes of one class.
+    children: Vec<Vec<usize>>,
+    roots: Vec<usize>,
+}
+
+impl Sequences {
+    fn of(classes: &[usize]) -> Self {
+        let layers = classes.len();
+        // Node of a sequence: keyed by its parent's node (+1; 0 for none) and its last class.
+        let mut node: HashMap<(usize, usize), usize> = HashMap::new();
+        let mut at = vec![0; layers * layers];
+        for k in 0..layers {
+            let mut parent = 0;
+            for i in k..layers {
+                let next = node.len();
+                let n = *node.entry((parent, classes[i])).or_insert(next);
+                at[k * layers + i] = n;
+                parent = n + 1;
             }
         }
-    }
-    // What chaining compares, per class's table.
-    let mut ranks: HashMap<usize, chain::Ranking> = HashMap::new();
-    for (l, &class) in classes.iter().enumerate() {
-        if let (Some(t), std::collections::hash_map::Entry::Vacant(slot)) =
-            (table(l), ranks.entry(class))
-        {
-            slot.insert(chain::ranking(t));
+        let groups = RangeGroups::new(layers, |k, i| at[k * layers + i]);
+        let mut class = Vec::with_capacity(groups.len());
+        let mut children = vec![Vec::new(); groups.len()];
+        let mut roots = Vec::new();
+        for g in 0..groups.len() {
+            let (k, i) = groups.range(g);
+            class.push(classes[i]);
+            match i.checked_sub(1).filter(|&p| p >= k) {
+                Some(p) => match groups.of(k, p) {
+                    Some(parent) => children[parent].push(g),
+                    None => roots.push(g),
+                },
+                None => roots.push(g),
+            }
+        }
+        Sequences {
+            groups,
+            class,
+            children,
+            roots,
         }
     }
-    // A range's price depends only on its sequence of layer classes, and identical blocks
-    // repeat: ranges are walked as paths in a trie of class sequences, each node chained once
-    // (O(L) extensions for [embedding, block x n, head] instead of O(L^2)), with its best
-    // entry per boundary state and the range's price. Once a run of identical blocks reaches
-    // its steady state, each further block costs time linear in the states
-    // ([`chain::steady`]).
-    let mut out = vec![UNPRICED; layers * layers];
-    let mut child: HashMap<(usize, usize), usize> = HashMap::new();
-    let mut nodes: Vec<Node> = Vec::new();
+}
+
+/// Every sequence's [`RangePrice`] (per node of `seqs`) on one mesh choice whose layers of
+/// class `c` have table `table(c)` (`None`: not placed there). The trie is walked depth
+/// first, each node chained once from its parent's best entry per boundary state, so only the
+/// current path's entries are held. Once a run of identical blocks reaches its steady state,
+/// each further block costs time linear in the states ([`chain::steady`]).
+fn range_prices<'t>(
+    seqs: &Sequences,
+    table: &dyn Fn(usize) -> Option<&'t LayerTable>,
+    opts: PipelineOptions,
+) -> Result<Vec<RangePrice>, ChainError> {
+    let layers = seqs.groups.layers();
     let variants = if opts.recompute { 2 } else { 1 };
     let price = |best: &[Entry]| {
         let plain = chain::finish(best);
@@ -854,87 +873,62 @@ fn range_prices<'t>(
         }
         priced
     };
-    let mut held = 0usize;
-    for k in 0..layers {
-        let Some(first) = table(k) else {
+    // Boundaries matched once per pair of neighbouring classes, rankings once per class.
+    let mut links: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
+    let mut ranks: HashMap<usize, chain::Ranking> = HashMap::new();
+    let mut out = vec![UNPRICED; seqs.class.len()];
+    // The chained states of the current path, by depth; nodes to visit with their depth.
+    let mut path: Vec<Chained> = Vec::new();
+    let mut stack: Vec<(usize, usize)> = seqs.roots.iter().rev().map(|&n| (n, 0)).collect();
+    while let Some((n, depth)) = stack.pop() {
+        path.truncate(depth);
+        let class = seqs.class[n];
+        // A layer not placed on this mesh choice: no range holding it is.
+        let Some(next) = table(class) else {
             continue;
         };
-        // A memo, not state: dropped when it holds too much (models of many distinct layers
-        // gain little from it).
-        if held > MAX_MEMO_ENTRIES {
-            child.clear();
-            nodes.clear();
-            held = 0;
-        }
-        // Node 0 of `child`'s keys is the root; nodes are numbered from 1.
-        let mut node = match child.get(&(0, classes[k])) {
-            Some(&n) => n,
-            None => {
-                let best = chain::start(first);
-                held += best.len();
-                nodes.push(Node {
-                    price: price(&best),
-                    best,
-                    from: Vec::new(),
-                    steady: false,
-                });
-                child.insert((0, classes[k]), nodes.len());
-                nodes.len()
-            }
-        };
-        for i in k..layers {
-            if i > k {
-                node = match child.get(&(node, classes[i])) {
-                    Some(&n) => n,
-                    None => {
-                        let (Some(link), Some(next), Some(rank)) = (
-                            links.get(&(classes[i - 1], classes[i])),
-                            table(i),
-                            ranks.get(&classes[i]),
-                        ) else {
-                            break;
-                        };
-                        let parent = &nodes[node - 1];
-                        let repeat = classes[i - 1] == classes[i];
-                        let made = if repeat && parent.steady {
-                            Node {
-                                best: chain::extend_along(&parent.best, &parent.from, link, next),
-                                from: parent.from.clone(),
-                                steady: true,
-                                price: UNPRICED,
-                            }
-                        } else {
-                            let (best, from) = chain::extend_linked(&parent.best, link, next, rank);
-                            let steady = repeat && chain::steady(&parent.best, &best);
-                            Node {
-                                best,
-                                from,
-                                steady,
-                                price: UNPRICED,
-                            }
-                        };
-                        held += made.best.len();
-                        nodes.push(Node {
-                            price: price(&made.best),
-                            ..made
-                        });
-                        child.insert((node, classes[i]), nodes.len());
-                        nodes.len()
+        let (best, from, steady) = match path.last() {
+            None => (chain::start(next), Vec::new(), false),
+            Some(parent) => {
+                let before = seqs.class[parent.node];
+                let link = match links.entry((before, class)) {
+                    std::collections::hash_map::Entry::Occupied(l) => l.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(slot) => {
+                        let (_, i) = seqs.groups.range(n);
+                        let prev = table(before).ok_or(ChainError::Mismatch(i - 1, i))?;
+                        slot.insert(chain::link(prev, next).ok_or(ChainError::Mismatch(i - 1, i))?)
                     }
                 };
+                let repeat = before == class;
+                if repeat && parent.steady {
+                    let best = chain::extend_along(&parent.best, &parent.from, link, next);
+                    (best, parent.from.clone(), true)
+                } else {
+                    let rank = ranks.entry(class).or_insert_with(|| chain::ranking(next));
+                    let (best, from) = chain::extend_linked(&parent.best, link, next, rank);
+                    let steady = repeat && chain::steady(&parent.best, &best);
+                    (best, from, steady)
+                }
             }
-            out[k * layers + i] = nodes[node - 1].price;
-        }
+        };
+        out[n] = price(&best);
+        path.push(Chained {
+            node: n,
+            best,
+            from,
+            steady,
+        });
+        stack.extend(seqs.children[n].iter().rev().map(|&c| (c, depth + 1)));
     }
     Ok(out)
 }
 
-/// A node of [`range_prices`]'s trie: a sequence of layer classes chained.
-struct Node {
+/// A sequence of layer classes chained ([`range_prices`]).
+struct Chained {
+    /// Its node.
+    node: usize,
     /// Best entry per boundary state after the sequence's last layer.
     best: Vec<Entry>,
-    /// The price of a stage of exactly these layers.
-    price: RangePrice,
     /// Per state after the last layer, the state of the parent's `best` its path comes from.
     from: Vec<usize>,
     /// Whether the last two layers are of one class and the chain is in its steady state:
