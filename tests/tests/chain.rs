@@ -4,8 +4,8 @@
 
 use autopar_rules::model::graph::Graph;
 use autopar_rules::solve::intra::chain::{
-    ChainError, Entry, LayerTable, best_path, boundary_bytes, compose, decode_range, extend_along,
-    extend_linked, layer_table, link, range_tables, ranking, start, steady,
+    ChainError, Entry, Extension, LayerTable, best_path, boundary_bytes, compose, decode_range,
+    extend_along, extend_linked, layer_table, link, range_tables, ranking, start, steady,
 };
 use autopar_rules::solve::intra::stage::{
     Phase, SolverChoice, StageModel, StageOptions, StagePlan,
@@ -245,18 +245,19 @@ fn a_steady_chain_extends_along_its_predecessors_exactly() {
         let into = link(&embedding, &block).expect("embedding -> block");
         let repeat = link(&block, &block).expect("block -> block");
         let rank = ranking(&block);
-        let (mut best, _) = extend_linked(&start(&embedding), &into, &block, &rank);
+        let mut step = Extension::default();
+        extend_linked(&start(&embedding), &into, &block, &rank, &mut step);
+        let mut best = step.best.clone();
         let mut found: Option<(usize, Vec<usize>)> = None;
+        let mut along_best = Vec::new();
         for j in 2..=24 {
-            let (full, from) = extend_linked(&best, &repeat, &block, &rank);
+            extend_linked(&best, &repeat, &block, &rank, &mut step);
+            let (full, from) = (step.best.clone(), step.from.clone());
             match &found {
                 Some((_, along)) => {
                     assert_eq!(&from, along, "{a}x{b}, block {j}");
-                    assert_eq!(
-                        extend_along(&best, along, &repeat, &block),
-                        full,
-                        "{a}x{b}, block {j}"
-                    );
+                    extend_along(&best, along, &repeat, &block, &mut along_best);
+                    assert_eq!(along_best, full, "{a}x{b}, block {j}");
                 }
                 None if steady(&best, &full) => found = Some((j, from)),
                 None => {}

@@ -877,62 +877,68 @@ fn range_prices<'t>(
     let mut links: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
     let mut ranks: HashMap<usize, chain::Ranking> = HashMap::new();
     let mut out = vec![UNPRICED; seqs.class.len()];
-    // The chained states of the current path, by depth; nodes to visit with their depth.
+    // The chained states of the current path by depth: `path[..depth]` are the ancestors of
+    // the node at `depth` (the walk is depth first), and deeper frames only lend their
+    // buffers to the next node at their depth. Nodes to visit with their depth.
     let mut path: Vec<Chained> = Vec::new();
     let mut stack: Vec<(usize, usize)> = seqs.roots.iter().rev().map(|&n| (n, 0)).collect();
     while let Some((n, depth)) = stack.pop() {
-        path.truncate(depth);
         let class = seqs.class[n];
         // A layer not placed on this mesh choice: no range holding it is.
         let Some(next) = table(class) else {
             continue;
         };
-        let (best, from, steady) = match path.last() {
-            None => (chain::start(next), Vec::new(), false),
+        if path.len() == depth {
+            path.push(Chained::default());
+        }
+        let (before, here) = path.split_at_mut(depth);
+        let made = &mut here[0];
+        made.node = n;
+        match before.last() {
+            None => {
+                made.chain.best = chain::start(next);
+                made.chain.from.clear();
+                made.steady = false;
+            }
             Some(parent) => {
-                let before = seqs.class[parent.node];
-                let link = match links.entry((before, class)) {
+                let prev = seqs.class[parent.node];
+                let link = match links.entry((prev, class)) {
                     std::collections::hash_map::Entry::Occupied(l) => l.into_mut(),
                     std::collections::hash_map::Entry::Vacant(slot) => {
                         let (_, i) = seqs.groups.range(n);
-                        let prev = table(before).ok_or(ChainError::Mismatch(i - 1, i))?;
+                        let prev = table(prev).ok_or(ChainError::Mismatch(i - 1, i))?;
                         slot.insert(chain::link(prev, next).ok_or(ChainError::Mismatch(i - 1, i))?)
                     }
                 };
-                let repeat = before == class;
+                let repeat = prev == class;
+                let (best, from) = (&parent.chain.best, &parent.chain.from);
                 if repeat && parent.steady {
-                    let best = chain::extend_along(&parent.best, &parent.from, link, next);
-                    (best, parent.from.clone(), true)
+                    chain::extend_along(best, from, link, next, &mut made.chain.best);
+                    made.chain.from.clone_from(from);
+                    made.steady = true;
                 } else {
                     let rank = ranks.entry(class).or_insert_with(|| chain::ranking(next));
-                    let (best, from) = chain::extend_linked(&parent.best, link, next, rank);
-                    let steady = repeat && chain::steady(&parent.best, &best);
-                    (best, from, steady)
+                    chain::extend_linked(best, link, next, rank, &mut made.chain);
+                    made.steady = repeat && chain::steady(best, &made.chain.best);
                 }
             }
-        };
-        out[n] = price(&best);
-        path.push(Chained {
-            node: n,
-            best,
-            from,
-            steady,
-        });
+        }
+        out[n] = price(&made.chain.best);
         stack.extend(seqs.children[n].iter().rev().map(|&c| (c, depth + 1)));
     }
     Ok(out)
 }
 
 /// A sequence of layer classes chained ([`range_prices`]).
+#[derive(Default)]
 struct Chained {
     /// Its node.
     node: usize,
-    /// Best entry per boundary state after the sequence's last layer.
-    best: Vec<Entry>,
-    /// Per state after the last layer, the state of the parent's `best` its path comes from.
-    from: Vec<usize>,
+    /// Best entry per boundary state after the sequence's last layer, and per state the
+    /// state of the parent's `best` its path comes from.
+    chain: chain::Extension,
     /// Whether the last two layers are of one class and the chain is in its steady state:
-    /// another layer of that class extends it along `from`.
+    /// another layer of that class extends it along `chain.from`.
     steady: bool,
 }
 

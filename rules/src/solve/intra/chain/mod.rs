@@ -946,26 +946,49 @@ pub fn ranking(t: &LayerTable) -> Ranking {
     }
 }
 
+/// One chaining step's results, in buffers the next step reuses ([`extend_linked`]).
+#[derive(Clone, Debug, Default)]
+pub struct Extension {
+    /// Best entry per state after the layer.
+    pub best: Vec<Entry>,
+    /// Per state after the layer, the index in the previous `best` of the state its path
+    /// comes from (`usize::MAX` when none).
+    pub from: Vec<usize>,
+    /// The cheapest sum and its memory per state, while comparing.
+    cost: Vec<f64>,
+    memory: Vec<f64>,
+}
+
 /// Best entry per state after `next` (whose [`ranking`] is `next_rank`), given `best` per
 /// state after the table before it, whose states [`link`] matched to `next`'s: the cheapest
-/// sum, ties to less memory, then to the earlier state. With each entry, the index in `best`
-/// of the state its path comes from (`usize::MAX` when none).
+/// sum, ties to less memory, then to the earlier state. Written to `out.best`, with each
+/// entry's predecessor in `out.from`.
 pub fn extend_linked(
     best: &[Entry],
     link: &[usize],
     next: &LayerTable,
     next_rank: &Ranking,
-) -> (Vec<Entry>, Vec<usize>) {
+    out: &mut Extension,
+) {
     let width = next.after.len();
-    let mut cost = vec![f64::INFINITY; width];
-    let mut memory = vec![f64::INFINITY; width];
-    let mut from = vec![usize::MAX; width];
+    let reset = |v: &mut Vec<f64>| {
+        v.clear();
+        v.resize(width, f64::INFINITY);
+    };
+    reset(&mut out.cost);
+    reset(&mut out.memory);
+    out.from.clear();
+    out.from.resize(width, usize::MAX);
     for (p, (&b, e)) in link.iter().zip(best).enumerate() {
         if !e.cost.is_finite() || b == usize::MAX {
             continue;
         }
         let row = b * width..(b + 1) * width;
-        let slots = cost.iter_mut().zip(memory.iter_mut()).zip(from.iter_mut());
+        let slots = out
+            .cost
+            .iter_mut()
+            .zip(out.memory.iter_mut())
+            .zip(out.from.iter_mut());
         let candidates = next_rank.cost[row.clone()]
             .iter()
             .zip(&next_rank.memory[row]);
@@ -979,27 +1002,26 @@ pub fn extend_linked(
         }
     }
     // Only the winners' entries are summed whole.
-    let best = extend_along(best, &from, link, next);
-    (best, from)
+    extend_along(best, &out.from, link, next, &mut out.best);
 }
 
-/// Best entry per state after `next` when the path to each state `a` comes from state
-/// `from[a]` of `best` ([`extend_linked`]'s choice, or a [`steady`] chain's repeated one).
+/// Best entry per state after `next`, written to `out`, when the path to each state `a` comes
+/// from state `from[a]` of `best` ([`extend_linked`]'s choice, or a [`steady`] chain's
+/// repeated one).
 pub fn extend_along(
     best: &[Entry],
     from: &[usize],
     link: &[usize],
     next: &LayerTable,
-) -> Vec<Entry> {
+    out: &mut Vec<Entry>,
+) {
     let width = next.after.len();
-    from.iter()
-        .enumerate()
-        .map(|(a, &p)| match p {
-            usize::MAX => Entry::NONE,
-            p if link[p] == usize::MAX => Entry::NONE,
-            p => best[p].plus(next.entries[link[p] * width + a]),
-        })
-        .collect()
+    out.clear();
+    out.extend(from.iter().enumerate().map(|(a, &p)| match p {
+        usize::MAX => Entry::NONE,
+        p if link[p] == usize::MAX => Entry::NONE,
+        p => best[p].plus(next.entries[link[p] * width + a]),
+    }));
 }
 
 /// Relative difference under which two increments of a chain count as equal in [`steady`]:
