@@ -21,7 +21,9 @@
 //! that cannot win (see [`crate::solve::bottleneck`]). The implementation is exact and fast: each `F(s, k, ·)` row
 //! is computed only over the device counts a solution can have there (at least what the layers
 //! after `k` need, at most what the layers before `k` leave), as one vectorised min-plus update
-//! per (end, submesh); the argmins are re-derived along the optimal path only.
+//! per (end, submesh); the argmins are re-derived along the optimal path only. Ranges holding
+//! the same sequence of layers share one set of configurations per submesh ([`RangeGroups`]),
+//! so a model of identical blocks is priced over O(L) groups, not O(L^2) ranges.
 
 use crate::limits::MAX_DP_ENTRIES;
 use crate::solve::bottleneck;
