@@ -172,10 +172,16 @@ impl StageProblem {
     /// The instance as the DP reads it, its dominated configurations left out (see
     /// [`StageChoices`]); every range is a group of its own.
     pub fn choices(&self) -> Result<StageChoices, InterError> {
-        let groups = RangeGroups::new(self.layers, |k, i| k * self.layers + i);
+        self.choices_grouped(&RangeGroups::new(self.layers, |k, i| k * self.layers + i))
+    }
+
+    /// [`StageProblem::choices`] with the ranges grouped by `groups` (for the same layers),
+    /// each group's configurations read at its first range: exact when every range of a
+    /// group has the same tables' entries.
+    pub fn choices_grouped(&self, groups: &RangeGroups) -> Result<StageChoices, InterError> {
         let per_submesh: Vec<SubmeshChoices> = (0..self.submeshes.len())
             .map(|s| {
-                SubmeshChoices::new(&groups, |g, out| {
+                SubmeshChoices::new(groups, |g, out| {
                     let (k, i) = groups.range(g);
                     out.extend((0..self.configs).map(|c| {
                         let x = self.idx(k, i, s, c);
@@ -185,7 +191,7 @@ impl StageProblem {
             })
             .collect();
         StageChoices::new(
-            &groups,
+            groups,
             &self.submeshes,
             &per_submesh,
             self.devices,
@@ -959,19 +965,7 @@ mod tests {
             let (p, groups) = by_sequence(p, &classes[..layers]);
             let p = p.validate().expect("valid");
             let expect = brute_force(&p);
-            let per_submesh: Vec<SubmeshChoices> = (0..p.submeshes.len())
-                .map(|s| {
-                    SubmeshChoices::new(&groups, |g, out| {
-                        let (k, i) = groups.range(g);
-                        out.extend((0..p.configs).map(|c| {
-                            let x = p.idx(k, i, s, c);
-                            (p.cost[x], p.max_succ[x], c as u32)
-                        }))
-                    })
-                })
-                .collect();
-            let grouped = StageChoices::new(&groups, &p.submeshes, &per_submesh, p.devices, p.microbatches)
-                .expect("valid");
+            let grouped = p.choices_grouped(&groups).expect("valid");
             match (expect, solve_choices(grouped, StageOptions::default())) {
                 (None, Err(InterError::Infeasible { .. })) => {}
                 (Some(e), Ok(plan)) => {
