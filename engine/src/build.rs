@@ -28,8 +28,8 @@ use autopar_rules::plan::ilp::{self, IlpCandidate, IlpPlan, Space};
 use autopar_rules::plan::layout::LayoutError;
 use autopar_rules::plan::search::{SearchResult, layer_cost_digest, search};
 use autopar_rules::solve::pipeline::{
-    DEFAULT_MAX_EXACT_ENTRIES, MAX_RANGE_PRICES, MAX_TABLES, PipelineOptions, decode_pipeline,
-    price_pipeline_with, search_size, table_requests,
+    DEFAULT_MAX_EXACT_ENTRIES, MAX_RANGE_PRICES, MAX_TABLES, PipelineError, PipelineOptions,
+    decode_pipeline, price_pipeline_with, search_size, table_requests,
 };
 use autopar_rules::solve::schedule::{chrome_trace, simulate, trace_spec};
 use autopar_store::EntryMeta;
@@ -519,7 +519,7 @@ fn ilp_search(
             }
             let mb = rec.micro_batch;
             let source = CachedTables::new(cache, &model.name);
-            let solved = ilp_candidate(ws, t, &source, mb, budget);
+            let solved = ilp_candidate(ws, t, cache, &source, mb, budget);
             let meta = EntryMeta {
                 kind: "stages".into(),
                 description: format!(
@@ -655,15 +655,40 @@ fn ilp_left_out(ws: &Workspace, t: &Target) -> Option<String> {
 fn ilp_candidate(
     ws: &Workspace,
     t: &Target,
+    cache: &Cache,
     source: &CachedTables<'_>,
     mb: u64,
     budget: f64,
 ) -> Result<IlpCandidate, String> {
+    let model = &ws.models[t.model];
     let cluster = &ws.clusters[t.cluster];
     let graph = ilp_lower(ws, t, mb)?;
     let opts = ilp_options(t, mb, budget);
+    // Whether the tables pass the work bound depends on them alone: once found, the verdict
+    // is kept under their keys, and an edit that leaves them (a layer count) neither solves
+    // nor reads one of them again.
+    let verdict = table_work_key(&graph, cluster, opts);
+    let too_much = PipelineError::TooMuchWork {
+        max: opts.max_table_work,
+    };
+    if cache.lookup::<f64>(kind::TABLE_WORK, verdict).is_some() {
+        return Err(too_much.to_string());
+    }
     let started = Instant::now();
-    let pipeline = price_pipeline_with(&graph, cluster, opts, source).map_err(|e| e.to_string())?;
+    let priced = price_pipeline_with(&graph, cluster, opts, source);
+    if matches!(priced, Err(PipelineError::TooMuchWork { .. })) {
+        let meta = EntryMeta {
+            kind: kind::TABLE_WORK.into(),
+            description: format!(
+                "layer tables of {} on {}, micro-batch {mb}: past the work bound",
+                model.name, cluster.device.name
+            ),
+            ..EntryMeta::default()
+        };
+        cache.put(verdict, &opts.max_table_work, &meta);
+        cache.record(kind::TABLE_WORK, Source::Solved);
+    }
+    let pipeline = priced.map_err(|e| e.to_string())?;
     tracing::debug!(
         micro_batch = mb,
         stages = pipeline.stages.len(),
@@ -671,6 +696,22 @@ fn ilp_candidate(
         "priced the ILP space's pipeline"
     );
     ilp::candidate(&graph, cluster, mb, opts, pipeline).map_err(|e| e.to_string())
+}
+
+/// The key of the verdict that the layer tables `graph`'s search reads at these options pass
+/// the work bound: the keys of every one of them (each holds the bound).
+fn table_work_key(
+    graph: &autopar_rules::model::graph::Graph,
+    cluster: &autopar_rules::cost::cluster::Cluster,
+    opts: PipelineOptions,
+) -> Digest {
+    let mut tables: Vec<Digest> = table_requests(graph, cluster, opts)
+        .iter()
+        .map(|r| r.key.key())
+        .collect();
+    tables.sort_unstable();
+    tables.dedup();
+    KeyParts::new("table-work").with("tables", &tables).key()
 }
 
 /// The target's model lowered as the ILP space lowers it ([`ilp::lower_options`]), with
@@ -781,6 +822,9 @@ pub struct StagesDryRun {
     pub tables_cached: usize,
     /// Layer tables that would be solved (intra-op ILP solves): slot, and why.
     pub tables_to_solve: Vec<(String, Vec<String>)>,
+    /// The tables are known to need more work than a search may spend (the verdict is
+    /// stored): the size would stop at once, no table read or solved.
+    pub past_work_bound: bool,
 }
 
 /// A [`CostSource`] that only looks: stored costs are returned, missing ones are counted and
@@ -889,6 +933,7 @@ fn ilp_dry_run(
             reasons: Vec::new(),
             tables_cached: 0,
             tables_to_solve: Vec::new(),
+            past_work_bound: false,
         };
         if !dry.cached {
             if let Some(why) = too_large.get_or_insert_with(|| ilp_left_out(ws, t)) {
@@ -905,7 +950,13 @@ fn ilp_dry_run(
             // A model that does not lower has no tables; the build says why.
             if let Ok(graph) = ilp_lower(ws, t, mb) {
                 let old = previous.and_then(|p| p.stages(mb));
-                for r in table_requests(&graph, cluster, ilp_options(t, mb, budget)) {
+                let opts = ilp_options(t, mb, budget);
+                dry.past_work_bound = cache.contains(table_work_key(&graph, cluster, opts));
+                let requests = match dry.past_work_bound {
+                    true => Vec::new(),
+                    false => table_requests(&graph, cluster, opts),
+                };
+                for r in requests {
                     if cache.contains(r.key.key()) {
                         dry.tables_cached += 1;
                         continue;

@@ -73,6 +73,9 @@ pub mod kind {
     pub const SHARDING: &str = "sharding";
     /// The stage DP over those tables for one micro-batch size, balanced and simulated.
     pub const STAGES: &str = "stages";
+    /// The verdict that the layer tables of one micro-batch size's search need more work
+    /// than a search may spend, keyed by those tables' keys.
+    pub const TABLE_WORK: &str = "table-work";
     /// The fastest size's stages decoded (every op's specs) and compared with Megatron-LM's.
     pub const DECODE: &str = "decode";
     /// A layer's cost under one Megatron-LM layout.

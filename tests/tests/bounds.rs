@@ -268,6 +268,41 @@ fn graph_file_bounds_plan_at_the_limit_and_are_refused_past_it() {
     let spaces = &r.json()["targets"][0]["spaces"];
     let why = spaces["ilp_no_plan"].as_str().unwrap_or_default();
     assert!(why.contains("units of work"), "{spaces}");
+    // Whether the tables pass the bound depends on them alone, so the verdict is kept under
+    // their keys: after a change the tables do not read (recomputation), a dry run says every
+    // size stops at once, and the build neither reads nor solves a table.
+    let kinds = |j: &Value, kind: &str, field: &str| j["kinds"][kind][field].as_u64().unwrap_or(0);
+    let verdicts = kinds(&r.json(), "table-work", "solved");
+    assert!(verdicts > 0, "{}", r.json()["kinds"]);
+    ws.write(
+        "workspace.toml",
+        &format!("{toml}[target.search]\nrecompute = [\"none\"]\n"),
+    );
+    let dry = ws.run(&["build", "--dry-run", "--json"]);
+    assert_eq!(dry.code, 0, "{}", dry.stderr);
+    let sizes = dry.json()["targets"][0]["ilp"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(sizes.len() as u64, verdicts, "{}", dry.stdout);
+    for size in &sizes {
+        assert_eq!(size["past_work_bound"], true, "{size}");
+        assert_eq!(size["tables_to_solve"], 0, "{size}");
+    }
+    let again = bounded(&ws, &["build", "--json"], "the longest flat list, edited");
+    let j = again.json();
+    assert_eq!(kinds(&j, "sharding", "total"), 0, "{}", j["kinds"]);
+    assert_eq!(
+        kinds(&j, "table-work", "hits_local"),
+        verdicts,
+        "{}",
+        j["kinds"]
+    );
+    assert_eq!(kinds(&j, "stages", "solved"), verdicts, "{}", j["kinds"]);
+    let why = j["targets"][0]["spaces"]["ilp_no_plan"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(why.contains("units of work"), "{j}");
     let past = graph_file(longest + 1, 1, true, None);
     refused(&case(&past), &["build"], "ops", "a flat list too long");
     let past = graph_file(100, 1, true, Some(limits::MAX_CLUSTERED_LAYERS + 1));

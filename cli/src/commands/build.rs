@@ -224,6 +224,7 @@ fn dry(ws: &Workspace, args: &BuildArgs, cache: &Cache) -> Result<(), Failure> {
                             "micro_batch": s.micro_batch,
                             "stages_cached": s.cached,
                             "reasons": s.reasons,
+                            "past_work_bound": s.past_work_bound,
                             "tables_cached": s.tables_cached,
                             "tables_to_solve": s.tables_to_solve.len(),
                             "tables": s.tables_to_solve.iter().map(|(slot, why)| {
@@ -294,6 +295,14 @@ fn dry_stages(s: &autopar_engine::build::StagesDryRun) {
     if s.cached {
         outln!(
             "  ILP space, micro-batch {}: stage DP cached",
+            s.micro_batch
+        );
+        return;
+    }
+    if s.past_work_bound {
+        outln!(
+            "  ILP space, micro-batch {}: stage DP would run and stop at once: its layer tables \
+             are known to need more work than a search may spend; none would be read or solved",
             s.micro_batch
         );
         return;
