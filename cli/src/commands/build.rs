@@ -300,20 +300,21 @@ fn dry_stages(s: &autopar_engine::build::StagesDryRun) {
         return;
     }
     if s.past_work_bound {
+        // No table is asked for: the list below is empty.
         outln!(
             "  ILP space, micro-batch {}: stage DP would run and stop at once: its layer tables \
              are known to need more work than a search may spend; none would be read or solved",
             s.micro_batch
         );
-        return;
+    } else {
+        outln!(
+            "  ILP space, micro-batch {}: stage DP would run; layer tables (ILP solves): {} to \
+             solve, {} cached",
+            s.micro_batch,
+            s.tables_to_solve.len(),
+            s.tables_cached
+        );
     }
-    outln!(
-        "  ILP space, micro-batch {}: stage DP would run; layer tables (ILP solves): {} to \
-         solve, {} cached",
-        s.micro_batch,
-        s.tables_to_solve.len(),
-        s.tables_cached
-    );
     for reason in &s.reasons {
         outln!("    because {reason}");
     }
