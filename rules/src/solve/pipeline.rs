@@ -443,6 +443,7 @@ pub fn search_size(
         layers.saturating_mul(layers).saturating_mul(meshes),
     )
 }
+
 /// One layer table the search asks its [`TableSource`] for.
 #[derive(Clone, Debug)]
 pub struct TableRequest {
