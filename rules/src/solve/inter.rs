@@ -28,6 +28,7 @@
 use crate::limits::MAX_DP_ENTRIES;
 use crate::solve::bottleneck;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 
 /// An instance in Alpa's layout (`compute_cost[L][L][S][C]`, `max_n_succ_stages[L][L][S][C]`).
 #[derive(Clone, Debug, PartialEq)]
@@ -239,6 +240,27 @@ impl RangeGroups {
             }
         }
         RangeGroups { layers, of, first }
+    }
+
+    /// The ranges of a model whose layer `l` is of class `classes[l]`, grouped by the sequence
+    /// of classes they hold. The sequences are numbered as nodes of a trie (a sequence is its
+    /// parent's node and its last class), in O(L^2) steps rather than by hashing every
+    /// range's sequence whole.
+    pub fn by_sequence(classes: &[usize]) -> Self {
+        let layers = classes.len();
+        // Keyed by the parent's node (+1; 0 for none) and the last class.
+        let mut node: HashMap<(usize, usize), usize> = HashMap::new();
+        let mut at = vec![0; layers * layers];
+        for k in 0..layers {
+            let mut parent = 0;
+            for i in k..layers {
+                let next = node.len();
+                let n = *node.entry((parent, classes[i])).or_insert(next);
+                at[k * layers + i] = n;
+                parent = n + 1;
+            }
+        }
+        Self::new(layers, |k, i| at[k * layers + i])
     }
 
     /// Layers `L`.
@@ -905,13 +927,9 @@ mod tests {
     /// `p` made to price every range by the sequence of `classes` it holds (each range takes
     /// the costs of the first range holding the same sequence), and its ranges grouped by
     /// that sequence.
-    fn by_sequence(mut p: StageProblem, classes: &[usize]) -> (StageProblem, RangeGroups) {
+    fn priced_by_sequence(mut p: StageProblem, classes: &[usize]) -> (StageProblem, RangeGroups) {
         let l = p.layers;
-        let mut keys: std::collections::HashMap<&[usize], usize> = Default::default();
-        let groups = RangeGroups::new(l, |k, i| {
-            let next = keys.len();
-            *keys.entry(&classes[k..=i]).or_insert(next)
-        });
+        let groups = RangeGroups::by_sequence(classes);
         for k in 0..l {
             for i in k..l {
                 let (k0, i0) = groups.range(groups.of(k, i).expect("a range"));
@@ -962,7 +980,7 @@ mod tests {
             classes in proptest::collection::vec(0usize..2, 5),
         ) {
             let layers = p.layers;
-            let (p, groups) = by_sequence(p, &classes[..layers]);
+            let (p, groups) = priced_by_sequence(p, &classes[..layers]);
             let p = p.validate().expect("valid");
             let expect = brute_force(&p);
             let grouped = p.choices_grouped(&groups).expect("valid");
@@ -1069,14 +1087,10 @@ mod tests {
     }
 
     #[test]
-    fn ranges_of_one_key_share_a_group() {
+    fn ranges_holding_one_sequence_share_a_group() {
         // Layers of classes [a, b, b, b, c], grouped by the sequence they hold.
         let classes = [0, 1, 1, 1, 4];
-        let mut keys: std::collections::HashMap<&[usize], usize> = Default::default();
-        let groups = RangeGroups::new(5, |k, i| {
-            let next = keys.len();
-            *keys.entry(&classes[k..=i]).or_insert(next)
-        });
+        let groups = RangeGroups::by_sequence(&classes);
         // a b^j (j = 0..3), a b^3 c, b^j (j = 1..3), b^j c (j = 1..3), c.
         assert_eq!(groups.len(), 12);
         assert_eq!(groups.of(1, 2), groups.of(2, 3));

@@ -814,31 +814,17 @@ struct Sequences {
 
 impl Sequences {
     fn of(classes: &[usize]) -> Self {
-        let layers = classes.len();
-        // Node of a sequence: keyed by its parent's node (+1; 0 for none) and its last class.
-        let mut node: HashMap<(usize, usize), usize> = HashMap::new();
-        let mut at = vec![0; layers * layers];
-        for k in 0..layers {
-            let mut parent = 0;
-            for i in k..layers {
-                let next = node.len();
-                let n = *node.entry((parent, classes[i])).or_insert(next);
-                at[k * layers + i] = n;
-                parent = n + 1;
-            }
-        }
-        let groups = RangeGroups::new(layers, |k, i| at[k * layers + i]);
+        let groups = RangeGroups::by_sequence(classes);
         let mut class = Vec::with_capacity(groups.len());
         let mut children = vec![Vec::new(); groups.len()];
         let mut roots = Vec::new();
         for g in 0..groups.len() {
             let (k, i) = groups.range(g);
             class.push(classes[i]);
-            match i.checked_sub(1).filter(|&p| p >= k) {
-                Some(p) => match groups.of(k, p) {
-                    Some(parent) => children[parent].push(g),
-                    None => roots.push(g),
-                },
+            // The parent: the same sequence less its last class.
+            let parent = if i > k { groups.of(k, i - 1) } else { None };
+            match parent {
+                Some(parent) => children[parent].push(g),
                 None => roots.push(g),
             }
         }
