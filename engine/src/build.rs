@@ -491,6 +491,7 @@ fn ilp_search(
                 source: Source::Solved,
                 reasons: Vec::new(),
                 tables: Vec::new(),
+                past_work_bound: None,
             };
             let found = cache
                 .lookup::<Result<IlpCandidate, String>>(kind::STAGES, rec.parts.key())
@@ -519,7 +520,8 @@ fn ilp_search(
             }
             let mb = rec.micro_batch;
             let source = CachedTables::new(cache, &model.name);
-            let solved = ilp_candidate(ws, t, cache, &source, mb, budget);
+            let (solved, verdict) = ilp_candidate(ws, t, cache, &source, mb, budget);
+            rec.past_work_bound = verdict;
             let meta = EntryMeta {
                 kind: "stages".into(),
                 description: format!(
@@ -651,7 +653,8 @@ fn ilp_left_out(ws: &Workspace, t: &Target) -> Option<String> {
 }
 
 /// The ILP space's pipeline for micro-batches of `mb` sequences, priced and simulated; the
-/// reason when there is none.
+/// reason when there is none. With it, where the verdict that the size's layer tables pass
+/// the work bound came from, when they do.
 fn ilp_candidate(
     ws: &Workspace,
     t: &Target,
@@ -659,24 +662,28 @@ fn ilp_candidate(
     source: &CachedTables<'_>,
     mb: u64,
     budget: f64,
-) -> Result<IlpCandidate, String> {
+) -> (Result<IlpCandidate, String>, Option<Source>) {
     let model = &ws.models[t.model];
     let cluster = &ws.clusters[t.cluster];
-    let graph = ilp_lower(ws, t, mb)?;
+    let graph = match ilp_lower(ws, t, mb) {
+        Ok(graph) => graph,
+        Err(e) => return (Err(e), None),
+    };
     let opts = ilp_options(t, mb, budget);
     // Whether the tables pass the work bound depends on them alone: once found, the verdict
     // is kept under their keys, and an edit that leaves them (a layer count) neither solves
     // nor reads one of them again.
-    let verdict = table_work_key(&graph, cluster, opts);
+    let work_key = table_work_key(&graph, cluster, opts);
     let too_much = PipelineError::TooMuchWork {
         max: opts.max_table_work,
     };
-    if cache.lookup::<f64>(kind::TABLE_WORK, verdict).is_some() {
-        return Err(too_much.to_string());
+    if let Some((_, found)) = cache.lookup::<f64>(kind::TABLE_WORK, work_key) {
+        return (Err(too_much.to_string()), Some(found));
     }
     let started = Instant::now();
     let priced = price_pipeline_with(&graph, cluster, opts, source);
-    if matches!(priced, Err(PipelineError::TooMuchWork { .. })) {
+    let past = matches!(priced, Err(PipelineError::TooMuchWork { .. }));
+    if past {
         let meta = EntryMeta {
             kind: kind::TABLE_WORK.into(),
             description: format!(
@@ -685,17 +692,22 @@ fn ilp_candidate(
             ),
             ..EntryMeta::default()
         };
-        cache.put(verdict, &opts.max_table_work, &meta);
+        cache.put(work_key, &opts.max_table_work, &meta);
         cache.record(kind::TABLE_WORK, Source::Solved);
     }
-    let pipeline = priced.map_err(|e| e.to_string())?;
+    let verdict = past.then_some(Source::Solved);
+    let pipeline = match priced {
+        Ok(pipeline) => pipeline,
+        Err(e) => return (Err(e.to_string()), verdict),
+    };
     tracing::debug!(
         micro_batch = mb,
         stages = pipeline.stages.len(),
         seconds = started.elapsed().as_secs_f64(),
         "priced the ILP space's pipeline"
     );
-    ilp::candidate(&graph, cluster, mb, opts, pipeline).map_err(|e| e.to_string())
+    let candidate = ilp::candidate(&graph, cluster, mb, opts, pipeline);
+    (candidate.map_err(|e| e.to_string()), verdict)
 }
 
 /// The key of the verdict that the layer tables `graph`'s search reads at these options pass
@@ -945,6 +957,7 @@ fn ilp_dry_run(
                 source: Source::Solved,
                 reasons: Vec::new(),
                 tables: Vec::new(),
+                past_work_bound: None,
             };
             dry.reasons = stages_reasons(previous, &rec);
             // A model that does not lower has no tables; the build says why.

@@ -76,6 +76,11 @@ pub struct StagesRecord {
     pub reasons: Vec<String>,
     /// The layer tables it read.
     pub tables: Vec<TableRecord>,
+    /// Whether the tables pass the work bound, and where that verdict came from: `solved`
+    /// when this build's tables passed it, a cache level when a stored verdict stopped the
+    /// DP before it read a table (`None`: within the bound, or the DP did not run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub past_work_bound: Option<Source>,
 }
 
 /// What one build did for one target.

@@ -274,6 +274,20 @@ fn graph_file_bounds_plan_at_the_limit_and_are_refused_past_it() {
     let kinds = |j: &Value, kind: &str, field: &str| j["kinds"][kind][field].as_u64().unwrap_or(0);
     let verdicts = kinds(&r.json(), "table-work", "solved");
     assert!(verdicts > 0, "{}", r.json()["kinds"]);
+    // `explain` says which sizes passed the bound, and later how each was stopped.
+    let stopped = |ws: &TempWorkspace, how: &str, line: &str| {
+        let explained = ws.run(&["explain", "t", "--json"]);
+        assert_eq!(explained.code, 0, "{}", explained.stderr);
+        let sizes = explained.json()["ilp"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let past = sizes.iter().filter(|s| s["past_work_bound"] == how).count();
+        assert_eq!(past as u64, verdicts, "{}", explained.stdout);
+        let text = ws.run(&["explain", "t"]).stdout;
+        assert_eq!(text.matches(line).count() as u64, verdicts, "{text}");
+    };
+    stopped(&ws, "solved", "before they passed the work bound");
     ws.write(
         "workspace.toml",
         &format!("{toml}[target.search]\nrecompute = [\"none\"]\n"),
@@ -299,6 +313,11 @@ fn graph_file_bounds_plan_at_the_limit_and_are_refused_past_it() {
         j["kinds"]
     );
     assert_eq!(kinds(&j, "stages", "solved"), verdicts, "{}", j["kinds"]);
+    stopped(
+        &ws,
+        "local",
+        "stopped at once by the stored verdict (local)",
+    );
     let why = j["targets"][0]["spaces"]["ilp_no_plan"]
         .as_str()
         .unwrap_or_default();

@@ -73,12 +73,28 @@ pub(crate) fn text(target: &str, record: &BuildRecord) -> String {
         if st.source != Source::Solved {
             continue;
         }
+        let tables = match st.past_work_bound {
+            Some(Source::Solved) => format!(
+                "{} of {} layer tables solved before they passed the work bound (this size is \
+                 left out, and the verdict is stored)",
+                solved.len(),
+                st.tables.len()
+            ),
+            Some(found) => format!(
+                "stopped at once by the stored verdict ({}) that its layer tables pass the \
+                 work bound; none read",
+                found.name()
+            ),
+            None => format!(
+                "{} of {} layer tables solved",
+                solved.len(),
+                st.tables.len()
+            ),
+        };
         let _ = writeln!(
             s,
-            "  ILP space, micro-batch {}: stage DP re-ran; {} of {} layer tables solved",
-            st.micro_batch,
-            solved.len(),
-            st.tables.len()
+            "  ILP space, micro-batch {}: stage DP re-ran; {tables}",
+            st.micro_batch
         );
         for r in &st.reasons {
             let _ = writeln!(s, "    {r}");
