@@ -73,23 +73,22 @@ pub(crate) fn text(target: &str, record: &BuildRecord) -> String {
         if st.source != Source::Solved {
             continue;
         }
+        let counted = format!(
+            "{} of {} layer tables solved",
+            solved.len(),
+            st.tables.len()
+        );
         let tables = match st.past_work_bound {
             Some(Source::Solved) => format!(
-                "{} of {} layer tables solved before they passed the work bound (this size is \
-                 left out, and the verdict is stored)",
-                solved.len(),
-                st.tables.len()
+                "{counted} before they passed the work bound (this size is left out, and the \
+                 verdict is stored)"
             ),
             Some(found) => format!(
                 "stopped at once by the stored verdict ({}) that its layer tables pass the \
                  work bound; none read",
                 found.name()
             ),
-            None => format!(
-                "{} of {} layer tables solved",
-                solved.len(),
-                st.tables.len()
-            ),
+            None => counted,
         };
         let _ = writeln!(
             s,
