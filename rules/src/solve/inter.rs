@@ -21,7 +21,9 @@
 //! that cannot win (see [`crate::solve::bottleneck`]). The implementation is exact and fast: each `F(s, k, ·)` row
 //! is computed only over the device counts a solution can have there (at least what the layers
 //! after `k` need, at most what the layers before `k` leave), as one vectorised min-plus update
-//! per (end, submesh); the argmins are re-derived along the optimal path only. Ranges holding
+//! per (end, submesh), over only the submeshes whose cheapest configuration admitting `s`
+//! stages fits the bound (listed once per stage count and group, not looked up per range);
+//! the argmins are re-derived along the optimal path only. Ranges holding
 //! the same sequence of layers share one set of configurations per submesh ([`RangeGroups`]),
 //! so a model of identical blocks is priced over O(L) groups, not O(L^2) ranges.
 
@@ -486,12 +488,28 @@ struct Dp {
     /// [`SubmeshChoices`]): slices of `choices` between `offsets`.
     choices: Vec<Choice>,
     offsets: Vec<usize>,
+    /// For the stage count and bound `run` is filling, per group `g` of more than one range:
+    /// the submeshes with a usable configuration that admits that many stages from it to the
+    /// end, with the cheapest one's cost (`usable_len[g]` of them from `usable[g * S]`),
+    /// listed when a row first reads the group at that stage count (`listed_for[g]`, 0 when
+    /// not yet).
+    usable: Vec<(usize, f64)>,
+    usable_len: Vec<usize>,
+    listed_for: Vec<usize>,
+    /// Per group, whether it holds more than one range.
+    shared: Vec<bool>,
 }
 
 impl Dp {
     fn new(p: StageChoices) -> Self {
         let l = p.groups.layers();
         let d = p.devices as usize;
+        let groups = p.groups.len();
+        let mut ranges = vec![0u32; groups];
+        for &g in p.groups.of.iter().filter(|&&g| g != NO_GROUP) {
+            ranges[g as usize] += 1;
+        }
+        let shared = ranges.iter().map(|&n| n > 1).collect();
         // Bounded by `StageChoices::new`'s table-size check.
         let s_max = max_stages(l, &p.sizes, p.devices) as usize;
         Dp {
@@ -506,9 +524,38 @@ impl Dp {
             band: vec![(1, 0); l + 1],
             s_max,
             group: p.groups.of,
+            // Zeroed, so the entries of groups of one range are never touched.
+            usable: vec![(0, 0.0); p.offsets.len() - 1],
+            usable_len: vec![0; groups],
+            listed_for: vec![0; groups],
+            shared,
             choices: p.choices,
             offsets: p.offsets,
         }
+    }
+
+    /// Lists shared group `g`'s usable submeshes for `s` stages within `t_max` (see
+    /// `usable`), once per stage count (`s` only grows between [`Dp::rewind`]s); returns where
+    /// the list starts in `usable` and its length.
+    fn list(&mut self, g: usize, s: usize, t_max: f64) -> (usize, usize) {
+        let first = g * self.sizes.len();
+        if self.listed_for[g] != s {
+            let mut len = 0;
+            for sm in 0..self.sizes.len() {
+                if let Some((cost, _)) = self.best(g, sm, s, t_max) {
+                    self.usable[first + len] = (sm, cost);
+                    len += 1;
+                }
+            }
+            self.listed_for[g] = s;
+            self.usable_len[g] = len;
+        }
+        (first, self.usable_len[g])
+    }
+
+    /// Starts the stage counts of [`Dp::list`] again from 1, for a new bound.
+    fn rewind(&mut self) {
+        self.listed_for.fill(0);
     }
 
     /// Stage `[k, i]`'s group of ranges, `None` when `i < k`.
@@ -602,6 +649,52 @@ impl Dp {
         }
     }
 
+    /// Lowers row `(s, k)` (at `row` in `f`, `here` in `written`; device counts `band`) by the
+    /// stage of cost `cost` on `n` devices followed by the row at `src`, which holds the
+    /// device counts `held`; whether it reached the row.
+    // Inlined into both loops of `run`, whose hot path it is.
+    #[inline(always)]
+    fn relax(
+        &mut self,
+        (row, here): (usize, usize),
+        (lo, hi): (usize, usize),
+        (src, (slo, shi)): (usize, (usize, usize)),
+        n: usize,
+        cost: f64,
+    ) -> bool {
+        // d ranges over the band of the row whose source d - n the row after holds.
+        let from = lo.max(slo + n);
+        let to = hi.min(shi + n);
+        if from > to {
+            return false;
+        }
+        // What the row did not hold yet starts at +inf.
+        self.written[here] = match self.written[here] {
+            (wlo, whi) if wlo <= whi => {
+                let (nlo, nhi) = (from.min(wlo), to.max(whi));
+                self.f[row + nlo..row + wlo].fill(f64::INFINITY);
+                self.f[row + whi + 1..=row + nhi].fill(f64::INFINITY);
+                (nlo, nhi)
+            }
+            _ => {
+                self.f[row + from..=row + to].fill(f64::INFINITY);
+                (from, to)
+            }
+        };
+        // Rows of s - 1 stages precede rows of s stages (see `row`), so the source lies
+        // entirely before the destination row.
+        let (before, from_row) = self.f.split_at_mut(row);
+        let dst = &mut from_row[from..=to];
+        let srcs = &before[src + from - n..=src + to - n];
+        // A select, not a branch, so it vectorises to one `min` per lane (no NaN reaches
+        // here: costs are finite and `F` holds finite values or +inf).
+        for (x, &y) in dst.iter_mut().zip(srcs) {
+            let cand = cost + y;
+            *x = if cand < *x { cand } else { *x };
+        }
+        true
+    }
+
     /// Fills `F` for bound `t_max`; returns the best `(sum, stages)` reaching `F(s, 0, D)`.
     fn run(&mut self, t_max: f64) -> Option<(f64, usize)> {
         self.bands(t_max);
@@ -616,6 +709,7 @@ impl Dp {
         let s0 = self.slot(0, l);
         self.written[s0] = (0, 0);
         let mut best: Option<(f64, usize)> = None;
+        self.rewind();
         for s in 1..=self.s_max {
             let mut any = false;
             for k in (0..l).rev() {
@@ -640,44 +734,23 @@ impl Dp {
                     let Some(g) = self.group(k, i) else {
                         continue;
                     };
-                    for sm in 0..self.sizes.len() {
-                        let n = self.sizes[sm];
-                        let Some((cost, _)) = self.best(g, sm, s, t_max) else {
-                            continue;
-                        };
-                        // d ranges over the band of row k whose source d - n is held by row
-                        // i + 1.
-                        let from = lo.max(slo + n);
-                        let to = hi.min(shi + n);
-                        if from > to {
-                            continue;
+                    // `best(g, sm, s, t_max)` for every submesh that has one: listed once
+                    // per stage count for a group of many ranges, looked up for a range of
+                    // its own (read once per stage count).
+                    let (band, held) = ((lo, hi), (slo, shi));
+                    if self.shared[g] {
+                        let (first, len) = self.list(g, s, t_max);
+                        for u in first..first + len {
+                            let (sm, cost) = self.usable[u];
+                            any |= self.relax((row, here), band, (src, held), self.sizes[sm], cost);
                         }
-                        // What the row did not hold yet starts at +inf.
-                        self.written[here] = match self.written[here] {
-                            (wlo, whi) if wlo <= whi => {
-                                let (nlo, nhi) = (from.min(wlo), to.max(whi));
-                                self.f[row + nlo..row + wlo].fill(f64::INFINITY);
-                                self.f[row + whi + 1..=row + nhi].fill(f64::INFINITY);
-                                (nlo, nhi)
+                    } else {
+                        for sm in 0..self.sizes.len() {
+                            if let Some((cost, _)) = self.best(g, sm, s, t_max) {
+                                let n = self.sizes[sm];
+                                any |= self.relax((row, here), band, (src, held), n, cost);
                             }
-                            _ => {
-                                self.f[row + from..=row + to].fill(f64::INFINITY);
-                                (from, to)
-                            }
-                        };
-                        // Rows of s - 1 stages precede rows of s stages (see `row`), so the
-                        // source lies entirely before the destination row.
-                        let (before, from_row) = self.f.split_at_mut(row);
-                        let dst = &mut from_row[from..=to];
-                        let srcs = &before[src + from - n..=src + to - n];
-                        // A select, not a branch, so it vectorises to one `min` per lane
-                        // (no NaN reaches here: costs are finite and `F` holds finite values
-                        // or +inf).
-                        for (x, &y) in dst.iter_mut().zip(srcs) {
-                            let cand = cost + y;
-                            *x = if cand < *x { cand } else { *x };
                         }
-                        any = true;
                     }
                 }
             }
