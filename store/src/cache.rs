@@ -1289,7 +1289,7 @@ mod tests {
 
     #[test]
     fn damaged_record_files_never_serve_a_wrong_value() {
-        // Records this large are files beside the database (noise, which deflating does not
+        // Records this large are files beside the database (noise, which compressing does not
         // shrink); sled holds only a marker for each.
         let big = |i: u8| crate::noise(u64::from(i) + 1, 200_000);
         for damage in ["flip", "truncate", "empty", "remove", "directory", "swap"] {

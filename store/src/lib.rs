@@ -148,7 +148,7 @@ fn temporary_in(dir: &Path, prefix: &str) -> std::io::Result<tempfile::NamedTemp
     builder.tempfile_in(dir)
 }
 
-/// Bytes that deflating does not shrink (xorshift noise from `seed`), for tests of large
+/// Bytes that compressing does not shrink (xorshift noise from `seed`), for tests of large
 /// values.
 #[cfg(test)]
 pub(crate) fn noise(seed: u64, len: usize) -> Vec<u8> {
