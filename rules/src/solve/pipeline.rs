@@ -850,10 +850,8 @@ fn range_prices<'t>(
     let layers = seqs.groups.layers();
     let variants = if opts.recompute { 2 } else { 1 };
     let price = |best: &[Entry]| {
-        let plain = chain::finish(best);
-        let recomputed = chain::finish_recomputed(best);
         let mut priced = UNPRICED;
-        for (slot, e) in priced.iter_mut().zip([plain, recomputed]).take(variants) {
+        for (slot, e) in priced.iter_mut().zip(chain::finish(best)).take(variants) {
             if let Some(succ) = most_following(&e, opts, layers) {
                 *slot = (e.cost, succ);
             }

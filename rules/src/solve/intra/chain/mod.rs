@@ -1063,17 +1063,40 @@ pub fn steady(prev: &[Entry], best: &[Entry]) -> bool {
         && spread.1 <= STEADY_TOLERANCE * scale.1
 }
 
-/// The range's best entry (free after its last layer).
-pub fn finish(best: &[Entry]) -> Entry {
-    best.iter().copied().fold(Entry::NONE, Entry::min)
+/// Whether (`cost`, `memory`) is cheaper than (`than_cost`, `than_memory`), ties to less
+/// memory: the order of [`Entry::min`], on the two numbers alone.
+fn cheaper(cost: f64, memory: f64, than_cost: f64, than_memory: f64) -> bool {
+    cost < than_cost || (cost == than_cost && memory < than_memory)
 }
 
-/// The range's best entry with every layer recomputed (free after its last layer): the
-/// cheapest of its plans best without recomputation, each recomputed.
-pub fn finish_recomputed(best: &[Entry]) -> Entry {
-    best.iter()
-        .map(|e| e.recomputed())
-        .fold(Entry::NONE, Entry::min)
+/// The range's best entry (free after its last layer), then its best with every layer
+/// recomputed: the cheapest of its plans best without recomputation, each recomputed. The
+/// states are compared on cost and memory alone (as [`Entry::recomputed`] makes them, for the
+/// second) and only the winners' entries are copied: every state of every range of every
+/// mesh choice passes through here.
+pub fn finish(best: &[Entry]) -> [Entry; 2] {
+    let (mut plain, mut recomputed) = (None::<usize>, None::<usize>);
+    let none = [Entry::NONE.cost, Entry::NONE.memory];
+    let (mut plain_at, mut recomputed_at) = (none, none);
+    for (i, e) in best.iter().enumerate() {
+        if cheaper(e.cost, e.memory, plain_at[0], plain_at[1]) {
+            plain_at = [e.cost, e.memory];
+            plain = Some(i);
+        }
+        // `Entry::recomputed`'s cost and memory, in its order of operations.
+        if e.cost.is_finite() {
+            let cost = e.cost + e.forward;
+            let memory = e.memory - e.activations + e.checkpoint + e.peak_layer;
+            if cheaper(cost, memory, recomputed_at[0], recomputed_at[1]) {
+                recomputed_at = [cost, memory];
+                recomputed = Some(i);
+            }
+        }
+    }
+    [
+        plain.map_or(Entry::NONE, |i| best[i]),
+        recomputed.map_or(Entry::NONE, |i| best[i].recomputed()),
+    ]
 }
 
 /// A path through a range's tables: its entry and, per layer, its `before` and `after` state
@@ -1088,7 +1111,7 @@ pub fn best_path(tables: &[&LayerTable]) -> Result<Option<Path>, ChainError> {
 }
 
 /// [`best_path`] with the last state chosen by `ending` of its entry (e.g. the entry
-/// recomputed, as [`finish_recomputed`] chooses it); the entry returned is the path's own.
+/// recomputed, as [`finish`] chooses its second); the entry returned is the path's own.
 pub fn best_path_ending(
     tables: &[&LayerTable],
     ending: impl Fn(Entry) -> Entry,
@@ -1096,7 +1119,7 @@ pub fn best_path_ending(
     let Some(first) = tables.first() else {
         return Ok(Some((Entry::ZERO, Vec::new())));
     };
-    let better = |a: &Entry, b: &Entry| (a.cost, a.memory) < (b.cost, b.memory);
+    let better = |a: &Entry, b: &Entry| cheaper(a.cost, a.memory, b.cost, b.memory);
     // Per layer and state after it: the best entry and the state before it on that path.
     let mut best = vec![Entry::NONE; first.after.len()];
     let mut back: Vec<Vec<usize>> = vec![vec![0; first.after.len()]];
@@ -1113,21 +1136,35 @@ pub fn best_path_ending(
         let (prev, next) = (pair[0], pair[1]);
         let link = link(prev, next).ok_or(ChainError::Mismatch(i, i + 1))?;
         let width = next.after.len();
-        let mut step = vec![Entry::NONE; width];
+        // The sums' cost and memory as `Entry::plus` makes them, compared before any entry
+        // is summed whole; then only each state's winner is.
+        let mut sums = vec![[Entry::NONE.cost, Entry::NONE.memory]; width];
         let mut from = vec![0; width];
+        let mut reached = vec![false; width];
         for (p, (&b, e)) in link.iter().zip(&best).enumerate() {
             if !e.cost.is_finite() || b == usize::MAX {
                 continue;
             }
-            for a in 0..width {
-                let candidate = e.plus(next.entries[next.at(b, a)]);
-                if better(&candidate, &step[a]) {
-                    step[a] = candidate;
+            let row = &next.entries[b * width..(b + 1) * width];
+            for (a, n) in row.iter().enumerate() {
+                if !n.cost.is_finite() {
+                    continue;
+                }
+                let cost = e.cost + n.cost;
+                let memory = e.memory + n.memory - e.working.min(n.working);
+                if cheaper(cost, memory, sums[a][0], sums[a][1]) {
+                    sums[a] = [cost, memory];
                     from[a] = p;
+                    reached[a] = true;
                 }
             }
         }
-        best = step;
+        best = (0..width)
+            .map(|a| match reached[a] {
+                true => best[from[a]].plus(next.entries[link[from[a]] * width + a]),
+                false => Entry::NONE,
+            })
+            .collect();
         back.push(from);
     }
     let Some((mut a, total)) = best
@@ -1266,4 +1303,159 @@ pub fn names_between(graph: &Graph, from: usize, to: usize) -> HashMap<String, S
         }
     }
     names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+
+    /// Few distinct values and infinities, so that ties and missing plans are common.
+    fn value() -> impl Strategy<Value = f64> {
+        prop_oneof![9 => (0u8..4).prop_map(f64::from), 1 => Just(f64::INFINITY)]
+    }
+
+    fn entry() -> impl Strategy<Value = Entry> {
+        proptest::array::uniform9(value()).prop_map(|f| Entry {
+            cost: f[0],
+            memory: f[1],
+            activations: f[2],
+            forward: f[3],
+            checkpoint: f[4],
+            peak_layer: f[5],
+            step: f[6],
+            sync: f[7],
+            working: f[8],
+        })
+    }
+
+    /// An entry's fields by bit pattern (a recomputed infinity less an infinity is NaN).
+    fn bits(e: &Entry) -> [u64; 9] {
+        [
+            e.cost,
+            e.memory,
+            e.activations,
+            e.forward,
+            e.checkpoint,
+            e.peak_layer,
+            e.step,
+            e.sync,
+            e.working,
+        ]
+        .map(f64::to_bits)
+    }
+
+    /// A table of `entries` between `before` and `after` distinct states.
+    fn table(before: usize, after: usize, entries: Vec<Entry>) -> LayerTable {
+        let states = |n: usize| (0..n).map(|i| vec![Spec::replicated(i)]).collect();
+        LayerTable {
+            layer: 0,
+            before: states(before),
+            after: states(after),
+            entries,
+            solves: 0,
+            work: 0.0,
+            solver: TableSolver::Exact,
+            plans: Vec::new(),
+            warnings: Vec::new(),
+        }
+    }
+
+    /// [`best_path`] as defined: whole entries summed and compared at every step.
+    fn best_path_summing_every_entry(tables: &[&LayerTable]) -> Option<Path> {
+        let better = |a: &Entry, b: &Entry| (a.cost, a.memory) < (b.cost, b.memory);
+        let first = tables.first()?;
+        let mut best = vec![Entry::NONE; first.after.len()];
+        let mut back = vec![vec![0; first.after.len()]];
+        for (a, slot) in best.iter_mut().enumerate() {
+            for b in 0..first.before.len() {
+                if better(&first.entry(b, a), slot) {
+                    *slot = first.entry(b, a);
+                    back[0][a] = b;
+                }
+            }
+        }
+        for pair in tables.windows(2) {
+            let link = link(pair[0], pair[1])?;
+            let mut step = vec![Entry::NONE; pair[1].after.len()];
+            let mut from = vec![0; step.len()];
+            for (p, (&b, e)) in link.iter().zip(&best).enumerate() {
+                if !e.cost.is_finite() || b == usize::MAX {
+                    continue;
+                }
+                for (a, slot) in step.iter_mut().enumerate() {
+                    let candidate = e.plus(pair[1].entry(b, a));
+                    if better(&candidate, slot) {
+                        *slot = candidate;
+                        from[a] = p;
+                    }
+                }
+            }
+            best = step;
+            back.push(from);
+        }
+        let (mut a, total) = best
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(_, e)| e.cost.is_finite())
+            .fold(None, |acc: Option<(usize, Entry)>, (a, e)| match acc {
+                Some((_, b)) if !better(&e, &b) => acc,
+                _ => Some((a, e)),
+            })?;
+        let mut states = vec![[0usize; 2]; tables.len()];
+        for l in (0..tables.len()).rev() {
+            // The test's states link in order: state `p` after a layer is state `p` before
+            // the next.
+            let p = back[l][a];
+            states[l] = [p, a];
+            a = p;
+        }
+        Some((total, states))
+    }
+
+    /// Chains of one to four layers with one to three states at each boundary.
+    fn chain() -> impl Strategy<Value = Vec<LayerTable>> {
+        vec(1usize..4, 2..6).prop_flat_map(|widths| {
+            widths
+                .windows(2)
+                .map(|w| {
+                    let (before, after) = (w[0], w[1]);
+                    vec(entry(), before * after)
+                        .prop_map(move |entries| table(before, after, entries))
+                })
+                .collect::<Vec<_>>()
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1024))]
+
+        /// [`finish`] is the fold of [`Entry::min`] over the states, and over the states
+        /// recomputed, bit for bit.
+        #[test]
+        fn finish_is_the_cheapest_state_plain_and_recomputed(best in vec(entry(), 0..12)) {
+            let [plain, recomputed] = finish(&best);
+            let fold = |it: &mut dyn Iterator<Item = Entry>| it.fold(Entry::NONE, Entry::min);
+            prop_assert_eq!(bits(&plain), bits(&fold(&mut best.iter().copied())));
+            prop_assert_eq!(
+                bits(&recomputed),
+                bits(&fold(&mut best.iter().map(|e| e.recomputed())))
+            );
+        }
+
+        /// Comparing the sums' cost and memory before summing whole entries finds the same
+        /// path and the same entry as summing every candidate.
+        #[test]
+        fn best_path_agrees_with_summing_every_entry(tables in chain()) {
+            let refs: Vec<&LayerTable> = tables.iter().collect();
+            let got = best_path(&refs).expect("the states link");
+            let want = best_path_summing_every_entry(&refs);
+            prop_assert_eq!(
+                got.as_ref().map(|(e, s)| (bits(e), s.clone())),
+                want.as_ref().map(|(e, s)| (bits(e), s.clone()))
+            );
+        }
+    }
 }
