@@ -900,12 +900,23 @@ pub fn compose(tables: &[LayerTable]) -> Result<Entry, ChainError> {
 
 /// Best entry per state after the range's first layer `t` (free before it).
 pub fn start(t: &LayerTable) -> Vec<Entry> {
-    (0..t.after.len())
-        .map(|a| {
-            (0..t.before.len())
-                .map(|b| t.entries[t.at(b, a)])
-                .fold(Entry::NONE, Entry::min)
-        })
+    // Row by row (the entries' order), comparing cost and memory alone: per state after, the
+    // cheapest state before in index order, as a fold of `Entry::min` over each column.
+    let width = t.after.len();
+    let none = [Entry::NONE.cost, Entry::NONE.memory];
+    let mut cheapest = vec![none; width];
+    let mut from = vec![None::<usize>; width];
+    for (b, row) in t.entries.chunks_exact(width.max(1)).enumerate() {
+        for ((e, best), at) in row.iter().zip(&mut cheapest).zip(&mut from) {
+            if cheaper(e.cost, e.memory, best[0], best[1]) {
+                *best = [e.cost, e.memory];
+                *at = Some(b);
+            }
+        }
+    }
+    from.iter()
+        .enumerate()
+        .map(|(a, b)| b.map_or(Entry::NONE, |b| t.entry(b, a)))
         .collect()
 }
 
@@ -1443,6 +1454,23 @@ mod tests {
                 bits(&recomputed),
                 bits(&fold(&mut best.iter().map(|e| e.recomputed())))
             );
+        }
+
+        /// [`start`] is, per state after the layer, the fold of [`Entry::min`] over the
+        /// states before it.
+        #[test]
+        fn start_is_the_cheapest_entry_of_each_column(
+            (before, after, entries) in (1usize..5, 0usize..5).prop_flat_map(|(b, a)| {
+                (Just(b), Just(a), vec(entry(), b * a))
+            })
+        ) {
+            let t = table(before, after, entries);
+            let got: Vec<[u64; 9]> = start(&t).iter().map(bits).collect();
+            let want: Vec<[u64; 9]> = (0..after)
+                .map(|a| (0..before).map(|b| t.entry(b, a)).fold(Entry::NONE, Entry::min))
+                .map(|e| bits(&e))
+                .collect();
+            prop_assert_eq!(got, want);
         }
 
         /// Comparing the sums' cost and memory before summing whole entries finds the same
