@@ -78,6 +78,9 @@ pub mod kind {
     pub const TABLE_WORK: &str = "table-work";
     /// The fastest size's stages decoded (every op's specs) and compared with Megatron-LM's.
     pub const DECODE: &str = "decode";
+    /// One layer's plan on one logical mesh with its boundary specs pinned (the decoding of
+    /// one entry of its table).
+    pub const LAYER_PLAN: &str = "layer-plan";
     /// A layer's cost under one Megatron-LM layout.
     pub const LAYER_COST: &str = "layer-cost";
     /// The Megatron-LM layout search (splits, SAPP balancing and simulation included).

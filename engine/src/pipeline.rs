@@ -15,8 +15,10 @@ use autopar_rules::cost::sharding::Mesh;
 use autopar_rules::model::frontend::Attention;
 use autopar_rules::model::graph::Graph;
 use autopar_rules::plan::runtime::Runtime;
-use autopar_rules::solve::intra::chain::{ChainError, Crossings, LayerTable, layer_table_with};
-use autopar_rules::solve::intra::stage::{SolverChoice, StageOptions};
+use autopar_rules::solve::intra::chain::{
+    ChainError, Crossings, LayerTable, decode_layer, layer_names, layer_table_with,
+};
+use autopar_rules::solve::intra::stage::{SolverChoice, StageOptions, StagePlan};
 use autopar_rules::solve::pipeline::{
     DEFAULT_MAX_EXACT_ENTRIES, PipelineError, PipelineOptions, PipelinePlan, TableSource,
     decode_pipeline, price_pipeline_with, profile_reads, table_key,
@@ -209,6 +211,53 @@ impl TableSource for CachedTables<'_> {
             self.cache.put(key, t, &meta);
         }
         solved
+    }
+
+    /// Looked up under the key of its table, its states and the names it holds, decoded and
+    /// stored on a miss: after an edit that moves the stages but not their layers' tables and
+    /// states (a model's layer count), every block's plan is found again.
+    fn layer_plan(
+        &self,
+        graph: &Graph,
+        crossings: &Crossings,
+        layer: usize,
+        identity: Digest,
+        mesh: Mesh,
+        device: &Device,
+        opts: StageOptions,
+        table: &LayerTable,
+        state: [usize; 2],
+    ) -> Result<StagePlan, ChainError> {
+        let reads = profile_reads(graph, layer, &mesh, &opts);
+        let key = KeyParts::new("layer-plan")
+            .with_digest(
+                "table",
+                table_key(identity, &mesh, device, &opts, &reads).key(),
+            )
+            .with("states", &state)
+            .with_digest("names", layer_names(graph, layer))
+            .key();
+        if let Some((plan, _)) = self.cache.lookup::<StagePlan>(kind::LAYER_PLAN, key) {
+            return Ok(plan);
+        }
+        let plan = decode_layer(graph, crossings, layer, mesh, device, opts, table, state)?;
+        self.cache.record(kind::LAYER_PLAN, Source::Solved);
+        let meta = EntryMeta {
+            kind: "layer-plan".into(),
+            description: format!(
+                "{} of {} on mesh {}x{} of {}, boundary states {} and {}, decoded",
+                graph.layers[layer].name,
+                self.model,
+                mesh.shape[0],
+                mesh.shape[1],
+                device.name,
+                state[0],
+                state[1]
+            ),
+            ..EntryMeta::default()
+        };
+        self.cache.put(key, &plan, &meta);
+        Ok(plan)
     }
 }
 

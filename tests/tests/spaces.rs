@@ -140,6 +140,10 @@ fn ilp_results_are_cached_per_kind_and_a_model_edit_re_solves_no_table() {
     // Only the fastest size's stages are decoded, and it is the plan's.
     assert_eq!(kind(&first, "decode", "total"), 1, "{first}");
     assert_eq!(kind(&first, "decode", "solved"), 1, "{first}");
+    // Its layers' plans, one per distinct layer, mesh and boundary states: three here (the
+    // embedding, the block and the head).
+    assert_eq!(kind(&first, "layer-plan", "solved"), 3, "{first}");
+    assert_eq!(kind(&first, "layer-plan", "total"), 3, "{first}");
     let p = plan(&ws);
     let sizes: Vec<(u64, f64)> = p["spaces"]["ilp_sizes"]
         .as_array()
@@ -165,12 +169,18 @@ fn ilp_results_are_cached_per_kind_and_a_model_edit_re_solves_no_table() {
         "sharding",
         "stages",
         "decode",
+        "layer-plan",
         "search",
         "layer-cost",
         "plan",
     ] {
         assert_eq!(kind(&again, k, "solved"), 0, "{k}: {again}");
     }
+    assert_eq!(
+        kind(&again, "layer-plan", "total"),
+        0,
+        "the decoded stages are found whole"
+    );
     assert_eq!(kind(&again, "plan", "hits_local"), 1);
     assert_eq!(kind(&again, "stages", "hits_local"), 2);
     assert_eq!(kind(&again, "decode", "hits_local"), 1);
@@ -188,6 +198,11 @@ fn ilp_results_are_cached_per_kind_and_a_model_edit_re_solves_no_table() {
     assert_eq!(kind(&edited, "sharding", "hits_local"), 3 * 3 * 2);
     assert_eq!(kind(&edited, "stages", "solved"), 2);
     assert_eq!(kind(&edited, "decode", "solved"), 1);
+    // Each layer of the plan decoded once per mesh and boundary states: the embedding's and
+    // the blocks' plans are found again, the head's is decoded again (it moved, and its
+    // ops' names with it).
+    assert_eq!(kind(&edited, "layer-plan", "hits_local"), 2, "{edited}");
+    assert_eq!(kind(&edited, "layer-plan", "solved"), 1, "{edited}");
     assert_eq!(kind(&edited, "search", "solved"), 1);
     assert_eq!(kind(&edited, "layer-cost", "solved"), 0);
 }

@@ -363,6 +363,25 @@ pub trait TableSource: Sync {
         device: &Device,
         opts: StageOptions,
     ) -> Result<LayerTable, ChainError>;
+
+    /// Layer `layer`'s plan on `mesh` with its boundaries pinned to the states `state` of its
+    /// `table` (from [`TableSource::table`] with the same arguments): [`chain::decode_layer`],
+    /// here or through a cache.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_plan(
+        &self,
+        graph: &Graph,
+        crossings: &Crossings,
+        layer: usize,
+        _identity: Digest,
+        mesh: Mesh,
+        device: &Device,
+        opts: StageOptions,
+        table: &LayerTable,
+        state: [usize; 2],
+    ) -> Result<StagePlan, ChainError> {
+        chain::decode_layer(graph, crossings, layer, mesh, device, opts, table, state)
+    }
 }
 
 /// Solves every table.
@@ -741,28 +760,36 @@ pub fn decode_pipeline(
             Ok(((m, c), t))
         })
         .collect::<Result<_, ChainError>>()?;
-    // Each distinct (mesh choice, class, states) decoded once, at its first layer.
+    // Each distinct (mesh choice, class, states) decoded once, at the class's first layer (as
+    // its table is built): the same layer whichever stages hold the class, so that a cache
+    // finds the plan again when an edit moves the stages.
     type Pinned = (MeshChoice, usize, [usize; 2]);
-    let mut first: HashMap<Pinned, usize> = HashMap::new();
-    for st in &priced.stages {
-        for (l, &state) in (st.layers[0]..st.layers[1]).zip(&st.states) {
-            first.entry((st.mesh, classes[l], state)).or_insert(l);
-        }
-    }
-    let decoded: HashMap<Pinned, (usize, StagePlan)> = first
+    let mut pinned: Vec<Pinned> = priced
+        .stages
+        .iter()
+        .flat_map(|st| {
+            (st.layers[0]..st.layers[1])
+                .zip(&st.states)
+                .map(|(l, &state)| (st.mesh, classes[l], state))
+        })
+        .collect();
+    pinned.sort_unstable_by_key(|&(m, c, state)| (m.submesh, m.logical, c, state));
+    pinned.dedup();
+    let decoded: HashMap<Pinned, StagePlan> = pinned
         .into_par_iter()
-        .map(|((m, c, state), l)| {
-            let plan = chain::decode_layer(
+        .map(|(m, c, state)| {
+            let plan = source.layer_plan(
                 graph,
                 &crossings,
-                l,
+                c,
+                identities[c],
                 mesh(&m),
                 &cluster.device,
                 opts.stage_options(1),
                 &tables[&(m, c)],
                 state,
             )?;
-            Ok(((m, c, state), (l, plan)))
+            Ok(((m, c, state), plan))
         })
         .collect::<Result<_, ChainError>>()?;
     let stages = priced
@@ -772,8 +799,8 @@ pub fn decode_pipeline(
             let parts: Vec<StagePlan> = (st.layers[0]..st.layers[1])
                 .zip(&st.states)
                 .map(|(l, &state)| {
-                    let (at, plan) = &decoded[&(st.mesh, classes[l], state)];
-                    chain::moved(graph, plan.clone(), *at, l)
+                    let plan = &decoded[&(st.mesh, classes[l], state)];
+                    chain::moved(graph, plan.clone(), classes[l], l)
                 })
                 .collect();
             let plan = StagePlan::join(parts)

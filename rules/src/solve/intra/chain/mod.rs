@@ -1282,6 +1282,25 @@ pub fn decode_layer(
     Ok(model.solve_within(&allowed)?)
 }
 
+/// The hash of the names a plan of layer `l` holds: the layer's, and each of its ops' with
+/// the tensors it reads, writes and saves (what a decoded plan names, beyond what the layer's
+/// identity, which leaves names out, decides).
+pub fn layer_names(graph: &Graph, l: usize) -> crate::canonical::Digest {
+    let layer = &graph.layers[l];
+    let ops: Vec<(&str, Vec<&str>)> = layer
+        .forward
+        .iter()
+        .chain(&layer.backward)
+        .map(|&o| {
+            let op = graph.op(o);
+            let tensors = op.inputs.iter().chain(&op.outputs).chain(&op.saves);
+            let names = tensors.map(|&t| graph.tensor(t).name.as_str()).collect();
+            (op.name.as_str(), names)
+        })
+        .collect();
+    crate::canonical::digest(&(l, &layer.name, ops))
+}
+
 /// `plan`, solved for layer `first`, as the plan of layer `l` of the same class (renamed
 /// unless it is that layer).
 pub fn moved(graph: &Graph, plan: StagePlan, first: usize, l: usize) -> StagePlan {

@@ -332,8 +332,9 @@ pub struct SolveInfo {
     /// Largest factor the exact solver builds.
     pub width: f64,
     /// What the solver could not do as asked (D-Rec: operators nothing could cut on a mesh
-    /// axis, kept replicated there).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// axis, kept replicated there). Always written, even when empty: the cache's encoding
+    /// (postcard) has no field names, and a field left out cannot be read back.
+    #[serde(default)]
     pub warnings: Vec<String>,
 }
 
