@@ -12,7 +12,7 @@ use std::fmt;
 const FIELDS: usize = 9;
 
 /// Each field of an entry, in column order.
-const COLUMNS: [fn(&Entry) -> f64; FIELDS] = [
+pub(super) const COLUMNS: [fn(&Entry) -> f64; FIELDS] = [
     |e| e.cost,
     |e| e.memory,
     |e| e.activations,
@@ -25,7 +25,7 @@ const COLUMNS: [fn(&Entry) -> f64; FIELDS] = [
 ];
 
 /// The entry of fields `f` in column order ([`COLUMNS`]'s).
-fn entry(f: [f64; FIELDS]) -> Entry {
+pub(super) fn entry(f: [f64; FIELDS]) -> Entry {
     Entry {
         cost: f[0],
         memory: f[1],

@@ -1347,33 +1347,12 @@ mod tests {
     }
 
     fn entry() -> impl Strategy<Value = Entry> {
-        proptest::array::uniform9(value()).prop_map(|f| Entry {
-            cost: f[0],
-            memory: f[1],
-            activations: f[2],
-            forward: f[3],
-            checkpoint: f[4],
-            peak_layer: f[5],
-            step: f[6],
-            sync: f[7],
-            working: f[8],
-        })
+        proptest::array::uniform9(value()).prop_map(columns::entry)
     }
 
     /// An entry's fields by bit pattern (a recomputed infinity less an infinity is NaN).
     fn bits(e: &Entry) -> [u64; 9] {
-        [
-            e.cost,
-            e.memory,
-            e.activations,
-            e.forward,
-            e.checkpoint,
-            e.peak_layer,
-            e.step,
-            e.sync,
-            e.working,
-        ]
-        .map(f64::to_bits)
+        columns::COLUMNS.map(|field| field(e).to_bits())
     }
 
     /// A table of `entries` between `before` and `after` distinct states.
