@@ -273,7 +273,15 @@ pub fn solve_pipeline(
     req: &PipelineRequest,
 ) -> Result<PipelineResult, EngineError> {
     let start = Instant::now();
-    let before = cache.counts();
+    // Layer tables only: decoding also asks for each layer's plan.
+    let tables_so_far = || {
+        cache
+            .kind_counts()
+            .get(kind::SHARDING)
+            .copied()
+            .unwrap_or_default()
+    };
+    let before = tables_so_far();
     let (name, def) = session.model(&req.model)?;
     let cluster = session.cluster(&req.cluster)?;
     if req.micro_batch == 0 || req.global_batch == 0 || req.global_batch % req.micro_batch != 0 {
@@ -337,7 +345,7 @@ pub fn solve_pipeline(
         priced,
     )
     .map_err(infeasible)?;
-    let after = cache.counts();
+    let after = tables_so_far();
     Ok(PipelineResult {
         model: name,
         cluster,
