@@ -21,7 +21,7 @@ use autopar_rules::solve::intra::chain::{
 use autopar_rules::solve::intra::stage::{SolverChoice, StageOptions, StagePlan};
 use autopar_rules::solve::pipeline::{
     DEFAULT_MAX_EXACT_ENTRIES, PipelineError, PipelineOptions, PipelinePlan, TableSource,
-    decode_pipeline, price_pipeline_with, profile_reads, table_key,
+    decode_pipeline, layer_table_key, price_pipeline_with,
 };
 use autopar_store::EntryMeta;
 use std::sync::Mutex;
@@ -158,8 +158,7 @@ impl TableSource for CachedTables<'_> {
         device: &Device,
         opts: StageOptions,
     ) -> Result<LayerTable, ChainError> {
-        let reads = profile_reads(graph, layer, &mesh, &opts);
-        let parts = table_key(identity, &mesh, device, &opts, &reads);
+        let (parts, reads) = layer_table_key(graph, layer, identity, &mesh, device, &opts);
         let key = parts.key();
         let slot = table_slot(graph, layer, mesh.shape);
         if self.uncounted
@@ -228,12 +227,9 @@ impl TableSource for CachedTables<'_> {
         table: &LayerTable,
         state: [usize; 2],
     ) -> Result<StagePlan, ChainError> {
-        let reads = profile_reads(graph, layer, &mesh, &opts);
+        let (table_parts, _) = layer_table_key(graph, layer, identity, &mesh, device, &opts);
         let key = KeyParts::new("layer-plan")
-            .with_digest(
-                "table",
-                table_key(identity, &mesh, device, &opts, &reads).key(),
-            )
+            .with_digest("table", table_parts.key())
             .with("states", &state)
             .with_digest("names", layer_names(graph, layer))
             .key();

@@ -303,6 +303,20 @@ pub fn table_key(
     when(parts, "tp_comm_overlap", opts.tp_comm_overlap)
 }
 
+/// The key of layer `layer`'s table on `mesh` ([`table_key`]) and the measurements it may
+/// read ([`profile_reads`]), which the key holds.
+pub fn layer_table_key(
+    graph: &Graph,
+    layer: usize,
+    identity: Digest,
+    mesh: &Mesh,
+    device: &Device,
+    opts: &StageOptions<'_>,
+) -> (KeyParts, Vec<ProfileRead>) {
+    let reads = profile_reads(graph, layer, mesh, opts);
+    (table_key(identity, mesh, device, opts, &reads), reads)
+}
+
 /// The measurements layer `layer`'s table on `mesh` may read: every kernel of the options'
 /// profile whose name, pass and dtype are one of the layer's ops' and whose operands tile that
 /// op's on the mesh, and every collective on a group of one mesh axis over that axis's link (a
@@ -490,14 +504,15 @@ pub fn table_requests(
         .into_iter()
         .map(|(s, c, l)| {
             let mesh = Mesh::logical(cluster, submeshes[s], configs[s][c]);
-            let reads = profile_reads(graph, l, &mesh, &stage_opts);
+            let (key, reads) =
+                layer_table_key(graph, l, identities[l], &mesh, &cluster.device, &stage_opts);
             TableRequest {
                 mesh: MeshChoice {
                     submesh: submeshes[s],
                     logical: configs[s][c],
                 },
                 layer: l,
-                key: table_key(identities[l], &mesh, &cluster.device, &stage_opts, &reads),
+                key,
                 reads,
             }
         })

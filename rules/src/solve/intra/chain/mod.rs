@@ -222,7 +222,7 @@ impl Entry {
 
     /// The cheaper, ties to less memory.
     pub fn min(self, o: Entry) -> Entry {
-        if (o.cost, o.memory) < (self.cost, self.memory) {
+        if cheaper(o.cost, o.memory, self.cost, self.memory) {
             o
         } else {
             self
@@ -1075,7 +1075,8 @@ pub fn steady(prev: &[Entry], best: &[Entry]) -> bool {
 }
 
 /// Whether (`cost`, `memory`) is cheaper than (`than_cost`, `than_memory`), ties to less
-/// memory: the order of [`Entry::min`], on the two numbers alone.
+/// memory (never when a number is NaN): the order of [`Entry::min`], and of the chains'
+/// comparisons on the two numbers alone.
 fn cheaper(cost: f64, memory: f64, than_cost: f64, than_memory: f64) -> bool {
     cost < than_cost || (cost == than_cost && memory < than_memory)
 }
@@ -1149,9 +1150,10 @@ pub fn best_path_ending(
         let width = next.after.len();
         // The sums' cost and memory as `Entry::plus` makes them, compared before any entry
         // is summed whole; then only each state's winner is.
-        let mut sums = vec![[Entry::NONE.cost, Entry::NONE.memory]; width];
+        // A state no sum reached keeps `none`: any sum that wins is cheaper, so differs.
+        let none = [Entry::NONE.cost, Entry::NONE.memory];
+        let mut sums = vec![none; width];
         let mut from = vec![0; width];
-        let mut reached = vec![false; width];
         for (p, (&b, e)) in link.iter().zip(&best).enumerate() {
             if !e.cost.is_finite() || b == usize::MAX {
                 continue;
@@ -1166,14 +1168,13 @@ pub fn best_path_ending(
                 if cheaper(cost, memory, sums[a][0], sums[a][1]) {
                     sums[a] = [cost, memory];
                     from[a] = p;
-                    reached[a] = true;
                 }
             }
         }
         best = (0..width)
-            .map(|a| match reached[a] {
-                true => best[from[a]].plus(next.entries[link[from[a]] * width + a]),
-                false => Entry::NONE,
+            .map(|a| match sums[a] == none {
+                true => Entry::NONE,
+                false => best[from[a]].plus(next.entries[link[from[a]] * width + a]),
             })
             .collect();
         back.push(from);
