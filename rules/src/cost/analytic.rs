@@ -257,6 +257,16 @@ pub fn depth_efficiency(k: f64, depth: f64) -> f64 {
     k / (k + depth)
 }
 
+/// How many times more reduction elements an FP8 product's k tile holds than a 16-bit one's,
+/// and so how much deeper its pipeline is in elements ([`Device::gemm_pipeline_depth`] is given
+/// for 16-bit operands). A Hopper k tile is 128 bytes of each row, the width of the TMA's
+/// 128-byte swizzle: CUTLASS's Hopper FP8 kernels tile 128x128x128 or 256x128x128
+/// (`examples/54_hopper_fp8_warp_specialized_gemm`, `57_hopper_grouped_gemm`), its 16-bit ones
+/// 128x128x64. Filling the stages and writing the 16-bit output tile take the same time in
+/// both, while the main loop runs through the reduction at twice the rate, so the same time
+/// outside it is worth twice the elements.
+pub const FP8_K_TILE_WIDENING: f64 = 2.0;
+
 /// How fast FlashAttention written in Triton runs, relative to the CUDA kernels that a
 /// device's [`Device::attention_efficiency`] describes: Dao (*FlashAttention-2*, 2023, §4.1)
 /// measures FlashAttention-2 1.3-2.5x faster than the Triton implementation, forward plus
@@ -313,8 +323,11 @@ pub fn kernel_time(
                 } else {
                     0.0
                 };
-                wave_efficiency(g, device.sm_count)
-                    * depth_efficiency(k, device.gemm_pipeline_depth)
+                let depth = match dtype {
+                    DType::F8 => device.gemm_pipeline_depth * FP8_K_TILE_WIDENING,
+                    _ => device.gemm_pipeline_depth,
+                };
+                wave_efficiency(g, device.sm_count) * depth_efficiency(k, depth)
             });
             tensor_peak * device.matmul_efficiency * shape
         }
@@ -614,6 +627,30 @@ mod tests {
         let cuda = time(FlashKernel::Cuda);
         assert!((cuda - 1e12 / (312e12 * d.attention_efficiency)).abs() / cuda < 1e-12);
         assert!((time(FlashKernel::Triton) / cuda - 1.8).abs() < 1e-12);
+    }
+
+    #[test]
+    fn an_fp8_product_fills_a_pipeline_twice_as_deep_in_elements() {
+        let d = preset("h100-sxm").expect("preset");
+        let matmul = OpKind::MatMul { transpose_b: false };
+        let shape = GemmShape {
+            batch: 1.0,
+            m: 65536.0,
+            n: 4224.0,
+        };
+        let waves = wave_efficiency(shape, d.sm_count);
+        for k in [1024.0, 4096.0] {
+            let flops = 2.0 * shape.m * shape.n * k;
+            let time = |dtype, peak: f64| {
+                let t = kernel_time(matmul, flops, 0.0, &d, dtype, Some(shape)) - d.kernel_overhead;
+                t * peak * d.matmul_efficiency * waves / flops
+            };
+            // Per element of work: k + 192 for bf16, k + 384 for FP8, each at its own peak.
+            let bf16 = time(DType::Bf16, 989e12);
+            let fp8 = time(DType::F8, 1979e12);
+            assert!((bf16 - (k + 192.0) / k).abs() < 1e-12, "k = {k}: {bf16}");
+            assert!((fp8 - (k + 384.0) / k).abs() < 1e-12, "k = {k}: {fp8}");
+        }
     }
 
     #[test]

@@ -300,8 +300,9 @@ pub const AMPERE_MATMUL_EFFICIENCY: f64 = 0.75;
 /// iteration per stage, so a tile with reduction `k` takes as long as `k + 192` would at the
 /// main loop's rate. 192 = 3 stages x 64-wide k tiles, the shape of the Ampere bf16 tensor-op
 /// kernels (128x256x64 or 256x128x64 tiles, 3 stages: CUTLASS's default for SM80, and the
-/// structure of cuBLAS's); Hopper's kernels keep the 64-wide k tile, and the same value is
-/// taken. A reduction of 8192 or more loses under 3%; the 768-wide reductions of a 125M model
+/// structure of cuBLAS's); Hopper's 16-bit kernels keep the 64-wide k tile, and the same value
+/// is taken (FP8 products, whose k tiles are twice as wide, spend twice the elements:
+/// [`crate::cost::analytic::FP8_K_TILE_WIDENING`]). A reduction of 8192 or more loses under 3%; the 768-wide reductions of a 125M model
 /// lose 20%, and the head-dimension reductions of unfused attention's score product more.
 pub const TENSOR_CORE_PIPELINE_DEPTH: f64 = 192.0;
 
