@@ -1358,11 +1358,17 @@ mod tests {
 
     /// A table of `entries` between `before` and `after` distinct states.
     fn table(before: usize, after: usize, entries: Vec<Entry>) -> LayerTable {
-        let states = |n: usize| (0..n).map(|i| vec![Spec::replicated(i)]).collect();
+        table_from((0..before).collect(), after, entries)
+    }
+
+    /// A table of `entries` between the states numbered `before` and `after` states numbered
+    /// from 0: a state after a layer links to the state before the next of the same number.
+    fn table_from(before: Vec<usize>, after: usize, entries: Vec<Entry>) -> LayerTable {
+        let spec = |i: usize| vec![Spec::replicated(i)];
         LayerTable {
             layer: 0,
-            before: states(before),
-            after: states(after),
+            before: before.into_iter().map(spec).collect(),
+            after: (0..after).map(spec).collect(),
             entries,
             solves: 0,
             work: 0.0,
@@ -1416,27 +1422,63 @@ mod tests {
             })?;
         let mut states = vec![[0usize; 2]; tables.len()];
         for l in (0..tables.len()).rev() {
-            // The test's states link in order: state `p` after a layer is state `p` before
-            // the next.
             let p = back[l][a];
-            states[l] = [p, a];
+            states[l] = match l {
+                0 => [p, a],
+                _ => [link(tables[l - 1], tables[l])?[p], a],
+            };
             a = p;
         }
         Some((total, states))
     }
 
-    /// Chains of one to four layers with one to three states at each boundary.
+    /// The states before a layer, as numbers: of the `after` states the layer before leaves,
+    /// those `keep` keeps (the first if none), with a state it cannot leave when `extra`, in
+    /// the order of `keys`. A state dropped links to none (`usize::MAX` in [`link`]).
+    fn linked_before(after: usize, keep: &[bool], extra: bool, keys: &[u32]) -> Vec<usize> {
+        let mut ids: Vec<usize> = (0..after).filter(|&i| keep[i]).collect();
+        if ids.is_empty() {
+            ids.push(0);
+        }
+        if extra {
+            ids.push(after + 7);
+        }
+        ids.sort_by_key(|&i| keys[i.min(after)]);
+        ids
+    }
+
+    /// Chains of one to four layers with one to three states at each boundary, where a
+    /// layer may take only some of the states the one before leaves, in any order, and
+    /// states that one cannot leave.
     fn chain() -> impl Strategy<Value = Vec<LayerTable>> {
-        vec(1usize..4, 2..6).prop_flat_map(|widths| {
-            widths
-                .windows(2)
-                .map(|w| {
-                    let (before, after) = (w[0], w[1]);
-                    vec(entry(), before * after)
-                        .prop_map(move |entries| table(before, after, entries))
-                })
-                .collect::<Vec<_>>()
-        })
+        vec(1usize..4, 2..6)
+            .prop_flat_map(|widths| {
+                let links: Vec<_> = widths[1..widths.len() - 1]
+                    .iter()
+                    .map(|&w| {
+                        (
+                            vec(any::<bool>(), w),
+                            any::<bool>(),
+                            vec(any::<u32>(), w + 1),
+                        )
+                    })
+                    .collect();
+                (Just(widths), links)
+            })
+            .prop_flat_map(|(widths, links)| {
+                let mut befores = vec![(0..widths[0]).collect::<Vec<usize>>()];
+                for (w, (keep, extra, keys)) in widths[1..].iter().zip(&links) {
+                    befores.push(linked_before(*w, keep, *extra, keys));
+                }
+                befores
+                    .into_iter()
+                    .zip(&widths[1..])
+                    .map(|(before, &after)| {
+                        vec(entry(), before.len() * after)
+                            .prop_map(move |entries| table_from(before.clone(), after, entries))
+                    })
+                    .collect::<Vec<_>>()
+            })
     }
 
     proptest! {
