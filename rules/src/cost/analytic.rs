@@ -629,25 +629,29 @@ mod tests {
         assert!((time(FlashKernel::Triton) / cuda - 1.8).abs() < 1e-12);
     }
 
-    #[test]
-    fn an_fp8_product_fills_a_pipeline_twice_as_deep_in_elements() {
-        let d = preset("h100-sxm").expect("preset");
-        let matmul = OpKind::MatMul { transpose_b: false };
+    /// `[65536 x k] x [k x n]` in `dtype` on `d`, with 16-bit operands' bytes: the time
+    /// `kernel_time` gives it (less the launch), per unit of its time at the full-depth rate
+    /// (`peak` x the device's matmul efficiency x wave quantisation).
+    fn time_over_full_depth(d: &Device, n: f64, k: f64, dtype: DType, peak: f64) -> f64 {
         let shape = GemmShape {
             batch: 1.0,
             m: 65536.0,
-            n: 4224.0,
+            n,
         };
-        let waves = wave_efficiency(shape, d.sm_count);
+        let flops = 2.0 * shape.m * shape.n * k;
+        let bytes = 2.0 * (shape.m * k + k * shape.n + shape.m * shape.n);
+        let matmul = OpKind::MatMul { transpose_b: false };
+        let time = kernel_time(matmul, flops, bytes, d, dtype, Some(shape)) - d.kernel_overhead;
+        time * peak * d.matmul_efficiency * wave_efficiency(shape, d.sm_count) / flops
+    }
+
+    #[test]
+    fn an_fp8_product_fills_a_pipeline_twice_as_deep_in_elements() {
+        let d = preset("h100-sxm").expect("preset");
         for k in [1024.0, 4096.0] {
-            let flops = 2.0 * shape.m * shape.n * k;
-            let time = |dtype, peak: f64| {
-                let t = kernel_time(matmul, flops, 0.0, &d, dtype, Some(shape)) - d.kernel_overhead;
-                t * peak * d.matmul_efficiency * waves / flops
-            };
             // Per element of work: k + 192 for bf16, k + 384 for FP8, each at its own peak.
-            let bf16 = time(DType::Bf16, 989e12);
-            let fp8 = time(DType::F8, 1979e12);
+            let bf16 = time_over_full_depth(&d, 4224.0, k, DType::Bf16, 989e12);
+            let fp8 = time_over_full_depth(&d, 4224.0, k, DType::F8, 1979e12);
             assert!((bf16 - (k + 192.0) / k).abs() < 1e-12, "k = {k}: {bf16}");
             assert!((fp8 - (k + 384.0) / k).abs() < 1e-12, "k = {k}: {fp8}");
         }
@@ -656,28 +660,14 @@ mod tests {
     #[test]
     fn a_short_reduction_pays_for_filling_and_draining_the_pipeline() {
         let d = preset("a100-80g").expect("preset");
-        let matmul = OpKind::MatMul { transpose_b: false };
         // [65536 x k] x [k x 2304]: full waves of 128x256 tiles, compute bound for both k.
-        let shape = GemmShape {
-            batch: 1.0,
-            m: 65536.0,
-            n: 2304.0,
-        };
-        let time = |k: f64| {
-            let flops = 2.0 * shape.m * shape.n * k;
-            let bytes = 2.0 * (shape.m * k + k * shape.n + shape.m * shape.n);
-            kernel_time(matmul, flops, bytes, &d, DType::Bf16, Some(shape)) - d.kernel_overhead
-        };
-        let waves = wave_efficiency(shape, d.sm_count);
+        let ratio = |k: f64| time_over_full_depth(&d, 2304.0, k, DType::Bf16, 312e12);
         for k in [768.0, 8192.0] {
-            let at_full_depth =
-                2.0 * shape.m * shape.n * k / (312e12 * d.matmul_efficiency * waves);
-            let expect = at_full_depth * (k + d.gemm_pipeline_depth) / k;
-            assert!((time(k) - expect).abs() / expect < 1e-12, "k = {k}");
+            let expect = (k + d.gemm_pipeline_depth) / k;
+            assert!((ratio(k) - expect).abs() / expect < 1e-12, "k = {k}");
         }
         // Per unit of work, the 768-wide reduction is 22% slower than the 8192-wide one.
-        let per_k = |k: f64| time(k) / k;
-        let slower = per_k(768.0) / per_k(8192.0) - 1.0;
+        let slower = ratio(768.0) / ratio(8192.0) - 1.0;
         assert!((slower - (960.0 / 768.0) / (8384.0 / 8192.0) + 1.0).abs() < 1e-12);
         assert!((0.2..0.23).contains(&slower), "{slower}");
         // Degenerate shapes, and devices without the cost, keep the plain rate.
@@ -685,6 +675,12 @@ mod tests {
         assert_eq!(depth_efficiency(f64::INFINITY, 192.0), 1.0);
         assert_eq!(depth_efficiency(768.0, 0.0), 1.0);
         let cpu = preset("cpu").expect("preset");
+        let matmul = OpKind::MatMul { transpose_b: false };
+        let shape = GemmShape {
+            batch: 1.0,
+            m: 65536.0,
+            n: 2304.0,
+        };
         let flops = 2.0 * shape.m * shape.n * 768.0;
         let on_cpu = kernel_time(matmul, flops, 0.0, &cpu, DType::F32, Some(shape));
         let plain = flops / (cpu.peak_fp32_flops * cpu.matmul_efficiency) + cpu.kernel_overhead;
