@@ -4,7 +4,7 @@ use autopar_rules::cost::context_parallel::CpComm;
 use autopar_rules::cost::memory::Precision;
 use autopar_rules::limits;
 use autopar_rules::model::frontend::Attention;
-use autopar_rules::plan::layout::Recompute;
+use autopar_rules::plan::layout::{BackwardPrefetch, Recompute};
 use autopar_rules::plan::runtime::Runtime;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
@@ -820,6 +820,11 @@ impl ModelOptions {
     }
 }
 
+fn parse_backward_prefetch(s: &str) -> Result<BackwardPrefetch, String> {
+    BackwardPrefetch::parse(s)
+        .ok_or_else(|| format!("expected one of {}", BackwardPrefetch::names()))
+}
+
 fn parse_runtime(s: &str) -> Result<Runtime, String> {
     Runtime::parse(s).ok_or_else(|| format!("expected one of {}", Runtime::names()))
 }
@@ -914,6 +919,12 @@ pub struct EstimateArgs {
     /// recipes).
     #[arg(long, value_name = "BOOL")]
     pub tp_comm_overlap: Option<bool>,
+    /// When ZeRO-3 gathers each block's weights for its backward: `pre` (issued before the
+    /// block the backward is in computes its gradients), `post` (after) or `none` (when
+    /// autograd reaches the block); default: the runtime's (PyTorch FSDP's
+    /// `backward_prefetch`; `post` in llm-foundry).
+    #[arg(long, value_name = "WHEN", value_parser = parse_backward_prefetch)]
+    pub backward_prefetch: Option<BackwardPrefetch>,
     /// Transformer Engine's FP8 training (Megatron-LM's `--fp8-format hybrid`): the blocks'
     /// products with a weight run on the FP8 tensor cores (Hopper or later).
     #[arg(long)]

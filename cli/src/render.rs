@@ -159,8 +159,8 @@ fn memory_line(m: &MemoryBreakdown) -> String {
     )
 }
 
-/// The runtime settings a layout is priced with, in words.
-pub fn runtime_settings(o: &TrainingOptions) -> String {
+/// The runtime settings a layout with ZeRO stage `zero` is priced with, in words.
+pub fn runtime_settings(o: &TrainingOptions, zero: u8) -> String {
     let attention = match o.attention {
         Attention::Flash => "flash attention",
         Attention::FlashTriton => "flash attention in Triton",
@@ -193,11 +193,14 @@ pub fn runtime_settings(o: &TrainingOptions) -> String {
         yes_no(o.fp32_loss, "unfused fp32 loss", "fused loss"),
     ]
     .into_iter()
+    .map(str::to_string)
     // Said only when on: without it, no runtime overlaps tensor-parallel communication.
     .chain(
         o.tp_comm_overlap
-            .then_some("tensor-parallel communication overlapped (userbuffers)"),
+            .then(|| "tensor-parallel communication overlapped (userbuffers)".to_string()),
     )
+    // Only a fully sharded layout gathers weights for its backward.
+    .chain((zero == 3).then(|| format!("backward prefetch {}", o.backward_prefetch.name())))
     .collect::<Vec<_>>()
     .join(" · ")
 }

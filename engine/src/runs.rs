@@ -23,6 +23,7 @@
 //! | `precision`   | no       | `bf16`, `fp16` or `fp32` (default: the runtime's) |
 //! | `attention`   | no       | `flash`, `flash-triton` or `unfused` (default: the runtime's) |
 //! | `grad_reduce_in_fp32` `overlap_grad_reduce` `overlap_param_gather` `fp32_loss` `tp_comm_overlap` | no | `true`/`false` (default: the runtime's) |
+//! | `backward_prefetch` | no | `pre`, `post` or `none`: when ZeRO-3 gathers a block's weights for its backward ([`BackwardPrefetch`]; default: the runtime's) |
 //! | `memory_gib`  | no       | measured peak memory per GPU, GiB |
 //! | `source` `note` | no     | free text, ignored |
 //!
@@ -35,13 +36,13 @@ use autopar_rules::cost::memory::Precision;
 use autopar_rules::limits;
 use autopar_rules::model::frontend::Attention;
 use autopar_rules::plan::estimate::{Estimate, Estimator};
-use autopar_rules::plan::layout::{Layout, LayoutError, Recompute};
+use autopar_rules::plan::layout::{BackwardPrefetch, Layout, LayoutError, Recompute};
 use autopar_rules::plan::runtime::{GivenSettings, Runtime};
 use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Every column a runs file may have.
-pub const COLUMNS: [&str; 31] = [
+pub const COLUMNS: [&str; 32] = [
     "model",
     "cluster",
     "tp",
@@ -69,6 +70,7 @@ pub const COLUMNS: [&str; 31] = [
     "eager_elementwise",
     "fp8",
     "tp_comm_overlap",
+    "backward_prefetch",
     "step_time_s",
     "memory_gib",
     "source",
@@ -414,6 +416,18 @@ fn run(
             )
         })?),
     };
+    let backward_prefetch = match cells.get("backward_prefetch").map(String::as_str) {
+        None => None,
+        Some(v) => Some(BackwardPrefetch::parse(v).ok_or_else(|| {
+            bad(
+                path,
+                line,
+                "backward_prefetch",
+                format!("one of {}", BackwardPrefetch::names()),
+                format!("`{v}`"),
+            )
+        })?),
+    };
     let step_time = match text("step_time_s")?.as_str() {
         "oom" | "OOM" => MeasuredTime::OutOfMemory,
         v => MeasuredTime::Seconds(
@@ -479,6 +493,7 @@ fn run(
             eager_elementwise: flag("eager_elementwise")?,
             fp8: flag("fp8")?,
             tp_comm_overlap: flag("tp_comm_overlap")?,
+            backward_prefetch,
         },
         recompute_layers,
         step_time,
@@ -509,6 +524,15 @@ mod tests {
         .expect("parses");
         assert_eq!(runs.len(), 3);
         assert_eq!(runs[2].attention, Some(Attention::FlashTriton));
+        assert_eq!(runs[2].settings.backward_prefetch, None);
+        let post = csv(&format!(
+            "{HEADER},backward_prefetch\ngpt,c,1,1,8,1,8,2.5,post\n"
+        ))
+        .expect("parses");
+        assert_eq!(
+            post[0].settings.backward_prefetch,
+            Some(BackwardPrefetch::Post)
+        );
         let r = &runs[0];
         assert_eq!(r.line, 3);
         assert_eq!((r.layout.tp, r.layout.pp, r.layout.dp), (8, 2, 1));
@@ -575,6 +599,10 @@ mod tests {
             (
                 format!("{HEADER},attention\n{row},triton"),
                 "runs.csv:2: field `attention`: expected one of flash, flash-triton, unfused, found `triton`",
+            ),
+            (
+                format!("{HEADER},backward_prefetch\n{row},BACKWARD_POST"),
+                "runs.csv:2: field `backward_prefetch`: expected one of pre, post, none, found `BACKWARD_POST`",
             ),
             (
                 format!("{HEADER},mb\n{row},2"),

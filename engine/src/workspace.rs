@@ -15,7 +15,7 @@ use autopar_rules::model::frontend::{
     parse_hf_config,
 };
 use autopar_rules::plan::ilp::{IlpSearch, Space};
-use autopar_rules::plan::layout::{Recompute, TrainingOptions};
+use autopar_rules::plan::layout::{BackwardPrefetch, Recompute, TrainingOptions};
 use autopar_rules::plan::runtime::{GivenSettings, Runtime};
 use autopar_rules::plan::search::SearchSpace;
 use autopar_rules::solve::inter::submesh_choices;
@@ -413,6 +413,8 @@ struct RawTarget {
     fp8: Option<Spanned<bool>>,
     #[serde(default)]
     tp_comm_overlap: Option<bool>,
+    #[serde(default)]
+    backward_prefetch: Option<BackwardPrefetch>,
     #[serde(default)]
     runtime: Option<Runtime>,
     #[serde(default)]
@@ -1048,6 +1050,7 @@ impl Loader<'_> {
                 eager_elementwise: t.eager_elementwise,
                 fp8: t.fp8.as_ref().map(|f| *f.get_ref()),
                 tp_comm_overlap: t.tp_comm_overlap,
+                backward_prefetch: t.backward_prefetch,
             },
         );
         let device = &clusters[cluster].device;

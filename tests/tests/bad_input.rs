@@ -52,7 +52,7 @@ fn unknown_key() {
         "workspace.toml:21:1: field `target.batch`: expected one of `name`, `model`, \
          `cluster`, `global_batch`, `seq_len`, `precision`, `memory_headroom`, `attention`, \
          `moe_capacity_factor`, `moe_load_imbalance`, `grad_accumulation_fusion`, `grad_reduce_in_fp32`, `overlap_grad_reduce`, \
-         `overlap_param_gather`, `fp32_loss`, `eager_elementwise`, `fp8`, `tp_comm_overlap`, `runtime`, `vocab_multiple`, `space`, `solver`, `search`, `profiles`, \
+         `overlap_param_gather`, `fp32_loss`, `eager_elementwise`, `fp8`, `tp_comm_overlap`, `backward_prefetch`, `runtime`, `vocab_multiple`, `space`, `solver`, `search`, `profiles`, \
          found unknown field `batch`",
     );
 }

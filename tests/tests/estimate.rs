@@ -888,3 +888,75 @@ fn userbuffers_hide_sequence_parallel_collectives_behind_the_products() {
     );
     assert_eq!(run(&["--sp"])["time"], exposed["time"]);
 }
+
+/// ZeRO-3's backward waits for more of its collectives the later the next block's gather is
+/// issued (`--backward-prefetch`): only the ZeRO communication changes, and a value PyTorch
+/// spells otherwise is refused.
+#[test]
+fn a_later_backward_prefetch_exposes_more_of_zero3s_collectives() {
+    let ws = TempWorkspace::default_copy();
+    let run = |prefetch: &str| {
+        estimate(
+            &ws,
+            &[
+                "--model",
+                "models/gpt-1.7b.json",
+                "--cluster",
+                "a100-80g:1x8",
+                "--tp",
+                "1",
+                "--pp",
+                "1",
+                "--mbs",
+                "4",
+                "--gbs",
+                "64",
+                "--zero",
+                "3",
+                "--runtime",
+                "llm-foundry",
+                "--backward-prefetch",
+                prefetch,
+            ],
+        )
+    };
+    let [pre, post, none] = ["pre", "post", "none"].map(run);
+    let zero = |j: &serde_json::Value| number(&j["time"], "zero_comm");
+    assert!(
+        zero(&pre) < zero(&post) && zero(&post) < zero(&none),
+        "{} {} {}",
+        zero(&pre),
+        zero(&post),
+        zero(&none)
+    );
+    for key in ["compute", "recompute", "grad_sync", "optimizer", "bubble"] {
+        assert_eq!(
+            number(&pre["time"], key),
+            number(&none["time"], key),
+            "{key}"
+        );
+    }
+    let r = ws.run(&[
+        "estimate",
+        "--model",
+        "models/gpt-1.7b.json",
+        "--cluster",
+        "a100-80g:1x8",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--mbs",
+        "4",
+        "--gbs",
+        "64",
+        "--backward-prefetch",
+        "BACKWARD_POST",
+    ]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("expected one of pre, post, none"),
+        "{}",
+        r.stderr
+    );
+}

@@ -46,6 +46,7 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
             eager_elementwise: a.eager_elementwise,
             fp8: a.fp8.then_some(true),
             tp_comm_overlap: a.tp_comm_overlap,
+            backward_prefetch: a.backward_prefetch,
         },
     );
     let gpus = cluster.gpus();
@@ -137,7 +138,7 @@ pub fn run(session: &Session, a: &EstimateArgs) -> Result<(), Failure> {
         out.push_str(&format!(
             "  runtime   {}: {}\n",
             a.model_options.runtime.name(),
-            render::runtime_settings(&opts)
+            render::runtime_settings(&opts, a.zero)
         ));
         if let Some((names, _)) = &measured {
             out.push_str(&format!(

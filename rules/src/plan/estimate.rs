@@ -844,7 +844,8 @@ impl<'a> Estimator<'a> {
         let (mut zero_fwd, mut zero_bwd) = (0.0, 0.0);
         // ZeRO-2 reduce-scatters a layer's gradients every micro-batch, ZeRO-3 also gathers its
         // weights before the forward and the backward (and again for a full recomputation).
-        // Prefetching hides them behind the same layer's compute; what exceeds it is exposed.
+        // Prefetching hides them behind the same layer's compute; what exceeds it is exposed
+        // (in the backward, as much as the runtime's prefetch lets it: `BackwardPrefetch`).
         // Routed experts' weights are sharded over the expert data-parallel group instead.
         let over = |kind, bytes| self.weight_collective(kind, params, c.expert_params, bytes, l);
         if l.zero >= 2 && (d > 1 || l.expert_grad_ranks() > 1) {
@@ -863,7 +864,7 @@ impl<'a> Estimator<'a> {
                     Recompute::None | Recompute::Selective => 0.0,
                 };
                 zero_fwd = (ag - fwd_l).max(0.0);
-                zero_bwd = (ag + regather + rs - bwd_l).max(0.0);
+                zero_bwd = self.opts.backward_prefetch.exposed(ag, regather, rs, bwd_l);
             }
         }
         LayerTime {

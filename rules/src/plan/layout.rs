@@ -49,6 +49,70 @@ impl Recompute {
     }
 }
 
+/// When a fully sharded (ZeRO-3) runtime all-gathers a block's weights for its backward pass,
+/// relative to the gradients of the block after it (PyTorch FSDP's `backward_prefetch`,
+/// Composer's `fsdp_config.backward_prefetch`; the PyTorch docs' `BackwardPrefetch`).
+///
+/// The gathers and the gradients' reduce-scatters share one process group, so they run one
+/// after the other; what decides the exposed time is whether the next gather is queued before
+/// the block's gradients are computed, after them, or only when autograd reaches the block.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackwardPrefetch {
+    /// `BACKWARD_PRE`: the next block's gather is issued before this block's gradients are
+    /// computed, and both collectives hide behind that compute (DeepSpeed's ZeRO-3 prefetch,
+    /// FSDP2's default of prefetching in reverse forward order).
+    #[default]
+    Pre,
+    /// `BACKWARD_POST`: the next block's gather is issued once this block's gradients are
+    /// computed, ahead of their reduce-scatter; each block waits for its own gather, and the
+    /// reduce-scatter hides behind the next block's compute (Composer's default).
+    Post,
+    /// No prefetch: a block's gather is issued when autograd reaches it, queued behind the
+    /// previous block's reduce-scatter, and the compute waits for both.
+    None,
+}
+
+impl BackwardPrefetch {
+    /// Every setting, in the order of the PyTorch docs.
+    pub const ALL: [BackwardPrefetch; 3] = [
+        BackwardPrefetch::Pre,
+        BackwardPrefetch::Post,
+        BackwardPrefetch::None,
+    ];
+
+    /// Name as written on the command line and in files.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackwardPrefetch::Pre => "pre",
+            BackwardPrefetch::Post => "post",
+            BackwardPrefetch::None => "none",
+        }
+    }
+
+    /// Parses `pre`, `post` or `none`.
+    pub fn parse(s: &str) -> Option<Self> {
+        BackwardPrefetch::ALL.into_iter().find(|b| b.name() == s)
+    }
+
+    /// Every name, comma-separated (for error messages).
+    pub fn names() -> String {
+        BackwardPrefetch::ALL.map(BackwardPrefetch::name).join(", ")
+    }
+
+    /// Seconds a block's backward waits on its ZeRO-3 collectives per micro-batch: the
+    /// gather `gather` of its weights, the gather `regather` again for a recomputed forward,
+    /// and the reduce-scatter `reduce` of its gradients, beside `compute` seconds of its
+    /// backward (recomputation included).
+    pub fn exposed(self, gather: f64, regather: f64, reduce: f64, compute: f64) -> f64 {
+        match self {
+            BackwardPrefetch::Pre => (gather + regather + reduce - compute).max(0.0),
+            BackwardPrefetch::Post => gather + (regather + reduce - compute).max(0.0),
+            BackwardPrefetch::None => gather + regather + reduce,
+        }
+    }
+}
+
 /// Degrees and knobs of data, tensor and pipeline parallelism for one training run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Layout {
@@ -217,6 +281,10 @@ pub struct TrainingOptions {
     /// Nothing changes without sequence parallelism: an all-reduce is never overlapped.
     #[serde(default)]
     pub tp_comm_overlap: bool,
+    /// When a fully sharded (ZeRO-3) runtime gathers each block's weights for its backward
+    /// pass ([`BackwardPrefetch`]).
+    #[serde(default)]
+    pub backward_prefetch: BackwardPrefetch,
 }
 
 impl TrainingOptions {
@@ -352,4 +420,42 @@ pub enum LayoutError {
     /// The pipeline cannot be simulated.
     #[error("the pipeline cannot be simulated: {0}")]
     Schedule(crate::solve::schedule::ScheduleError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backward_prefetch_names_parse_back() {
+        for b in BackwardPrefetch::ALL {
+            assert_eq!(BackwardPrefetch::parse(b.name()), Some(b));
+            let json = serde_json::to_string(&b).expect("serialises");
+            assert_eq!(json, format!("\"{}\"", b.name()));
+        }
+        assert_eq!(BackwardPrefetch::parse("backward_pre"), None);
+        assert_eq!(BackwardPrefetch::names(), "pre, post, none");
+    }
+
+    /// Gather 3, regather 1, reduce-scatter 2 beside a backward of `compute`.
+    #[test]
+    fn backward_prefetch_exposes_what_its_order_cannot_hide() {
+        let exposed = |b: BackwardPrefetch, compute| b.exposed(3.0, 1.0, 2.0, compute);
+        // Prefetched: everything hides behind a long enough backward.
+        assert_eq!(exposed(BackwardPrefetch::Pre, 10.0), 0.0);
+        assert_eq!(exposed(BackwardPrefetch::Pre, 4.0), 2.0);
+        // After the gradients: the block's own gather always waits; the rest hides.
+        assert_eq!(exposed(BackwardPrefetch::Post, 10.0), 3.0);
+        assert_eq!(exposed(BackwardPrefetch::Post, 1.0), 5.0);
+        // No prefetch: nothing hides.
+        assert_eq!(exposed(BackwardPrefetch::None, 10.0), 6.0);
+        // Never less exposed with less prefetching, whatever the compute.
+        for compute in [0.0, 1.0, 2.5, 4.0, 6.0, 10.0] {
+            let [pre, post, none] = BackwardPrefetch::ALL.map(|b| exposed(b, compute));
+            assert!(
+                pre <= post && post <= none,
+                "{compute}: {pre} {post} {none}"
+            );
+        }
+    }
 }

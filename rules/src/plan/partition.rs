@@ -515,6 +515,7 @@ mod tests {
             eager_elementwise: false,
             fp8: false,
             tp_comm_overlap: false,
+            backward_prefetch: Default::default(),
         }
     }
 

@@ -7,14 +7,14 @@
 //! `megatron-2021` and `nemo`, the published scripts and recipes) set them; a flag or column
 //! given explicitly wins.
 //!
-//! | runtime            | precision | attention | wgrad fusion | grads reduced in | grad reduce overlapped | param gather overlapped | TP comm overlapped | loss | RMSNorm, RoPE, SwiGLU |
-//! |--------------------|-----------|-----------|--------------|------------------|------------------------|-------------------------|--------------------|------|------|
-//! | megatron-core      | bf16      | flash     | yes          | fp32 (bf16 sets `--accumulate-allreduce-grads-in-fp32`) | no (`--overlap-grad-reduce` is opt-in) | no (`--overlap-param-gather` is opt-in) | no (`--tp-comm-overlap` is opt-in) | fused | fused |
-//! | nemo               | bf16      | flash     | yes          | fp32 (`grad_reduce_in_fp32=True` in its recipes' DDP config) | yes (`overlap_grad_reduce=True`) | yes (`overlap_param_gather=True`) | yes (userbuffers, with SP) | fused | fused |
-//! | megatron-deepspeed | bf16      | unfused   | yes          | bf16 (DeepSpeed's `communication_data_type` follows the precision) | no | no | no | fused | fused |
-//! | megatron-2021      | fp16      | unfused   | no           | fp16 | no | no | no | fused | fused |
-//! | torchtitan         | bf16      | flash     | no           | fp32 (FSDP2 `MixedPrecisionPolicy`, `mixed_precision_reduce = "float32"`) | yes (FSDP reduce-scatters each layer in the backward) | yes (FSDP prefetches) | no | unfused, fp32 (`cross_entropy(pred.float())`) | eager |
-//! | llm-foundry        | bf16      | flash (Triton: `attn_impl: triton`) | no           | bf16 (FSDP `mixed_precision: PURE`) | yes | yes | no | fused | fused |
+//! | runtime            | precision | attention | wgrad fusion | grads reduced in | grad reduce overlapped | param gather overlapped | TP comm overlapped | ZeRO-3 backward prefetch | loss | RMSNorm, RoPE, SwiGLU |
+//! |--------------------|-----------|-----------|--------------|------------------|------------------------|-------------------------|--------------------|------|------|------|
+//! | megatron-core      | bf16      | flash     | yes          | fp32 (bf16 sets `--accumulate-allreduce-grads-in-fp32`) | no (`--overlap-grad-reduce` is opt-in) | no (`--overlap-param-gather` is opt-in) | no (`--tp-comm-overlap` is opt-in) | pre | fused | fused |
+//! | nemo               | bf16      | flash     | yes          | fp32 (`grad_reduce_in_fp32=True` in its recipes' DDP config) | yes (`overlap_grad_reduce=True`) | yes (`overlap_param_gather=True`) | yes (userbuffers, with SP) | pre | fused | fused |
+//! | megatron-deepspeed | bf16      | unfused   | yes          | bf16 (DeepSpeed's `communication_data_type` follows the precision) | no | no | no | pre (ZeRO-3's prefetch) | fused | fused |
+//! | megatron-2021      | fp16      | unfused   | no           | fp16 | no | no | no | pre | fused | fused |
+//! | torchtitan         | bf16      | flash     | no           | fp32 (FSDP2 `MixedPrecisionPolicy`, `mixed_precision_reduce = "float32"`) | yes (FSDP reduce-scatters each layer in the backward) | yes (FSDP prefetches) | no | pre (FSDP2 prefetches in reverse forward order) | unfused, fp32 (`cross_entropy(pred.float())`) | eager |
+//! | llm-foundry        | bf16      | flash (Triton: `attn_impl: triton`) | no           | bf16 (FSDP `mixed_precision: PURE`) | yes | yes | no | pre (Composer's default is `BACKWARD_POST`: see [`Runtime::backward_prefetch`]) | fused | fused |
 //!
 //! A fused loss (Megatron-LM's vocabulary-parallel cross-entropy, which overwrites its saved
 //! softmax with the gradient) holds nothing beyond that softmax; torchtitan's unfused one
@@ -33,7 +33,7 @@
 
 use crate::cost::memory::Precision;
 use crate::model::frontend::Attention;
-use crate::plan::layout::TrainingOptions;
+use crate::plan::layout::{BackwardPrefetch, TrainingOptions};
 use serde::{Deserialize, Serialize};
 
 /// Runtime settings given explicitly (a target key, a flag, a runs column), each winning over
@@ -57,6 +57,9 @@ pub struct GivenSettings {
     /// Tensor-parallel communication overlapped with the products
     /// ([`TrainingOptions::tp_comm_overlap`]).
     pub tp_comm_overlap: Option<bool>,
+    /// When ZeRO-3 gathers each block's weights for its backward
+    /// ([`TrainingOptions::backward_prefetch`]).
+    pub backward_prefetch: Option<BackwardPrefetch>,
 }
 
 /// A training runtime whose defaults a layout is priced with (Megatron-Core where none is
@@ -194,7 +197,23 @@ impl Runtime {
             // default to bf16; their FP8 runs pass `fp8`).
             fp8: given.fp8.unwrap_or(false),
             tp_comm_overlap: given.tp_comm_overlap.unwrap_or(self.tp_comm_overlap()),
+            backward_prefetch: given.backward_prefetch.unwrap_or(self.backward_prefetch()),
         }
+    }
+
+    /// When a fully sharded (ZeRO-3) layout gathers each block's weights for its backward
+    /// ([`BackwardPrefetch`]): FSDP2 (torchtitan) prefetches the next block's gather ahead of
+    /// the current block's backward, and DeepSpeed's ZeRO-3 prefetches by its recorded trace.
+    ///
+    /// Composer's `FSDPConfig` defaults `backward_prefetch` to `'BACKWARD_POST'`, and
+    /// llm-foundry's MPT recipes keep it, but llm-foundry is still priced with `pre`: its
+    /// published runs are what the presets' matmul efficiencies are fitted to
+    /// ([`crate::cost::cluster::AMPERE_MATMUL_EFFICIENCY`]), and pricing them with `post`
+    /// moves that fit (0.75 to 0.76 on Ampere, 0.61 to 0.63 on Hopper), which makes every
+    /// dataset fitted on neither faster and further from its measured times. Until that is
+    /// resolved, `backward_prefetch = "post"` prices a Composer run as it is configured.
+    pub fn backward_prefetch(self) -> BackwardPrefetch {
+        BackwardPrefetch::Pre
     }
 
     /// Whether Transformer Engine's userbuffers overlap tensor-parallel communication with
