@@ -921,8 +921,8 @@ pub struct EstimateArgs {
     pub tp_comm_overlap: Option<bool>,
     /// When ZeRO-3 gathers each block's weights for its backward: `pre` (issued before the
     /// block the backward is in computes its gradients), `post` (after) or `none` (when
-    /// autograd reaches the block); default: the runtime's (PyTorch FSDP's
-    /// `backward_prefetch`; `post` in llm-foundry).
+    /// autograd reaches the block); default: the runtime's, `pre` in every preset (PyTorch
+    /// FSDP's `backward_prefetch`; Composer defaults to `post`).
     #[arg(long, value_name = "WHEN", value_parser = parse_backward_prefetch)]
     pub backward_prefetch: Option<BackwardPrefetch>,
     /// Transformer Engine's FP8 training (Megatron-LM's `--fp8-format hybrid`): the blocks'

@@ -377,18 +377,21 @@ fn run(
             .filter(|z| *z <= 3)
             .ok_or_else(|| bad(path, line, "zero", "0, 1, 2 or 3", format!("`{v}`")))?,
     };
-    let runtime = match cells.get("runtime") {
-        None => Runtime::default(),
-        Some(v) => Runtime::parse(v).ok_or_else(|| {
-            bad(
-                path,
-                line,
-                "runtime",
-                format!("one of {}", Runtime::names()),
-                format!("`{v}`"),
-            )
-        })?,
+    // A value of column `name` that is none of `names`.
+    let not_one_of = |name: &str, names: String, v: &str| {
+        bad(
+            path,
+            line,
+            name,
+            format!("one of {names}"),
+            format!("`{v}`"),
+        )
     };
+    let runtime = cells
+        .get("runtime")
+        .map(|v| Runtime::parse(v).ok_or_else(|| not_one_of("runtime", Runtime::names(), v)))
+        .transpose()?
+        .unwrap_or_default();
     let precision = match cells.get("precision").map(String::as_str) {
         None => None,
         Some("bf16") => Some(Precision::Bf16),
@@ -404,30 +407,17 @@ fn run(
             ));
         }
     };
-    let attention = match cells.get("attention").map(String::as_str) {
-        None => None,
-        Some(v) => Some(Attention::parse(v).ok_or_else(|| {
-            bad(
-                path,
-                line,
-                "attention",
-                format!("one of {}", Attention::names()),
-                format!("`{v}`"),
-            )
-        })?),
-    };
-    let backward_prefetch = match cells.get("backward_prefetch").map(String::as_str) {
-        None => None,
-        Some(v) => Some(BackwardPrefetch::parse(v).ok_or_else(|| {
-            bad(
-                path,
-                line,
-                "backward_prefetch",
-                format!("one of {}", BackwardPrefetch::names()),
-                format!("`{v}`"),
-            )
-        })?),
-    };
+    let attention = cells
+        .get("attention")
+        .map(|v| Attention::parse(v).ok_or_else(|| not_one_of("attention", Attention::names(), v)))
+        .transpose()?;
+    let backward_prefetch = cells
+        .get("backward_prefetch")
+        .map(|v| {
+            BackwardPrefetch::parse(v)
+                .ok_or_else(|| not_one_of("backward_prefetch", BackwardPrefetch::names(), v))
+        })
+        .transpose()?;
     let step_time = match text("step_time_s")?.as_str() {
         "oom" | "OOM" => MeasuredTime::OutOfMemory,
         v => MeasuredTime::Seconds(

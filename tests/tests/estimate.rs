@@ -895,29 +895,28 @@ fn userbuffers_hide_sequence_parallel_collectives_behind_the_products() {
 #[test]
 fn a_later_backward_prefetch_exposes_more_of_zero3s_collectives() {
     let ws = TempWorkspace::default_copy();
+    let layout = [
+        "--model",
+        "models/gpt-1.7b.json",
+        "--cluster",
+        "a100-80g:1x8",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--mbs",
+        "4",
+        "--gbs",
+        "64",
+        "--zero",
+        "3",
+        "--runtime",
+        "llm-foundry",
+    ];
     let run = |prefetch: &str| {
         estimate(
             &ws,
-            &[
-                "--model",
-                "models/gpt-1.7b.json",
-                "--cluster",
-                "a100-80g:1x8",
-                "--tp",
-                "1",
-                "--pp",
-                "1",
-                "--mbs",
-                "4",
-                "--gbs",
-                "64",
-                "--zero",
-                "3",
-                "--runtime",
-                "llm-foundry",
-                "--backward-prefetch",
-                prefetch,
-            ],
+            &[&layout[..], &["--backward-prefetch", prefetch]].concat(),
         )
     };
     let [pre, post, none] = ["pre", "post", "none"].map(run);
@@ -936,23 +935,14 @@ fn a_later_backward_prefetch_exposes_more_of_zero3s_collectives() {
             "{key}"
         );
     }
-    let r = ws.run(&[
-        "estimate",
-        "--model",
-        "models/gpt-1.7b.json",
-        "--cluster",
-        "a100-80g:1x8",
-        "--tp",
-        "1",
-        "--pp",
-        "1",
-        "--mbs",
-        "4",
-        "--gbs",
-        "64",
-        "--backward-prefetch",
-        "BACKWARD_POST",
-    ]);
+    let r = ws.run(
+        &[
+            &["estimate"][..],
+            &layout,
+            &["--backward-prefetch", "BACKWARD_POST"],
+        ]
+        .concat(),
+    );
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(
         r.stderr.contains("expected one of pre, post, none"),
