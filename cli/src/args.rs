@@ -720,10 +720,14 @@ impl From<PrecisionArg> for Precision {
 /// Attention implementation on the command line.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum AttentionArg {
-    /// Fused flash attention, the CUDA kernels (FlashAttention-2, cuDNN).
+    /// FlashAttention-2's CUDA kernels (flash-attn, PyTorch's scaled_dot_product_attention).
     Flash,
     /// Fused flash attention written in Triton (llm-foundry's `attn_impl: triton`).
     FlashTriton,
+    /// cuDNN's fused attention (Megatron-Core's `--attention-backend fused`).
+    Fused,
+    /// Transformer Engine's choice: cuDNN on Hopper, flash-attn on Ampere (`--attention-backend auto`).
+    Auto,
     /// Separate score, softmax, dropout and context kernels.
     Unfused,
 }
@@ -733,6 +737,8 @@ impl From<AttentionArg> for Attention {
         match a {
             AttentionArg::Flash => Attention::Flash,
             AttentionArg::FlashTriton => Attention::FlashTriton,
+            AttentionArg::Fused => Attention::Fused,
+            AttentionArg::Auto => Attention::Auto,
             AttentionArg::Unfused => Attention::Unfused,
         }
     }

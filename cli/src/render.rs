@@ -164,6 +164,8 @@ pub fn runtime_settings(o: &TrainingOptions, zero: u8) -> String {
     let attention = match o.attention {
         Attention::Flash => "flash attention",
         Attention::FlashTriton => "flash attention in Triton",
+        Attention::Fused => "cuDNN fused attention",
+        Attention::Auto => "auto attention (cuDNN on Hopper, flash-attn on Ampere)",
         Attention::Unfused => "unfused attention",
     };
     let yes_no = |b: bool, yes: &'static str, no: &'static str| if b { yes } else { no };

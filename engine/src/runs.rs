@@ -588,7 +588,7 @@ mod tests {
             ),
             (
                 format!("{HEADER},attention\n{row},triton"),
-                "runs.csv:2: field `attention`: expected one of flash, flash-triton, unfused, found `triton`",
+                "runs.csv:2: field `attention`: expected one of flash, flash-triton, fused, auto, unfused, found `triton`",
             ),
             (
                 format!("{HEADER},backward_prefetch\n{row},BACKWARD_POST"),

@@ -184,7 +184,7 @@ fn unknown_device_override() {
         "workspace.toml:14:24: field `cluster.overrides.nvlink`: expected one of sm_count, \
          peak_bf16_tflops, peak_fp8_tflops, peak_fp32_tflops, hbm_gib, hbm_tbps, nvlink_gbps, \
          nvlink_latency_us, internode_latency_us, matmul_efficiency, gemm_pipeline_depth, \
-         attention_efficiency, hbm_efficiency, nvlink_efficiency, internode_efficiency, kernel_overhead_us, \
+         attention_efficiency, fused_attention_efficiency, hbm_efficiency, nvlink_efficiency, internode_efficiency, kernel_overhead_us, \
          reserved_gib, found unknown field `nvlink`",
     );
 }

@@ -436,6 +436,88 @@ fn estimate_reads_the_clusters_profiles_as_build_does() {
     assert_ne!(modelled["step_time_s"], measured["step_time_s"]);
 }
 
+/// Each attention kernel family runs at its device's rate: on H100 cuDNN's fused attention is
+/// faster than FlashAttention-2 and Transformer Engine's `auto` picks it; on A100 the order is
+/// reversed and `auto` picks FlashAttention-2. Only the compute time moves, and the Triton kernel
+/// is the slowest everywhere.
+#[test]
+fn attention_kernels_run_at_their_devices_rates() {
+    let ws = TempWorkspace::default_copy();
+    for (cluster, auto_is) in [("dgx-h100:1", "fused"), ("dgx-a100:1", "flash")] {
+        let run = |attention: &str| {
+            estimate(
+                &ws,
+                &[
+                    "--model",
+                    "models/llama3-8b.json",
+                    "--cluster",
+                    cluster,
+                    "--mbs",
+                    "1",
+                    "--gbs",
+                    "8",
+                    "--seq",
+                    "8192",
+                    "--recompute",
+                    "full",
+                    "--zero",
+                    "3",
+                    "--attention",
+                    attention,
+                ],
+            )
+        };
+        let [flash, triton, fused, auto] = ["flash", "flash-triton", "fused", "auto"].map(run);
+        let compute = |j: &serde_json::Value| number(&j["time"], "compute");
+        assert_eq!(
+            auto["step_time_s"],
+            run(auto_is)["step_time_s"],
+            "{cluster}"
+        );
+        assert!(
+            compute(&triton) > compute(&flash).max(compute(&fused)),
+            "{cluster}"
+        );
+        let (slow, fast) = if auto_is == "fused" {
+            (&flash, &fused)
+        } else {
+            (&fused, &flash)
+        };
+        assert!(compute(slow) > compute(fast), "{cluster}");
+        for key in ["tp_comm", "zero_comm", "grad_sync", "optimizer"] {
+            assert_eq!(slow["time"][key], fast["time"][key], "{cluster} {key}");
+        }
+        // The memory is the same: no kernel of the family stores the score matrix.
+        assert_eq!(slow["memory_per_device_gib"], fast["memory_per_device_gib"]);
+    }
+    // Megatron-Core leaves the choice to Transformer Engine; torchtitan's SDPA runs flash.
+    let preset = |runtime: &str| {
+        let r = ws.run(&[
+            "estimate",
+            "--model",
+            "models/llama3-8b.json",
+            "--cluster",
+            "dgx-h100:1",
+            "--mbs",
+            "1",
+            "--gbs",
+            "8",
+            "--seq",
+            "8192",
+            "--zero",
+            "3",
+            "--runtime",
+            runtime,
+        ]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        r.stdout
+    };
+    assert!(
+        preset("megatron-core").contains("auto attention (cuDNN on Hopper, flash-attn on Ampere)")
+    );
+    assert!(preset("torchtitan").contains("flash attention"));
+}
+
 /// A runtime preset sets precision, attention and weight-gradient accumulation fusion as the
 /// table in `rules/src/plan/runtime.rs` says; a flag given explicitly wins; in a workspace, a
 /// target's `runtime` does the same and a misspelt one is a located input error.
@@ -731,7 +813,7 @@ fn context_parallelism_splits_activations_and_keeps_the_work() {
         ),
         (
             vec!["--cp", "4", "--seq", "65536", "--attention", "unfused"],
-            "error: context parallelism cp = 4: needs attention = \"flash\" or \"flash-triton\" (the ring and the gathers feed a blockwise attention kernel)",
+            "error: context parallelism cp = 4: needs attention = \"flash\" or \"flash-triton\" or \"fused\" or \"auto\" (the ring and the gathers feed a blockwise attention kernel)",
         ),
     ] {
         let mut all = vec!["estimate"];

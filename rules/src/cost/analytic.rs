@@ -267,18 +267,21 @@ pub fn depth_efficiency(k: f64, depth: f64) -> f64 {
 /// outside it is worth twice the elements.
 pub const FP8_K_TILE_WIDENING: f64 = 2.0;
 
-/// How fast FlashAttention written in Triton runs, relative to the CUDA kernels that a
-/// device's [`Device::attention_efficiency`] describes: Dao (*FlashAttention-2*, 2023, §4.1)
+/// How fast FlashAttention written in Triton runs, relative to FlashAttention-2's CUDA kernels
+/// (a device's [`Device::attention_efficiency`]): Dao (*FlashAttention-2*, 2023, §4.1)
 /// measures FlashAttention-2 1.3-2.5x faster than the Triton implementation, forward plus
 /// backward on A100, over sequence lengths 512-16k and head dimensions 64 and 128; the
 /// geometric middle of that range, 1.8x, is taken.
 pub const TRITON_FLASH_ATTENTION_SPEED: f64 = 1.0 / 1.8;
 
-/// Speed of a fused attention kernel relative to the CUDA kernels.
-pub fn flash_kernel_speed(kernel: FlashKernel) -> f64 {
+/// Fraction of the tensor-core peak that the fused attention kernel `kernel` reaches on
+/// `device`, forward plus backward.
+pub fn flash_kernel_efficiency(kernel: FlashKernel, device: &Device) -> f64 {
     match kernel {
-        FlashKernel::Cuda => 1.0,
-        FlashKernel::Triton => TRITON_FLASH_ATTENTION_SPEED,
+        FlashKernel::Cuda => device.attention_efficiency,
+        FlashKernel::Triton => device.attention_efficiency * TRITON_FLASH_ATTENTION_SPEED,
+        FlashKernel::Cudnn => device.fused_attention(),
+        FlashKernel::Auto => device.attention_efficiency.max(device.fused_attention()),
     }
 }
 
@@ -332,7 +335,7 @@ pub fn kernel_time(
             tensor_peak * device.matmul_efficiency * shape
         }
         OpKind::FlashAttention { kernel, .. } => {
-            tensor_peak * device.attention_efficiency * flash_kernel_speed(kernel)
+            tensor_peak * flash_kernel_efficiency(kernel, device)
         }
         _ => device.peak_fp32_flops,
     };
@@ -615,18 +618,34 @@ mod tests {
     }
 
     #[test]
-    fn the_triton_attention_kernel_runs_at_its_documented_fraction_of_the_cuda_one() {
-        let d = preset("a100-80g").expect("preset");
-        let time = |kernel| {
-            let kind = OpKind::FlashAttention {
-                causal: true,
-                kernel,
+    fn each_attention_kernel_runs_at_its_devices_documented_fraction_of_peak() {
+        for (name, auto) in [
+            ("a100-80g", FlashKernel::Cuda),
+            ("h100-sxm", FlashKernel::Cudnn),
+        ] {
+            let d = preset(name).expect("preset");
+            let time = |kernel| {
+                let kind = OpKind::FlashAttention {
+                    causal: true,
+                    kernel,
+                };
+                kernel_time(kind, 1e12, 1e6, &d, DType::Bf16, None) - d.kernel_overhead
             };
-            kernel_time(kind, 1e12, 1e6, &d, DType::Bf16, None) - d.kernel_overhead
-        };
-        let cuda = time(FlashKernel::Cuda);
-        assert!((cuda - 1e12 / (312e12 * d.attention_efficiency)).abs() / cuda < 1e-12);
-        assert!((time(FlashKernel::Triton) / cuda - 1.8).abs() < 1e-12);
+            let at = |efficiency: f64| 1e12 / (d.peak_bf16_flops * efficiency);
+            let close = |a: f64, b: f64| (a - b).abs() / b < 1e-12;
+            let cuda = time(FlashKernel::Cuda);
+            assert!(close(cuda, at(d.attention_efficiency)), "{name}");
+            assert!(close(time(FlashKernel::Triton) / cuda, 1.8), "{name}");
+            assert!(close(
+                time(FlashKernel::Cudnn),
+                at(d.fused_attention_efficiency)
+            ));
+            // Transformer Engine's choice: flash-attn on Ampere, cuDNN on Hopper.
+            assert_eq!(time(FlashKernel::Auto), time(auto), "{name}");
+            assert!(
+                time(FlashKernel::Auto) < time(FlashKernel::Cuda).max(time(FlashKernel::Cudnn))
+            );
+        }
     }
 
     /// `[65536 x k] x [k x n]` in `dtype` on `d`, with 16-bit operands' bytes: the time

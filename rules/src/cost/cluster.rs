@@ -39,8 +39,14 @@ pub struct Device {
     /// device whose products have no such cost. Absent from plans of earlier versions (0).
     #[serde(default)]
     pub gemm_pipeline_depth: f64,
-    /// Fraction of the tensor-core peak that fused (flash) attention reaches, forward + backward.
+    /// Fraction of the tensor-core peak that FlashAttention-2's CUDA kernels (`flash-attn`,
+    /// PyTorch's SDPA flash backend) reach, forward + backward.
     pub attention_efficiency: f64,
+    /// Fraction of the tensor-core peak that cuDNN's fused attention (Transformer Engine's
+    /// `FusedAttention`) reaches, forward + backward; 0, in plans of earlier versions (which
+    /// priced every fused kernel alike), prices it as [`Device::attention_efficiency`].
+    #[serde(default)]
+    pub fused_attention_efficiency: f64,
     /// Fraction of the memory bandwidth that streaming kernels reach.
     pub hbm_efficiency: f64,
     /// Fraction of the NVLink bandwidth that NCCL collectives reach (bus bandwidth).
@@ -55,6 +61,16 @@ pub struct Device {
 }
 
 impl Device {
+    /// The fraction of peak cuDNN's fused attention reaches
+    /// ([`Device::fused_attention_efficiency`], or where that is absent FlashAttention-2's).
+    pub fn fused_attention(&self) -> f64 {
+        if self.fused_attention_efficiency > 0.0 {
+            self.fused_attention_efficiency
+        } else {
+            self.attention_efficiency
+        }
+    }
+
     /// Whether the device has FP8 tensor cores ([`Device::peak_fp8_flops`]): what training with
     /// `fp8` needs.
     pub fn has_fp8(&self) -> bool {
@@ -220,9 +236,17 @@ pub const DEVICE_FIELDS: &[DeviceField] = &[
         key: "attention_efficiency",
         unit: "fraction",
         scale: 1.0,
-        doc: "fraction of peak reached by flash attention",
+        doc: "fraction of peak reached by FlashAttention-2 (flash-attn, PyTorch SDPA)",
         domain: Domain::Fraction,
         field: |d| &mut d.attention_efficiency,
+    },
+    DeviceField {
+        key: "fused_attention_efficiency",
+        unit: "fraction",
+        scale: 1.0,
+        doc: "fraction of peak reached by cuDNN's fused attention (Transformer Engine)",
+        domain: Domain::Fraction,
+        field: |d| &mut d.fused_attention_efficiency,
     },
     DeviceField {
         key: "hbm_efficiency",
@@ -310,9 +334,11 @@ pub const TENSOR_CORE_PIPELINE_DEPTH: f64 = 192.0;
 /// sustain (dimensionless). `mamf-finder` bounds it from above at 794.5 of 989 TFLOP/s (0.80; H200
 /// has the same GH100 die and clocks). Calibrated by the rule of [`AMPERE_MATMUL_EFFICIENCY`]
 /// on MosaicML's H100 bf16 table: its 8 rows of 7B or more with checkpointing and sequences of at
-/// most 2048 have a median error of zero at 0.615 (0.602 while llm-foundry's Triton attention
+/// most 2048 have a median error of zero at 0.635 (0.615 while every fused attention kernel on
+/// Hopper was priced at one efficiency between FlashAttention-2's and cuDNN's, which made
+/// llm-foundry's Triton kernel, slower than FlashAttention-2, 1.7x too fast; 0.602 while that
 /// kernel was priced as the CUDA one).
-pub const HOPPER_MATMUL_EFFICIENCY: f64 = 0.61;
+pub const HOPPER_MATMUL_EFFICIENCY: f64 = 0.64;
 
 /// A built-in device by name.
 ///
@@ -323,10 +349,18 @@ pub const HOPPER_MATMUL_EFFICIENCY: f64 = 0.61;
 /// cluster's ([`Network`]); the efficiency and latency of collectives over it are the device's.
 /// Matmul efficiency: calibrated, see [`AMPERE_MATMUL_EFFICIENCY`]. GEMM pipeline depth: the
 /// tensor-core kernels' tile structure, see [`TENSOR_CORE_PIPELINE_DEPTH`].
-/// Attention efficiency, of the CUDA kernels: FlashAttention-2 reports 50-73% of A100 peak
-/// forward and less backward (0.6 for the pair); on Hopper FlashAttention-2 reaches ~35% and
-/// FlashAttention-3 ~75% forward (0.55 between them, the fused kernels Megatron-Core uses sit
-/// there). The Triton kernel runs slower by a documented factor
+/// Attention efficiency, of FlashAttention-2's CUDA kernels: its paper reports 50-73% of A100
+/// peak forward and less backward (0.6 for the pair). On H100 SXM, Shah et al.
+/// (*FlashAttention-3*, 2024, Figs. 5-6: head dimension 128, 8k tokens) measure it at 333
+/// TFLOP/s forward (causal) and 318 backward, 322 for a training step's pair (backward = 2.5x
+/// the forward's FLOPs): 0.33 of the 989 peak (an Azure ND H100 v5 benchmark measures 328
+/// forward at batch 2 x 8192, head dimension 128). FlashAttention-2 is an Ampere kernel; it
+/// uses none of Hopper's TMA or warpgroup MMA. Fused attention efficiency, of cuDNN's kernels:
+/// in the same figures 529 forward and 518 backward, 521 for the pair, 0.53; on A100 cuDNN's
+/// attention runs 0.82x FlashAttention-2's (huggingface/transformers#48163, which measured it
+/// across GPUs before preferring cuDNN on Hopper only), 0.49. Transformer Engine picks the
+/// faster of the two per device (`auto`). The Triton kernel runs slower than
+/// FlashAttention-2 by a documented factor
 /// ([`crate::cost::analytic::TRITON_FLASH_ATTENTION_SPEED`]). Memory efficiency:
 /// streaming (STREAM/BabelStream copy) kernels reach ~90% of HBM peak on both generations.
 /// Collective efficiency: `nccl-tests` all-reduce bus bandwidth on DGX A100 is ~230 GB/s of 300
@@ -360,6 +394,7 @@ pub fn preset(name: &str) -> Option<Device> {
         matmul_efficiency: AMPERE_MATMUL_EFFICIENCY,
         gemm_pipeline_depth: TENSOR_CORE_PIPELINE_DEPTH,
         attention_efficiency: 0.6,
+        fused_attention_efficiency: 0.49,
         hbm_efficiency: 0.9,
         nvlink_efficiency: 0.77,
         internode_efficiency: 0.9,
@@ -379,7 +414,8 @@ pub fn preset(name: &str) -> Option<Device> {
         internode_latency: 20e-6,
         matmul_efficiency: HOPPER_MATMUL_EFFICIENCY,
         gemm_pipeline_depth: TENSOR_CORE_PIPELINE_DEPTH,
-        attention_efficiency: 0.55,
+        attention_efficiency: 0.33,
+        fused_attention_efficiency: 0.53,
         hbm_efficiency: 0.9,
         nvlink_efficiency: 0.8,
         internode_efficiency: 0.9,
@@ -405,6 +441,7 @@ pub fn preset(name: &str) -> Option<Device> {
             matmul_efficiency: 0.6,
             gemm_pipeline_depth: 0.0,
             attention_efficiency: 0.2,
+            fused_attention_efficiency: 0.2,
             hbm_efficiency: 0.9,
             nvlink_efficiency: 0.5,
             internode_efficiency: 0.5,

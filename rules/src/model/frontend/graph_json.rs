@@ -396,8 +396,14 @@ pub fn parse_graph_file(text: &str) -> Result<GraphSpec, FieldError> {
         let kernel = match op.kernel.as_deref() {
             None | Some("cuda") => FlashKernel::Cuda,
             Some("triton") => FlashKernel::Triton,
+            Some("cudnn") => FlashKernel::Cudnn,
+            Some("auto") => FlashKernel::Auto,
             Some(other) => {
-                return Err(cx.err(&with("kernel"), "cuda or triton", format!("\"{other}\"")));
+                return Err(cx.err(
+                    &with("kernel"),
+                    "cuda, triton, cudnn or auto",
+                    format!("\"{other}\""),
+                ));
             }
         };
         let known = parse_op_kind(&op.kind, op.transpose_b, op.causal.unwrap_or(true), kernel);
@@ -855,11 +861,19 @@ mod tests {
             kind(r#", "kernel": "triton", "causal": false"#),
             flash(false, FlashKernel::Triton)
         );
-        let e = parse_graph_file(&attention_graph(r#", "kernel": "cudnn""#))
-            .expect_err("no such kernel");
+        assert_eq!(
+            kind(r#", "kernel": "cudnn""#),
+            flash(true, FlashKernel::Cudnn)
+        );
+        assert_eq!(
+            kind(r#", "kernel": "auto""#),
+            flash(true, FlashKernel::Auto)
+        );
+        let e =
+            parse_graph_file(&attention_graph(r#", "kernel": "fa3""#)).expect_err("no such kernel");
         assert_eq!(e.field, "layers[0].ops[0].kernel");
-        assert_eq!(e.expected, "cuda or triton");
-        assert_eq!(e.found, "\"cudnn\"");
+        assert_eq!(e.expected, "cuda, triton, cudnn or auto");
+        assert_eq!(e.found, "\"fa3\"");
     }
 
     #[test]

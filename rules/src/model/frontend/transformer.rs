@@ -60,13 +60,23 @@ pub enum Bias {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Attention {
-    /// One fused kernel that never stores the score matrix (FlashAttention), its CUDA
-    /// implementation ([`FlashKernel::Cuda`]).
+    /// One fused kernel that never stores the score matrix: FlashAttention-2's CUDA kernels
+    /// (`flash-attn`, PyTorch's `scaled_dot_product_attention`, whose backend priority puts
+    /// flash attention first; Megatron-Core's `--attention-backend flash`;
+    /// [`FlashKernel::Cuda`]).
     Flash,
     /// The same fused kernel written in Triton ([`FlashKernel::Triton`]): llm-foundry's
     /// `attn_impl: triton`.
     #[serde(rename = "flash-triton")]
     FlashTriton,
+    /// cuDNN's fused flash attention, Transformer Engine's `FusedAttention` (Megatron-Core's
+    /// `--attention-backend fused`; [`FlashKernel::Cudnn`]).
+    Fused,
+    /// Transformer Engine's `DotProductAttention` left to choose (Megatron-Core's default
+    /// `--attention-backend auto`): it disables flash-attn "to give FusedAttention preference
+    /// on Hopper+" and runs flash-attn on Ampere, the faster kernel on each
+    /// ([`FlashKernel::Auto`]).
+    Auto,
     /// Score matmul, softmax, dropout and context matmul as separate kernels with the score
     /// matrix in memory (Megatron-LM before flash attention, e.g. its 2021 results).
     Unfused,
@@ -74,13 +84,21 @@ pub enum Attention {
 
 impl Attention {
     /// Every implementation.
-    pub const ALL: [Attention; 3] = [Attention::Flash, Attention::FlashTriton, Attention::Unfused];
+    pub const ALL: [Attention; 5] = [
+        Attention::Flash,
+        Attention::FlashTriton,
+        Attention::Fused,
+        Attention::Auto,
+        Attention::Unfused,
+    ];
 
     /// Its name in workspace files, flags and runs files.
     pub fn name(self) -> &'static str {
         match self {
             Attention::Flash => "flash",
             Attention::FlashTriton => "flash-triton",
+            Attention::Fused => "fused",
+            Attention::Auto => "auto",
             Attention::Unfused => "unfused",
         }
     }
@@ -111,6 +129,8 @@ impl Attention {
         match self {
             Attention::Flash => Some(FlashKernel::Cuda),
             Attention::FlashTriton => Some(FlashKernel::Triton),
+            Attention::Fused => Some(FlashKernel::Cudnn),
+            Attention::Auto => Some(FlashKernel::Auto),
             Attention::Unfused => None,
         }
     }

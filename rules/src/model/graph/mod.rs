@@ -266,13 +266,19 @@ impl OpKind {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FlashKernel {
-    /// The CUDA kernels: FlashAttention-2 (`flash-attn`, PyTorch's SDPA flash backend) and the
-    /// cuDNN fused attention that Transformer Engine calls.
+    /// FlashAttention-2's CUDA kernels (`flash-attn`, PyTorch's SDPA flash backend), priced
+    /// with [`crate::cost::cluster::Device::attention_efficiency`].
     #[default]
     Cuda,
     /// FlashAttention written in Triton (`flash_attn.flash_attn_triton`), llm-foundry's
     /// `attn_impl: triton`.
     Triton,
+    /// cuDNN's fused attention (Transformer Engine's `FusedAttention`), priced with
+    /// [`crate::cost::cluster::Device::fused_attention_efficiency`].
+    Cudnn,
+    /// Whichever of [`FlashKernel::Cuda`] and [`FlashKernel::Cudnn`] is faster on the device,
+    /// as Transformer Engine's backend selection picks.
+    Auto,
 }
 
 impl FlashKernel {
