@@ -443,29 +443,30 @@ fn estimate_reads_the_clusters_profiles_as_build_does() {
 #[test]
 fn attention_kernels_run_at_their_devices_rates() {
     let ws = TempWorkspace::default_copy();
+    // LLaMA-3 8B on one node at 8,192 tokens under ZeRO-3, with `extra` flags.
+    let args = |cluster: &'static str, extra: [&'static str; 2]| {
+        let mut a = vec![
+            "--model",
+            "models/llama3-8b.json",
+            "--cluster",
+            cluster,
+            "--mbs",
+            "1",
+            "--gbs",
+            "8",
+            "--seq",
+            "8192",
+            "--zero",
+            "3",
+        ];
+        a.extend(extra);
+        a
+    };
     for (cluster, auto_is) in [("dgx-h100:1", "fused"), ("dgx-a100:1", "flash")] {
-        let run = |attention: &str| {
-            estimate(
-                &ws,
-                &[
-                    "--model",
-                    "models/llama3-8b.json",
-                    "--cluster",
-                    cluster,
-                    "--mbs",
-                    "1",
-                    "--gbs",
-                    "8",
-                    "--seq",
-                    "8192",
-                    "--recompute",
-                    "full",
-                    "--zero",
-                    "3",
-                    "--attention",
-                    attention,
-                ],
-            )
+        let run = |attention: &'static str| {
+            let mut a = args(cluster, ["--recompute", "full"]);
+            a.extend(["--attention", attention]);
+            estimate(&ws, &a)
         };
         let [flash, triton, fused, auto] = ["flash", "flash-triton", "fused", "auto"].map(run);
         let compute = |j: &serde_json::Value| number(&j["time"], "compute");
@@ -491,24 +492,10 @@ fn attention_kernels_run_at_their_devices_rates() {
         assert_eq!(slow["memory_per_device_gib"], fast["memory_per_device_gib"]);
     }
     // Megatron-Core leaves the choice to Transformer Engine; torchtitan's SDPA runs flash.
-    let preset = |runtime: &str| {
-        let r = ws.run(&[
-            "estimate",
-            "--model",
-            "models/llama3-8b.json",
-            "--cluster",
-            "dgx-h100:1",
-            "--mbs",
-            "1",
-            "--gbs",
-            "8",
-            "--seq",
-            "8192",
-            "--zero",
-            "3",
-            "--runtime",
-            runtime,
-        ]);
+    let preset = |runtime: &'static str| {
+        let mut a = vec!["estimate"];
+        a.extend(args("dgx-h100:1", ["--runtime", runtime]));
+        let r = ws.run(&a);
         assert_eq!(r.code, 0, "{}", r.stderr);
         r.stdout
     };
