@@ -12,4 +12,4 @@ pub mod plan;
 pub mod solve;
 
 /// Version salt of the planning rules: changes whenever a rule's results change meaning.
-pub const RULES_VERSION: &str = "autopar-rules/30";
+pub const RULES_VERSION: &str = "autopar-rules/31";

@@ -227,8 +227,8 @@ fn shipped_datasets_are_priced_as_estimate_prices_them() {
 
 /// NeMo's published FP8 runs on DGX H100 (NeMo 24.09): each is priced as `estimate --fp8`
 /// prices its layout with the nemo runtime and bf16 gradients, the step times follow from the
-/// published tokens per second, and the mean |error| is 12% (the goal is 10%: every run is
-/// predicted fast, those without tensor parallelism as much as the others). Without FP8
+/// published tokens per second, and the mean |error| meets the goal of 10% (7.5%, with the
+/// backward products' split accumulator priced). Without FP8
 /// products every run would be predicted slower; with tensor parallelism, without the
 /// userbuffers NeMo's recipes turn on, too.
 #[test]
@@ -325,7 +325,7 @@ fn nemo_fp8_runs_are_priced_with_fp8_products() {
         number(&v["mean_abs_error"]) * 100.0
     );
     assert_eq!(v["oom_agreement"], 1.0);
-    assert!(number(&v["mean_abs_error"]) <= 0.13);
+    assert!(number(&v["mean_abs_error"]) <= 0.10);
 }
 
 /// torchtitan's H100 runs publish peak memory: each is predicted with torchtitan's unfused

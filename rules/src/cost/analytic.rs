@@ -291,6 +291,16 @@ pub fn kernel_dtype(op: &Op, dtype: DType) -> DType {
     if op.fp8 { DType::F8 } else { dtype }
 }
 
+/// How many times longer an FP8 product of the backward pass (an input or a weight gradient)
+/// takes than its forward product at the same FLOPs: FP8 training recipes accumulate those
+/// products with cuBLASLt's split accumulator, which periodically promotes the tensor cores'
+/// partial sums to fp32 on the CUDA cores (`CUBLASLT_MATMUL_DESC_FAST_ACCUM` off).
+/// Transformer Engine's linear layers set `_2X_ACC_DGRAD` and `_2X_ACC_WGRAD` (and not
+/// `_2X_ACC_FPROP`); torchao's float8 training turns `use_fast_accum` on in the forward only.
+/// Fast accumulation is measured 1.1-1.2x faster on H100 (pytorch/ao#2377); the geometric
+/// middle, 1.15, is taken.
+pub const FP8_SPLIT_ACCUMULATION_SLOWDOWN: f64 = 1.15;
+
 /// Roofline time of one kernel on one device: the larger of its compute time (FLOPs at the peak
 /// of the unit it runs on, times that unit's achievable efficiency, times the wave and depth
 /// efficiencies of a matrix product of shape `gemm`, its reduction length being FLOPs / (2
@@ -303,6 +313,46 @@ pub fn kernel_time(
     device: &Device,
     dtype: DType,
     gemm: Option<GemmShape>,
+) -> f64 {
+    roofline(kind, flops, bytes, device, dtype, gemm, 1.0)
+}
+
+/// [`kernel_time`] of op `op`'s own kernel when the model trains in `dtype`: in the dtype it
+/// runs in ([`kernel_dtype`]), and for a backward FP8 product with the split accumulator's
+/// slowdown ([`FP8_SPLIT_ACCUMULATION_SLOWDOWN`]).
+pub fn op_kernel_time(
+    op: &Op,
+    flops: f64,
+    bytes: f64,
+    device: &Device,
+    dtype: DType,
+    gemm: Option<GemmShape>,
+) -> f64 {
+    let slowdown = if op.fp8 && op.pass == Pass::Backward {
+        FP8_SPLIT_ACCUMULATION_SLOWDOWN
+    } else {
+        1.0
+    };
+    roofline(
+        op.kind,
+        flops,
+        bytes,
+        device,
+        kernel_dtype(op, dtype),
+        gemm,
+        slowdown,
+    )
+}
+
+/// [`kernel_time`] with the compute time stretched `slowdown` times.
+fn roofline(
+    kind: OpKind,
+    flops: f64,
+    bytes: f64,
+    device: &Device,
+    dtype: DType,
+    gemm: Option<GemmShape>,
+    slowdown: f64,
 ) -> f64 {
     if flops <= 0.0 && bytes <= 0.0 {
         return 0.0;
@@ -339,7 +389,7 @@ pub fn kernel_time(
         }
         _ => device.peak_fp32_flops,
     };
-    let compute = flops / rate;
+    let compute = slowdown * flops / rate;
     let memory = bytes / (device.hbm_bandwidth * device.hbm_efficiency);
     compute.max(memory) + device.kernel_overhead
 }
@@ -583,6 +633,41 @@ mod tests {
         assert_eq!(fp8_cast_time(0.0, &d), 0.0);
         // A device without FP8 tensor cores has no FP8 peak to run at.
         assert_eq!(preset("a100-80g").expect("preset").peak_fp8_flops, 0.0);
+    }
+
+    #[test]
+    fn backward_fp8_products_pay_the_split_accumulator() {
+        let d = preset("h100-sxm").expect("preset");
+        let product = |pass, fp8| Op {
+            name: "product".into(),
+            kind: OpKind::MatMul { transpose_b: false },
+            pass,
+            inputs: vec![TensorId(0), TensorId(1)],
+            outputs: vec![TensorId(2)],
+            saves: vec![],
+            layer: 0,
+            attention_core: false,
+            eager: false,
+            fp8,
+            flops: 0.0,
+            grad_of: None,
+        };
+        let f = 2.0 * 8192f64.powi(3);
+        let time = |pass, fp8| {
+            op_kernel_time(&product(pass, fp8), f, 0.0, &d, DType::Bf16, None) - d.kernel_overhead
+        };
+        let forward = time(Pass::Forward, true);
+        assert!((forward - f / (1979e12 * d.matmul_efficiency)).abs() / forward < 1e-12);
+        let backward = time(Pass::Backward, true);
+        assert!((backward / forward - FP8_SPLIT_ACCUMULATION_SLOWDOWN).abs() < 1e-12);
+        // A 16-bit product accumulates the same way in both passes.
+        assert_eq!(time(Pass::Backward, false), time(Pass::Forward, false));
+        // A memory-bound kernel is not slowed: the accumulator stretches the main loop only.
+        let bytes = 1e12;
+        let op = product(Pass::Backward, true);
+        let memory_bound = op_kernel_time(&op, 1e6, bytes, &d, DType::Bf16, None);
+        let expect = bytes / (d.hbm_bandwidth * d.hbm_efficiency) + d.kernel_overhead;
+        assert!((memory_bound - expect).abs() / expect < 1e-12);
     }
 
     #[test]

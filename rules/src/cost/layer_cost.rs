@@ -4,8 +4,8 @@
 
 use crate::canonical::KeyParts;
 use crate::cost::analytic::{
-    Collective, collective_time, fp8_cast_time, gradient_accumulation, kernel_dtype, kernel_time,
-    op_traffic,
+    Collective, collective_time, fp8_cast_time, gradient_accumulation, kernel_dtype,
+    op_kernel_time, op_traffic,
 };
 use crate::cost::cluster::{Device, Link};
 use crate::cost::context_parallel::{self, AttentionBytes, CpConfig, CpGroups};
@@ -456,14 +456,7 @@ impl<'g> LayerCostContext<'g> {
         }
         accumulate += self.fp8_cast_time(o, p);
         let flops = op_device_flops(g, op, tp);
-        let kernel = kernel_time(
-            op.kind,
-            flops,
-            bytes,
-            p.device,
-            kernel_dtype(op, dtype),
-            gemm_shape(g, op, tp),
-        );
+        let kernel = op_kernel_time(op, flops, bytes, p.device, dtype, gemm_shape(g, op, tp));
         (kernel, accumulate)
     }
 

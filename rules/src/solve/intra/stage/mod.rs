@@ -35,7 +35,7 @@ use super::problem::{Assignment, Edge, Problem, Var};
 use super::{exact, ilp};
 use crate::cost::analytic::{
     Collective, FP8_CAST_BYTES_PER_ELEMENT, GemmShape, fp8_cast_time, gradient_accumulation,
-    kernel_dtype, kernel_time, op_traffic,
+    kernel_dtype, op_kernel_time, op_traffic,
 };
 use crate::cost::cluster::{Device, GIB};
 use crate::cost::memory::{FP8_WEIGHT_COPY_BYTES, Precision, StateBytes, fp32_loss_working};
@@ -1134,12 +1134,12 @@ impl<'g> StageModel<'g> {
             prof.op_time(&sig).map(|(seconds, _)| seconds)
         });
         let kernel = measured.unwrap_or_else(|| {
-            kernel_time(
-                op.kind,
+            op_kernel_time(
+                op,
                 op.flops / parts as f64,
                 traffic,
                 &self.device,
-                kernel_dtype(op, self.opts.precision.dtype()),
+                self.opts.precision.dtype(),
                 gemm,
             )
         });
